@@ -27,3 +27,11 @@ def make_expert_map(num_experts: int, ep_size: int, ep_rank: int, strategy: str 
     local = local_expert_ids(num_experts, ep_size, ep_rank, strategy)
     expert_map[torch.tensor(local, dtype=torch.long)] = torch.arange(len(local), dtype=torch.int32)
     return expert_map
+
+
+def expert_owner_ranks(num_experts: int, ep_size: int, strategy: str = "linear") -> torch.Tensor:
+    """[num_experts] int32: the expert-parallel rank that holds each global expert."""
+    owner = torch.empty(num_experts, dtype=torch.int32)
+    for rank in range(ep_size):
+        owner[torch.tensor(local_expert_ids(num_experts, ep_size, rank, strategy), dtype=torch.long)] = rank
+    return owner
