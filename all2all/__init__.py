@@ -1,0 +1,19 @@
+"""Token dispatchers for expert parallelism: the protocol (`Dispatcher`, `DispatchResult`) and
+its backends `local`, `allgather_reducescatter`, `all_to_all`, built by `make_dispatcher`."""
+from all2all.allgather_reducescatter import AllGatherReduceScatterDispatcher
+from all2all.all_to_all import AllToAllDispatcher
+from all2all.base import DispatchResult, Dispatcher
+from all2all.factory import (
+    AUTO_A2A_MAX_BYTES_RATIO,
+    DISPATCHER_BACKENDS,
+    choose_backend,
+    expected_distinct_ranks,
+    make_dispatcher,
+)
+from all2all.local import LocalDispatcher
+
+__all__ = [
+    "DispatchResult", "Dispatcher", "LocalDispatcher", "AllGatherReduceScatterDispatcher",
+    "AllToAllDispatcher", "make_dispatcher", "choose_backend", "expected_distinct_ranks",
+    "DISPATCHER_BACKENDS", "AUTO_A2A_MAX_BYTES_RATIO",
+]

@@ -1,0 +1,75 @@
+"""All-gather + reduce-scatter dispatch: every rank sees every token and computes its experts.
+
+Legend: T tokens on this rank, M = max tokens over ranks, P ranks, R = P*M received rows,
+D hidden, K top-k, B bytes per packed row (all2all.packing).
+
+Moves each token to every rank whatever its routing, so its bytes do not depend on top-k or
+placement; vLLM's default. Ranks may hold different T (data parallelism), including 0: the
+counts are all-gathered first and every rank pads to M, because the one-tensor all-gather and
+reduce-scatter need equal chunks. Padding rows are zero with weight 0 and an id that is not
+on this rank, so the expert kernel skips them.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from all2all.base import DispatchResult, Dispatcher, check_dispatch_args
+from all2all.comm import all_gather_rows, reduce_scatter_rows
+from all2all.packing import RowLayout, pack_rows, unpack_rows
+
+
+@dataclass(frozen=True)
+class _AGHandle:
+    num_tokens: int  # T of this rank
+    max_tokens: int  # M, the padded chunk per rank
+    hidden: int
+
+
+class AllGatherReduceScatterDispatcher(Dispatcher):
+    """x_RD holds all ranks' tokens, rank-major, each rank's chunk padded to M rows."""
+
+    name = "allgather_reducescatter"
+
+    def __init__(self, group, num_experts: int, placement: str = "linear"):
+        super().__init__(group, num_experts, placement)
+        # A global id that is NOT on this rank, for padding rows (-1 would index expert_map[-1]).
+        foreign = (self.expert_map < 0).nonzero().flatten()
+        self._foreign_id = int(foreign[0]) if foreign.numel() else 0
+
+    def dispatch(self, x_TD: torch.Tensor, topk_weights_TK: torch.Tensor,
+                 topk_ids_TK: torch.Tensor) -> DispatchResult:
+        check_dispatch_args(x_TD, topk_weights_TK, topk_ids_TK)
+        T, D = x_TD.shape
+        K = topk_ids_TK.shape[1]
+        P, dev = self.ep_size, x_TD.device
+        counts_P = torch.empty(P, dtype=torch.int64, device=dev)
+        all_gather_rows(counts_P, torch.tensor([T], dtype=torch.int64, device=dev), self.group)
+        # The one host sync: buffer sizes (M) must be known on the host to allocate and launch.
+        M = max(counts_P.tolist())
+        layout = RowLayout(D, x_TD.dtype, K)
+        if M == 0:  # every rank knows it is empty: skip the collective on all ranks alike
+            recv_RB = layout.empty(0, dev)
+        else:
+            send_MB = layout.empty(M, dev)
+            pack_rows(layout, send_MB, x_TD, None, topk_weights_TK, topk_ids_TK)
+            send_MB[T:].zero_()  # padding: x = 0, weight = 0 (ids fixed up below)
+            recv_RB = layout.empty(P * M, dev)
+            all_gather_rows(recv_RB, send_MB, self.group)
+        x_RD, weights_RK, ids_RK = unpack_rows(layout, recv_RB)
+        valid_R = (torch.arange(M, device=dev)[None, :] < counts_P[:, None]).flatten()
+        ids_RK = torch.where(valid_R[:, None], ids_RK, self._foreign_id)
+        # Non-local slots get weight 0 (the contract of DispatchResult), padding rows too.
+        weights_RK = weights_RK.masked_fill_(~self._local_slot_mask(ids_RK), 0.0)
+        return DispatchResult(x_RD, weights_RK, ids_RK.to(topk_ids_TK.dtype),
+                              _handle=_AGHandle(T, M, D))
+
+    def combine(self, y_RD: torch.Tensor, result: DispatchResult) -> torch.Tensor:
+        h: _AGHandle = result._handle
+        if y_RD.shape[0] != self.ep_size * h.max_tokens:
+            raise ValueError(f"y has {y_RD.shape[0]} rows, dispatch produced {self.ep_size * h.max_tokens}")
+        out_MD = torch.empty(h.max_tokens, h.hidden, dtype=y_RD.dtype, device=y_RD.device)
+        if h.max_tokens:
+            reduce_scatter_rows(out_MD, y_RD.contiguous(), self.group)
+        return out_MD[:h.num_tokens]
