@@ -1,0 +1,14 @@
+"""Triton grouped-GEMM expert layer (the ``backend="triton"`` of ``kernels.fused_experts``).
+
+align.py   token alignment (sort by expert, pad to BLOCK_M) on the GPU, no host sync
+gemm.py    gate_up (SiLU*up fused) and down (routed weight fused) grouped GEMM kernels
+quant.py   per-token-group FP8 activation quantisation
+fused.py   the launchers: fused_experts_triton, fused_experts_triton_fp8
+config.py  tuned config files (kernels/configs/) and defaults
+tune.py    the tuner (`python -m kernels.triton_moe.tune`, `moe tune-moe`)
+"""
+from kernels.triton_moe.align import align_tokens, align_tokens_torch
+from kernels.triton_moe.fused import fused_experts_triton, fused_experts_triton_fp8
+
+__all__ = ["fused_experts_triton", "fused_experts_triton_fp8", "align_tokens",
+           "align_tokens_torch"]

@@ -1,0 +1,129 @@
+"""Launchers of the Triton expert layer: align -> gate_up (SiLU*up fused) -> down (x weight) -> sum.
+
+Legend: T tokens, D hidden, E local experts, F expert intermediate, K top-k, P padded rows.
+
+No host synchronisation and no data-dependent allocation: every buffer is sized from shapes, the
+number of used blocks stays on the device, so the whole call can be captured in a CUDA graph.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+
+from kernels.triton_moe.align import align_tokens
+from kernels.triton_moe.config import get_config, split_config
+from kernels.triton_moe.gemm import down_kernel, gate_up_kernel
+from kernels.triton_moe.quant import FP8_DTYPE, per_token_group_quant_fp8
+
+
+def _run(x_TD, w13_EFD, w2_EDF, topk_weights_TK, topk_ids_TK, expert_map_E, cfg,
+         fp8=None, block_shape=(128, 128)):
+    T, D = x_TD.shape
+    E, F2, _ = w13_EFD.shape
+    F = F2 // 2
+    K = topk_ids_TK.shape[1]
+    out_dtype = x_TD.dtype
+    if T == 0:
+        return x_TD.new_zeros(0, D)
+    up, down = split_config(cfg)
+    BM = up["BLOCK_SIZE_M"]
+    sorted_ids, expert_ids, npp = align_tokens(topk_ids_TK, E, BM, expert_map_E)
+    P, n_mb = sorted_ids.numel(), expert_ids.numel()
+    dev = x_TD.device
+    topk_w = topk_weights_TK.reshape(-1)
+    if not topk_w.is_contiguous():
+        topk_w = topk_w.contiguous()
+    use_fp8 = fp8 is not None
+    GN, GK = block_shape if use_fp8 else (1, 1)
+    if use_fp8:
+        w13_scale, w2_scale = fp8
+        if up["BLOCK_SIZE_K"] != GK or down["BLOCK_SIZE_K"] != GK or up["BLOCK_SIZE_N"] != GK:
+            raise ValueError(f"FP8 block {block_shape} needs BLOCK_SIZE_K == {GK} and a gate_up "
+                             f"BLOCK_SIZE_N == {GK}, got {cfg}")
+        a_TD, a_scale = per_token_group_quant_fp8(x_TD, GK)
+        h = torch.empty(P, F, dtype=FP8_DTYPE, device=dev)
+        h_scale = torch.empty(P, triton.cdiv(F, GK), dtype=torch.float32, device=dev)
+        xs_strides = a_scale.stride()
+        ws13_strides, ws2_strides = w13_scale.stride(), w2_scale.stride()
+        hs_strides = h_scale.stride()
+    else:
+        a_TD = x_TD
+        h = torch.empty(P, F, dtype=x_TD.dtype, device=dev)
+        a_scale = w13_scale = w2_scale = h_scale = h  # unused placeholders
+        xs_strides = ws13_strides = ws2_strides = hs_strides = (0, 0, 0)
+    precision = "ieee" if x_TD.dtype == torch.float32 else "tf32"
+    upcast = x_TD.dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1"
+
+    grid = (n_mb * triton.cdiv(F, up["BLOCK_SIZE_N"]),)
+    gate_up_kernel[grid](
+        a_TD, w13_EFD, h, sorted_ids, expert_ids, npp, a_scale, w13_scale, h_scale,
+        F, D, T * K, K, n_mb,
+        a_TD.stride(0), a_TD.stride(1), *w13_EFD.stride(), h.stride(0), h.stride(1),
+        xs_strides[0], xs_strides[1], *ws13_strides[:3], hs_strides[0], hs_strides[1],
+        BLOCK_M=BM, BLOCK_N=up["BLOCK_SIZE_N"], BLOCK_K=up["BLOCK_SIZE_K"],
+        GROUP_M=up["GROUP_SIZE_M"], GN=GN, GK=GK, USE_FP8=use_fp8,
+        EVEN_K=D % up["BLOCK_SIZE_K"] == 0, PRECISION=precision, UPCAST=upcast,
+        num_warps=up["num_warps"], num_stages=up["num_stages"])
+
+    # top-1 writes the output directly; otherwise [T*K, D] then a sum over K in fp32
+    out = torch.empty(T * K, D, dtype=out_dtype, device=dev)
+    grid = (n_mb * triton.cdiv(D, down["BLOCK_SIZE_N"]),)
+    down_kernel[grid](
+        h, w2_EDF, out, sorted_ids, expert_ids, npp, topk_w, h_scale, w2_scale,
+        D, F, T * K, n_mb,
+        h.stride(0), h.stride(1), *w2_EDF.stride(), out.stride(0), out.stride(1),
+        hs_strides[0], hs_strides[1], *ws2_strides[:3],
+        BLOCK_M=BM, BLOCK_N=down["BLOCK_SIZE_N"], BLOCK_K=down["BLOCK_SIZE_K"],
+        GROUP_M=down["GROUP_SIZE_M"], GN=GN, GK=GK, USE_FP8=use_fp8,
+        EVEN_K=F % down["BLOCK_SIZE_K"] == 0, PRECISION=precision, UPCAST=upcast,
+        num_warps=down["num_warps"], num_stages=down["num_stages"])
+    if K == 1:
+        return out
+    return out.view(T, K, D).sum(dim=1)  # accumulates in fp32 for half types
+
+
+def fused_experts_triton(hidden_states, w13, w2, topk_weights, topk_ids, expert_map=None,
+                         config: dict | None = None):
+    """Triton expert layer; same contract as ``kernels.fused_experts``.
+
+    Args:
+        hidden_states: [T, D] fp32, fp16 or bf16.
+        w13: [E, 2F, D] gate rows then up rows, same dtype. w2: [E, D, F].
+        topk_weights: [T, K] float routed weights (applied in fp32).
+        topk_ids: [T, K] int expert ids (global if `expert_map` is given, else local in [0, E)).
+        expert_map: optional [E_global] int, global -> local id, -1 = not on this rank (zero).
+        config: optional launch config (see config.py); default: tuned file or default.
+    Returns:
+        [T, D] in the dtype of `hidden_states`.
+    """
+    if config is None:
+        E, F2, _ = w13.shape
+        config = get_config(hidden_states.shape[0], E, F2 // 2, topk_ids.shape[1],
+                            hidden_states.dtype)
+    return _run(hidden_states, w13, w2, topk_weights, topk_ids, expert_map, config)
+
+
+def fused_experts_triton_fp8(hidden_states, w13_fp8, w2_fp8, w13_scale, w2_scale, topk_weights,
+                             topk_ids, expert_map=None, block_shape=(128, 128),
+                             config: dict | None = None):
+    """Expert layer with FP8 e4m3 block-quantised weights and dynamic per-token-group FP8 inputs.
+
+    Args:
+        hidden_states: [T, D] bf16/fp16/fp32; quantised per (token, block_shape[1] columns).
+        w13_fp8: [E, 2F, D] float8_e4m3fn. w2_fp8: [E, D, F] float8_e4m3fn.
+        w13_scale: [E, ceil(2F/bn), ceil(D/bk)] fp32 (DeepSeek-V3 `weight_scale_inv`:
+            dequant = fp8 * scale). w2_scale: [E, ceil(D/bn), ceil(F/bk)] fp32.
+        topk_weights, topk_ids, expert_map: as in :func:`fused_experts_triton`.
+        block_shape: (bn, bk) of the weight scales; bk is also the activation group size.
+    Returns:
+        [T, D] in the dtype of `hidden_states`.
+    """
+    block_shape = tuple(block_shape)
+    if config is None:
+        E, F2, _ = w13_fp8.shape
+        config = get_config(hidden_states.shape[0], E, F2 // 2, topk_ids.shape[1], "fp8_w8a8",
+                            block_shape)
+    return _run(hidden_states, w13_fp8, w2_fp8, topk_weights, topk_ids, expert_map, config,
+                fp8=(w13_scale.float(), w2_scale.float()), block_shape=block_shape)

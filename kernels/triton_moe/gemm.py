@@ -1,0 +1,164 @@
+"""The two grouped expert GEMMs over aligned row blocks (see align.py), bf16/fp16/fp32 and FP8.
+
+Legend: T tokens, D hidden, F expert intermediate, K top-k, R = T*K flat rows, P padded rows.
+
+gate_up:  h_PF[p] = SiLU(x[t] @ gate_e^T) * (x[t] @ up_e^T)   for sorted row p = (t, k) of expert e
+down:     out_RD[r] = w_r * (h_PF[p] @ w2_e^T)                 r = sorted_ids[p], weight in fp32
+
+The gate and up tiles of the same output columns are loaded side by side, so the activation is
+computed in registers and only h (F wide, not 2F) goes to memory; h is written in the sorted,
+padded order, so the down GEMM reads its A operand contiguously. Blocks whose expert is -1 are
+skipped by gate_up and written as zeros by down, so every flat row is produced exactly once.
+
+FP8 (USE_FP8): weights e4m3 with block scales [E, ceil(N/GN), ceil(Kd/GK)] (dequant = q * s),
+activations e4m3 with per-(row, GK-group) scales; BLOCK_K must equal GK. gate_up then quantises
+h per (row, GN-group) in its epilogue, which needs BLOCK_N == GN there.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _block_coords(num_m_blocks, N, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    # GROUP_M M-blocks share their weight columns tile while it is hot in L2
+    pid = tl.program_id(0)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    in_group = GROUP_M * num_pid_n
+    first_m = (pid // in_group) * GROUP_M
+    gsize = tl.minimum(num_m_blocks - first_m, GROUP_M)
+    pid_m = first_m + (pid % in_group) % gsize
+    pid_n = (pid % in_group) // gsize
+    return pid_m, pid_n
+
+
+@triton.jit
+def _dot(a, b, acc, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    if UPCAST:  # the CPU interpreter computes bf16 dots wrongly (triton 3.9); fp32 is exact there
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    return tl.dot(a, b, acc, input_precision=PRECISION)
+
+
+@triton.jit
+def gate_up_kernel(
+    x_ptr, w_ptr, h_ptr, sorted_ptr, expert_ids_ptr, npp_ptr,
+    xs_ptr, ws_ptr, hs_ptr,
+    N, Kd, num_valid, top_k, num_m_blocks,
+    stride_xm, stride_xk, stride_we, stride_wn, stride_wk, stride_hm, stride_hn,
+    stride_xsm, stride_xsk, stride_wse, stride_wsn, stride_wsk, stride_hsm, stride_hsk,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    GN: tl.constexpr, GK: tl.constexpr, USE_FP8: tl.constexpr, EVEN_K: tl.constexpr,
+    PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+):
+    pid_m, pid_n = _block_coords(num_m_blocks, N, BLOCK_N, GROUP_M)
+    if pid_m * BLOCK_M >= tl.load(npp_ptr):
+        return
+    e = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+    if e < 0:
+        return
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rows = tl.load(sorted_ptr + offs_m)
+    rmask = rows < num_valid
+    tok = (rows // top_k).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_bn = offs_n % N  # in-bounds weight rows; columns >= N are never stored
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = x_ptr + tok[:, None] * stride_xm + offs_k[None, :] * stride_xk
+    g_ptrs = w_ptr + e * stride_we + offs_bn[None, :] * stride_wn + offs_k[:, None] * stride_wk
+    u_ptrs = g_ptrs + N * stride_wn
+    if USE_FP8:
+        xs_ptrs = xs_ptr + tok * stride_xsm
+        gs_ptrs = ws_ptr + e * stride_wse + (offs_bn // GN) * stride_wsn
+        us_ptrs = ws_ptr + e * stride_wse + ((offs_bn + N) // GN) * stride_wsn
+    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, tl.cdiv(Kd, BLOCK_K)):
+        if EVEN_K:
+            a = tl.load(a_ptrs, mask=rmask[:, None], other=0.0)
+            g = tl.load(g_ptrs)
+            u = tl.load(u_ptrs)
+        else:
+            kmask = offs_k < Kd - k * BLOCK_K
+            a = tl.load(a_ptrs, mask=rmask[:, None] & kmask[None, :], other=0.0)
+            g = tl.load(g_ptrs, mask=kmask[:, None], other=0.0)
+            u = tl.load(u_ptrs, mask=kmask[:, None], other=0.0)
+        if USE_FP8:
+            kg = (k * BLOCK_K) // GK
+            a_s = tl.load(xs_ptrs + kg * stride_xsk, mask=rmask, other=0.0)
+            g_s = tl.load(gs_ptrs + kg * stride_wsk)
+            u_s = tl.load(us_ptrs + kg * stride_wsk)
+            acc_g += tl.dot(a, g) * a_s[:, None] * g_s[None, :]
+            acc_u += tl.dot(a, u) * a_s[:, None] * u_s[None, :]
+        else:
+            acc_g = _dot(a, g, acc_g, PRECISION, UPCAST)
+            acc_u = _dot(a, u, acc_u, PRECISION, UPCAST)
+        a_ptrs += BLOCK_K * stride_xk
+        g_ptrs += BLOCK_K * stride_wk
+        u_ptrs += BLOCK_K * stride_wk
+    h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+    nmask = offs_n < N
+    h_ptrs = h_ptr + offs_m.to(tl.int64)[:, None] * stride_hm + offs_n[None, :] * stride_hn
+    if USE_FP8:
+        h = tl.where(nmask[None, :], h, 0.0)
+        h_s = tl.maximum(tl.max(tl.abs(h), axis=1), 1e-10) / 448.0
+        q = tl.clamp(h / h_s[:, None], -448.0, 448.0)
+        tl.store(h_ptrs, q.to(h_ptr.dtype.element_ty), mask=nmask[None, :])
+        tl.store(hs_ptr + offs_m * stride_hsm + pid_n * stride_hsk, h_s)
+    else:
+        tl.store(h_ptrs, h.to(h_ptr.dtype.element_ty), mask=nmask[None, :])
+
+
+@triton.jit
+def down_kernel(
+    h_ptr, w_ptr, out_ptr, sorted_ptr, expert_ids_ptr, npp_ptr, topk_w_ptr,
+    hs_ptr, ws_ptr,
+    N, Kd, num_valid, num_m_blocks,
+    stride_hm, stride_hk, stride_we, stride_wn, stride_wk, stride_om, stride_on,
+    stride_hsm, stride_hsk, stride_wse, stride_wsn, stride_wsk,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    GN: tl.constexpr, GK: tl.constexpr, USE_FP8: tl.constexpr, EVEN_K: tl.constexpr,
+    PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+):
+    pid_m, pid_n = _block_coords(num_m_blocks, N, BLOCK_N, GROUP_M)
+    if pid_m * BLOCK_M >= tl.load(npp_ptr):
+        return
+    e = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rows = tl.load(sorted_ptr + offs_m)
+    rmask = rows < num_valid
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    o_ptrs = out_ptr + rows.to(tl.int64)[:, None] * stride_om + offs_n[None, :] * stride_on
+    o_mask = rmask[:, None] & (offs_n < N)[None, :]
+    if e < 0:
+        # rows routed to experts on other ranks contribute zero
+        tl.store(o_ptrs, tl.zeros((BLOCK_M, BLOCK_N), dtype=out_ptr.dtype.element_ty), mask=o_mask)
+        return
+    offs_bn = offs_n % N
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = h_ptr + offs_m.to(tl.int64)[:, None] * stride_hm + offs_k[None, :] * stride_hk
+    b_ptrs = w_ptr + e * stride_we + offs_bn[None, :] * stride_wn + offs_k[:, None] * stride_wk
+    if USE_FP8:
+        hs_ptrs = hs_ptr + offs_m * stride_hsm
+        bs_ptrs = ws_ptr + e * stride_wse + (offs_bn // GN) * stride_wsn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, tl.cdiv(Kd, BLOCK_K)):
+        if EVEN_K:
+            a = tl.load(a_ptrs)
+            b = tl.load(b_ptrs)
+        else:
+            kmask = offs_k < Kd - k * BLOCK_K
+            a = tl.load(a_ptrs, mask=kmask[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=kmask[:, None], other=0.0)
+        if USE_FP8:
+            kg = (k * BLOCK_K) // GK
+            a_s = tl.load(hs_ptrs + kg * stride_hsk)
+            b_s = tl.load(bs_ptrs + kg * stride_wsk)
+            acc += tl.dot(a, b) * a_s[:, None] * b_s[None, :]
+        else:
+            acc = _dot(a, b, acc, PRECISION, UPCAST)
+        a_ptrs += BLOCK_K * stride_hk
+        b_ptrs += BLOCK_K * stride_wk
+    w = tl.load(topk_w_ptr + rows, mask=rmask, other=0.0).to(tl.float32)
+    acc = acc * w[:, None]
+    tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=o_mask)

@@ -1,0 +1,236 @@
+"""Tuner for the expert GEMM launch configs: `python -m kernels.triton_moe.tune` / `moe tune-moe`.
+
+For each token count M it tries a few BLOCK_M values (picked from the rows per expert), and for
+each of them times the gate_up and the down GEMM separately over a short list of Hopper-sensible
+(BLOCK_N, BLOCK_K, num_warps, num_stages) candidates, with the real alignment of softmax top-k
+routing on random logits. The best BLOCK_M (sum of both GEMMs) wins; the down GEMM's own choice
+goes under "down". A time budget keeps the search bounded; buckets it cannot reach get the
+nearest tuned bucket's config. Writes config.config_file_name(...) into --out-dir.
+
+Example:
+    python -m kernels.triton_moe.tune --E 128 --D 2048 --F 768 --topk 8 --dtype bf16 \
+        --M 1 8 64 256 1024 4096 16384 --out-dir kernels/configs
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+import triton
+
+from kernels.triton_moe.config import CONFIG_DIR, config_file_name, device_name
+from kernels.triton_moe.fused import _run
+
+# (BLOCK_N, BLOCK_K, num_warps, num_stages); gate_up holds two accumulators, so its BLOCK_N
+# counts double in registers.
+_SMALL = [(64, 128, 4, 4), (32, 128, 4, 4), (64, 256, 4, 3), (128, 128, 4, 3), (32, 256, 4, 3),
+          (64, 128, 4, 5)]
+_MID = [(64, 128, 4, 3), (128, 64, 4, 3), (64, 64, 4, 4), (128, 128, 8, 3), (128, 64, 8, 4)]
+_LARGE = [(128, 64, 8, 3), (128, 64, 4, 4), (64, 64, 4, 4), (256, 64, 8, 3), (128, 128, 8, 3)]
+
+
+def _block_ms(rows_per_expert: float) -> list[int]:
+    if rows_per_expert <= 8:
+        return [16]
+    if rows_per_expert <= 32:
+        return [16, 32]
+    if rows_per_expert <= 128:
+        return [32, 64]
+    if rows_per_expert <= 512:
+        return [64, 128]
+    return [128, 64]
+
+
+def _candidates(bm: int, gate_up: bool, fp8: bool):
+    base = _SMALL if bm <= 16 else _MID if bm <= 64 else _LARGE
+    out = []
+    for bn, bk, w, s in base:
+        if fp8:
+            bk = 128
+            if gate_up:
+                bn = 128
+        if gate_up and bm >= 128 and bn > 128:
+            continue
+        cfg = {"BLOCK_SIZE_M": bm, "BLOCK_SIZE_N": bn, "BLOCK_SIZE_K": bk,
+               "GROUP_SIZE_M": 1 if bm <= 16 else 8, "num_warps": w, "num_stages": s}
+        if cfg not in out:
+            out.append(cfg)
+    return out
+
+
+def make_problem(E, D, F, K, M, dtype, with_weights=True, seed=0, device="cuda"):
+    """Random weights (never zeros) and softmax top-k routing on random logits."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    x = torch.randn(M, D, device=device, dtype=dtype, generator=g)
+    w13 = w2 = None
+    if with_weights:
+        w13 = torch.randn(E, 2 * F, D, device=device, dtype=dtype, generator=g) * D ** -0.5
+        w2 = torch.randn(E, D, F, device=device, dtype=dtype, generator=g) * F ** -0.5
+    logits = torch.randn(M, E, device=device, generator=g)
+    tw, ti = torch.softmax(logits, -1).topk(K, dim=-1)
+    return x, w13, w2, tw, ti.to(torch.int32)
+
+
+def time_graph(fns, reps: int = 20) -> float:
+    """Median ms of one call, from CUDA-graph replays of `fns` (one call each, on distinct
+    inputs so that consecutive calls do not find their experts in L2)."""
+    cur = torch.cuda.current_stream()
+    side = torch.cuda.Stream()
+    side.wait_stream(cur)
+    with torch.cuda.stream(side):
+        for f in fns:  # compile and warm up outside the capture
+            f()
+    cur.wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for f in fns:
+            f()
+    g.replay()
+    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+          for _ in range(reps)]
+    for a, b in ev:
+        a.record()
+        g.replay()
+        b.record()
+    torch.cuda.synchronize()
+    ts = sorted(a.elapsed_time(b) for a, b in ev)
+    del g
+    return ts[len(ts) // 2] / len(fns)
+
+
+def time_events(fns, reps: int = 10) -> float:
+    """Median ms of one call with CUDA events (for large calls, or ones that sync the host)."""
+    for f in fns:
+        f()
+    ts = []
+    for i in range(reps):
+        f = fns[i % len(fns)]
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        f()
+        b.record()
+        torch.cuda.synchronize()
+        ts.append(a.elapsed_time(b))
+    ts.sort()
+    return ts[len(ts) // 2]
+
+
+def time_calls(fns, M: int, reps: int = 20) -> float:
+    """CUDA-graph replay for M <= 1024 (as TARGETS.md times it), events above."""
+    return time_graph(fns, reps) if M <= 1024 else time_events(fns, max(5, reps // 2))
+
+
+def _time_split(cfg_up, cfg_down, problems, fp8_w, M):
+    cfg = dict(cfg_up)
+    cfg["down"] = {k: v for k, v in cfg_down.items() if k != "BLOCK_SIZE_M"}
+
+    def mk(x, w13, w2, tw, ti):
+        if fp8_w is not None:
+            (q13, q2), (s13, s2) = fp8_w
+            return lambda: _run(x, q13, q2, tw, ti, None, cfg, fp8=(s13, s2))
+        return lambda: _run(x, w13, w2, tw, ti, None, cfg)
+    return time_calls([mk(*p) for p in problems], M, reps=10)
+
+
+def tune_one(E, D, F, K, M, dtype, budget_s, fp8_w=None):
+    fp8 = fp8_w is not None
+    x, w13, w2, tw, ti = make_problem(E, D, F, K, M, dtype, with_weights=not fp8)
+    # a few routings, so that consecutive timed calls touch different experts
+    n_prob = 4 if M <= 256 else 1
+    problems = [(x, w13, w2, tw, ti)]
+    for s in range(1, n_prob):
+        logits = torch.randn(M, E, device=x.device)
+        tw_s, ti_s = torch.softmax(logits, -1).topk(K, dim=-1)
+        problems.append((x, w13, w2, tw_s, ti_s.to(torch.int32)))
+    t_end = time.monotonic() + budget_s
+    best = None
+    for bm in _block_ms(M * K / E):
+        ups, downs = _candidates(bm, True, fp8), _candidates(bm, False, fp8)
+        # coordinate search: gate_up candidates with the first down, then downs with the best up
+        up_best, t_up = ups[0], float("inf")
+        for c in ups:
+            if time.monotonic() > t_end and best is not None:
+                break
+            try:
+                t = _time_split(c, downs[0], problems, fp8_w, M)
+            except Exception as e:  # out of resources etc.
+                print(f"  skip {c}: {type(e).__name__}")
+                continue
+            if t < t_up:
+                up_best, t_up = c, t
+        down_best, t_tot = downs[0], t_up
+        for c in downs[1:]:
+            if time.monotonic() > t_end and best is not None:
+                break
+            try:
+                t = _time_split(up_best, c, problems, fp8_w, M)
+            except Exception as e:
+                print(f"  skip {c}: {type(e).__name__}")
+                continue
+            if t < t_tot:
+                down_best, t_tot = c, t
+        cfg = dict(up_best)
+        cfg["down"] = {k: v for k, v in down_best.items() if k != "BLOCK_SIZE_M"}
+        if best is None or t_tot < best[1]:
+            best = (cfg, t_tot)
+    print(f"M={M}: {best[1] * 1e3:.1f} us  {best[0]}", flush=True)
+    return best
+
+
+def tune(E, D, F, K, Ms, dtype_name="bf16", budget_s=120.0, out_dir=CONFIG_DIR,
+         block_shape=None):
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32,
+             "fp8_w8a8": torch.bfloat16}[dtype_name]
+    fp8_w = None
+    if dtype_name == "fp8_w8a8":
+        block_shape = tuple(block_shape or (128, 128))
+        from kernels.reference_fp8 import quantize_block_fp8
+        _, w13, w2, _, _ = make_problem(E, D, F, K, 1, torch.bfloat16)
+        q13 = [quantize_block_fp8(w, block_shape) for w in w13]
+        q2 = [quantize_block_fp8(w, block_shape) for w in w2]
+        del w13, w2
+        fp8_w = ((torch.stack([q for q, _ in q13]), torch.stack([q for q, _ in q2])),
+                 (torch.stack([s for _, s in q13]), torch.stack([s for _, s in q2])))
+    results = {}
+    t0 = time.monotonic()
+    for i, M in enumerate(Ms):
+        left = budget_s - (time.monotonic() - t0)
+        share = left / (len(Ms) - i)
+        if share <= 0 and results:
+            break
+        cfg, t = tune_one(E, D, F, K, M, dtype, max(share, 1.0), fp8_w)
+        results[M] = cfg
+        torch.cuda.empty_cache()
+    name = config_file_name(E, F, device_name(), dtype_name, block_shape)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / name, "w") as f:
+        json.dump({str(m): c for m, c in sorted(results.items())}, f, indent=2)
+    print(f"wrote {out / name}")
+    return out / name
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="moe tune-moe", description=__doc__.split("\n\n")[0])
+    p.add_argument("--E", type=int, required=True, help="local experts")
+    p.add_argument("--D", type=int, required=True, help="hidden size")
+    p.add_argument("--F", type=int, required=True, help="expert intermediate size (N)")
+    p.add_argument("--topk", type=int, required=True)
+    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32", "fp8_w8a8"])
+    p.add_argument("--block-shape", type=int, nargs=2, default=None,
+                   help="FP8 weight block (bn bk); default 128 128 for fp8_w8a8")
+    p.add_argument("--M", type=int, nargs="+", default=[1, 8, 64, 256, 1024, 4096, 16384])
+    p.add_argument("--budget-s", type=float, default=120.0, help="time budget of the search")
+    p.add_argument("--out-dir", default=str(CONFIG_DIR))
+    a = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        p.error("tuning needs a CUDA GPU")
+    tune(a.E, a.D, a.F, a.topk, a.M, a.dtype, a.budget_s, a.out_dir, a.block_shape)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,259 @@
+"""Triton expert layer against the torch references.
+
+Without a GPU every kernel runs under TRITON_INTERPRET=1 (set in tests/kernels/conftest.py) on
+small awkward shapes; with a GPU the same tests run on it, plus real-shape tests at the end.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+
+from kernels.reference import fused_experts_torch  # noqa: E402
+from kernels.triton_moe import (align_tokens, align_tokens_torch, fused_experts_triton,  # noqa
+                                fused_experts_triton_fp8)
+from kernels.triton_moe import config as cfgmod  # noqa: E402
+
+CUDA = torch.cuda.is_available()
+DEV = "cuda" if CUDA else "cpu"
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+needs_triton_device = pytest.mark.skipif(not (CUDA or INTERPRET),
+                                         reason="no GPU and TRITON_INTERPRET is not set")
+SMALL_CFG = {"BLOCK_SIZE_M": 16, "BLOCK_SIZE_N": 16, "BLOCK_SIZE_K": 16, "GROUP_SIZE_M": 2,
+             "num_warps": 4, "num_stages": 1}
+
+
+def make_inputs(T, D, F, E, K, dtype, seed=0, empty_expert=None, expert_map=None):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, D, generator=g).to(dtype)
+    w13 = (torch.randn(E, 2 * F, D, generator=g) * D ** -0.5).to(dtype)
+    w2 = (torch.randn(E, D, F, generator=g) * F ** -0.5).to(dtype)
+    n_ids = expert_map.numel() if expert_map is not None else E
+    logits = torch.randn(T, n_ids, generator=g)
+    if empty_expert is not None:
+        logits[:, empty_expert] = -1e9
+    tw, ti = torch.softmax(logits, -1).topk(K, dim=-1)
+    return [t.to(DEV) for t in (x, w13, w2, tw, ti.to(torch.int32))]
+
+
+def rel(out, ref):
+    return ((out.float() - ref.float()).norm() / ref.float().norm().clamp(min=1e-30)).item()
+
+
+TOL = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 2e-2}
+
+
+# --- alignment ------------------------------------------------------------------------------
+
+def check_alignment(ids, E, bm, emap, path):
+    s, e, n = align_tokens(ids, E, bm, emap, path=path)
+    rs, re_, rn = align_tokens_torch(ids.cpu(), E, bm, None if emap is None else emap.cpu())
+    s, e, n = s.cpu(), e.cpu(), int(n.item())
+    R = ids.numel()
+    assert n == int(rn.item()) and n % bm == 0
+    assert torch.equal(e, re_), "one expert id per block, -1 past the end / for elsewhere"
+    used = s[:n]
+    real = used[used < R]
+    assert torch.equal(real.sort().values, torch.arange(R, dtype=torch.int32)), \
+        "every real row present exactly once"
+    assert torch.all(s[n:] == R) and torch.all((used == R) | (used < R)), "sentinels elsewhere"
+    flat = ids.reshape(-1).long().cpu()
+    if emap is not None:
+        flat = emap.long().cpu()[flat]
+    for blk in range(n // bm):
+        rows = used[blk * bm:(blk + 1) * bm]
+        rows = rows[rows < R].long()
+        want = int(e[blk]) if int(e[blk]) >= 0 else -1
+        assert torch.all(torch.where(flat[rows] < 0, -1, flat[rows]) == want)
+        if len(rows) < bm:  # padding only at the end of an expert's last block
+            assert torch.all(s[blk * bm + len(rows):(blk + 1) * bm] == R)
+
+
+@needs_triton_device
+@pytest.mark.parametrize("path", ["small", "large"])
+@pytest.mark.parametrize("T,K,E,bm,with_map", [
+    (1, 1, 1, 16, False), (1, 8, 16, 16, False), (37, 2, 5, 16, False), (64, 4, 8, 32, False),
+    (300, 2, 3, 16, False), (9, 3, 6, 16, True), (700, 2, 33, 64, True)])
+def test_alignment_matches_torch(path, T, K, E, bm, with_map):
+    g = torch.Generator().manual_seed(T * 31 + E)
+    emap = None
+    if with_map:  # 2*E global experts, half of them elsewhere (-1)
+        emap = torch.full((2 * E,), -1, dtype=torch.int32)
+        emap[torch.randperm(2 * E, generator=g)[:E]] = torch.arange(E, dtype=torch.int32)
+        ids = torch.randint(0, 2 * E, (T, K), generator=g, dtype=torch.int32)
+        emap = emap.to(DEV)
+    else:
+        ids = torch.randint(0, E, (T, K), generator=g, dtype=torch.int32)
+        if E > 2:
+            ids[ids == 1] = 0  # expert 1 gets no tokens
+    check_alignment(ids.to(DEV), E, bm, emap, path)
+
+
+# --- the expert layer -----------------------------------------------------------------------
+
+@needs_triton_device
+@pytest.mark.parametrize("T,D,F,E,K", [
+    (1, 32, 16, 4, 2),      # one token
+    (19, 40, 24, 4, 2),     # T not a multiple of BLOCK_M, D and F not multiples of 16
+    (33, 24, 40, 1, 1),     # E = 1, top-1
+    (17, 48, 32, 6, 1),     # top-1 with several experts
+    (40, 32, 16, 8, 3),     # top-3, 120 rows
+])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_fused_experts_matches_reference(T, D, F, E, K, dtype):
+    x, w13, w2, tw, ti = make_inputs(T, D, F, E, K, dtype, empty_expert=E - 1 if E > 2 else None)
+    out = fused_experts_triton(x, w13, w2, tw, ti, config=SMALL_CFG if not CUDA else None)
+    ref = fused_experts_torch(x, w13, w2, tw, ti)
+    assert out.shape == (T, D) and out.dtype == dtype
+    assert rel(out, ref) < TOL[dtype]
+
+
+@needs_triton_device
+@pytest.mark.parametrize("K", [1, 2])
+def test_expert_map_with_remote_experts(K):
+    E_global, E = 8, 3
+    emap = torch.full((E_global,), -1, dtype=torch.int32)
+    emap[torch.tensor([1, 4, 6])] = torch.arange(E, dtype=torch.int32)
+    x, w13, w2, tw, ti = make_inputs(21, 40, 24, E, K, torch.float32, expert_map=emap)
+    emap = emap.to(DEV)
+    out = fused_experts_triton(x, w13, w2, tw, ti, emap, config=SMALL_CFG if not CUDA else None)
+    ref = fused_experts_torch(x, w13, w2, tw, ti, emap)
+    assert rel(out, ref) < 1e-5
+    # a token routed only to remote experts gets exactly zero
+    ti2 = ti.clone()
+    ti2[0] = 0  # global expert 0 is not on this rank
+    out2 = fused_experts_triton(x, w13, w2, tw, ti2, emap, config=SMALL_CFG if not CUDA else None)
+    assert torch.all(out2[0] == 0)
+
+
+@needs_triton_device
+def test_seam_dispatches_to_triton():
+    if not CUDA:
+        pytest.skip("the seam picks triton only for CUDA tensors")
+    from kernels import fused_experts
+    x, w13, w2, tw, ti = make_inputs(8, 64, 32, 4, 2, torch.bfloat16)
+    out = fused_experts(x, w13, w2, tw, ti, backend="triton")
+    assert rel(out, fused_experts_torch(x, w13, w2, tw, ti)) < 2e-2
+
+
+# --- FP8 ------------------------------------------------------------------------------------
+
+FP8_CFG = {"BLOCK_SIZE_M": 16, "BLOCK_SIZE_N": 128, "BLOCK_SIZE_K": 128, "GROUP_SIZE_M": 1,
+           "num_warps": 4, "num_stages": 1}
+
+
+def test_block_quant_roundtrip():
+    from kernels.reference_fp8 import dequantize_block_fp8, quantize_block_fp8
+    w = torch.randn(3, 200, 136)
+    q, s = quantize_block_fp8(w)
+    assert q.dtype == torch.float8_e4m3fn and s.shape == (3, 2, 2)
+    assert rel(dequantize_block_fp8(q, s), w) < 4e-2
+
+
+@needs_triton_device
+@pytest.mark.parametrize("T,D,F,E,K", [(7, 200, 136, 4, 2), (1, 128, 128, 1, 1)])
+def test_fp8_matches_dequantised_reference(T, D, F, E, K):
+    from kernels.reference_fp8 import (fused_experts_fp8_actquant_torch, fused_experts_fp8_torch,
+                                       quantize_block_fp8)
+    x, w13, w2, tw, ti = make_inputs(T, D, F, E, K, torch.float32, seed=3)
+    q13, s13 = quantize_block_fp8(w13.cpu())
+    q2, s2 = quantize_block_fp8(w2.cpu())
+    q13, s13, q2, s2 = (t.to(DEV) for t in (q13, s13, q2, s2))
+    out = fused_experts_triton_fp8(x, q13, q2, s13, s2, tw, ti, config=FP8_CFG)
+    ref = fused_experts_fp8_torch(x, q13, q2, s13, s2, tw, ti)
+    if INTERPRET:
+        # The interpreter's float32 -> float8_e4m3fn cast mis-rounds a few % of values (seen on
+        # triton 3.9: 124.3 -> 64 instead of 128), so only a loose check of the FP8 GEMM path here.
+        assert rel(out, ref) < 0.25
+        pytest.skip("TRITON_INTERPRET: the fp32->fp8 e4m3 cast of the interpreter mis-rounds "
+                    "some values, so the tight FP8 check runs on the GPU only")
+    assert rel(out, ref) < 6e-2
+    tight = fused_experts_fp8_actquant_torch(x, q13, q2, s13, s2, tw, ti)
+    assert rel(out, tight) < 1e-2
+
+
+@needs_triton_device
+def test_group_quant_kernel():
+    from kernels.triton_moe.quant import per_token_group_quant_fp8, per_token_group_quant_torch
+    x = torch.randn(5, 200, device=DEV)
+    q, s = per_token_group_quant_fp8(x)
+    rq, rs = per_token_group_quant_torch(x)
+    assert torch.allclose(s, rs)
+    if INTERPRET:
+        pytest.skip("TRITON_INTERPRET mis-rounds the fp32->fp8 e4m3 cast; scales checked only")
+    assert torch.equal(q.float(), rq.float())
+
+
+# --- configs ----------------------------------------------------------------------------------
+
+def test_config_nearest_bucket_and_default(tmp_path, monkeypatch, caplog):
+    name = cfgmod.config_file_name(4, 24, "Fake_GPU", "bf16")
+    assert name == "E=4,N=24,device_name=Fake_GPU,dtype=bf16.json"
+    assert cfgmod.config_file_name(4, 24, "X", "fp8_w8a8", (128, 128)).endswith(
+        "dtype=fp8_w8a8,block_shape=[128,128].json")
+    c1 = dict(SMALL_CFG, BLOCK_SIZE_M=16)
+    c2 = dict(SMALL_CFG, BLOCK_SIZE_M=64, down={"BLOCK_SIZE_N": 32})
+    (tmp_path / name).write_text(json.dumps({"1": c1, "256": c2}))
+    monkeypatch.setenv("MOE_KERNEL_CONFIG_DIR", str(tmp_path))
+    cfgmod.load_configs.cache_clear()
+    assert cfgmod.get_config(3, 4, 24, 2, torch.bfloat16, device="Fake_GPU") == c1
+    assert cfgmod.get_config(200, 4, 24, 2, torch.bfloat16, device="Fake_GPU") == c2
+    assert cfgmod.get_config(10 ** 6, 4, 24, 2, "bf16", device="Fake_GPU") == c2
+    up, down = cfgmod.split_config(c2)
+    assert down["BLOCK_SIZE_N"] == 32 and down["BLOCK_SIZE_M"] == 64 and up["BLOCK_SIZE_N"] == 16
+    with caplog.at_level("WARNING"):
+        d = cfgmod.get_config(8, 5, 24, 2, torch.bfloat16, device="Other_GPU")
+        cfgmod.get_config(8, 5, 24, 2, torch.bfloat16, device="Other_GPU")
+    assert set(cfgmod.CONFIG_KEYS) <= set(d)
+    warned = [r for r in caplog.records if "E=5,N=24,device_name=Other_GPU" in r.getMessage()]
+    assert len(warned) == 1, "one log line naming the file that would help"
+    cfgmod.load_configs.cache_clear()
+
+
+def test_shipped_configs_are_valid():
+    files = sorted(cfgmod.CONFIG_DIR.glob("*.json"))
+    for f in files:
+        for m, c in json.loads(f.read_text()).items():
+            assert int(m) > 0 and set(cfgmod.CONFIG_KEYS) <= set(c), f.name
+
+
+# --- GPU, real shapes -------------------------------------------------------------------------
+
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("E,D,F,K", [(128, 2048, 768, 8), (16, 5120, 8192, 1)])
+@pytest.mark.parametrize("T", [1, 64, 1000])
+def test_real_shapes_gpu(E, D, F, K, T):
+    x, w13, w2, tw, ti = make_inputs(T, D, F, E, K, torch.bfloat16, seed=T)
+    out = fused_experts_triton(x, w13, w2, tw, ti)
+    assert rel(out, fused_experts_torch(x, w13, w2, tw, ti)) < 1e-2
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+def test_cuda_graph_capture_gpu():
+    x, w13, w2, tw, ti = make_inputs(33, 256, 128, 8, 2, torch.bfloat16)
+    ref = fused_experts_triton(x, w13, w2, tw, ti)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fused_experts_triton(x, w13, w2, tw, ti)
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = fused_experts_triton(x, w13, w2, tw, ti)
+    ti.copy_(ti.flip(0))  # new routing, same shapes: the replay must follow the data
+    tw.copy_(tw.flip(0))
+    g.replay()
+    torch.cuda.synchronize()
+    assert rel(out, fused_experts_torch(x, w13, w2, tw, ti)) < 2e-2
+    assert not torch.equal(out, ref)
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("T", [1, 200, 3000])
+def test_alignment_large_path_gpu(T):
+    ids = torch.randint(0, 256, (T, 8), device="cuda", dtype=torch.int32)
+    check_alignment(ids, 256, 64, None, "auto")
