@@ -19,19 +19,33 @@ _NO_REDUCE_SCATTER: set[str] = set()
 _DIST_ERROR = getattr(dist, "DistError", ())  # timeouts, lost peers
 
 
+def _single_process() -> bool:
+    # A dispatcher built without torch.distributed is a group of one: every collective is a copy.
+    return not (dist.is_available() and dist.is_initialized())
+
+
 def all_gather_rows(out_PNX: torch.Tensor, in_NX: torch.Tensor, group) -> None:
     """out[p*N:(p+1)*N] = rank p's `in_NX` (same N on every rank)."""
+    if _single_process():
+        out_PNX.copy_(in_NX)
+        return
     _all_gather_single(out_PNX, in_NX, group=group)
 
 
 def all_to_all_rows(out_RX: torch.Tensor, in_SX: torch.Tensor, out_splits: list[int],
                     in_splits: list[int], group) -> None:
     """Rows in_SX[sum(in_splits[:p]) : ...] go to rank p; out rows arrive ordered by source rank."""
+    if _single_process():
+        out_RX.copy_(in_SX)
+        return
     dist.all_to_all_single(out_RX, in_SX, out_splits, in_splits, group=group)
 
 
 def reduce_scatter_rows(out_ND: torch.Tensor, in_PND: torch.Tensor, group) -> None:
     """out_ND = sum over ranks of in_PND[rank*N:(rank+1)*N]. `in_PND` is not modified."""
+    if _single_process():
+        out_ND.copy_(in_PND)
+        return
     backend = str(dist.get_backend(group))
     if backend not in _NO_REDUCE_SCATTER:
         try:

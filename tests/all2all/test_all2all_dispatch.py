@@ -49,3 +49,18 @@ def test_local_is_identity(backend, T):
     y_TD = disp.combine(y_RD, recv)
     assert y_TD is y_RD and y_TD.shape == (T, D)
     torch.testing.assert_close(y_TD, fused_experts(x_TD, w13_EFD, w2_EDF, weights_TK, ids_TK))
+
+
+@pytest.mark.parametrize("backend", ["allgather_reducescatter", "all_to_all"])
+@pytest.mark.parametrize("T", [0, 1, 7])
+def test_collective_backends_without_torch_distributed(backend, T):
+    # EP=1 without an initialised process group: the collectives degrade to copies.
+    w13_EFD, w2_EDF = global_weights()
+    x_TD, weights_TK, ids_TK = make_inputs("uneven", [T], "round_robin", seed=3)[0]
+    disp = make_dispatcher(backend, None, E, "round_robin")
+    recv = disp.dispatch(x_TD, weights_TK, ids_TK)
+    y_RD = fused_experts(recv.x_RD, w13_EFD, w2_EDF, recv.topk_weights_RK, recv.topk_ids_RK,
+                         expert_map=disp.expert_map_on("cpu"), backend="torch")
+    torch.testing.assert_close(disp.combine(y_RD, recv),
+                               fused_experts(x_TD, w13_EFD, w2_EDF, weights_TK, ids_TK),
+                               atol=1e-6, rtol=1e-6)

@@ -1,0 +1,187 @@
+"""Dispatch + combine latency of the all2all dispatchers against a bare all_to_all_single.
+
+Legend: T tokens per rank, D hidden, E experts, K top-k, S rows sent, R rows received, P ranks.
+
+    torchrun --nproc-per-node=2 benchmarks/bench_all2all.py --out results/a2a.json   # NCCL, GPU
+    torchrun --nproc-per-node=2 benchmarks/bench_all2all.py --tokens 8 32 --hidden 64 \
+        --num-experts 16 --top-k 4 --dtype fp32 --iters 5                            # gloo, CPU
+
+For each tokens-per-rank and routing, times (median over iterations, then the max over ranks,
+as the slowest rank gates the layer) of dispatch + combine for each dispatcher, the experts
+replaced by the identity so only communication and its bookkeeping are measured, and of
+"bare": two all_to_all_single calls (there and back) moving exactly the x bytes of the
+all_to_all dispatcher's splits into preallocated buffers, the floor TARGETS.md §2 compares to.
+Routing: "random" (uniform top-K of E, TARGETS.md §2) and "group_limited" (DeepSeek-V3-like:
+E split into n_group groups, the best topk_group groups by the sum of their top-2 scores, then
+top-K inside them; with linear placement and n_group == P each group is one rank's experts).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+if __package__ in (None, ""):  # run as a script by torchrun: make the repo importable
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from all2all import make_dispatcher  # noqa: E402
+
+DEFAULT_TOKENS = (128, 512, 2048, 4096, 16384)
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def make_routing(kind: str, T: int, E: int, K: int, n_group: int, topk_group: int,
+                 g: torch.Generator, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(topk_weights_TK float32, topk_ids_TK int64 global ids), drawn on the CPU then moved."""
+    scores_TE = torch.rand(T, E, generator=g)
+    if kind == "group_limited":
+        grouped_TGX = scores_TE.view(T, n_group, E // n_group)
+        group_score_TG = grouped_TGX.topk(min(2, E // n_group), dim=2).values.sum(dim=2)
+        keep_TG = torch.zeros(T, n_group, dtype=torch.bool)
+        keep_TG.scatter_(1, group_score_TG.topk(topk_group, dim=1).indices, True)
+        scores_TE = grouped_TGX.masked_fill(~keep_TG[:, :, None], -1.0).view(T, E)
+    elif kind != "random":
+        raise ValueError(f"unknown routing {kind!r}; choose 'random' or 'group_limited'")
+    weights_TK, ids_TK = scores_TE.topk(K, dim=1)
+    return weights_TK.softmax(dim=1).to(device), ids_TK.to(device)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _median_us(step, iters: int, warmup: int, device: torch.device, group) -> float:
+    times = []
+    for i in range(warmup + iters):
+        _sync(device)
+        dist.barrier(group=group)  # start every iteration together; not timed
+        t0 = time.perf_counter()
+        step()
+        _sync(device)
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e6
+
+
+def _max_over_ranks(value: float, device: torch.device, group) -> float:
+    t = torch.tensor([value], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return float(t.item())
+
+
+def run_bench(tokens=(8, 32), hidden: int = 64, num_experts: int = 16, top_k: int = 4,
+              dtype: torch.dtype = torch.float32, routings=("random",),
+              backends=("allgather_reducescatter", "all_to_all"), placement: str = "linear",
+              n_group: int = 8, topk_group: int = 4, iters: int = 5, warmup: int = 2,
+              seed: int = 0, group=None, device=None) -> list[dict]:
+    """The benchmark on an initialised process group; every rank calls it, every rank gets rows.
+
+    Returns one dict per (tokens_per_rank, routing, impl): impl in `backends` + ["bare"],
+    median_us (max over ranks), rows_sent / rows_recv of this rank for the all_to_all splits.
+    """
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    P, rank = dist.get_world_size(group), dist.get_rank(group)
+    dispatchers = {b: make_dispatcher(b, group, num_experts, placement, top_k=top_k) for b in backends}
+    a2a = dispatchers.get("all_to_all") or make_dispatcher("all_to_all", group, num_experts, placement)
+    rows = []
+    for T in tokens:
+        for routing in routings:
+            g = torch.Generator().manual_seed(seed * 1000003 + rank)
+            weights_TK, ids_TK = make_routing(routing, T, num_experts, top_k, n_group, topk_group, g, device)
+            x_TD = torch.randn(T, hidden, generator=g).to(device=device, dtype=dtype)
+            for name, disp in dispatchers.items():
+                recv = disp.dispatch(x_TD, weights_TK, ids_TK)
+                y_RD = recv.x_RD.contiguous()  # identity experts; same R every iteration
+
+                def step(disp=disp, y_RD=y_RD):
+                    disp.combine(y_RD, disp.dispatch(x_TD, weights_TK, ids_TK))
+                us = _max_over_ranks(_median_us(step, iters, warmup, device, group), device, group)
+                rows.append({"tokens_per_rank": T, "routing": routing, "impl": name, "median_us": us})
+            h = a2a.dispatch(x_TD, weights_TK, ids_TK)._handle
+            send_SD = torch.randn(sum(h.send_splits), hidden, generator=g).to(device=device, dtype=dtype)
+            recv_RD = torch.empty(sum(h.recv_splits), hidden, dtype=dtype, device=device)
+            back_SD = torch.empty_like(send_SD)
+
+            def bare(h=h, send_SD=send_SD, recv_RD=recv_RD, back_SD=back_SD):
+                dist.all_to_all_single(recv_RD, send_SD, h.recv_splits, h.send_splits, group=group)
+                dist.all_to_all_single(back_SD, recv_RD, h.send_splits, h.recv_splits, group=group)
+            us = _max_over_ranks(_median_us(bare, iters, warmup, device, group), device, group)
+            rows.append({"tokens_per_rank": T, "routing": routing, "impl": "bare", "median_us": us})
+            for row in rows[-len(dispatchers) - 1:]:
+                row.update(rows_sent=sum(h.send_splits), rows_recv=sum(h.recv_splits))
+    return rows
+
+
+def format_table(rows: list[dict]) -> str:
+    impls = list(dict.fromkeys(r["impl"] for r in rows))
+    head = ["tokens/rank", "routing", *[f"{i} µs" for i in impls], *[f"{i}/bare" for i in impls if i != "bare"]]
+    lines = [" | ".join(head), " | ".join("---" for _ in head)]
+    keys = list(dict.fromkeys((r["tokens_per_rank"], r["routing"]) for r in rows))
+    for key in keys:
+        by_impl = {r["impl"]: r["median_us"] for r in rows if (r["tokens_per_rank"], r["routing"]) == key}
+        cells = [str(key[0]), key[1], *[f"{by_impl[i]:.1f}" for i in impls]]
+        cells += [f"{by_impl[i] / by_impl['bare']:.2f}" for i in impls if i != "bare"]
+        lines.append(" | ".join(cells))
+    return "\n".join(lines)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="moe bench all2all", description=__doc__.split("\n")[0])
+    p.add_argument("--tokens", type=int, nargs="+", default=list(DEFAULT_TOKENS), help="tokens per rank")
+    p.add_argument("--hidden", type=int, default=7168)
+    p.add_argument("--num-experts", type=int, default=256)
+    p.add_argument("--top-k", type=int, default=8)
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    p.add_argument("--routing", nargs="+", choices=["random", "group_limited"], default=["random", "group_limited"])
+    p.add_argument("--backends", nargs="+", default=["allgather_reducescatter", "all_to_all"],
+                   choices=["allgather_reducescatter", "all_to_all", "auto"])
+    p.add_argument("--placement", choices=["linear", "round_robin"], default="linear")
+    p.add_argument("--n-group", type=int, default=8, help="expert groups of group_limited routing")
+    p.add_argument("--topk-group", type=int, default=4, help="groups kept per token (group_limited)")
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", help="write the raw rows and the configuration as JSON here (rank 0)")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    """CLI entry (`moe bench all2all`); run under torchrun, one process per device."""
+    args = parse_args(argv)
+    created = not dist.is_initialized()
+    if created:
+        use_cuda = torch.cuda.is_available()
+        if use_cuda:
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        dist.init_process_group("nccl" if use_cuda else "gloo")
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    try:
+        rows = run_bench(args.tokens, args.hidden, args.num_experts, args.top_k, DTYPES[args.dtype],
+                         args.routing, args.backends, args.placement, args.n_group, args.topk_group,
+                         args.iters, args.warmup, args.seed, device=device)
+        if dist.get_rank() == 0:
+            cfg = {k: v for k, v in vars(args).items() if k != "out"}
+            cfg.update(world_size=dist.get_world_size(), backend=str(dist.get_backend()),
+                       device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+                       torch=torch.__version__)
+            print(f"all2all bench: {cfg}")
+            print(format_table(rows))
+            if args.out:
+                os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+                with open(args.out, "w") as f:
+                    json.dump({"config": cfg, "results": rows}, f, indent=1)
+    finally:
+        if created:
+            dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

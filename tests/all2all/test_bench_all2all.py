@@ -1,0 +1,34 @@
+"""Smoke test of benchmarks/bench_all2all.py: its core on 2 gloo ranks at tiny sizes, no torchrun."""
+from __future__ import annotations
+
+from a2a_harness import run_ranks
+from benchmarks.bench_all2all import format_table, parse_args, run_bench
+
+TOKENS = (0, 3, 16)
+
+
+def _bench_worker(rank: int, world_size: int):
+    import torch
+    return run_bench(tokens=TOKENS, hidden=32, num_experts=16, top_k=4, dtype=torch.bfloat16,
+                     routings=("random", "group_limited"),
+                     backends=("allgather_reducescatter", "all_to_all", "auto"),
+                     iters=2, warmup=1, device="cpu")
+
+
+def test_bench_core_on_two_gloo_ranks():
+    per_rank = run_ranks(_bench_worker, 2, timeout_s=40.0, collective_timeout_s=15.0)
+    rows = per_rank[0]
+    impls = ["allgather_reducescatter", "all_to_all", "auto", "bare"]
+    assert [(r["tokens_per_rank"], r["routing"], r["impl"]) for r in rows] == [
+        (t, routing, impl) for t in TOKENS for routing in ("random", "group_limited") for impl in impls]
+    assert all(r["median_us"] > 0 for r in rows)
+    # Timings are maxima over ranks, so both ranks report the same numbers.
+    assert [r["median_us"] for r in rows] == [r["median_us"] for r in per_rank[1]]
+    table = format_table(rows)
+    assert "all_to_all/bare" in table and len(table.splitlines()) == 2 + 2 * len(TOKENS)
+
+
+def test_cli_defaults_are_the_targets_shapes():
+    args = parse_args([])
+    assert args.tokens == [128, 512, 2048, 4096, 16384]
+    assert (args.hidden, args.num_experts, args.top_k, args.dtype) == (7168, 256, 8, "bf16")
