@@ -11,7 +11,6 @@ import datetime
 import os
 import pickle
 import socket
-import sys
 import tempfile
 import time
 import traceback
@@ -77,6 +76,3 @@ def run_ranks(fn, world_size: int, args: tuple = (), timeout_s: float = 60.0,
         raise AssertionError("\n".join(errors))
     return results
 
-
-if __name__ == "__main__":  # pragma: no cover - manual smoke: python a2a_harness.py
-    print(run_ranks(lambda r, n: r, 2), file=sys.stderr)

@@ -1,0 +1,91 @@
+"""Paged attention: KV-cache writes through a slot mapping, attention reads through block
+tables. This file is the pure-torch reference (the CPU path); GPU kernels share its inputs.
+
+Legend: T query tokens of the batch, B sequences, H query heads, G KV heads, d head dim,
+N cache blocks, S block size, L context length of a sequence.
+KV cache layout per layer: kv_cache_2NSGd = [2 (k, v), N, S, G, d], zero-initialised so that
+masked-out padding is finite.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class AttentionMetadata:
+    """Batch layout shared by every attention layer of one forward.
+
+    query_start_loc: host list of B+1 offsets of each sequence's queries in the flat batch.
+    seq_lens: host list of B context lengths after this step (cached + new tokens).
+    block_tables_BM: [B, max_blocks] int32 block ids on the device (padding is 0, never read).
+    slot_mapping_T: [T] int64 cache slot (block_id * S + offset) of each new token; -1 = skip.
+    decode_seqs: indices of sequences with exactly one query token (batched together).
+    prefill_seqs: indices of the others (one attention call each).
+    """
+    query_start_loc: list[int]
+    seq_lens: list[int]
+    block_tables_BM: torch.Tensor
+    slot_mapping_T: torch.Tensor
+    decode_seqs: list[int]
+    prefill_seqs: list[int]
+    # Decode sequences, prepared once per forward: their token positions in the batch [Bd],
+    # context lengths [Bd] and block tables cut to the longest context [Bd, nblk].
+    decode_token_idx: torch.Tensor | None = None
+    decode_seq_lens: torch.Tensor | None = None
+    decode_block_tables: torch.Tensor | None = None
+
+
+def write_kv_cache(k_TGd: torch.Tensor, v_TGd: torch.Tensor, kv_cache_2NSGd: torch.Tensor,
+                   slot_mapping_T: torch.Tensor) -> None:
+    flat = kv_cache_2NSGd.view(2, -1, *kv_cache_2NSGd.shape[3:])
+    flat[0].index_copy_(0, slot_mapping_T, k_TGd.to(flat.dtype))
+    flat[1].index_copy_(0, slot_mapping_T, v_TGd.to(flat.dtype))
+
+
+def _gather_context(kv_cache_2NSGd, block_ids, length):
+    """K and V of one sequence's first `length` tokens: each [length, G, d]."""
+    S = kv_cache_2NSGd.shape[2]
+    nblk = -(-length // S)
+    kv = kv_cache_2NSGd[:, block_ids[:nblk]]  # [2, nblk, S, G, d]
+    kv = kv.reshape(2, nblk * S, *kv.shape[3:])[:, :length]
+    return kv[0], kv[1]
+
+
+def paged_attention_torch(q_THd: torch.Tensor, k_TGd: torch.Tensor, v_TGd: torch.Tensor,
+                          kv_cache_2NSGd: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """Causal attention of each sequence's new queries over its whole context.
+
+    New K/V must already be written to the cache. Returns [T, H, d].
+    """
+    out = torch.empty_like(q_THd)
+    H, G = q_THd.shape[1], kv_cache_2NSGd.shape[3]
+    gqa = H != G
+    for b in meta.prefill_seqs:
+        start, end = meta.query_start_loc[b], meta.query_start_loc[b + 1]
+        n, L = end - start, meta.seq_lens[b]
+        q = q_THd[start:end].transpose(0, 1)  # [H, n, d]
+        if n == L:  # no cached context: attend over the fresh keys directly
+            k, v = k_TGd[start:end], v_TGd[start:end]
+            mask, causal = None, True
+        else:
+            k, v = _gather_context(kv_cache_2NSGd, meta.block_tables_BM[b], L)
+            # Query i sits at position L - n + i and sees keys 0 .. L - n + i.
+            qpos = torch.arange(L - n, L, device=q.device)[:, None]
+            mask, causal = torch.arange(L, device=q.device)[None, :] <= qpos, False
+        o = F.scaled_dot_product_attention(q, k.transpose(0, 1).to(q.dtype), v.transpose(0, 1).to(q.dtype),
+                                           attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=gqa)
+        out[start:end] = o.transpose(0, 1)
+    if meta.decode_seqs:
+        idx, lens, tables = meta.decode_token_idx, meta.decode_seq_lens, meta.decode_block_tables
+        S, nblk = kv_cache_2NSGd.shape[2], tables.shape[1]
+        kv = kv_cache_2NSGd[:, tables]  # [2, B, nblk, S, G, d]
+        kv = kv.reshape(2, kv.shape[1], nblk * S, G, -1).transpose(2, 3)  # [2, B, G, L, d]
+        mask = torch.arange(nblk * S, device=q_THd.device)[None, :] < lens[:, None]
+        q = q_THd[idx][:, :, None, :]  # [B, H, 1, d]
+        o = F.scaled_dot_product_attention(q, kv[0].to(q.dtype), kv[1].to(q.dtype),
+                                           attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=gqa)
+        out[idx] = o[:, :, 0, :]
+    return out

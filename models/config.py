@@ -1,0 +1,117 @@
+"""Typed model configuration, parsed once from a Hugging Face `config.json`.
+
+Models read these dataclasses, never the raw dict. Each family subclasses `ModelConfig` with
+its own fields and a `from_hf` that reads them.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+_MISSING = object()
+
+
+def hf_get(cfg: dict, *keys: str, default: Any = _MISSING) -> Any:
+    """The first of `keys` present in `cfg` (HF renamed several fields across releases)."""
+    for key in keys:
+        if key in cfg and cfg[key] is not None:
+            return cfg[key]
+    if default is _MISSING:
+        raise ValueError(f"config.json lacks the field {keys[0]!r}" +
+                         (f" (also looked for {', '.join(map(repr, keys[1:]))})" if len(keys) > 1 else ""))
+    return default
+
+
+@dataclass
+class RopeConfig:
+    """RoPE base and scaling, from `rope_theta` + `rope_scaling` or from `rope_parameters`."""
+    theta: float = 10000.0
+    scaling_type: str = "default"
+    factor: float = 1.0
+    original_max_position_embeddings: int | None = None
+    # Scaling-type specific parameters (yarn: beta_fast, beta_slow, mscale, mscale_all_dim;
+    # llama3: low_freq_factor, high_freq_factor), kept typed as floats.
+    params: dict[str, float] = field(default_factory=dict)
+
+    @classmethod
+    def from_hf(cls, cfg: dict) -> "RopeConfig":
+        rope = dict(cfg.get("rope_parameters") or {})
+        if not rope.get("rope_type") and not rope.get("type"):
+            rope.update(cfg.get("rope_scaling") or {})
+        theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
+        kind = rope.get("rope_type", rope.get("type", "default")) or "default"
+        orig = rope.get("original_max_position_embeddings")
+        skip = {"rope_theta", "rope_type", "type", "factor", "original_max_position_embeddings"}
+        params = {k: float(v) for k, v in rope.items() if k not in skip and isinstance(v, (int, float))}
+        return cls(float(theta), str(kind), float(rope.get("factor", 1.0) or 1.0),
+                   int(orig) if orig else None, params)
+
+
+def _token_ids(value: Any) -> list[int]:
+    if value is None:
+        return []
+    return [int(v) for v in value] if isinstance(value, (list, tuple)) else [int(value)]
+
+
+@dataclass
+class ModelConfig:
+    architecture: str
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    rope: RopeConfig
+    eos_token_ids: list[int]
+    bos_token_id: int | None
+    torch_dtype: str | None
+
+    @classmethod
+    def common_fields(cls, cfg: dict, architecture: str) -> dict:
+        hidden = int(hf_get(cfg, "hidden_size"))
+        heads = int(hf_get(cfg, "num_attention_heads"))
+        return dict(
+            architecture=architecture,
+            model_type=str(cfg.get("model_type", "")),
+            vocab_size=int(hf_get(cfg, "vocab_size")),
+            hidden_size=hidden,
+            num_hidden_layers=int(hf_get(cfg, "num_hidden_layers")),
+            num_attention_heads=heads,
+            num_key_value_heads=int(hf_get(cfg, "num_key_value_heads", default=heads)),
+            head_dim=int(hf_get(cfg, "head_dim", default=hidden // heads)),
+            intermediate_size=int(hf_get(cfg, "intermediate_size", default=0)),
+            rms_norm_eps=float(hf_get(cfg, "rms_norm_eps", default=1e-6)),
+            max_position_embeddings=int(hf_get(cfg, "max_position_embeddings", default=4096)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            rope=RopeConfig.from_hf(cfg),
+            eos_token_ids=_token_ids(cfg.get("eos_token_id")),
+            bos_token_id=cfg.get("bos_token_id"),
+            torch_dtype=cfg.get("torch_dtype", cfg.get("dtype")),
+        )
+
+    @classmethod
+    def from_hf(cls, cfg: dict, architecture: str) -> "ModelConfig":
+        return cls(**cls.common_fields(cfg, architecture))
+
+
+def read_hf_config(model_dir: str) -> dict:
+    """The raw `config.json` of a checkpoint folder, with clear errors for a missing or bad file."""
+    if not os.path.isdir(model_dir):
+        raise OSError(f"model folder {model_dir!r} does not exist (expected a folder with config.json "
+                      "and *.safetensors, or the built-in name 'tiny-qwen3-moe')")
+    path = os.path.join(model_dir, "config.json")
+    if not os.path.isfile(path):
+        raise OSError(f"{model_dir!r} has no config.json")
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path} is not valid JSON: {e}") from None

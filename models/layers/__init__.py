@@ -1,0 +1,1 @@
+"""Layers shared by the model families: parallel linears, embeddings, norms, RoPE, attention."""

@@ -1,0 +1,30 @@
+"""The attention layer: writes this step's K/V into the paged cache, then attends through
+the block tables. The cache tensor is bound by the model runner after it is allocated."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kernels.attention import AttentionMetadata, paged_attention_torch, write_kv_cache
+
+
+class Attention(nn.Module):
+    def __init__(self, num_heads: int, head_dim: int, num_kv_heads: int, scale: float) -> None:
+        super().__init__()
+        self.num_heads, self.head_dim, self.num_kv_heads, self.scale = num_heads, head_dim, num_kv_heads, scale
+        self.kv_cache: torch.Tensor | None = None  # [2, N, S, G, d], bound by the runner
+
+    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
+        return (2, num_blocks, block_size, self.num_kv_heads, self.head_dim)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """q [T, H*d], k/v [T, G*d] -> [T, H*d]."""
+        T = q.shape[0]
+        q = q.view(T, self.num_heads, self.head_dim)
+        k = k.view(T, self.num_kv_heads, self.head_dim)
+        v = v.view(T, self.num_kv_heads, self.head_dim)
+        if self.kv_cache is None:
+            raise RuntimeError("attention ran before the model runner bound a KV cache")
+        write_kv_cache(k, v, self.kv_cache, meta.slot_mapping_T)
+        out = paged_attention_torch(q, k, v, self.kv_cache, meta, self.scale)
+        return out.reshape(T, self.num_heads * self.head_dim)

@@ -1,0 +1,25 @@
+"""RMSNorm, computed in fp32 as Hugging Face does, with an optional fused residual add."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from models.layers.weights import ReplicatedLoader, attach_loader, new_param
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = attach_loader(new_param(hidden_size), ReplicatedLoader((hidden_size,)))
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """Without `residual`: norm(x). With it: (norm(x + residual), x + residual)."""
+        if residual is not None:
+            x = x + residual
+            residual = x
+        dtype = x.dtype
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        out = self.weight * h.to(dtype)
+        return out if residual is None else (out, residual)

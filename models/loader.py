@@ -1,0 +1,131 @@
+"""Weight loading from Hugging Face safetensors checkpoints (one file or index-mapped shards).
+
+Checkpoint names map to parameters through a model's declared `NameRule`s (substring pairs,
+`{e}` standing for an expert id); each parameter's `ParamLoader` slices and copies. Every
+mismatch is reported by checkpoint tensor name: missing, unexpected, or mis-shaped.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Hashable, Iterator
+
+import torch
+from safetensors import safe_open
+from tqdm.auto import tqdm
+
+logger = logging.getLogger("moe.loader")
+
+
+@dataclass(frozen=True)
+class NameRule:
+    """`ckpt` (in checkpoint names) <-> `param` (in parameter names), filling piece `shard`.
+
+    `{e}` in `ckpt` captures an expert id. Matches whole dotted components only.
+    """
+    param: str
+    ckpt: str
+    shard: Hashable = None
+
+    @property
+    def per_expert(self) -> bool:
+        return "{e}" in self.ckpt
+
+    def pattern(self) -> re.Pattern:
+        body = re.escape(self.ckpt).replace(re.escape("{e}"), r"(\d+)")
+        return re.compile(r"(?:^|(?<=\.))" + body + r"(?=\.|$)")
+
+
+def map_checkpoint_name(name: str, rules: list[NameRule]) -> tuple[str, Hashable, int | None]:
+    """Checkpoint tensor name -> (parameter name, shard id, expert id)."""
+    for rule in rules:
+        m = rule.pattern().search(name)
+        if m:
+            expert = int(m.group(1)) if rule.per_expert else None
+            return name[:m.start()] + rule.param + name[m.end():], rule.shard, expert
+    return name, None, None
+
+
+def checkpoint_name_for(param_name: str, shard: Hashable, expert: int | None, rules: list[NameRule]) -> str:
+    """The checkpoint name that would fill one piece of a parameter (for error messages)."""
+    for rule in rules:
+        if rule.shard == shard and rule.per_expert == (expert is not None) and rule.param in param_name:
+            return param_name.replace(rule.param, rule.ckpt.format(e=expert), 1)
+    return param_name
+
+
+def checkpoint_files(model_dir: str) -> list[str]:
+    index = os.path.join(model_dir, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            weight_map = json.load(f).get("weight_map", {})
+        files = sorted(set(weight_map.values()))
+        missing = [f for f in files if not os.path.isfile(os.path.join(model_dir, f))]
+        if missing:
+            raise OSError(f"{index} lists shard(s) that do not exist: {', '.join(missing)}")
+        return [os.path.join(model_dir, f) for f in files]
+    files = sorted(f for f in os.listdir(model_dir) if f.endswith(".safetensors"))
+    if not files:
+        raise OSError(f"{model_dir!r} has no *.safetensors weights (use load_format='dummy' for random weights)")
+    return [os.path.join(model_dir, f) for f in files]
+
+
+def iterate_checkpoint(model_dir: str, progress: bool = True) -> Iterator[tuple[str, str, "safe_open"]]:
+    """Yields (file, tensor name, open handle) over every tensor of every shard."""
+    files = checkpoint_files(model_dir)
+    for path in tqdm(files, desc="Loading safetensors checkpoint shards", disable=not progress or len(files) < 2):
+        with safe_open(path, framework="pt", device="cpu") as f:
+            for name in f.keys():
+                yield path, name, f
+
+
+def _fmt(shape) -> str:
+    return "[" + ", ".join(str(s) for s in shape) + "]"
+
+
+def load_weights(model: torch.nn.Module, model_dir: str, progress: bool = True) -> None:
+    """Fill every parameter of `model` from the checkpoint, or raise naming what is wrong."""
+    rules: list[NameRule] = model.weight_name_rules()
+    params = dict(model.named_parameters())
+    loaded: dict[str, set] = defaultdict(set)
+    for path, name, f in iterate_checkpoint(model_dir, progress):
+        if model.ignore_checkpoint_name(name):
+            continue
+        pname, shard, expert = map_checkpoint_name(name, rules)
+        param = params.get(pname)
+        if param is None:
+            raise ValueError(f"unexpected tensor {name!r} in {os.path.basename(path)}: the "
+                             f"{type(model).__name__} model has no parameter for it")
+        want = param.param_loader.ckpt_shape(shard, expert)
+        tensor = f.get_tensor(name)
+        if tuple(tensor.shape) != tuple(want):
+            raise ValueError(f"tensor {name!r} in {os.path.basename(path)} has shape {_fmt(tensor.shape)}, "
+                             f"but the model expects {_fmt(want)}")
+        loaded[pname].update(param.param_loader.load(param, tensor.to(param.dtype), shard, expert))
+    missing = []
+    for pname, param in params.items():
+        for shard, expert in param.param_loader.pieces():
+            if (shard, expert) not in loaded[pname]:
+                missing.append(checkpoint_name_for(pname, shard, expert, rules))
+    if missing:
+        shown = ", ".join(repr(m) for m in missing[:8])
+        more = f" and {len(missing) - 8} more" if len(missing) > 8 else ""
+        raise ValueError(f"checkpoint in {model_dir!r} is missing tensor(s) {shown}{more}")
+
+
+@torch.no_grad()
+def init_dummy_weights(model: torch.nn.Module, seed: int = 0, low: float = -1e-3, high: float = 1e-3) -> None:
+    """Random weights at the real size (load_format='dummy', for benchmarks)."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    for param in model.parameters():
+        if param.is_floating_point():
+            cpu = torch.empty(param.shape, dtype=torch.float32).uniform_(low, high, generator=gen) \
+                if param.device.type == "cpu" else None
+            if cpu is not None:
+                param.data.copy_(cpu)
+            else:  # fill on the device: copying GBs of random numbers from the host is slow
+                param.data.uniform_(low, high)

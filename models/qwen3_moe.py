@@ -1,0 +1,166 @@
+"""Qwen3-MoE (`Qwen3MoeForCausalLM`): GQA attention with per-head q/k RMSNorm before NeoX RoPE,
+softmax top-k routing (optionally renormalised), no shared expert, dense MLP layers where
+`mlp_only_layers` / `decoder_sparse_step` say so."""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kernels.attention import AttentionMetadata
+from models.config import ModelConfig, hf_get
+from models.layers.attention import Attention
+from models.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from models.layers.linear import ColumnParallelLinear, QKVParallelLinear, ReplicatedLinear, RowParallelLinear
+from models.layers.norm import RMSNorm
+from models.layers.rotary import RotaryEmbedding
+from models.loader import NameRule
+from moe.moe_block import FusedMoE, MoEBlock
+from routing import softmax_topk
+
+
+@dataclass
+class Qwen3MoeConfig(ModelConfig):
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    decoder_sparse_step: int = 1
+    mlp_only_layers: list[int] = field(default_factory=list)
+    attention_bias: bool = False
+
+    @classmethod
+    def from_hf(cls, cfg: dict, architecture: str) -> "Qwen3MoeConfig":
+        return cls(
+            **cls.common_fields(cfg, architecture),
+            num_experts=int(hf_get(cfg, "num_experts", "num_local_experts")),
+            num_experts_per_tok=int(hf_get(cfg, "num_experts_per_tok")),
+            moe_intermediate_size=int(hf_get(cfg, "moe_intermediate_size")),
+            norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+            decoder_sparse_step=int(cfg.get("decoder_sparse_step", 1) or 1),
+            mlp_only_layers=[int(i) for i in cfg.get("mlp_only_layers") or []],
+            attention_bias=bool(cfg.get("attention_bias", False)),
+        )
+
+    def is_moe_layer(self, layer_idx: int) -> bool:
+        return (layer_idx not in self.mlp_only_layers and self.num_experts > 0
+                and (layer_idx + 1) % self.decoder_sparse_step == 0)
+
+
+class DenseMLP(nn.Module):
+    """SwiGLU MLP with fused gate/up (column-parallel) and row-parallel down."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.gate_up_proj = ColumnParallelLinear(hidden_size, [intermediate_size] * 2)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class Qwen3MoeAttention(nn.Module):
+    def __init__(self, cfg: Qwen3MoeConfig) -> None:
+        super().__init__()
+        d = cfg.head_dim
+        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, d, cfg.num_attention_heads, cfg.num_key_value_heads,
+                                          bias=cfg.attention_bias)
+        self.o_proj = RowParallelLinear(cfg.num_attention_heads * d, cfg.hidden_size, bias=False)
+        self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(d, cfg.max_position_embeddings, cfg.rope)
+        self.attn = Attention(self.qkv_proj.num_heads, d, self.qkv_proj.num_kv_heads, d ** -0.5)
+        self.head_dim = d
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        T, d = x.shape[0], self.head_dim
+        q, k, v = self.qkv_proj(x).split([self.qkv_proj.q_size, self.qkv_proj.kv_size, self.qkv_proj.kv_size], -1)
+        q = self.q_norm(q.reshape(T, -1, d))
+        k = self.k_norm(k.reshape(T, -1, d))
+        q, k = self.rotary_emb(positions, q, k)
+        return self.o_proj(self.attn(q.reshape(T, -1), k.reshape(T, -1), v, meta))
+
+
+class Qwen3MoeDecoderLayer(nn.Module):
+    def __init__(self, cfg: Qwen3MoeConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.self_attn = Qwen3MoeAttention(cfg)
+        if cfg.is_moe_layer(layer_idx):
+            self.mlp = MoEBlock(
+                gate=ReplicatedLinear(cfg.hidden_size, cfg.num_experts),
+                router_fn=functools.partial(softmax_topk, top_k=cfg.num_experts_per_tok,
+                                            renormalize=cfg.norm_topk_prob),
+                experts=FusedMoE(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size),
+            )
+        else:
+            self.mlp = DenseMLP(cfg.hidden_size, cfg.intermediate_size)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, positions, x, residual, meta):
+        if residual is None:
+            residual, x = x, self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(positions, x, meta)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class Qwen3MoeModel(nn.Module):
+    def __init__(self, cfg: Qwen3MoeConfig) -> None:
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(Qwen3MoeDecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, input_ids, positions, meta):
+        x, residual = self.embed_tokens(input_ids), None
+        for layer in self.layers:
+            x, residual = layer(positions, x, residual, meta)
+        x, _ = self.norm(x, residual)
+        return x
+
+
+class Qwen3MoeForCausalLM(nn.Module):
+    config_class = Qwen3MoeConfig
+
+    def __init__(self, cfg: Qwen3MoeConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.model = Qwen3MoeModel(cfg)
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """input_ids, positions [T] -> final hidden states [T, D]."""
+        return self.model(input_ids, positions, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head.compute_logits(hidden)
+
+    def attention_layers(self) -> list[Attention]:
+        return [layer.self_attn.attn for layer in self.model.layers]
+
+    @staticmethod
+    def weight_name_rules() -> list[NameRule]:
+        return [
+            NameRule("experts.w13_weight", "experts.{e}.gate_proj.weight", "w1"),
+            NameRule("experts.w13_weight", "experts.{e}.up_proj.weight", "w3"),
+            NameRule("experts.w2_weight", "experts.{e}.down_proj.weight", "w2"),
+            NameRule("experts.w13_weight", "experts.gate_up_proj", "w13"),
+            NameRule("experts.w2_weight", "experts.down_proj", "w2"),
+            NameRule("qkv_proj", "q_proj", "q"),
+            NameRule("qkv_proj", "k_proj", "k"),
+            NameRule("qkv_proj", "v_proj", "v"),
+            NameRule("gate_up_proj", "gate_proj", 0),
+            NameRule("gate_up_proj", "up_proj", 1),
+        ]
+
+    def ignore_checkpoint_name(self, name: str) -> bool:
+        return "rotary_emb.inv_freq" in name or (self.config.tie_word_embeddings and name == "lm_head.weight")

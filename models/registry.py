@@ -1,0 +1,35 @@
+"""Architecture name (config.json `architectures[0]`) -> model class."""
+from __future__ import annotations
+
+import importlib
+
+from models.config import ModelConfig, read_hf_config
+
+_ARCHITECTURES = {
+    "Qwen3MoeForCausalLM": ("models.qwen3_moe", "Qwen3MoeForCausalLM"),
+}
+
+
+def supported_architectures() -> list[str]:
+    return sorted(_ARCHITECTURES)
+
+
+def resolve_architecture(hf_config: dict) -> type:
+    archs = hf_config.get("architectures") or []
+    if not archs:
+        raise ValueError("config.json has no 'architectures' entry; supported architectures: "
+                         + ", ".join(supported_architectures()))
+    for arch in archs:
+        if arch in _ARCHITECTURES:
+            module, cls = _ARCHITECTURES[arch]
+            return getattr(importlib.import_module(module), cls)
+    raise ValueError(f"unsupported model architecture {archs[0]!r}; supported architectures: "
+                     + ", ".join(supported_architectures()))
+
+
+def load_model_config(model_dir: str) -> tuple[type, ModelConfig]:
+    """(model class, typed config) for a checkpoint folder."""
+    raw = read_hf_config(model_dir)
+    cls = resolve_architecture(raw)
+    arch = next(a for a in raw["architectures"] if a in _ARCHITECTURES)
+    return cls, cls.config_class.from_hf(raw, arch)

@@ -1,0 +1,124 @@
+"""The built-in tiny checkpoint `tiny-qwen3-moe`: a real Hugging Face-format folder (config.json,
+model.safetensors, tokenizer.json) with seeded random weights, made on first use.
+
+Its shape is the CPU benchmark model of TARGETS.md §3: hidden 256, 4 layers, 8 heads (4 KV,
+head_dim 32), 16 experts top-4, moe_intermediate 128, vocabulary 512.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import tempfile
+
+import torch
+from safetensors.torch import save_file
+
+logger = logging.getLogger("moe.tiny")
+
+TINY_MODELS = ("tiny-qwen3-moe",)
+
+TINY_QWEN3_MOE_CONFIG = {
+    "architectures": ["Qwen3MoeForCausalLM"],
+    "model_type": "qwen3_moe",
+    "vocab_size": 512,
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "moe_intermediate_size": 128,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "head_dim": 32,
+    "num_experts": 16,
+    "num_experts_per_tok": 4,
+    "norm_topk_prob": True,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [],
+    "max_position_embeddings": 2048,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 1000000.0,
+    "tie_word_embeddings": False,
+    "bos_token_id": None,
+    "eos_token_id": 0,
+    "torch_dtype": "float32",
+}
+
+_CORPUS = """\
+Mixture-of-experts models route every token to a few experts out of many. The router scores
+each expert, keeps the top ones, and the token's output is the weighted sum of what they return.
+Hello, world! Hello there. How are you today? The quick brown fox jumps over the lazy dog.
+Inference engines batch requests continuously: new requests join, finished ones leave, and the
+key-value cache lives in fixed-size blocks so that memory is not wasted on padding.
+Numbers: 0 1 2 3 4 5 6 7 8 9 10 100 1000. Punctuation: ; : , . ! ? ( ) [ ] { } " ' - _ / \\ @ # $ % &
+Unicode: café, naïve, 東京, 日本語, こんにちは, привет, 😀 🚀.
+"""
+
+
+def cache_dir() -> str:
+    return os.environ.get("MOE_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "moe-runtime"))
+
+
+def build_tokenizer(vocab_size: int):
+    """A byte-level BPE tokenizer trained on a small built-in corpus (no download needed)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator([_CORPUS] * 4, trainer=trainer)
+    return tok
+
+
+def random_checkpoint_tensors(model_cls, config, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Hugging Face-named tensors for every piece of every parameter of `model_cls(config)`,
+    drawn from a seeded generator (norm weights near 1, the rest N(0, 0.05²))."""
+    from models.loader import checkpoint_name_for
+
+    gen = torch.Generator().manual_seed(seed)
+    with torch.device("meta"):
+        model = model_cls(config)
+    rules = model.weight_name_rules()
+    tensors = {}
+    for pname, param in model.named_parameters():
+        for shard, expert in param.param_loader.pieces():
+            name = checkpoint_name_for(pname, shard, expert, rules)
+            shape = param.param_loader.ckpt_shape(shard, expert)
+            if "norm" in pname:
+                tensors[name] = 1.0 + 0.1 * torch.randn(shape, generator=gen)
+            else:
+                tensors[name] = 0.05 * torch.randn(shape, generator=gen)
+    return tensors
+
+
+def ensure_tiny_model(name: str) -> str:
+    """The folder of built-in model `name`, created on first use."""
+    if name not in TINY_MODELS:
+        raise ValueError(f"unknown built-in model {name!r}; built-in models: {', '.join(TINY_MODELS)}")
+    path = os.path.join(cache_dir(), name)
+    if os.path.isfile(os.path.join(path, "model.safetensors")):
+        return path
+    from models.registry import resolve_architecture
+
+    logger.info("Creating the built-in model %s in %s", name, path)
+    os.makedirs(cache_dir(), exist_ok=True)
+    tmp = tempfile.mkdtemp(dir=cache_dir(), prefix=f".{name}-")
+    cfg = dict(TINY_QWEN3_MOE_CONFIG)
+    model_cls = resolve_architecture(cfg)
+    typed = model_cls.config_class.from_hf(cfg, cfg["architectures"][0])
+    save_file(random_checkpoint_tensors(model_cls, typed), os.path.join(tmp, "model.safetensors"),
+              metadata={"format": "pt"})
+    build_tokenizer(cfg["vocab_size"]).save(os.path.join(tmp, "tokenizer.json"))
+    with open(os.path.join(tmp, "config.json"), "w") as f:
+        json.dump(cfg, f, indent=2)
+    with open(os.path.join(tmp, "generation_config.json"), "w") as f:
+        json.dump({"eos_token_id": 0}, f)
+    with open(os.path.join(tmp, "tokenizer_config.json"), "w") as f:
+        json.dump({"eos_token": "<|endoftext|>"}, f)
+    try:
+        os.replace(tmp, path)  # atomic: a concurrent first use sees a whole folder or none
+    except OSError:  # another process created it first
+        shutil.rmtree(tmp, ignore_errors=True)
+    return path

@@ -1,0 +1,90 @@
+"""Engine arguments with vLLM's names, and their validation."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
+          "float16": torch.float16, "half": torch.float16}
+LOAD_FORMATS = ("auto", "safetensors", "dummy")
+DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
+
+
+@dataclass
+class EngineArgs:
+    model: str
+    tokenizer: str | None = None
+    dtype: str = "auto"
+    seed: int = 0
+    max_model_len: int | None = None
+    block_size: int = 16
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None
+    gpu_memory_utilization: float = 0.9
+    num_gpu_blocks_override: int | None = None
+    kv_cache_memory_bytes: int | None = None
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    load_format: str = "auto"
+    disable_log_stats: bool = True
+    device: str = "auto"
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    data_parallel_size: int = 1
+    enable_expert_parallel: bool = False
+    all2all_backend: str = "auto"
+    expert_placement_strategy: str = "linear"
+    moe_backend: str | None = None
+    trust_remote_code: bool = False  # accepted for vLLM compatibility; nothing remote is ever run
+    enforce_eager: bool = False
+
+    def resolve_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
+            raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
+        if self.device.startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError("device='cuda' was asked for, but torch sees no CUDA device")
+        return torch.device(self.device)
+
+    def resolve_dtype(self, config_dtype: str | None) -> torch.dtype:
+        if self.dtype == "auto":
+            return DTYPES.get(str(config_dtype).replace("torch.", ""), torch.float32) if config_dtype else torch.float32
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be 'auto' or one of {sorted(DTYPES)}, got {self.dtype!r}")
+        return DTYPES[self.dtype]
+
+    def validate(self) -> None:
+        """Checks that need no model; model-dependent checks run at load."""
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
+        for name in ("block_size", "max_num_seqs", "tensor_parallel_size", "pipeline_parallel_size",
+                     "data_parallel_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
+            raise ValueError(f"num_gpu_blocks_override must be >= 1, got {self.num_gpu_blocks_override}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
+        """--kebab-case flags for every field, as vLLM's CLI spells them."""
+        for f in dataclasses.fields(cls):
+            flag = "--" + f.name.replace("_", "-")
+            if f.name == "model":
+                parser.add_argument(flag, required=True, help="checkpoint folder, or 'tiny-qwen3-moe'")
+            elif f.type in ("bool", bool):
+                parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)
+            else:
+                kind = int if "int" in str(f.type) else float if "float" in str(f.type) else str
+                parser.add_argument(flag, type=kind, default=f.default)
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> "EngineArgs":
+        return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})

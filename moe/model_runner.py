@@ -1,0 +1,201 @@
+"""The model runner: keeps per-request token/block state, turns each SchedulerOutput into
+batch tensors, runs the model, samples, and returns the new tokens.
+
+It sees only SchedulerOutputs, so a multi-process executor can broadcast the same object to
+every rank's runner.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from kernels.attention import AttentionMetadata
+from moe.sampler import SamplingBatch, sample
+from moe.sampling_params import SamplingParams
+from scheduler import SchedulerOutput
+
+logger = logging.getLogger("moe.runner")
+
+
+@dataclass
+class RequestState:
+    token_ids: list[int]
+    num_prompt_tokens: int
+    params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass
+class TokenLogprobs:
+    """Raw logprobs of one sampled token: the token's own, its rank, and the top-k."""
+    token_id: int
+    logprob: float
+    rank: int
+    top_ids: list[int]
+    top_logprobs: list[float]
+
+
+@dataclass
+class ModelRunnerOutput:
+    sampled: dict[str, list[int]] = field(default_factory=dict)
+    logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+
+
+def _derived_seed(seed: int, output_index: int) -> int:
+    # A seeded request's draw for its i-th token depends only on (seed, i): reproducible
+    # across batch compositions and after preemption.
+    return hash((seed, output_index)) & ((1 << 63) - 1)
+
+
+class ModelRunner:
+    def __init__(self, model: torch.nn.Module, device: torch.device, block_size: int,
+                 eos_token_ids: tuple[int, ...], vocab_size: int) -> None:
+        self.model = model
+        self.device = device
+        self.block_size = block_size
+        self.eos_token_ids = list(eos_token_ids)
+        self.vocab_size = vocab_size
+        self.requests: dict[str, RequestState] = {}
+        self.kv_caches: list[torch.Tensor] = []
+
+    # ---- KV cache ----------------------------------------------------------------------
+    def kv_cache_bytes_per_block(self) -> int:
+        total = 0
+        for attn in self.model.attention_layers():
+            shape = attn.kv_cache_shape(1, self.block_size)
+            total += int(np.prod(shape)) * torch.finfo(self.kv_dtype).bits // 8
+        return total
+
+    @property
+    def kv_dtype(self) -> torch.dtype:
+        return next(self.model.parameters()).dtype
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        self.kv_caches = []
+        for attn in self.model.attention_layers():
+            cache = torch.zeros(attn.kv_cache_shape(num_blocks, self.block_size), dtype=self.kv_dtype, device=self.device)
+            attn.kv_cache = cache
+            self.kv_caches.append(cache)
+
+    # ---- one step ----------------------------------------------------------------------
+    def _update_states(self, so: SchedulerOutput) -> None:
+        for req_id in so.finished_req_ids | so.preempted_req_ids:
+            self.requests.pop(req_id, None)
+        for new in so.scheduled_new_reqs:
+            self.requests[new.req_id] = RequestState(list(new.token_ids), new.num_prompt_tokens,
+                                                     new.sampling_params, list(new.block_ids),
+                                                     new.num_computed_tokens)
+        for cached in so.scheduled_cached_reqs:
+            state = self.requests[cached.req_id]
+            state.block_ids.extend(cached.new_block_ids)
+            state.num_computed_tokens = cached.num_computed_tokens
+
+    def _prepare(self, so: SchedulerOutput):
+        req_ids = list(so.num_scheduled_tokens)
+        states = [self.requests[r] for r in req_ids]
+        n = np.fromiter((so.num_scheduled_tokens[r] for r in req_ids), dtype=np.int64, count=len(req_ids))
+        computed = np.fromiter((s.num_computed_tokens for s in states), dtype=np.int64, count=len(states))
+        qsl = np.zeros(len(req_ids) + 1, dtype=np.int64)
+        np.cumsum(n, out=qsl[1:])
+        seq_lens = computed + n
+        max_blocks = max(len(s.block_ids) for s in states)
+        tables = np.zeros((len(states), max_blocks), dtype=np.int64)
+        input_ids: list[int] = []
+        for i, s in enumerate(states):
+            tables[i, :len(s.block_ids)] = s.block_ids
+            c = s.num_computed_tokens
+            input_ids.extend(s.token_ids[c:c + n[i]])
+        row = np.repeat(np.arange(len(states)), n)
+        positions = np.arange(qsl[-1]) - qsl[:-1][row] + computed[row]
+        slots = tables[row, positions // self.block_size] * self.block_size + positions % self.block_size
+
+        dev = self.device
+        decode = np.nonzero(n == 1)[0]
+        prefill = np.nonzero(n != 1)[0]
+        meta = AttentionMetadata(
+            query_start_loc=qsl.tolist(), seq_lens=seq_lens.tolist(),
+            block_tables_BM=torch.from_numpy(tables).to(dev), slot_mapping_T=torch.from_numpy(slots).to(dev),
+            decode_seqs=decode.tolist(), prefill_seqs=prefill.tolist())
+        if len(decode):
+            nblk = -(-int(seq_lens[decode].max()) // self.block_size)
+            meta.decode_token_idx = torch.from_numpy(qsl[decode]).to(dev)
+            meta.decode_seq_lens = torch.from_numpy(seq_lens[decode]).to(dev)
+            meta.decode_block_tables = torch.from_numpy(np.ascontiguousarray(tables[decode, :nblk])).to(dev)
+        # Rows that reach the end of their known tokens produce a next token.
+        sample_rows = [i for i, s in enumerate(states) if seq_lens[i] == len(s.token_ids)]
+        return (req_ids, states, torch.tensor(input_ids, dtype=torch.long, device=dev),
+                torch.from_numpy(positions).to(dev), meta, qsl, sample_rows)
+
+    def _sampling_batch(self, states: list[RequestState]) -> SamplingBatch:
+        dev = self.device
+        params = [s.params for s in states]
+        temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=dev)
+        top_k = [p.top_k for p in params]
+        top_p = [p.top_p for p in params]
+        min_p = [p.min_p for p in params]
+        batch = SamplingBatch(
+            temperature_B=temperature,
+            top_k_B=torch.tensor(top_k, device=dev) if any(top_k) else None,
+            top_p_B=torch.tensor(top_p, dtype=torch.float32, device=dev) if any(x < 1 for x in top_p) else None,
+            min_p_B=torch.tensor(min_p, dtype=torch.float32, device=dev) if any(min_p) else None,
+            seeds=[None if p.seed is None else _derived_seed(p.seed, len(s.token_ids) - s.num_prompt_tokens)
+                   for p, s in zip(params, states)],
+            all_greedy=all(p.is_greedy for p in params),
+            max_num_logprobs=max((p.logprobs for p in params if p.logprobs is not None), default=-1),
+        )
+        if any(p.repetition_penalty != 1 or p.frequency_penalty or p.presence_penalty for p in params):
+            V, B = self.vocab_size, len(states)
+            counts = torch.zeros(B, V, dtype=torch.float32, device=dev)
+            prompt = torch.zeros(B, V, dtype=torch.bool, device=dev)
+            for i, s in enumerate(states):
+                out = torch.tensor(s.token_ids[s.num_prompt_tokens:], dtype=torch.long, device=dev)
+                counts[i].index_add_(0, out, torch.ones_like(out, dtype=torch.float32))
+                prompt[i, torch.tensor(s.token_ids[:s.num_prompt_tokens], dtype=torch.long, device=dev)] = True
+            batch.output_counts_BV, batch.prompt_mask_BV = counts, prompt
+            batch.repetition_penalty_B = torch.tensor([p.repetition_penalty for p in params], device=dev)
+            batch.frequency_penalty_B = torch.tensor([p.frequency_penalty for p in params], device=dev)
+            batch.presence_penalty_B = torch.tensor([p.presence_penalty for p in params], device=dev)
+        banned = []
+        for i, (p, s) in enumerate(zip(params, states)):
+            if len(s.token_ids) - s.num_prompt_tokens < p.min_tokens:
+                stops = ([] if p.ignore_eos else self.eos_token_ids) + list(p.stop_token_ids)
+                if stops:
+                    banned.append((i, stops))
+        batch.banned_tokens = banned or None
+        return batch
+
+    @torch.inference_mode()
+    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        self._update_states(so)
+        if so.is_empty:
+            return ModelRunnerOutput()
+        req_ids, states, input_ids, positions, meta, qsl, sample_rows = self._prepare(so)
+        hidden = self.model(input_ids, positions, meta)
+        out = ModelRunnerOutput()
+        if not sample_rows:
+            return out
+        idx = torch.tensor([qsl[i + 1] - 1 for i in sample_rows], device=self.device)
+        logits = self.model.compute_logits(hidden[idx])
+        sample_states = [states[i] for i in sample_rows]
+        result = sample(logits, self._sampling_batch(sample_states))
+        sampled = result.sampled_B.tolist()
+        want_logprobs = result.sampled_logprob_B is not None
+        if want_logprobs:
+            lp = result.sampled_logprob_B.tolist()
+            ranks = result.sampled_rank_B.tolist()
+            top_ids = result.logprob_ids_BK.tolist() if result.logprob_ids_BK is not None else None
+            top_vals = result.logprob_vals_BK.tolist() if result.logprob_vals_BK is not None else None
+        for j, i in enumerate(sample_rows):
+            req_id, state = req_ids[i], states[i]
+            state.token_ids.append(sampled[j])
+            out.sampled[req_id] = [sampled[j]]
+            k = state.params.logprobs
+            if want_logprobs and k is not None:
+                out.logprobs[req_id] = [TokenLogprobs(sampled[j], lp[j], ranks[j],
+                                                      top_ids[j][:k] if top_ids else [],
+                                                      top_vals[j][:k] if top_vals else [])]
+        return out

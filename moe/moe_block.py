@@ -1,0 +1,123 @@
+"""The one MoE block every model uses: router -> (dispatch) -> routed experts -> (combine),
+plus optional shared experts.
+
+Experts are sharded one of two ways: expert-parallel (each EP rank holds E/ep whole experts,
+`expert_map` marks the others -1) or, without EP, tensor-parallel along the intermediate dim
+(every rank holds every expert's F/tp slice and the outputs are summed over the TP group).
+
+Legend: T tokens, D hidden, E experts, F expert intermediate size, K top-k.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import nn
+
+import kernels
+from models.layers.weights import ParamLoader, attach_loader, new_param
+from moe.distributed import get_parallel_state, tp_all_reduce
+from routing import RouterOutput, make_expert_map
+
+
+class ExpertWeightLoader(ParamLoader):
+    """Loads expert weights from per-expert tensors (`w1` gate, `w3` up, `w2` down, each
+    [F, D] or [D, F]) or from fused 3-D tensors (`w13` = [E, 2F, D] gate rows then up rows,
+    `w2` with expert None = [E, D, F])."""
+
+    def __init__(self, kind: str, num_experts: int, hidden: int, inter: int,
+                 local_ids: list[int], tp_rank: int, inter_local: int) -> None:
+        self.kind, self.E, self.D, self.F = kind, num_experts, hidden, inter
+        self.local_ids, self.local_of = local_ids, {g: i for i, g in enumerate(local_ids)}
+        self.f0, self.Fl = tp_rank * inter_local, inter_local
+
+    def pieces(self):
+        shards = ("w1", "w3") if self.kind == "w13" else ("w2",)
+        return [(s, e) for e in self.local_ids for s in shards]
+
+    def ckpt_shape(self, shard_id, expert_id):
+        if expert_id is None:  # fused 3-D tensor of all experts
+            return (self.E, 2 * self.F, self.D) if shard_id == "w13" else (self.E, self.D, self.F)
+        return (self.D, self.F) if shard_id == "w2" else (self.F, self.D)
+
+    def _copy_one(self, param, local: int, shard_id: str, t: torch.Tensor) -> None:
+        f0, Fl = self.f0, self.Fl
+        if shard_id == "w2":
+            param.data[local].copy_(t[:, f0:f0 + Fl])
+        else:
+            dst = 0 if shard_id == "w1" else Fl
+            param.data[local, dst:dst + Fl].copy_(t[f0:f0 + Fl])
+
+    def load(self, param, tensor, shard_id, expert_id):
+        if expert_id is not None:
+            local = self.local_of.get(expert_id)
+            if local is None:
+                return []  # held by another expert-parallel rank
+            self._copy_one(param, local, shard_id, tensor)
+            return [(shard_id, expert_id)]
+        filled = []
+        for g, local in self.local_of.items():
+            if shard_id == "w13":
+                self._copy_one(param, local, "w1", tensor[g, :self.F])
+                self._copy_one(param, local, "w3", tensor[g, self.F:])
+                filled += [("w1", g), ("w3", g)]
+            else:
+                self._copy_one(param, local, "w2", tensor[g])
+                filled.append(("w2", g))
+        return filled
+
+
+class FusedMoE(nn.Module):
+    """The routed experts of one layer: w13_weight [E_local, 2F_local, D], w2_weight [E_local, D, F_local]."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int,
+                 kernel_backend: str | None = None) -> None:
+        super().__init__()
+        ps = get_parallel_state()
+        self.num_experts = num_experts
+        self.kernel_backend = kernel_backend
+        if ps.enable_expert_parallel and ps.ep_size > 1:
+            self.expert_map = make_expert_map(num_experts, ps.ep_size, ps.ep_rank)
+            local_ids = [g for g in range(num_experts) if self.expert_map[g] >= 0]
+            f_local, tp_rank, self.reduce_over_tp = intermediate_size, 0, False
+        else:
+            self.expert_map = None
+            local_ids = list(range(num_experts))
+            if intermediate_size % ps.tp_size:
+                raise ValueError(f"moe_intermediate_size={intermediate_size} is not divisible by "
+                                 f"tensor_parallel_size={ps.tp_size}")
+            f_local, tp_rank, self.reduce_over_tp = intermediate_size // ps.tp_size, ps.tp_rank, ps.tp_size > 1
+        E = len(local_ids)
+        args = (num_experts, hidden_size, intermediate_size, local_ids, tp_rank, f_local)
+        self.w13_weight = attach_loader(new_param(E, 2 * f_local, hidden_size), ExpertWeightLoader("w13", *args))
+        self.w2_weight = attach_loader(new_param(E, hidden_size, f_local), ExpertWeightLoader("w2", *args))
+
+    def forward(self, x_TD: torch.Tensor, routing: RouterOutput) -> torch.Tensor:
+        expert_map = None if self.expert_map is None else self.expert_map.to(x_TD.device)
+        y_TD = kernels.fused_experts(x_TD, self.w13_weight, self.w2_weight, routing.topk_weights_TK,
+                                     routing.topk_ids_TK, expert_map=expert_map, backend=self.kernel_backend)
+        return tp_all_reduce(y_TD) if self.reduce_over_tp else y_TD
+
+
+class MoEBlock(nn.Module):
+    """gate (router logits) -> router function -> experts, plus shared experts when given.
+
+    `router_fn(logits_TE) -> RouterOutput` holds the family's routing rule (softmax top-k,
+    sigmoid group-limited, ...). Attribute names match the Hugging Face layout (`gate`,
+    `experts`, `shared_experts`) so weight names map one to one.
+    """
+
+    def __init__(self, gate: nn.Module, router_fn: Callable[[torch.Tensor], RouterOutput],
+                 experts: FusedMoE, shared_experts: nn.Module | None = None) -> None:
+        super().__init__()
+        self.gate = gate
+        self.router_fn = router_fn
+        self.experts = experts
+        self.shared_experts = shared_experts
+
+    def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
+        routing = self.router_fn(self.gate(x_TD))
+        y_TD = self.experts(x_TD, routing)
+        if self.shared_experts is not None:
+            y_TD = y_TD + self.shared_experts(x_TD)
+        return y_TD

@@ -1,0 +1,113 @@
+"""Token sampling for one step's batch: penalties, temperature, top-k, top-p, min-p, per-request
+seeds, and logprobs of the raw model distribution (as vLLM reports them).
+
+Legend: B rows (one per sampling request), V vocabulary.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_EPS = 1e-5
+
+
+@dataclass
+class SamplingBatch:
+    """Per-row sampling settings, built by the model runner each step."""
+    temperature_B: torch.Tensor            # float32; 0 = greedy
+    top_k_B: torch.Tensor | None           # int64, 0 = off; None when no row uses it
+    top_p_B: torch.Tensor | None           # float32, 1 = off
+    min_p_B: torch.Tensor | None           # float32, 0 = off
+    seeds: list[int | None]                # per-row seed derived from (request seed, step); None = shared RNG
+    all_greedy: bool
+    max_num_logprobs: int                  # largest logprobs=k in the batch; -1 = none asked
+    # Penalties (None when no row uses them): [B, V] counts of output tokens, [B, V] prompt presence.
+    output_counts_BV: torch.Tensor | None = None
+    prompt_mask_BV: torch.Tensor | None = None
+    repetition_penalty_B: torch.Tensor | None = None
+    frequency_penalty_B: torch.Tensor | None = None
+    presence_penalty_B: torch.Tensor | None = None
+    # Rows still under min_tokens and the token ids they must not produce yet.
+    banned_tokens: list[tuple[int, list[int]]] | None = None
+
+
+@dataclass
+class SamplerOutput:
+    sampled_B: torch.Tensor                     # int64
+    logprob_ids_BK: torch.Tensor | None = None  # top-k ids of the raw distribution
+    logprob_vals_BK: torch.Tensor | None = None
+    sampled_logprob_B: torch.Tensor | None = None
+    sampled_rank_B: torch.Tensor | None = None
+
+
+def _apply_penalties(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
+    if b.repetition_penalty_B is not None:
+        seen = (b.output_counts_BV > 0) | b.prompt_mask_BV
+        p = b.repetition_penalty_B[:, None].expand_as(logits)
+        penalised = torch.where(logits > 0, logits / p, logits * p)
+        logits = torch.where(seen, penalised, logits)
+    if b.frequency_penalty_B is not None:
+        logits = logits - b.frequency_penalty_B[:, None] * b.output_counts_BV
+        logits = logits - b.presence_penalty_B[:, None] * (b.output_counts_BV > 0).to(logits.dtype)
+    return logits
+
+
+def _filter(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
+    """Mask (to -inf) tokens outside top-k / top-p / min-p."""
+    if b.top_k_B is not None or b.top_p_B is not None:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        remove = torch.zeros_like(sorted_logits, dtype=torch.bool)
+        V = logits.shape[-1]
+        if b.top_k_B is not None:
+            k = torch.where(b.top_k_B > 0, b.top_k_B, V).clamp(max=V)
+            remove |= torch.arange(V, device=logits.device)[None, :] >= k[:, None]
+        if b.top_p_B is not None:
+            probs = sorted_logits.masked_fill(remove, float("-inf")).softmax(-1)
+            before = probs.cumsum(-1) - probs  # mass of strictly more likely tokens
+            remove |= before > b.top_p_B[:, None]
+        remove[:, 0] = False
+        logits = logits.scatter(-1, order, sorted_logits.masked_fill(remove, float("-inf")))
+    if b.min_p_B is not None:
+        probs = logits.softmax(-1)
+        threshold = probs.max(-1, keepdim=True).values * b.min_p_B[:, None]
+        logits = logits.masked_fill(probs < threshold, float("-inf"))
+    return logits
+
+
+def _noise(probs: torch.Tensor, seeds: list[int | None]) -> torch.Tensor:
+    q = torch.empty_like(probs).exponential_()
+    for row, seed in enumerate(seeds):
+        if seed is not None:
+            gen = torch.Generator(device=probs.device).manual_seed(seed)
+            q[row].exponential_(generator=gen)
+    return q
+
+
+def sample(logits_BV: torch.Tensor, b: SamplingBatch) -> SamplerOutput:
+    logits = logits_BV.float()
+    raw_logprobs = logits.log_softmax(-1) if b.max_num_logprobs >= 0 else None
+    if b.output_counts_BV is not None:
+        logits = _apply_penalties(logits, b)
+    if b.banned_tokens:
+        for row, tokens in b.banned_tokens:
+            logits[row, tokens] = float("-inf")
+    greedy = logits.argmax(-1)
+    if b.all_greedy:
+        sampled = greedy
+    else:
+        temp = torch.where(b.temperature_B < _EPS, torch.ones_like(b.temperature_B), b.temperature_B)
+        probs = _filter(logits / temp[:, None], b).softmax(-1)
+        # Exponential race: argmax(p / Exp(1)) draws from p, and a seeded row's draw depends
+        # only on its own seed, not on the batch around it.
+        random = (probs / _noise(probs, b.seeds)).argmax(-1)
+        sampled = torch.where(b.temperature_B < _EPS, greedy, random)
+    out = SamplerOutput(sampled)
+    if raw_logprobs is not None:
+        k = b.max_num_logprobs
+        if k > 0:
+            out.logprob_vals_BK, out.logprob_ids_BK = raw_logprobs.topk(k, dim=-1)
+        chosen = raw_logprobs.gather(-1, sampled[:, None])
+        out.sampled_logprob_B = chosen[:, 0]
+        out.sampled_rank_B = (raw_logprobs > chosen).sum(-1) + 1
+    return out

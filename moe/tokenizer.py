@@ -1,0 +1,62 @@
+"""Tokenizer loading (Hugging Face `tokenizer.json` through the `tokenizers` library) and the
+end-of-sequence ids a checkpoint declares."""
+from __future__ import annotations
+
+import json
+import os
+
+from tokenizers import Tokenizer as _HFTokenizer
+
+
+def _read_json(path: str) -> dict:
+    if not os.path.isfile(path):
+        return {}
+    with open(path) as f:
+        return json.load(f)
+
+
+def _as_list(value) -> list[int]:
+    if value is None:
+        return []
+    return [int(v) for v in value] if isinstance(value, (list, tuple)) else [int(value)]
+
+
+class Tokenizer:
+    def __init__(self, path: str) -> None:
+        file = path if path.endswith(".json") else os.path.join(path, "tokenizer.json")
+        if not os.path.isfile(file):
+            raise OSError(f"no tokenizer.json at {path!r}")
+        self.path = os.path.dirname(file)
+        self._tk = _HFTokenizer.from_file(file)
+        config = _read_json(os.path.join(self.path, "tokenizer_config.json"))
+        eos = config.get("eos_token")
+        if isinstance(eos, dict):
+            eos = eos.get("content")
+        self.eos_token_id = self._tk.token_to_id(eos) if isinstance(eos, str) else None
+        self.vocab_size = self._tk.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self._tk.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._tk.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def decode_token(self, token_id: int) -> str:
+        return self._tk.decode([token_id], skip_special_tokens=False)
+
+
+def load_tokenizer(path: str | None) -> Tokenizer | None:
+    """The tokenizer in `path`, or None when the folder has no tokenizer.json."""
+    if path is None:
+        return None
+    file = path if path.endswith(".json") else os.path.join(path, "tokenizer.json")
+    return Tokenizer(path) if os.path.isfile(file) else None
+
+
+def eos_token_ids(model_dir: str, tokenizer: Tokenizer | None, config_eos: list[int]) -> tuple[int, ...]:
+    """EOS ids: generation_config.json first (it may list several), then config.json, then the tokenizer."""
+    gen = _as_list(_read_json(os.path.join(model_dir, "generation_config.json")).get("eos_token_id"))
+    ids = gen or list(config_eos)
+    if not ids and tokenizer is not None and tokenizer.eos_token_id is not None:
+        ids = [tokenizer.eos_token_id]
+    return tuple(dict.fromkeys(ids))

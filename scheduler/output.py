@@ -1,0 +1,55 @@
+"""What the scheduler hands to the executor each step, and what comes back per request."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class NewRequestData:
+    """A request the model runner has not seen (or has dropped after a preemption)."""
+    req_id: str
+    token_ids: list[int]          # prompt + tokens generated so far (recomputed after preemption)
+    num_prompt_tokens: int
+    sampling_params: Any
+    block_ids: list[int]
+    num_computed_tokens: int      # tokens already in the KV cache (prefix-cache hits) before this step
+
+
+@dataclass
+class CachedRequestData:
+    """A request the runner already tracks: only its new blocks travel."""
+    req_id: str
+    new_block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass
+class SchedulerOutput:
+    """One step's plan. The batch order is the order of `num_scheduled_tokens`."""
+    scheduled_new_reqs: list[NewRequestData]
+    scheduled_cached_reqs: list[CachedRequestData]
+    num_scheduled_tokens: dict[str, int]
+    total_num_scheduled_tokens: int
+    preempted_req_ids: set[str] = field(default_factory=set)
+    # Requests finished or aborted since the last step: the runner drops their state.
+    finished_req_ids: set[str] = field(default_factory=set)
+
+    @property
+    def is_empty(self) -> bool:
+        return self.total_num_scheduled_tokens == 0
+
+
+@dataclass
+class EngineCoreOutput:
+    """New tokens of one request after a step, with its finish state."""
+    req_id: str
+    new_token_ids: list[int]
+    new_logprobs: Any = None      # per new token, opaque to the scheduler
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None

@@ -1,0 +1,100 @@
+"""A request as the scheduler sees it: token ids, progress, stop conditions and status."""
+from __future__ import annotations
+
+import enum
+import time
+from typing import Any
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "finished_stopped"
+    FINISHED_LENGTH_CAPPED = "finished_length_capped"
+    FINISHED_ABORTED = "finished_aborted"
+
+    @property
+    def is_finished(self) -> bool:
+        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED,
+                        RequestStatus.FINISHED_ABORTED)
+
+
+class FinishReason(str, enum.Enum):
+    """The `finish_reason` strings vLLM reports."""
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+
+
+_FINISH_REASON = {
+    RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
+    RequestStatus.FINISHED_LENGTH_CAPPED: FinishReason.LENGTH,
+    RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
+}
+
+
+class Request:
+    """One sequence to generate. `sampling_params` is carried opaquely to the model runner.
+
+    Token bookkeeping: `all_token_ids` = prompt + generated; `num_computed_tokens` counts the
+    tokens whose KV is (or will be, after the step being scheduled) in the cache.
+    """
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        max_tokens: int,
+        eos_token_ids: tuple[int, ...] = (),
+        stop_token_ids: tuple[int, ...] = (),
+        ignore_eos: bool = False,
+        min_tokens: int = 0,
+        sampling_params: Any = None,
+        arrival_time: float | None = None,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.num_prompt_tokens = len(self.prompt_token_ids)
+        self.all_token_ids = list(prompt_token_ids)
+        self.max_tokens = max_tokens
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.stop_token_ids = tuple(stop_token_ids)
+        self.ignore_eos = ignore_eos
+        self.min_tokens = min_tokens
+        self.sampling_params = sampling_params
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.status = RequestStatus.WAITING
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = -1  # prefix-cache hit at first scheduling; -1 = not yet scheduled
+        self.num_preemptions = 0
+        self.stop_reason: int | str | None = None
+        # Chained hashes of the request's full blocks, grown as tokens arrive (prefix caching).
+        self.block_hashes: list[int] = []
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.all_token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.all_token_ids[self.num_prompt_tokens:]
+
+    def append_output_token(self, token_id: int) -> None:
+        self.all_token_ids.append(token_id)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    @property
+    def finish_reason(self) -> FinishReason | None:
+        return _FINISH_REASON.get(self.status)
+
+    def __repr__(self) -> str:
+        return (f"Request({self.request_id!r}, status={self.status.value}, tokens={self.num_tokens}, "
+                f"computed={self.num_computed_tokens})")

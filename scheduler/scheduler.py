@@ -1,0 +1,232 @@
+"""The step policy: a token budget per step, running requests first, chunked prefill,
+RECOMPUTE preemption when KV blocks run out, prefix-cache reuse for new requests."""
+from __future__ import annotations
+
+import logging
+from collections import deque
+from dataclasses import dataclass
+
+from scheduler.kv_cache_manager import KVCacheManager
+from scheduler.output import CachedRequestData, EngineCoreOutput, NewRequestData, SchedulerOutput
+from scheduler.request import Request, RequestStatus
+
+logger = logging.getLogger("moe.scheduler")
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    block_size: int
+    num_blocks: int
+    enable_chunked_prefill: bool = True
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size", "num_blocks"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) is smaller than max_model_len "
+                f"({self.max_model_len}) with chunked prefill disabled, so a long prompt could never be "
+                "scheduled; raise max_num_batched_tokens or enable chunked prefill")
+        if self.num_blocks * self.block_size < self.max_model_len:
+            raise ValueError(
+                f"the KV cache holds {self.num_blocks} blocks x {self.block_size} tokens = "
+                f"{self.num_blocks * self.block_size} tokens, fewer than max_model_len={self.max_model_len}, "
+                "so a request of that length could never run; increase gpu_memory_utilization / "
+                "kv_cache_memory_bytes / num_gpu_blocks_override or decrease max_model_len")
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig) -> None:
+        self.config = config
+        self.kv = KVCacheManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self._finished_since_last_step: set[str] = set()
+        # The runner holds state for these; after preemption it must be re-sent whole.
+        self._runner_knows: set[str] = set()
+        self.num_preemptions = 0
+
+    # ---- request lifecycle -------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def finish_requests(self, request_ids, status: RequestStatus) -> None:
+        """Finish (abort, or stop on a stop string) requests; their blocks are freed at once."""
+        if isinstance(request_ids, str):
+            request_ids = [request_ids]
+        for req_id in request_ids:
+            request = self.requests.get(req_id)
+            if request is None or request.is_finished:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            self._free_request(request, status)
+
+    def _free_request(self, request: Request, status: RequestStatus) -> None:
+        request.status = status
+        self.kv.free(request)
+        del self.requests[request.request_id]
+        self._runner_knows.discard(request.request_id)
+        self._finished_since_last_step.add(request.request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    # ---- one step ----------------------------------------------------------------------
+    def _preempt(self, request: Request) -> None:
+        self.kv.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self._runner_knows.discard(request.request_id)
+        self.waiting.appendleft(request)
+        logger.warning(
+            "Sequence group %s is preempted by PreemptionMode.RECOMPUTE mode because there is not "
+            "enough KV cache space. This can affect the end-to-end performance. Increase "
+            "gpu_memory_utilization or tensor_parallel_size to provide more KV cache memory. "
+            "total_cumulative_preemption_cnt=%d", request.request_id, self.num_preemptions)
+
+    def schedule(self) -> SchedulerOutput:
+        cfg = self.config
+        budget = cfg.max_num_batched_tokens
+        num_scheduled: dict[str, int] = {}
+        new_reqs: list[NewRequestData] = []
+        cached_reqs: list[CachedRequestData] = []
+        preempted: set[str] = set()
+
+        # Running requests first (decodes and unfinished prefill chunks), in arrival order.
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if num_new <= 0:  # nothing to compute (cannot happen after update); keep the order
+                i += 1
+                continue
+            while True:
+                new_blocks = self.kv.allocate_slots(request, num_new)
+                if new_blocks is not None:
+                    break
+                victim = self.running.pop()  # the most recently arrived running request
+                self._preempt(victim)
+                preempted.add(victim.request_id)
+                if victim is request:
+                    break
+            if new_blocks is None:
+                break
+            num_scheduled[request.request_id] = num_new
+            budget -= num_new
+            self._record(request, new_blocks, num_new, new_reqs, cached_reqs)
+            i += 1
+
+        # Then waiting requests in arrival order (preempted ones were put back at the front),
+        # unless this step had to preempt: the pool is too tight to admit more.
+        while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs and not preempted:
+            request = self.waiting[0]
+            hit_blocks, num_hit = self.kv.get_computed_blocks(request)
+            num_new = request.num_tokens - num_hit
+            if num_new > budget:
+                if not cfg.enable_chunked_prefill:
+                    break
+                num_new = budget
+            new_blocks = self.kv.allocate_slots(request, num_new, hit_blocks)
+            if new_blocks is None:
+                break
+            self.waiting.popleft()
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_hit
+            request.num_computed_tokens = num_hit
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            num_scheduled[request.request_id] = num_new
+            budget -= num_new
+            self._record(request, hit_blocks + new_blocks, num_new, new_reqs, cached_reqs)
+
+        total = cfg.max_num_batched_tokens - budget
+        assert total <= cfg.max_num_batched_tokens and len(self.running) <= cfg.max_num_seqs
+        out = SchedulerOutput(
+            scheduled_new_reqs=new_reqs,
+            scheduled_cached_reqs=cached_reqs,
+            num_scheduled_tokens=num_scheduled,
+            total_num_scheduled_tokens=total,
+            preempted_req_ids=preempted,
+            finished_req_ids=self._finished_since_last_step,
+        )
+        self._finished_since_last_step = set()
+        return out
+
+    def _record(self, request: Request, new_blocks, num_new: int,
+                new_reqs: list[NewRequestData], cached_reqs: list[CachedRequestData]) -> None:
+        if request.request_id in self._runner_knows:
+            cached_reqs.append(CachedRequestData(
+                request.request_id, [b.block_id for b in new_blocks], request.num_computed_tokens))
+        else:
+            self._runner_knows.add(request.request_id)
+            new_reqs.append(NewRequestData(
+                request.request_id, list(request.all_token_ids), request.num_prompt_tokens,
+                request.sampling_params, self.kv.block_ids(request), request.num_computed_tokens))
+        # The KV of these tokens is written during the step that is being planned now.
+        request.num_computed_tokens += num_new
+
+    # ---- after the step ----------------------------------------------------------------
+    def update_from_output(self, scheduler_output: SchedulerOutput,
+                           sampled: dict[str, list[int]],
+                           logprobs: dict | None = None) -> list[EngineCoreOutput]:
+        """Append the sampled tokens and apply the token-level stop conditions.
+
+        `sampled` maps request id -> new token ids for the requests whose scheduled tokens
+        reached the end of their known tokens (partial prefill chunks sample nothing).
+        """
+        outputs = []
+        for req_id in scheduler_output.num_scheduled_tokens:
+            request = self.requests.get(req_id)
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue  # aborted while the step ran
+            new_tokens = sampled.get(req_id)
+            if not new_tokens:
+                continue
+            appended = []
+            for token in new_tokens:
+                request.append_output_token(token)
+                appended.append(token)
+                status = self._check_stop(request, token)
+                if status is not None:
+                    self.running.remove(request)
+                    self._free_request(request, status)
+                    break
+            outputs.append(EngineCoreOutput(
+                req_id, appended, logprobs.get(req_id) if logprobs else None,
+                request.finish_reason.value if request.is_finished else None,
+                request.stop_reason, max(request.num_cached_tokens, 0)))
+        return outputs
+
+    def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
+        if request.num_output_tokens >= request.min_tokens:
+            if not request.ignore_eos and token in request.eos_token_ids:
+                request.stop_reason = None
+                return RequestStatus.FINISHED_STOPPED
+            if token in request.stop_token_ids:
+                request.stop_reason = token
+                return RequestStatus.FINISHED_STOPPED
+        if request.num_output_tokens >= request.max_tokens or request.num_tokens >= self.config.max_model_len:
+            return RequestStatus.FINISHED_LENGTH_CAPPED
+        return None
