@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from a2a_cases import D, E, K, case_names, global_weights, make_inputs, run_cases
-from a2a_harness import run_ranks
+from tests.all2all.a2a_cases import D, E, K, case_names, global_weights, make_inputs, run_cases
+from tests.all2all.a2a_harness import run_ranks
 from all2all import DispatchResult, make_dispatcher
 from kernels import fused_experts
 

@@ -1,7 +1,7 @@
 """Smoke test of benchmarks/bench_all2all.py: its core on 2 gloo ranks at tiny sizes, no torchrun."""
 from __future__ import annotations
 
-from a2a_harness import run_ranks
+from tests.all2all.a2a_harness import run_ranks
 from benchmarks.bench_all2all import format_table, parse_args, run_bench
 
 TOKENS = (0, 3, 16)
