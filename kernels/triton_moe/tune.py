@@ -21,15 +21,18 @@ from pathlib import Path
 import torch
 import triton
 
-from kernels.triton_moe.config import CONFIG_DIR, config_file_name, device_name
+from kernels.triton_moe.config import (CONFIG_DIR, config_file_name, device_name, load_configs,
+                                      nearest_bucket, split_config)
 from kernels.triton_moe.fused import _run
 
 # (BLOCK_N, BLOCK_K, num_warps, num_stages); gate_up holds two accumulators, so its BLOCK_N
 # counts double in registers.
 _SMALL = [(64, 128, 4, 4), (32, 128, 4, 4), (64, 256, 4, 3), (128, 128, 4, 3), (32, 256, 4, 3),
-          (64, 128, 4, 5)]
-_MID = [(64, 128, 4, 3), (128, 64, 4, 3), (64, 64, 4, 4), (128, 128, 8, 3), (128, 64, 8, 4)]
-_LARGE = [(128, 64, 8, 3), (128, 64, 4, 4), (64, 64, 4, 4), (256, 64, 8, 3), (128, 128, 8, 3)]
+          (64, 128, 4, 5), (128, 128, 8, 2), (64, 64, 4, 5), (128, 128, 4, 2), (64, 256, 4, 2)]
+_MID = [(64, 128, 4, 3), (128, 64, 4, 3), (64, 64, 4, 4), (128, 128, 8, 2), (128, 64, 8, 4),
+        (128, 128, 4, 2), (64, 64, 4, 3), (256, 128, 4, 2)]
+_LARGE = [(128, 64, 8, 3), (128, 64, 8, 4), (128, 64, 4, 4), (64, 64, 4, 4), (256, 64, 8, 3),
+          (256, 64, 8, 4), (128, 128, 8, 2)]
 
 
 def _block_ms(rows_per_expert: float) -> list[int]:
@@ -135,7 +138,8 @@ def _time_split(cfg_up, cfg_down, problems, fp8_w, M):
     return time_calls([mk(*p) for p in problems], M, reps=10)
 
 
-def tune_one(E, D, F, K, M, dtype, budget_s, fp8_w=None):
+def tune_one(E, D, F, K, M, dtype, budget_s, fp8_w=None, prior=None):
+    """Best (config, ms) for T=M; `prior` (e.g. the shipped config) is tried first."""
     fp8 = fp8_w is not None
     x, w13, w2, tw, ti = make_problem(E, D, F, K, M, dtype, with_weights=not fp8)
     # a few routings, so that consecutive timed calls touch different experts
@@ -147,8 +151,15 @@ def tune_one(E, D, F, K, M, dtype, budget_s, fp8_w=None):
         problems.append((x, w13, w2, tw_s, ti_s.to(torch.int32)))
     t_end = time.monotonic() + budget_s
     best = None
-    for bm in _block_ms(M * K / E):
+    bms = _block_ms(M * K / E)
+    if prior is not None and prior["BLOCK_SIZE_M"] not in bms:
+        bms = [prior["BLOCK_SIZE_M"]] + bms
+    for bm in bms:
         ups, downs = _candidates(bm, True, fp8), _candidates(bm, False, fp8)
+        if prior is not None and prior["BLOCK_SIZE_M"] == bm:
+            p_up, p_down = split_config(prior)
+            ups = [p_up] + [c for c in ups if c != p_up]
+            downs = [p_down] + [c for c in downs if c != p_down]
         # coordinate search: gate_up candidates with the first down, then downs with the best up
         up_best, t_up = ups[0], float("inf")
         for c in ups:
@@ -195,16 +206,18 @@ def tune(E, D, F, K, Ms, dtype_name="bf16", budget_s=120.0, out_dir=CONFIG_DIR,
         fp8_w = ((torch.stack([q for q, _ in q13]), torch.stack([q for q, _ in q2])),
                  (torch.stack([s for _, s in q13]), torch.stack([s for _, s in q2])))
     results = {}
+    name = config_file_name(E, F, device_name(), dtype_name, block_shape)
+    priors = load_configs(name)
     t0 = time.monotonic()
     for i, M in enumerate(Ms):
         left = budget_s - (time.monotonic() - t0)
         share = left / (len(Ms) - i)
         if share <= 0 and results:
             break
-        cfg, t = tune_one(E, D, F, K, M, dtype, max(share, 1.0), fp8_w)
+        prior = nearest_bucket(priors, M) if priors else None
+        cfg, t = tune_one(E, D, F, K, M, dtype, max(share, 1.0), fp8_w, prior)
         results[M] = cfg
         torch.cuda.empty_cache()
-    name = config_file_name(E, F, device_name(), dtype_name, block_shape)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     with open(out / name, "w") as f:
