@@ -89,10 +89,12 @@ class ModelRunner:
             self.requests[new.req_id] = RequestState(list(new.token_ids), new.num_prompt_tokens,
                                                      new.sampling_params, list(new.block_ids),
                                                      new.num_computed_tokens)
-        for cached in so.scheduled_cached_reqs:
-            state = self.requests[cached.req_id]
-            state.block_ids.extend(cached.new_block_ids)
-            state.num_computed_tokens = cached.num_computed_tokens
+        cached = so.scheduled_cached_reqs
+        for req_id, new_blocks, num_computed in zip(cached.req_ids, cached.new_block_ids, cached.num_computed_tokens):
+            state = self.requests[req_id]
+            if new_blocks:
+                state.block_ids.extend(new_blocks)
+            state.num_computed_tokens = num_computed
 
     def _prepare(self, so: SchedulerOutput):
         req_ids = list(so.num_scheduled_tokens)

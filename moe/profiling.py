@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from moe.sampling_params import SamplingParams
-from scheduler import NewRequestData, SchedulerOutput
+from scheduler import CachedRequestData, NewRequestData, SchedulerOutput
 
 
 def profile_forward(runner, num_tokens: int, max_model_len: int) -> None:
@@ -26,9 +26,9 @@ def profile_forward(runner, num_tokens: int, max_model_len: int) -> None:
                                        list(range(next_block, next_block + nb)), 0))
         scheduled[f"profile-{i}"] = n
         next_block += nb
-    so = SchedulerOutput(new_reqs, [], scheduled, num_tokens)
+    so = SchedulerOutput(new_reqs, CachedRequestData(), scheduled, num_tokens)
     runner.execute_model(so)
-    finish = SchedulerOutput([], [], {}, 0, finished_req_ids=set(scheduled))
+    finish = SchedulerOutput([], CachedRequestData(), {}, 0, finished_req_ids=set(scheduled))
     runner.execute_model(finish)
     runner.allocate_kv_cache(0)
     if torch.cuda.is_available():

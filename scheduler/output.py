@@ -18,17 +18,23 @@ class NewRequestData:
 
 @dataclass
 class CachedRequestData:
-    """A request the runner already tracks: only its new blocks travel."""
-    req_id: str
-    new_block_ids: list[int]
-    num_computed_tokens: int
+    """The requests the runner already tracks, as parallel lists: only new blocks travel.
+
+    One object per step rather than one per request keeps a 256-request decode step cheap.
+    """
+    req_ids: list[str] = field(default_factory=list)
+    new_block_ids: list[list[int]] = field(default_factory=list)  # empty when no block was added
+    num_computed_tokens: list[int] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.req_ids)
 
 
 @dataclass
 class SchedulerOutput:
     """One step's plan. The batch order is the order of `num_scheduled_tokens`."""
     scheduled_new_reqs: list[NewRequestData]
-    scheduled_cached_reqs: list[CachedRequestData]
+    scheduled_cached_reqs: CachedRequestData
     num_scheduled_tokens: dict[str, int]
     total_num_scheduled_tokens: int
     preempted_req_ids: set[str] = field(default_factory=set)

@@ -41,6 +41,11 @@ class Request:
     tokens whose KV is (or will be, after the step being scheduled) in the cache.
     """
 
+    __slots__ = ("request_id", "prompt_token_ids", "num_prompt_tokens", "all_token_ids", "max_tokens",
+                 "eos_token_ids", "stop_token_ids", "ignore_eos", "min_tokens", "sampling_params",
+                 "arrival_time", "status", "num_computed_tokens", "num_cached_tokens", "num_preemptions",
+                 "stop_reason", "block_hashes", "stopping_tokens")
+
     def __init__(
         self,
         request_id: str,
@@ -71,6 +76,8 @@ class Request:
         self.stop_reason: int | str | None = None
         # Chained hashes of the request's full blocks, grown as tokens arrive (prefix caching).
         self.block_hashes: list[int] = []
+        # Every token that can end the request (EOS unless ignored, plus stop_token_ids).
+        self.stopping_tokens = frozenset(self.stop_token_ids + (() if ignore_eos else self.eos_token_ids))
 
     @property
     def num_tokens(self) -> int:

@@ -111,14 +111,14 @@ class Scheduler:
         budget = cfg.max_num_batched_tokens
         num_scheduled: dict[str, int] = {}
         new_reqs: list[NewRequestData] = []
-        cached_reqs: list[CachedRequestData] = []
+        cached_reqs = CachedRequestData()
         preempted: set[str] = set()
 
         # Running requests first (decodes and unfinished prefill chunks), in arrival order.
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_new = min(len(request.all_token_ids) - request.num_computed_tokens, budget)
             if num_new <= 0:  # nothing to compute (cannot happen after update); keep the order
                 i += 1
                 continue
@@ -175,10 +175,11 @@ class Scheduler:
         return out
 
     def _record(self, request: Request, new_blocks, num_new: int,
-                new_reqs: list[NewRequestData], cached_reqs: list[CachedRequestData]) -> None:
+                new_reqs: list[NewRequestData], cached_reqs: CachedRequestData) -> None:
         if request.request_id in self._runner_knows:
-            cached_reqs.append(CachedRequestData(
-                request.request_id, [b.block_id for b in new_blocks], request.num_computed_tokens))
+            cached_reqs.req_ids.append(request.request_id)
+            cached_reqs.new_block_ids.append([b.block_id for b in new_blocks] if new_blocks else [])
+            cached_reqs.num_computed_tokens.append(request.num_computed_tokens)
         else:
             self._runner_knows.add(request.request_id)
             new_reqs.append(NewRequestData(
@@ -197,16 +198,15 @@ class Scheduler:
         reached the end of their known tokens (partial prefill chunks sample nothing).
         """
         outputs = []
-        for req_id in scheduler_output.num_scheduled_tokens:
-            request = self.requests.get(req_id)
-            if request is None or request.status != RequestStatus.RUNNING:
+        requests = self.requests
+        for req_id, new_tokens in sampled.items():
+            request = requests.get(req_id)
+            if request is None or request.status != RequestStatus.RUNNING or not new_tokens:
                 continue  # aborted while the step ran
-            new_tokens = sampled.get(req_id)
-            if not new_tokens:
-                continue
             appended = []
+            status = None
             for token in new_tokens:
-                request.append_output_token(token)
+                request.all_token_ids.append(token)
                 appended.append(token)
                 status = self._check_stop(request, token)
                 if status is not None:
@@ -215,18 +215,18 @@ class Scheduler:
                     break
             outputs.append(EngineCoreOutput(
                 req_id, appended, logprobs.get(req_id) if logprobs else None,
-                request.finish_reason.value if request.is_finished else None,
+                None if status is None else request.finish_reason.value,
                 request.stop_reason, max(request.num_cached_tokens, 0)))
         return outputs
 
     def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
-        if request.num_output_tokens >= request.min_tokens:
-            if not request.ignore_eos and token in request.eos_token_ids:
-                request.stop_reason = None
-                return RequestStatus.FINISHED_STOPPED
-            if token in request.stop_token_ids:
-                request.stop_reason = token
-                return RequestStatus.FINISHED_STOPPED
-        if request.num_output_tokens >= request.max_tokens or request.num_tokens >= self.config.max_model_len:
+        # Runs once per request per step: kept to plain attribute reads.
+        num_tokens = len(request.all_token_ids)
+        num_output = num_tokens - request.num_prompt_tokens
+        if token in request.stopping_tokens and num_output >= request.min_tokens:
+            is_eos = not request.ignore_eos and token in request.eos_token_ids
+            request.stop_reason = None if is_eos else token
+            return RequestStatus.FINISHED_STOPPED
+        if num_output >= request.max_tokens or num_tokens >= self.config.max_model_len:
             return RequestStatus.FINISHED_LENGTH_CAPPED
         return None
