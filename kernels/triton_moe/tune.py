@@ -40,7 +40,7 @@ def _block_ms(rows_per_expert: float) -> list[int]:
         return [16]
     if rows_per_expert <= 32:
         return [16, 32]
-    if rows_per_expert <= 128:
+    if rows_per_expert <= 96:
         return [32, 64]
     if rows_per_expert <= 512:
         return [64, 128]
@@ -135,7 +135,7 @@ def _time_split(cfg_up, cfg_down, problems, fp8_w, M):
             (q13, q2), (s13, s2) = fp8_w
             return lambda: _run(x, q13, q2, tw, ti, None, cfg, fp8=(s13, s2))
         return lambda: _run(x, w13, w2, tw, ti, None, cfg)
-    return time_calls([mk(*p) for p in problems], M, reps=10)
+    return time_calls([mk(*p) for p in problems], M, reps=14)
 
 
 def tune_one(E, D, F, K, M, dtype, budget_s, fp8_w=None, prior=None):
