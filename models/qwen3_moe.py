@@ -16,7 +16,7 @@ from models.layers.attention import Attention
 from models.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from models.layers.linear import ColumnParallelLinear, QKVParallelLinear, ReplicatedLinear, RowParallelLinear
 from models.layers.norm import RMSNorm
-from models.layers.rotary import RotaryEmbedding
+from models.layers.rotary import get_rope
 from models.loader import NameRule
 from moe.moe_block import FusedMoE, MoEBlock
 from routing import softmax_topk
@@ -69,10 +69,10 @@ class Qwen3MoeAttention(nn.Module):
         d = cfg.head_dim
         self.qkv_proj = QKVParallelLinear(cfg.hidden_size, d, cfg.num_attention_heads, cfg.num_key_value_heads,
                                           bias=cfg.attention_bias)
-        self.o_proj = RowParallelLinear(cfg.num_attention_heads * d, cfg.hidden_size, bias=False)
+        self.o_proj = RowParallelLinear(cfg.num_attention_heads * d, cfg.hidden_size, bias=cfg.attention_bias)
         self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
-        self.rotary_emb = RotaryEmbedding(d, cfg.max_position_embeddings, cfg.rope)
+        self.rotary_emb = get_rope(d, cfg.max_position_embeddings, cfg.rope)
         self.attn = Attention(self.qkv_proj.num_heads, d, self.qkv_proj.num_kv_heads, d ** -0.5)
         self.head_dim = d
 

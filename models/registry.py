@@ -7,6 +7,9 @@ from models.config import ModelConfig, read_hf_config
 
 _ARCHITECTURES = {
     "Qwen3MoeForCausalLM": ("models.qwen3_moe", "Qwen3MoeForCausalLM"),
+    "DeepseekV3ForCausalLM": ("models.deepseek_v3", "DeepseekV3ForCausalLM"),
+    "Llama4ForCausalLM": ("models.llama4", "Llama4ForCausalLM"),
+    "Llama4ForConditionalGeneration": ("models.llama4", "Llama4ForCausalLM"),
 }
 
 
@@ -22,7 +25,12 @@ def resolve_architecture(hf_config: dict) -> type:
     for arch in archs:
         if arch in _ARCHITECTURES:
             module, cls = _ARCHITECTURES[arch]
-            return getattr(importlib.import_module(module), cls)
+            try:
+                return getattr(importlib.import_module(module), cls)
+            except ModuleNotFoundError as e:
+                if e.name != module:
+                    raise
+                raise ValueError(f"model architecture {arch!r} is not available in this build yet") from None
     raise ValueError(f"unsupported model architecture {archs[0]!r}; supported architectures: "
                      + ", ".join(supported_architectures()))
 

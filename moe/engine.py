@@ -102,6 +102,7 @@ class LLMEngine:
         self.executor.initialize_cache(num_blocks)
         self.metrics = EngineMetrics(args.model)
         self._parents: dict[str, _Parent] = {}
+        self.num_steps = 0
         self._child_to_parent: dict[str, str] = {}
         self._last_stats_log = time.monotonic()
         self._totals = {"preemptions": 0, "queries": 0, "hits": 0, "generation": 0}
@@ -198,6 +199,7 @@ class LLMEngine:
 
     # ---- the loop ----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        self.num_steps += 1
         so = self.scheduler.schedule()
         runner_out = self.executor.execute_model(so)
         core_outputs = self.scheduler.update_from_output(so, runner_out.sampled, runner_out.logprobs)

@@ -9,29 +9,51 @@ from torch import nn
 
 from models.config import RopeConfig
 
-SUPPORTED_ROPE_TYPES = ("default",)
+# Scaling type -> (module, class) of its RotaryEmbedding subclass, imported on use.
+_SCALED_ROPE = {
+    "yarn": ("models.layers.rotary_yarn", "YarnRotaryEmbedding"),
+    "llama3": ("models.layers.rotary_llama3", "Llama3RotaryEmbedding"),
+}
 
 
-def inv_frequencies(rotary_dim: int, rope: RopeConfig) -> torch.Tensor:
-    if rope.scaling_type not in SUPPORTED_ROPE_TYPES:
+def get_rope(head_dim: int, max_position: int, rope: RopeConfig, rotary_dim: int | None = None,
+             is_neox_style: bool = True) -> "RotaryEmbedding":
+    """The rotary embedding for a config's RoPE scaling type."""
+    if rope.scaling_type == "default":
+        return RotaryEmbedding(head_dim, max_position, rope, rotary_dim, is_neox_style)
+    if rope.scaling_type not in _SCALED_ROPE:
         raise ValueError(f"rope scaling type {rope.scaling_type!r} is not supported; "
-                         f"supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
-    return 1.0 / (rope.theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim))
+                         f"supported: default, {', '.join(_SCALED_ROPE)}")
+    import importlib
+
+    module, cls = _SCALED_ROPE[rope.scaling_type]
+    return getattr(importlib.import_module(module), cls)(head_dim, max_position, rope, rotary_dim, is_neox_style)
 
 
 class RotaryEmbedding(nn.Module):
+    """Unscaled RoPE. Scaled variants override `inv_frequencies` and/or `cos_sin`."""
+
     def __init__(self, head_dim: int, max_position: int, rope: RopeConfig,
                  rotary_dim: int | None = None, is_neox_style: bool = True) -> None:
         super().__init__()
         self.head_dim = head_dim
         self.rotary_dim = rotary_dim or head_dim
         self.is_neox_style = is_neox_style
-        inv_freq = inv_frequencies(self.rotary_dim, rope)
-        t = torch.arange(max_position, dtype=torch.float32, device=inv_freq.device)
-        freqs = torch.outer(t, inv_freq)
-        # Not a parameter and not in the checkpoint; moved with the module.
-        self.register_buffer("cos_cache", freqs.cos(), persistent=False)
-        self.register_buffer("sin_cache", freqs.sin(), persistent=False)
+        self.rope = rope
+        cos, sin = self.cos_sin(max_position)
+        # Not parameters and not in the checkpoint; moved with the module.
+        self.register_buffer("cos_cache", cos, persistent=False)
+        self.register_buffer("sin_cache", sin, persistent=False)
+
+    def inv_frequencies(self) -> torch.Tensor:
+        d = self.rotary_dim
+        return 1.0 / (self.rope.theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+
+    def cos_sin(self, max_position: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """fp32 [max_position, rotary_dim / 2] tables."""
+        inv_freq = self.inv_frequencies()
+        freqs = torch.outer(torch.arange(max_position, dtype=torch.float32, device=inv_freq.device), inv_freq)
+        return freqs.cos(), freqs.sin()
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         rot, rest = x[..., :self.rotary_dim], x[..., self.rotary_dim:]

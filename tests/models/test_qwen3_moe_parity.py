@@ -44,7 +44,7 @@ def test_layouts_match_hf(tmp_path, layout, shards):
 
 @pytest.mark.parametrize("overrides", [
     dict(norm_topk_prob=True, mlp_only_layers=[], decoder_sparse_step=2),
-    dict(num_experts=4, num_experts_per_tok=1, num_key_value_heads=4, tie_word_embeddings=True),
+    dict(num_experts=4, num_experts_per_tok=1, num_key_value_heads=4, tie_word_embeddings=True, attention_bias=True),
 ])
 def test_config_variants_match_hf(tmp_path, overrides):
     path = make_qwen3_moe_checkpoint(str(tmp_path / "ckpt"), seed=7, **overrides)

@@ -59,3 +59,15 @@ def test_cache_too_small_for_max_model_len_is_a_clear_error(qwen3_ckpt):
 def test_chunked_prefill_off_needs_big_budget(qwen3_ckpt):
     with pytest.raises(ValueError, match="chunked prefill disabled"):
         LLM(qwen3_ckpt, device="cpu", max_model_len=128, max_num_batched_tokens=64, enable_chunked_prefill=False)
+
+
+def test_periodic_stats_line_counts_preemptions(qwen3_ckpt, caplog, monkeypatch):
+    import moe.engine
+
+    monkeypatch.setattr(moe.engine, "_STATS_INTERVAL_S", 0.0)
+    llm = LLM(qwen3_ckpt, device="cpu", disable_log_stats=False, **CONFIGS["tiny_cache_preempts"])
+    with caplog.at_level("INFO", logger="moe"):
+        llm.generate(_prompts(), _params(), use_tqdm=False)
+    stats = [r.getMessage() for r in caplog.records if "Avg generation throughput" in r.getMessage()]
+    assert stats and "total_cumulative_preemption_cnt=" in stats[-1]
+    assert int(stats[-1].rsplit("=", 1)[1]) == llm.llm_engine.scheduler.num_preemptions > 0
