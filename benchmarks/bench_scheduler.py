@@ -46,8 +46,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", default=None)
     parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--num-running", type=int, nargs="+", default=[256, 1024])
     args = parser.parse_args(argv)
-    rows = [bench(n, c, args.steps) for n in (256, 1024) for c in (False, True)]
+    rows = [bench(n, c, args.steps) for n in args.num_running for c in (False, True)]
     print(f"{'running':>8} {'prefix cache':>12} {'median ms':>10} {'mean ms':>8} {'p90 ms':>7}")
     for r in rows:
         print(f"{r['num_running']:>8} {str(r['prefix_caching']):>12} {r['median_ms']:>10.3f} {r['mean_ms']:>8.3f} "

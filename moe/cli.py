@@ -48,6 +48,21 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+# `moe bench NAME` -> the benchmark module whose main(argv) it runs.
+BENCHMARKS = {
+    "kernel": "benchmarks.bench_kernel",         # expert layer vs references (GPU)
+    "all2all": "benchmarks.bench_all2all",       # token dispatch (under torchrun)
+    "scheduler": "benchmarks.bench_scheduler",   # scheduler alone (CPU)
+    "throughput": "benchmarks.bench_engine_cpu",  # end-to-end generate (CPU workload of TARGETS §3)
+}
+
+
+def _run_module_main(module: str, argv: list[str]) -> int:
+    import importlib
+
+    return int(importlib.import_module(module).main(argv) or 0)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="moe", description="moe-runtime: Mixture-of-Experts inference")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -59,12 +74,23 @@ def build_parser() -> argparse.ArgumentParser:
     EngineArgs.add_cli_args(gen)
     _add_sampling_args(gen)
     gen.set_defaults(func=_generate)
+
+    bench = sub.add_parser("bench", help="run a benchmark (its own flags follow the name; see --help)",
+                           add_help=False)
+    bench.add_argument("name", choices=sorted(BENCHMARKS))
+    bench.set_defaults(func=lambda a: _run_module_main(BENCHMARKS[a.name], a.rest))
+    tune = sub.add_parser("tune-moe", help="tune the Triton expert kernel on this GPU and write a config file",
+                          add_help=False)
+    tune.set_defaults(func=lambda a: _run_module_main("kernels.triton_moe.tune", a.rest))
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s")
-    args = build_parser().parse_args(argv)
+    args, rest = build_parser().parse_known_args(argv)
+    if args.command == "generate" and rest:
+        build_parser().error(f"unrecognized arguments: {' '.join(rest)}")
+    args.rest = rest
     try:
         return args.func(args)
     except (ValueError, OSError, NotImplementedError) as e:

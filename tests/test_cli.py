@@ -29,3 +29,9 @@ def test_generate_reports_errors_without_traceback(tmp_path):
     r = run_moe("generate", "--model", "tiny-qwen3-moe", "Hi", "--temperature", "-1",
                 env={"MOE_CACHE_DIR": str(tmp_path)})
     assert r.returncode == 1 and "invalid sampling parameter temperature" in r.stderr
+
+
+def test_bench_subcommand_runs_a_benchmark():
+    r = run_moe("bench", "scheduler", "--steps", "3", "--num-running", "8")
+    assert r.returncode == 0, r.stderr
+    assert "median ms" in r.stdout and len(r.stdout.strip().splitlines()) == 3
