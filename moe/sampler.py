@@ -64,8 +64,10 @@ def _filter(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
             remove |= torch.arange(V, device=logits.device)[None, :] >= k[:, None]
         if b.top_p_B is not None:
             probs = sorted_logits.masked_fill(remove, float("-inf")).softmax(-1)
-            before = probs.cumsum(-1) - probs  # mass of strictly more likely tokens
-            remove |= before > b.top_p_B[:, None]
+            before = probs.cumsum(-1) - probs  # mass of the more likely tokens
+            # Keep the smallest head whose mass reaches top_p; top_p = 1 never removes anything
+            # (rounding could otherwise push `before` to 1.0 in the tail).
+            remove |= (before >= b.top_p_B[:, None]) & (b.top_p_B[:, None] < 1)
         remove[:, 0] = False
         logits = logits.scatter(-1, order, sorted_logits.masked_fill(remove, float("-inf")))
     if b.min_p_B is not None:

@@ -23,6 +23,8 @@ def test_top_k_top_p_min_p_restrict_support():
     assert draws(logits, batch(1, top_k_B=torch.tensor([2]))) == {0, 1}
     # top_p=0.65: tokens 0 (0.4) and 1 (0.3) are needed to reach 0.65; token 2 is not.
     assert draws(logits, batch(1, top_p_B=torch.tensor([0.65]))) == {0, 1}
+    assert draws(logits, batch(1, top_p_B=torch.tensor([0.7]))) == {0, 1}  # 0.4 + 0.3 reaches 0.7
+    assert draws(logits, batch(1, top_p_B=torch.tensor([1.0]))) == {0, 1, 2, 3}
     # min_p=0.6: keep tokens with p >= 0.6 * 0.4 = 0.24.
     assert draws(logits, batch(1, min_p_B=torch.tensor([0.6]))) == {0, 1}
 
