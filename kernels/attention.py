@@ -45,19 +45,30 @@ def write_kv_cache(k_TGd: torch.Tensor, v_TGd: torch.Tensor, kv_cache_2NSGd: tor
     flat[1].index_copy_(0, slot_mapping_T, v_TGd.to(flat.dtype))
 
 
-def _gather_context(kv_cache_2NSGd, block_ids, length):
-    """K and V of one sequence's first `length` tokens: each [length, G, d]."""
+def _gather_context(kv_cache_2NSGd, block_ids, length, start: int = 0):
+    """K and V of one sequence's tokens start .. length - 1: each [length - start, G, d]."""
     S = kv_cache_2NSGd.shape[2]
-    nblk = -(-length // S)
-    kv = kv_cache_2NSGd[:, block_ids[:nblk]]  # [2, nblk, S, G, d]
-    kv = kv.reshape(2, nblk * S, *kv.shape[3:])[:, :length]
+    b0, nblk = start // S, -(-length // S)
+    kv = kv_cache_2NSGd[:, block_ids[b0:nblk]]  # [2, nblk - b0, S, G, d]
+    kv = kv.reshape(2, (nblk - b0) * S, *kv.shape[3:])[:, start - b0 * S:length - b0 * S]
     return kv[0], kv[1]
 
 
-def paged_attention_torch(q_THd: torch.Tensor, k_TGd: torch.Tensor, v_TGd: torch.Tensor,
-                          kv_cache_2NSGd: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """Causal attention of each sequence's new queries over its whole context.
+def chunk_start(pos: torch.Tensor | int, chunk_size: int | None):
+    """First position a query at `pos` may attend to under chunked-local attention (0 without it)."""
+    if chunk_size is None:
+        return pos * 0
+    return (pos // chunk_size) * chunk_size
 
+
+def paged_attention_torch(q_THd: torch.Tensor, k_TGd: torch.Tensor, v_TGd: torch.Tensor,
+                          kv_cache_2NSGd: torch.Tensor, meta: AttentionMetadata, scale: float,
+                          chunk_size: int | None = None) -> torch.Tensor:
+    """Causal attention of each sequence's new queries over its context.
+
+    chunk_size: None = global causal attention. Otherwise chunked-local attention (Llama-4's
+    RoPE layers): a query at position p sees only the keys at positions
+    floor(p / chunk_size) * chunk_size .. p, its own chunk so far.
     New K/V must already be written to the cache. Returns [T, H, d].
     """
     out = torch.empty_like(q_THd)
@@ -67,14 +78,20 @@ def paged_attention_torch(q_THd: torch.Tensor, k_TGd: torch.Tensor, v_TGd: torch
         start, end = meta.query_start_loc[b], meta.query_start_loc[b + 1]
         n, L = end - start, meta.seq_lens[b]
         q = q_THd[start:end].transpose(0, 1)  # [H, n, d]
-        if n == L:  # no cached context: attend over the fresh keys directly
+        if n == L and chunk_size is None:  # no cached context: attend over the fresh keys directly
             k, v = k_TGd[start:end], v_TGd[start:end]
             mask, causal = None, True
         else:
-            k, v = _gather_context(kv_cache_2NSGd, meta.block_tables_BM[b], L)
-            # Query i sits at position L - n + i and sees keys 0 .. L - n + i.
+            # Keys before the chunk of the first query are never seen: skip reading them.
+            k0 = chunk_start(L - n, chunk_size)
+            if n == L:
+                k, v = k_TGd[start:end], v_TGd[start:end]
+            else:
+                k, v = _gather_context(kv_cache_2NSGd, meta.block_tables_BM[b], L, k0)
+            # Query i sits at position L - n + i and sees keys chunk_start(L - n + i) .. L - n + i.
             qpos = torch.arange(L - n, L, device=q.device)[:, None]
-            mask, causal = torch.arange(L, device=q.device)[None, :] <= qpos, False
+            kpos = torch.arange(k0, L, device=q.device)[None, :]
+            mask, causal = (kpos <= qpos) & (kpos >= chunk_start(qpos, chunk_size)), False
         o = F.scaled_dot_product_attention(q, k.transpose(0, 1).to(q.dtype), v.transpose(0, 1).to(q.dtype),
                                            attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=gqa)
         out[start:end] = o.transpose(0, 1)
@@ -83,7 +100,10 @@ def paged_attention_torch(q_THd: torch.Tensor, k_TGd: torch.Tensor, v_TGd: torch
         S, nblk = kv_cache_2NSGd.shape[2], tables.shape[1]
         kv = kv_cache_2NSGd[:, tables]  # [2, B, nblk, S, G, d]
         kv = kv.reshape(2, kv.shape[1], nblk * S, G, -1).transpose(2, 3)  # [2, B, G, L, d]
-        mask = torch.arange(nblk * S, device=q_THd.device)[None, :] < lens[:, None]
+        kpos = torch.arange(nblk * S, device=q_THd.device)[None, :]
+        mask = kpos < lens[:, None]
+        if chunk_size is not None:  # the one query sits at position lens - 1
+            mask &= kpos >= chunk_start(lens[:, None] - 1, chunk_size)
         q = q_THd[idx][:, :, None, :]  # [B, H, 1, d]
         o = F.scaled_dot_product_attention(q, kv[0].to(q.dtype), kv[1].to(q.dtype),
                                            attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=gqa)

@@ -9,9 +9,14 @@ from kernels.attention import AttentionMetadata, paged_attention_torch, write_kv
 
 
 class Attention(nn.Module):
-    def __init__(self, num_heads: int, head_dim: int, num_kv_heads: int, scale: float) -> None:
+    """chunk_size: None for global causal attention, else chunked-local attention (a query at
+    position p sees keys floor(p / chunk_size) * chunk_size .. p)."""
+
+    def __init__(self, num_heads: int, head_dim: int, num_kv_heads: int, scale: float,
+                 chunk_size: int | None = None) -> None:
         super().__init__()
         self.num_heads, self.head_dim, self.num_kv_heads, self.scale = num_heads, head_dim, num_kv_heads, scale
+        self.chunk_size = chunk_size
         self.kv_cache: torch.Tensor | None = None  # [2, N, S, G, d], bound by the runner
 
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
@@ -26,5 +31,5 @@ class Attention(nn.Module):
         if self.kv_cache is None:
             raise RuntimeError("attention ran before the model runner bound a KV cache")
         write_kv_cache(k, v, self.kv_cache, meta.slot_mapping_T)
-        out = paged_attention_torch(q, k, v, self.kv_cache, meta, self.scale)
+        out = paged_attention_torch(q, k, v, self.kv_cache, meta, self.scale, self.chunk_size)
         return out.reshape(T, self.num_heads * self.head_dim)
