@@ -1,0 +1,227 @@
+"""DeepSeek-V3 (`DeepseekV3ForCausalLM`): multi-head latent attention (latent + shared rope key
+cached, YaRN with mscale^2 in the softmax scale, interleaved RoPE), sigmoid group-limited top-k
+routing with a selection-only correction bias, shared experts beside the routed ones, the first
+`first_k_dense_replace` layers dense, FP8 128x128 block-quantised hub weights (dequantised at
+load), multi-token-prediction layers of the checkpoint ignored."""
+from __future__ import annotations
+
+import functools
+import re
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kernels.attention import AttentionMetadata
+from models.config import ModelConfig, hf_get
+from models.fp8 import Fp8BlockConfig, attach_fp8_scales
+from models.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from models.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
+from models.layers.mla_attention import MLAAttention, MLAConfig
+from models.layers.norm import RMSNorm
+from models.layers.weights import ReplicatedLoader, attach_loader, new_param
+from models.loader import NameRule
+from moe.moe_block import FusedMoE, MoEBlock
+from routing.grouped_topk import grouped_topk
+from routing.router import RouterOutput
+
+
+@dataclass
+class DeepseekV3Config(ModelConfig):
+    q_lora_rank: int | None = None
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    moe_intermediate_size: int = 0
+    n_routed_experts: int = 0
+    n_shared_experts: int = 0
+    num_experts_per_tok: int = 0
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    norm_topk_prob: bool = True
+    scoring_func: str = "sigmoid"
+    first_k_dense_replace: int = 0
+    moe_layer_freq: int = 1
+    rope_interleave: bool = True
+    attention_bias: bool = False
+    fp8: Fp8BlockConfig | None = None
+
+    @classmethod
+    def from_hf(cls, cfg: dict, architecture: str) -> "DeepseekV3Config":
+        common = cls.common_fields(cfg, architecture)
+        nope, rope = int(hf_get(cfg, "qk_nope_head_dim")), int(hf_get(cfg, "qk_rope_head_dim"))
+        # transformers writes head_dim = qk_rope_head_dim; the engine's head dim is the q/k one.
+        # Every head has its own K/V once the latent is expanded: as many KV heads as heads.
+        common.update(head_dim=nope + rope, num_key_value_heads=common["num_attention_heads"])
+        q_lora = cfg.get("q_lora_rank")
+        n_group = int(cfg.get("n_group") or 1)
+        scoring = str(cfg.get("scoring_func", "sigmoid") or "sigmoid")
+        if scoring not in ("sigmoid", "softmax"):
+            raise ValueError(f"scoring_func={scoring!r} is not supported (sigmoid, softmax)")
+        return cls(
+            **common,
+            q_lora_rank=int(q_lora) if q_lora else None,
+            kv_lora_rank=int(hf_get(cfg, "kv_lora_rank")),
+            qk_nope_head_dim=nope,
+            qk_rope_head_dim=rope,
+            v_head_dim=int(hf_get(cfg, "v_head_dim")),
+            moe_intermediate_size=int(hf_get(cfg, "moe_intermediate_size")),
+            n_routed_experts=int(cfg.get("n_routed_experts") or 0),
+            n_shared_experts=int(cfg.get("n_shared_experts") or 0),
+            num_experts_per_tok=int(cfg.get("num_experts_per_tok") or 0),
+            n_group=n_group,
+            topk_group=int(cfg.get("topk_group") or n_group),
+            routed_scaling_factor=float(cfg.get("routed_scaling_factor", 1.0) or 1.0),
+            norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
+            scoring_func=scoring,
+            first_k_dense_replace=int(cfg.get("first_k_dense_replace") or 0),
+            moe_layer_freq=int(cfg.get("moe_layer_freq") or 1),
+            rope_interleave=bool(cfg.get("rope_interleave", True)),
+            attention_bias=bool(cfg.get("attention_bias", False)),
+            fp8=Fp8BlockConfig.from_hf(cfg),
+        )
+
+    def is_moe_layer(self, layer_idx: int) -> bool:
+        return (self.n_routed_experts > 0 and layer_idx >= self.first_k_dense_replace
+                and layer_idx % self.moe_layer_freq == 0)
+
+    def mla(self) -> MLAConfig:
+        return MLAConfig(self.hidden_size, self.num_attention_heads, self.q_lora_rank, self.kv_lora_rank,
+                         self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim,
+                         self.max_position_embeddings, self.rope, self.rope_interleave, self.attention_bias)
+
+
+class DeepseekV3MLP(nn.Module):
+    """SwiGLU MLP (dense layers and the shared experts): fused gate/up, row-parallel down."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.gate_up_proj = ColumnParallelLinear(hidden_size, [intermediate_size] * 2)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DeepseekV3Gate(nn.Module):
+    """Router logits in fp32 (weight [E, D] and the correction bias [E] stay fp32 whatever the
+    model dtype, as in transformers); `route` turns them into top-k."""
+
+    def __init__(self, cfg: DeepseekV3Config) -> None:
+        super().__init__()
+        E, D = cfg.n_routed_experts, cfg.hidden_size
+        self.weight = attach_loader(new_param(E, D, dtype=torch.float32), ReplicatedLoader((E, D)))
+        self.e_score_correction_bias = attach_loader(new_param(E, dtype=torch.float32), ReplicatedLoader((E,)))
+        self._route = functools.partial(
+            grouped_topk, top_k=cfg.num_experts_per_tok, num_expert_group=cfg.n_group,
+            topk_group=cfg.topk_group, renormalize=cfg.norm_topk_prob,
+            routed_scaling_factor=cfg.routed_scaling_factor, scoring_func=cfg.scoring_func)
+
+    def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
+        return F.linear(x_TD.float(), self.weight)
+
+    def route(self, logits_TE: torch.Tensor) -> RouterOutput:
+        return self._route(logits_TE, e_score_correction_bias_E=self.e_score_correction_bias)
+
+
+class DeepseekV3DecoderLayer(nn.Module):
+    def __init__(self, cfg: DeepseekV3Config, layer_idx: int, attn_mode: str = "auto") -> None:
+        super().__init__()
+        self.self_attn = MLAAttention(cfg.mla(), attn_mode)
+        if cfg.is_moe_layer(layer_idx):
+            gate = DeepseekV3Gate(cfg)
+            shared = (DeepseekV3MLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts)
+                      if cfg.n_shared_experts else None)
+            self.mlp = MoEBlock(gate=gate, router_fn=gate.route,
+                                experts=FusedMoE(cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size),
+                                shared_experts=shared)
+        else:
+            self.mlp = DeepseekV3MLP(cfg.hidden_size, cfg.intermediate_size)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, positions, x, residual, meta):
+        if residual is None:
+            residual, x = x, self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(positions, x, meta)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class DeepseekV3Model(nn.Module):
+    def __init__(self, cfg: DeepseekV3Config, attn_mode: str = "auto") -> None:
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DeepseekV3DecoderLayer(cfg, i, attn_mode) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, input_ids, positions, meta):
+        x, residual = self.embed_tokens(input_ids), None
+        for layer in self.layers:
+            x, residual = layer(positions, x, residual, meta)
+        x, _ = self.norm(x, residual)
+        return x
+
+
+def _fp8_params(module_name: str, module: nn.Module) -> list[str]:
+    """Weights the hub checkpoint stores in FP8: every linear and the routed experts (not the
+    embedding, lm_head, norms or router gate)."""
+    if isinstance(module, FusedMoE):
+        return ["w13_weight", "w2_weight"]
+    if isinstance(module, (ReplicatedLinear, ColumnParallelLinear, RowParallelLinear)):
+        return ["weight"]
+    return []
+
+
+class DeepseekV3ForCausalLM(nn.Module):
+    config_class = DeepseekV3Config
+
+    def __init__(self, cfg: DeepseekV3Config, attn_mode: str = "auto") -> None:
+        super().__init__()
+        self.config = cfg
+        self.model = DeepseekV3Model(cfg, attn_mode)
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        if cfg.fp8 is not None:
+            attach_fp8_scales(self, cfg.fp8, _fp8_params)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """input_ids, positions [T] -> final hidden states [T, D]."""
+        return self.model(input_ids, positions, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head.compute_logits(hidden)
+
+    def attention_layers(self) -> list[MLAAttention]:
+        return [layer.self_attn for layer in self.model.layers]
+
+    @staticmethod
+    def weight_name_rules() -> list[NameRule]:
+        rules = []
+        for suffix in ("_scale_inv", ""):  # scales first: their names extend the weights'
+            rules += [
+                NameRule(f"experts.w13_weight{suffix}", f"experts.{{e}}.gate_proj.weight{suffix}", "w1"),
+                NameRule(f"experts.w13_weight{suffix}", f"experts.{{e}}.up_proj.weight{suffix}", "w3"),
+                NameRule(f"experts.w2_weight{suffix}", f"experts.{{e}}.down_proj.weight{suffix}", "w2"),
+            ]
+        return rules + [
+            NameRule("experts.w13_weight", "experts.gate_up_proj", "w13"),
+            NameRule("experts.w2_weight", "experts.down_proj", "w2"),
+            NameRule("gate_up_proj", "gate_proj", 0),
+            NameRule("gate_up_proj", "up_proj", 1),
+        ]
+
+    _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+    def ignore_checkpoint_name(self, name: str) -> bool:
+        m = self._LAYER.search(name)
+        if m and int(m.group(1)) >= self.config.num_hidden_layers:
+            return True  # multi-token-prediction layers (and anything past the model's depth)
+        return "rotary_emb.inv_freq" in name or (self.config.tie_word_embeddings and name == "lm_head.weight")

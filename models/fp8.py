@@ -1,0 +1,183 @@
+"""FP8 (e4m3) block-quantised checkpoints (DeepSeek-V3 hub weights): dequantised at load, on the CPU.
+
+A quantised linear weight `X.weight` [out, in] (float8_e4m3fn) comes with `X.weight_scale_inv`
+[ceil(out / bo), ceil(in / bi)] fp32 (bo x bi = `weight_block_size`, 128 x 128); the real
+weight is `weight.float() * scale` with each scale covering one block (edge blocks partial).
+
+The generic loader sees checkpoint tensors one at a time, in any order, so each quantised
+parameter gets a companion fp32 parameter `<weight name>_scale_inv` (same pieces, kept: the
+checkpoint's scales, flat, piece after piece) and the two loaders meet in a shared `_Pairing`:
+whichever of weight and scale arrives second triggers the dequantisation, which feeds the
+weight's own ParamLoader (TP/EP slicing unchanged). A weight whose scale never arrives is
+reported missing by its scale's name. An FP8 expert path on the GPU can later keep the fp8
+weight and read these scales instead (see `Fp8BlockConfig`).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+from torch import nn
+
+from models.layers.weights import ParamLoader, attach_loader, new_param
+
+FP8_E4M3_MAX = 448.0
+
+
+@dataclass
+class Fp8BlockConfig:
+    """`quantization_config: {quant_method: fp8, weight_block_size: [bo, bi], ...}`."""
+    block: tuple[int, int] = (128, 128)
+    # Module-name substrings left unquantised (`modules_to_not_convert` / `ignored_layers`).
+    ignored: list[str] = field(default_factory=list)
+
+    @classmethod
+    def from_hf(cls, cfg: dict) -> "Fp8BlockConfig | None":
+        qc = cfg.get("quantization_config")
+        if not qc:
+            return None
+        method = qc.get("quant_method")
+        if method != "fp8":
+            raise ValueError(f"quantization_config.quant_method={method!r} is not supported (only 'fp8')")
+        block = qc.get("weight_block_size")
+        if not block or len(block) != 2:
+            raise ValueError("only block-wise FP8 checkpoints (quantization_config.weight_block_size "
+                             "= [128, 128]) are supported")
+        fmt = qc.get("fmt", "e4m3")
+        if fmt != "e4m3":
+            raise ValueError(f"FP8 format {fmt!r} is not supported (only e4m3)")
+        ignored = list(qc.get("modules_to_not_convert") or []) + list(qc.get("ignored_layers") or [])
+        return cls((int(block[0]), int(block[1])), ignored)
+
+    def skips(self, module_name: str) -> bool:
+        return any(pat in module_name for pat in self.ignored)
+
+
+def scale_shape(weight_shape: tuple[int, ...], block: tuple[int, int]) -> tuple[int, ...]:
+    *lead, out, inp = weight_shape
+    return (*lead, math.ceil(out / block[0]), math.ceil(inp / block[1]))
+
+
+def dequantize_fp8_block(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """weight [..., out, in] (fp8, or any float dtype holding fp8 values exactly), scale_inv
+    [..., ceil(out/bo), ceil(in/bi)] -> fp32 [..., out, in], computed on the CPU."""
+    w = weight.to("cpu", torch.float32)
+    s = scale_inv.to("cpu", torch.float32)
+    out, inp = w.shape[-2:]
+    s = s.repeat_interleave(block[0], dim=-2).repeat_interleave(block[1], dim=-1)[..., :out, :inp]
+    return w * s
+
+
+def quantize_fp8_block(weight: torch.Tensor, block: tuple[int, int] = (128, 128)) -> tuple[torch.Tensor, torch.Tensor]:
+    """The inverse, for tests and tools: weight [..., out, in] -> (float8_e4m3fn weight, fp32
+    scale_inv) with each block's absolute max mapped to the e4m3 maximum."""
+    w = weight.to(torch.float32)
+    out, inp = w.shape[-2:]
+    po, pi = -out % block[0], -inp % block[1]
+    padded = torch.nn.functional.pad(w, (0, pi, 0, po))
+    *lead, O, I = padded.shape
+    blocks = padded.reshape(*lead, O // block[0], block[0], I // block[1], block[1])
+    amax = blocks.abs().amax(dim=(-3, -1)).clamp(min=1e-12)
+    scale = amax / FP8_E4M3_MAX
+    expanded = scale.repeat_interleave(block[0], dim=-2).repeat_interleave(block[1], dim=-1)[..., :out, :inp]
+    q = (w / expanded).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
+    return q, scale
+
+
+class _Pairing:
+    """What one quantised parameter's weight and scale loaders share: whichever of a piece's
+    two tensors is waiting for the other, always on the CPU."""
+
+    def __init__(self, inner: ParamLoader, block: tuple[int, int]) -> None:
+        self.inner, self.block = inner, block
+        self.weight_param: torch.Tensor | None = None
+        self.waiting_weights: dict = {}
+        self.waiting_scales: dict = {}
+        self.foreign: set = set()  # pieces held by another rank (their scales need not wait)
+
+    def dequantised_load(self, weight: torch.Tensor, scale: torch.Tensor, key) -> list:
+        deq = dequantize_fp8_block(weight, scale, self.block)
+        return self.inner.load(self.weight_param, deq, *key)
+
+
+class Fp8WeightLoader(ParamLoader):
+    """Wraps a weight's loader: the checkpoint gives fp8 values, the parameter gets them times
+    their block scales."""
+
+    def __init__(self, pairing: _Pairing) -> None:
+        self.pairing = pairing
+
+    def pieces(self):
+        return self.pairing.inner.pieces()
+
+    def ckpt_shape(self, shard_id, expert_id):
+        return self.pairing.inner.ckpt_shape(shard_id, expert_id)
+
+    def load(self, param, tensor, shard_id, expert_id):
+        pr, key = self.pairing, (shard_id, expert_id)
+        pr.weight_param = param
+        scale = pr.waiting_scales.pop(key, None)
+        if scale is not None:
+            return pr.dequantised_load(tensor, scale, key)
+        # The scale comes later: the raw values go in now (so the pieces are known, e.g. none
+        # for an expert of another EP rank) and are rewritten, scaled, when it does.
+        filled = pr.inner.load(param, tensor, shard_id, expert_id)
+        if filled:
+            pr.waiting_weights[key] = tensor.to("cpu")
+        else:
+            pr.foreign.add(key)
+        return filled
+
+
+class Fp8ScaleLoader(ParamLoader):
+    """The `*_scale_inv` companion: same pieces as the weight, block-grid shapes; keeps the
+    checkpoint's scales flat in its parameter (piece after piece, at `offsets`)."""
+
+    def __init__(self, pairing: _Pairing) -> None:
+        self.pairing = pairing
+        self.offsets, total = {}, 0
+        for piece in pairing.inner.pieces():
+            n = math.prod(self.ckpt_shape(*piece))
+            self.offsets[piece] = (total, n)
+            total += n
+        self.numel = total
+
+    def pieces(self):
+        return self.pairing.inner.pieces()
+
+    def ckpt_shape(self, shard_id, expert_id):
+        return scale_shape(self.pairing.inner.ckpt_shape(shard_id, expert_id), self.pairing.block)
+
+    def load(self, param, tensor, shard_id, expert_id):
+        pr, key = self.pairing, (shard_id, expert_id)
+        if key in self.offsets:
+            start, n = self.offsets[key]
+            param.data[start:start + n].copy_(tensor.reshape(-1))
+        weight = pr.waiting_weights.pop(key, None)
+        if weight is not None:
+            pr.dequantised_load(weight, tensor, key)
+        elif key not in pr.foreign:
+            pr.waiting_scales[key] = tensor.to("cpu", torch.float32)
+        return [key]
+
+
+def attach_fp8_scales(model: nn.Module, cfg: Fp8BlockConfig,
+                      quantised: Callable[[str, nn.Module], list[str]]) -> None:
+    """Give every quantised weight of `model` its scale companion.
+
+    `quantised(module_name, module)` lists the parameter names of a module that the checkpoint
+    holds in FP8 (e.g. ["weight"] for a linear, ["w13_weight", "w2_weight"] for experts).
+    """
+    for mname, module in list(model.named_modules()):
+        if cfg.skips(mname):
+            continue
+        for pname in quantised(mname, module):
+            param = getattr(module, pname)
+            pairing = _Pairing(param.param_loader, cfg.block)
+            scale_loader = Fp8ScaleLoader(pairing)
+            attach_loader(param, Fp8WeightLoader(pairing))
+            scale = new_param(scale_loader.numel, dtype=torch.float32)
+            scale.data.fill_(1.0)
+            setattr(module, pname + "_scale_inv", attach_loader(scale, scale_loader))

@@ -1,0 +1,131 @@
+"""Multi-head latent attention (DeepSeek-V2/V3) with a paged latent cache.
+
+Per token the cache holds only [kv_a_layernorm(latent) | rope(k_pe)] (kv_lora_rank +
+qk_rope_head_dim numbers, shared by all heads). Prefill attends in the expanded form (per-head
+K/V from kv_b_proj), decode in the absorbed form (queries projected into latent space with
+kv_b_proj's K rows, output latent projected with its V rows); both forms give the same result
+(`mode` forces one of them, for tests).
+
+Heads are split across TP ranks (q_b_proj / q_proj and kv_b_proj column-parallel, o_proj
+row-parallel); the down projections and the cache row are replicated.
+
+Legend: T tokens, H local heads, R kv_lora_rank, P qk_rope_head_dim, C = R + P,
+Dn qk_nope_head_dim, Dv v_head_dim, Q q_lora_rank.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from kernels.attention import AttentionMetadata
+from kernels.mla_attention import mla_absorbed_torch, mla_expanded_prefill_torch, write_latent_cache
+from models.config import RopeConfig
+from models.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
+from models.layers.norm import RMSNorm
+from models.layers.rotary import get_rope
+from models.layers.rotary_yarn import yarn_softmax_scale
+
+# transformers builds q_a_layernorm / kv_a_layernorm with the default epsilon, whatever rms_norm_eps says.
+_LATENT_NORM_EPS = 1e-6
+
+
+@dataclass
+class MLAConfig:
+    hidden_size: int
+    num_heads: int
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    max_position_embeddings: int
+    rope: RopeConfig
+    rope_interleave: bool = True
+    attention_bias: bool = False
+
+
+class MLAAttention(nn.Module):
+    """x [T, D] -> o_proj(attention) [T, D]. `kv_cache` [N, S, C] is bound by the model runner."""
+
+    def __init__(self, cfg: MLAConfig, mode: str = "auto") -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.mode = mode  # "auto" (prefill expanded, decode absorbed), "expanded", "absorbed"
+        Dn, P, Dv, R = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
+        self.qk_head_dim = Dn + P
+        if cfg.q_lora_rank is None:
+            self.q_proj = ColumnParallelLinear(cfg.hidden_size, [cfg.num_heads * self.qk_head_dim])
+        else:
+            self.q_a_proj = ReplicatedLinear(cfg.hidden_size, cfg.q_lora_rank, bias=cfg.attention_bias)
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, _LATENT_NORM_EPS)
+            self.q_b_proj = ColumnParallelLinear(cfg.q_lora_rank, [cfg.num_heads * self.qk_head_dim])
+        self.kv_a_proj_with_mqa = ReplicatedLinear(cfg.hidden_size, R + P, bias=cfg.attention_bias)
+        self.kv_a_layernorm = RMSNorm(R, _LATENT_NORM_EPS)
+        self.kv_b_proj = ColumnParallelLinear(R, [cfg.num_heads * (Dn + Dv)])
+        self.o_proj = RowParallelLinear(cfg.num_heads * Dv, cfg.hidden_size, bias=cfg.attention_bias)
+        self.num_local_heads = self.kv_b_proj.weight.shape[0] // (Dn + Dv)
+        # Interleaved (rotate pairs) unless the checkpoint says otherwise; q and k get the same
+        # layout, so the scores do not depend on how the rotated pairs are laid out.
+        self.rotary_emb = get_rope(P, cfg.max_position_embeddings, cfg.rope, is_neox_style=not cfg.rope_interleave)
+        self.scale = yarn_softmax_scale(self.qk_head_dim, cfg.rope)
+        self.kv_cache: torch.Tensor | None = None  # [N, S, C], bound by the runner
+
+    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
+        return (num_blocks, block_size, self.cfg.kv_lora_rank + self.cfg.qk_rope_head_dim)
+
+    def _queries(self, x: torch.Tensor) -> torch.Tensor:
+        if self.cfg.q_lora_rank is None:
+            return self.q_proj(x)
+        return self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+
+    def _kv_b_parts(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """W_UK [H, Dn, R] and W_UV [H, Dv, R]: views of kv_b_proj's weight (no copy, so an
+        FP8-dequantised or reloaded weight is always what is used)."""
+        c = self.cfg
+        w = self.kv_b_proj.weight.view(self.num_local_heads, c.qk_nope_head_dim + c.v_head_dim, c.kv_lora_rank)
+        return w[:, :c.qk_nope_head_dim], w[:, c.qk_nope_head_dim:]
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        c, T, H = self.cfg, x.shape[0], self.num_local_heads
+        Dn, P, Dv, R = c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim, c.kv_lora_rank
+        q = self._queries(x).view(T, H, Dn + P)
+        q_nope, q_pe = q.split([Dn, P], dim=-1)
+        latent, k_pe = self.kv_a_proj_with_mqa(x).split([R, P], dim=-1)
+        latent = self.kv_a_layernorm(latent)
+        q_pe, k_pe = self.rotary_emb(positions, q_pe, k_pe[:, None, :])
+        latent_TC = torch.cat((latent, k_pe[:, 0]), dim=-1)
+        if self.kv_cache is None:
+            raise RuntimeError("attention ran before the model runner bound a KV cache")
+        write_latent_cache(latent_TC, self.kv_cache, meta.slot_mapping_T)
+
+        if self.mode == "expanded":
+            expanded, absorbed_prefill, absorbed_decode = meta.prefill_seqs + meta.decode_seqs, [], False
+        elif self.mode == "absorbed":
+            expanded, absorbed_prefill, absorbed_decode = [], meta.prefill_seqs, True
+        else:
+            expanded, absorbed_prefill, absorbed_decode = meta.prefill_seqs, [], True
+        out_THDv = q.new_empty(T, H, Dv)
+        if expanded:
+            mla_expanded_prefill_torch(torch.cat((q_nope, q_pe), dim=-1), latent_TC, self.kv_cache,
+                                       self.kv_b_proj.weight, meta, expanded, Dn, Dv, self.scale, out_THDv)
+        if absorbed_prefill or (absorbed_decode and meta.decode_seqs):
+            w_uk, w_uv = self._kv_b_parts()
+            rows = _rows(meta, absorbed_prefill, absorbed_decode, x.device)
+            q_lat = torch.einsum("thd,hdr->thr", q_nope[rows], w_uk)
+            q_abs = q.new_zeros(T, H, R + P)
+            q_abs[rows] = torch.cat((q_lat, q_pe[rows]), dim=-1)
+            out_THR = q.new_zeros(T, H, R)
+            mla_absorbed_torch(q_abs, latent_TC, self.kv_cache, meta, absorbed_prefill, absorbed_decode,
+                               self.scale, out_THR)
+            out_THDv[rows] = torch.einsum("thr,hvr->thv", out_THR[rows], w_uv)
+        return self.o_proj(out_THDv.reshape(T, H * Dv))
+
+
+def _rows(meta: AttentionMetadata, prefill_seqs: list[int], with_decode: bool, device) -> torch.Tensor:
+    """Token rows of the given prefill sequences, plus the decode tokens when asked."""
+    idx = [torch.arange(meta.query_start_loc[b], meta.query_start_loc[b + 1]) for b in prefill_seqs]
+    if with_decode and meta.decode_seqs:
+        idx.append(torch.tensor([meta.query_start_loc[b] for b in meta.decode_seqs]))
+    return torch.cat(idx).to(device) if idx else torch.empty(0, dtype=torch.long, device=device)
