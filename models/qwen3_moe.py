@@ -19,6 +19,8 @@ from models.layers.norm import RMSNorm
 from models.layers.rotary import get_rope
 from models.loader import NameRule
 from moe.moe_block import FusedMoE, MoEBlock
+from moe.pipeline import (IntermediateTensors, PPMissingLayer, first_stage, is_pp_missing_parameter, last_stage,
+                          make_empty_intermediate_tensors_factory, make_layers, tied_lm_head_rules)
 from routing import softmax_topk
 
 
@@ -112,16 +114,28 @@ class Qwen3MoeDecoderLayer(nn.Module):
 
 
 class Qwen3MoeModel(nn.Module):
+    """Pipeline-parallel aware (moe/pipeline.py): this stage's layers, embedding on the first
+    stage, final norm on the last."""
+
     def __init__(self, cfg: Qwen3MoeConfig) -> None:
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(Qwen3MoeDecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size) if first_stage() \
+            else PPMissingLayer()
+        self.start_layer, self.end_layer, self.layers = make_layers(
+            cfg.num_hidden_layers, lambda i: Qwen3MoeDecoderLayer(cfg, i))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if last_stage() else PPMissingLayer()
+        self.make_empty_intermediate_tensors = make_empty_intermediate_tensors_factory(
+            ["hidden_states", "residual"], cfg.hidden_size)
 
-    def forward(self, input_ids, positions, meta):
-        x, residual = self.embed_tokens(input_ids), None
-        for layer in self.layers:
+    def forward(self, input_ids, positions, meta, intermediate_tensors: IntermediateTensors | None = None):
+        if intermediate_tensors is None:
+            x, residual = self.embed_tokens(input_ids), None
+        else:
+            x, residual = intermediate_tensors["hidden_states"], intermediate_tensors["residual"]
+        for layer in self.layers[self.start_layer:self.end_layer]:
             x, residual = layer(positions, x, residual, meta)
+        if not last_stage():
+            return IntermediateTensors({"hidden_states": x, "residual": residual})
         x, _ = self.norm(x, residual)
         return x
 
@@ -133,23 +147,26 @@ class Qwen3MoeForCausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.model = Qwen3MoeModel(cfg)
-        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
-        if cfg.tie_word_embeddings:
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size) if last_stage() else PPMissingLayer()
+        if cfg.tie_word_embeddings and first_stage() and last_stage():
             self.lm_head.weight = self.model.embed_tokens.weight
+        self.make_empty_intermediate_tensors = self.model.make_empty_intermediate_tensors
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """input_ids, positions [T] -> final hidden states [T, D]."""
-        return self.model(input_ids, positions, meta)
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                intermediate_tensors: IntermediateTensors | None = None):
+        """input_ids, positions [T] -> final hidden states [T, D] (last pipeline stage), or this
+        stage's IntermediateTensors for the next one."""
+        return self.model(input_ids, positions, meta, intermediate_tensors)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head.compute_logits(hidden)
 
     def attention_layers(self) -> list[Attention]:
-        return [layer.self_attn.attn for layer in self.model.layers]
+        m = self.model
+        return [layer.self_attn.attn for layer in m.layers[m.start_layer:m.end_layer]]
 
-    @staticmethod
-    def weight_name_rules() -> list[NameRule]:
-        return [
+    def weight_name_rules(self) -> list[NameRule]:
+        return tied_lm_head_rules(self.config.tie_word_embeddings) + [
             NameRule("experts.w13_weight", "experts.{e}.gate_proj.weight", "w1"),
             NameRule("experts.w13_weight", "experts.{e}.up_proj.weight", "w3"),
             NameRule("experts.w2_weight", "experts.{e}.down_proj.weight", "w2"),
@@ -163,4 +180,9 @@ class Qwen3MoeForCausalLM(nn.Module):
         ]
 
     def ignore_checkpoint_name(self, name: str) -> bool:
-        return "rotary_emb.inv_freq" in name or (self.config.tie_word_embeddings and name == "lm_head.weight")
+        tied = self.config.tie_word_embeddings
+        if "rotary_emb.inv_freq" in name or (tied and name == "lm_head.weight"):
+            return True
+        if tied and name.startswith("model.embed_tokens.") and last_stage():
+            return False  # fills the tied lm_head of a last stage without the embedding
+        return is_pp_missing_parameter(name, self)

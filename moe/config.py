@@ -11,6 +11,10 @@ DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bf
           "float16": torch.float16, "half": torch.float16}
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
+ALL2ALL_BACKENDS = ("auto", "allgather_reducescatter", "all_to_all")
+EXPERT_PLACEMENT_STRATEGIES = ("linear", "round_robin")
+# None: in-process for one rank, "mp" (spawned workers) for more, "external_launcher" under torchrun.
+DISTRIBUTED_EXECUTOR_BACKENDS = (None, "uni", "mp", "external_launcher")
 
 
 @dataclass
@@ -37,6 +41,7 @@ class EngineArgs:
     enable_expert_parallel: bool = False
     all2all_backend: str = "auto"
     expert_placement_strategy: str = "linear"
+    distributed_executor_backend: str | None = None
     moe_backend: str | None = None
     trust_remote_code: bool = False  # accepted for vLLM compatibility; nothing remote is ever run
     enforce_eager: bool = False
@@ -65,6 +70,18 @@ class EngineArgs:
                      "data_parallel_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.all2all_backend not in ALL2ALL_BACKENDS:
+            raise ValueError(f"all2all_backend must be one of {ALL2ALL_BACKENDS}, got {self.all2all_backend!r}")
+        if self.expert_placement_strategy not in EXPERT_PLACEMENT_STRATEGIES:
+            raise ValueError(f"expert_placement_strategy must be one of {EXPERT_PLACEMENT_STRATEGIES}, "
+                             f"got {self.expert_placement_strategy!r}")
+        if self.distributed_executor_backend not in DISTRIBUTED_EXECUTOR_BACKENDS:
+            raise ValueError(f"distributed_executor_backend must be one of {DISTRIBUTED_EXECUTOR_BACKENDS}, "
+                             f"got {self.distributed_executor_backend!r}")
+        world = self.tensor_parallel_size * self.pipeline_parallel_size * self.data_parallel_size
+        if self.distributed_executor_backend == "uni" and world > 1:
+            raise ValueError(f"distributed_executor_backend='uni' runs one rank, but tensor_parallel_size x "
+                             f"pipeline_parallel_size x data_parallel_size = {world}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:

@@ -10,7 +10,8 @@ from models.registry import load_model_config
 from models.tiny import TINY_MODELS, ensure_tiny_model
 from moe.config import EngineArgs
 from moe.detokenizer import IncrementalDetokenizer
-from moe.executor import Executor, InProcessExecutor
+from moe.data_parallel import DataParallelScheduler
+from moe.executor import Executor, make_executor
 from moe.metrics import EngineMetrics, Metric
 from moe.model_runner import TokenLogprobs
 from moe.outputs import CompletionOutput, Logprob, RequestOutput
@@ -87,18 +88,22 @@ class LLMEngine:
         self.max_num_batched_tokens = args.max_num_batched_tokens or (
             8192 if args.enable_chunked_prefill else max(8192, self.max_model_len))
 
-        self.executor: Executor = InProcessExecutor(model_cls, cfg, self.model_path, args, self.device,
-                                                    self.dtype, self.eos_token_ids)
+        # Every size check ran above: nothing has been started yet when one fails.
+        self.executor: Executor = make_executor(model_cls, cfg, self.model_path, args, self.device,
+                                                self.dtype, self.eos_token_ids)
         num_blocks = self.executor.determine_num_blocks(args.max_num_seqs, self.max_model_len,
                                                         self.max_num_batched_tokens)
         tokens = num_blocks * args.block_size
         logger.info("KV cache: %d blocks of %d tokens (%d tokens); maximum concurrency for %d tokens per "
                     "request: %.2fx", num_blocks, args.block_size, tokens, self.max_model_len,
                     tokens / self.max_model_len)
-        self.scheduler = Scheduler(SchedulerConfig(
+        # One scheduler (engine core) per data-parallel replica, each over its own KV cache.
+        self.schedulers = [Scheduler(SchedulerConfig(
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
             max_model_len=self.max_model_len, block_size=args.block_size, num_blocks=num_blocks,
             enable_chunked_prefill=args.enable_chunked_prefill, enable_prefix_caching=args.enable_prefix_caching))
+            for _ in range(args.data_parallel_size)]
+        self.scheduler = self.schedulers[0] if len(self.schedulers) == 1 else DataParallelScheduler(self.schedulers)
         self.executor.initialize_cache(num_blocks)
         self.metrics = EngineMetrics(args.model)
         self._parents: dict[str, _Parent] = {}
@@ -110,19 +115,31 @@ class LLMEngine:
 
     @staticmethod
     def _validate_parallel(args: EngineArgs, cfg) -> None:
-        tp = args.tensor_parallel_size
+        """Every size must divide what it splits; raised before any process starts."""
+        tp, pp, dp = args.tensor_parallel_size, args.pipeline_parallel_size, args.data_parallel_size
         if cfg.num_attention_heads % tp:
             raise ValueError(f"tensor_parallel_size={tp} does not divide num_attention_heads="
                              f"{cfg.num_attention_heads}")
         if cfg.num_key_value_heads % tp and tp % cfg.num_key_value_heads:
             raise ValueError(f"tensor_parallel_size={tp} and num_key_value_heads={cfg.num_key_value_heads} "
                              "must divide one another")
-        if cfg.num_hidden_layers % args.pipeline_parallel_size:
-            raise ValueError(f"pipeline_parallel_size={args.pipeline_parallel_size} does not divide "
-                             f"num_hidden_layers={cfg.num_hidden_layers}")
-        if tp * args.pipeline_parallel_size * args.data_parallel_size > 1:
-            raise NotImplementedError("tensor/pipeline/data parallelism is not available yet in this build; "
-                                      "use tensor_parallel_size=pipeline_parallel_size=data_parallel_size=1")
+        if cfg.vocab_size % tp:
+            raise ValueError(f"tensor_parallel_size={tp} does not divide vocab_size={cfg.vocab_size}")
+        if cfg.intermediate_size and cfg.intermediate_size % tp:
+            raise ValueError(f"tensor_parallel_size={tp} does not divide intermediate_size={cfg.intermediate_size}")
+        if cfg.num_hidden_layers % pp:
+            raise ValueError(f"pipeline_parallel_size={pp} does not divide num_hidden_layers={cfg.num_hidden_layers}")
+        num_experts = next((getattr(cfg, n) for n in ("num_experts", "n_routed_experts", "num_local_experts")
+                            if getattr(cfg, n, 0)), 0)
+        if num_experts and args.enable_expert_parallel:
+            if num_experts % (dp * tp):
+                raise ValueError(f"data_parallel_size={dp} x tensor_parallel_size={tp} (the expert-parallel size "
+                                 f"with enable_expert_parallel) does not divide the {num_experts} experts")
+        elif num_experts:
+            moe_inter = getattr(cfg, "moe_intermediate_size", 0) or getattr(cfg, "intermediate_size_moe", 0)
+            if moe_inter and moe_inter % tp:
+                raise ValueError(f"tensor_parallel_size={tp} does not divide moe_intermediate_size={moe_inter} "
+                                 "(experts are tensor-parallel without enable_expert_parallel)")
 
     # ---- inputs ------------------------------------------------------------------------
     def process_prompt(self, prompt) -> ProcessedPrompt:
@@ -200,10 +217,14 @@ class LLMEngine:
     # ---- the loop ----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         self.num_steps += 1
-        so = self.scheduler.schedule()
-        runner_out = self.executor.execute_model(so)
-        core_outputs = self.scheduler.update_from_output(so, runner_out.sampled, runner_out.logprobs)
-        self._count_step(so, core_outputs)
+        if isinstance(self.scheduler, DataParallelScheduler):
+            sos = self.scheduler.schedule()
+            core_outputs = self.scheduler.update_from_output(sos, self.executor.execute_models(sos))
+        else:
+            so = self.scheduler.schedule()
+            runner_out = self.executor.execute_model(so)
+            core_outputs = self.scheduler.update_from_output(so, runner_out.sampled, runner_out.logprobs)
+        self._count_step(core_outputs)
         finished: list[RequestOutput] = []
         for co in core_outputs:
             parent_id = self._child_to_parent.get(co.req_id)
@@ -254,7 +275,7 @@ class LLMEngine:
         return out
 
     # ---- metrics -----------------------------------------------------------------------
-    def _count_step(self, so, core_outputs) -> None:
+    def _count_step(self, core_outputs) -> None:
         m, s = self.metrics, self.scheduler
         generated = sum(len(co.new_token_ids) for co in core_outputs)
         m.generation_tokens.inc(generated)

@@ -3,6 +3,13 @@ batch tensors, runs the model, samples, and returns the new tokens.
 
 It sees only SchedulerOutputs, so a multi-process executor can broadcast the same object to
 every rank's runner.
+
+Parallel ranks: every rank of a DP replica runs the same batch. With pipeline parallelism a
+stage receives the previous stage's activations and sends its own on (moe/pipeline.py); logits
+come from the last stage (all its TP ranks take part in the vocab gather), and only the
+replica's driver rank (last stage, TP rank 0) samples: sampling is done once and its tokens are
+sent to the other ranks of the replica with the next step (`apply_sampled`), so every rank
+appends exactly the tokens the driver drew, whatever the sampling parameters.
 """
 from __future__ import annotations
 
@@ -13,6 +20,7 @@ import numpy as np
 import torch
 
 from kernels.attention import AttentionMetadata
+from moe.distributed import get_parallel_state, pp_recv, pp_send
 from moe.sampler import SamplingBatch, sample
 from moe.sampling_params import SamplingParams
 from scheduler import SchedulerOutput
@@ -61,6 +69,13 @@ class ModelRunner:
         self.vocab_size = vocab_size
         self.requests: dict[str, RequestState] = {}
         self.kv_caches: list[torch.Tensor] = []
+        ps = get_parallel_state()
+        self.is_driver = ps.is_driver
+        self.pp_size, self.is_first_stage, self.is_last_stage = ps.pp_size, ps.is_first_pp_rank, ps.is_last_pp_rank
+        # A replica without work still runs a one-token forward (MoE collectives span DP
+        # replicas); its KV write goes to one extra block that the scheduler never hands out.
+        self.reserve_dummy_block = ps.needs_dummy_batches
+        self.dummy_block: int | None = None
 
     # ---- KV cache ----------------------------------------------------------------------
     def kv_cache_bytes_per_block(self) -> int:
@@ -76,6 +91,8 @@ class ModelRunner:
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         self.kv_caches = []
+        if self.reserve_dummy_block and num_blocks:
+            self.dummy_block, num_blocks = num_blocks, num_blocks + 1
         for attn in self.model.attention_layers():
             cache = torch.zeros(attn.kv_cache_shape(num_blocks, self.block_size), dtype=self.kv_dtype, device=self.device)
             attn.kv_cache = cache
@@ -170,18 +187,61 @@ class ModelRunner:
         batch.banned_tokens = banned or None
         return batch
 
+    def apply_sampled(self, sampled: dict[str, list[int]]) -> None:
+        """Append the tokens the replica's driver rank sampled last step (non-driver ranks)."""
+        for req_id, tokens in sampled.items():
+            state = self.requests.get(req_id)
+            if state is not None:
+                state.token_ids.extend(tokens)
+
+    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata):
+        """The model on this rank's stage: final hidden states [T, D] on the last stage, None on
+        the others (their activations went to the next stage)."""
+        if self.pp_size == 1:
+            return self.model(input_ids, positions, meta)
+        intermediate = None
+        if not self.is_first_stage:
+            intermediate = self.model.make_empty_intermediate_tensors(input_ids.shape[0], self.kv_dtype, self.device)
+            pp_recv(intermediate)
+        out = self.model(input_ids, positions, meta, intermediate_tensors=intermediate)
+        if self.is_last_stage:
+            return out
+        pp_send(out)
+        return None
+
     @torch.inference_mode()
-    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+    def execute_dummy(self) -> None:
+        """One token at position 0 written to the reserved block: runs every collective of a
+        forward (MoE dispatch/combine, TP, PP) without touching any request's state."""
+        if self.dummy_block is None:
+            raise RuntimeError("a dummy batch needs the reserved KV block (allocate_kv_cache first)")
+        dev = self.device
+        table = torch.tensor([[self.dummy_block]], dtype=torch.int64, device=dev)
+        meta = AttentionMetadata(
+            query_start_loc=[0, 1], seq_lens=[1], block_tables_BM=table,
+            slot_mapping_T=torch.tensor([self.dummy_block * self.block_size], dtype=torch.int64, device=dev),
+            decode_seqs=[0], prefill_seqs=[], decode_token_idx=torch.zeros(1, dtype=torch.int64, device=dev),
+            decode_seq_lens=torch.ones(1, dtype=torch.int64, device=dev), decode_block_tables=table)
+        self._forward(torch.zeros(1, dtype=torch.long, device=dev), torch.zeros(1, dtype=torch.long, device=dev), meta)
+
+    @torch.inference_mode()
+    def execute_model(self, so: SchedulerOutput, dummy: bool = False) -> ModelRunnerOutput:
+        """Run one step. `dummy`: when `so` is empty, run a one-token forward anyway (another DP
+        replica has work and the MoE collectives need every rank)."""
         self._update_states(so)
         if so.is_empty:
+            if dummy:
+                self.execute_dummy()
             return ModelRunnerOutput()
         req_ids, states, input_ids, positions, meta, qsl, sample_rows = self._prepare(so)
-        hidden = self.model(input_ids, positions, meta)
+        hidden = self._forward(input_ids, positions, meta)
         out = ModelRunnerOutput()
-        if not sample_rows:
+        if not sample_rows or hidden is None:
             return out
         idx = torch.tensor([qsl[i + 1] - 1 for i in sample_rows], device=self.device)
-        logits = self.model.compute_logits(hidden[idx])
+        logits = self.model.compute_logits(hidden[idx])  # a TP collective: every TP rank of the stage
+        if not self.is_driver:
+            return out
         sample_states = [states[i] for i in sample_rows]
         result = sample(logits, self._sampling_batch(sample_states))
         sampled = result.sampled_B.tolist()

@@ -5,6 +5,12 @@ Experts are sharded one of two ways: expert-parallel (each EP rank holds E/ep wh
 `expert_map` marks the others -1) or, without EP, tensor-parallel along the intermediate dim
 (every rank holds every expert's F/tp slice and the outputs are summed over the TP group).
 
+Expert-parallel forward (EP group = the DP x TP ranks of a pipeline stage): the TP ranks of a
+replica hold the same tokens, so each takes its 1/tp share of the rows (sequence split), then
+dispatch -> local experts -> combine over the EP group, and an all-gather over TP restores the
+full [T, D]. Every rank of the EP group calls dispatch and combine in every MoE layer, also with
+zero rows (a DP replica without work runs a dummy batch, see moe/model_runner.py).
+
 Legend: T tokens, D hidden, E experts, F expert intermediate size, K top-k.
 """
 from __future__ import annotations
@@ -16,8 +22,10 @@ from torch import nn
 
 import kernels
 from models.layers.weights import ParamLoader, attach_loader, new_param
-from moe.distributed import get_parallel_state, tp_all_reduce
+from all2all import Dispatcher, make_dispatcher
+from moe.distributed import get_parallel_state, tp_all_gather_rows, tp_all_reduce, tp_row_chunk
 from routing import RouterOutput, make_expert_map
+from routing.placement import local_expert_ids
 
 
 class ExpertWeightLoader(ParamLoader):
@@ -68,17 +76,25 @@ class ExpertWeightLoader(ParamLoader):
 
 
 class FusedMoE(nn.Module):
-    """The routed experts of one layer: w13_weight [E_local, 2F_local, D], w2_weight [E_local, D, F_local]."""
+    """The routed experts of one layer: w13_weight [E_local, 2F_local, D], w2_weight [E_local, D, F_local].
+
+    `top_k` (optional) feeds all2all_backend="auto"; without it the rule uses the routing's K
+    at the first forward (every rank sees the same K, so every rank picks the same backend).
+    """
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int,
-                 kernel_backend: str | None = None) -> None:
+                 kernel_backend: str | None = None, top_k: int | None = None) -> None:
         super().__init__()
         ps = get_parallel_state()
         self.num_experts = num_experts
         self.kernel_backend = kernel_backend
-        if ps.enable_expert_parallel and ps.ep_size > 1:
-            self.expert_map = make_expert_map(num_experts, ps.ep_size, ps.ep_rank)
-            local_ids = [g for g in range(num_experts) if self.expert_map[g] >= 0]
+        self.top_k = top_k
+        self.dispatcher: Dispatcher | None = None
+        self.use_ep = ps.enable_expert_parallel and ps.ep_size > 1
+        if self.use_ep:
+            strategy = ps.expert_placement_strategy
+            self.expert_map = make_expert_map(num_experts, ps.ep_size, ps.ep_rank, strategy)
+            local_ids = local_expert_ids(num_experts, ps.ep_size, ps.ep_rank, strategy)
             f_local, tp_rank, self.reduce_over_tp = intermediate_size, 0, False
         else:
             self.expert_map = None
@@ -92,11 +108,31 @@ class FusedMoE(nn.Module):
         self.w13_weight = attach_loader(new_param(E, 2 * f_local, hidden_size), ExpertWeightLoader("w13", *args))
         self.w2_weight = attach_loader(new_param(E, hidden_size, f_local), ExpertWeightLoader("w2", *args))
 
+    def _get_dispatcher(self, top_k: int) -> Dispatcher:
+        if self.dispatcher is None:
+            ps = get_parallel_state()
+            self.dispatcher = make_dispatcher(ps.all2all_backend, ps.ep_group, self.num_experts,
+                                              ps.expert_placement_strategy, top_k=self.top_k or top_k)
+        return self.dispatcher
+
     def forward(self, x_TD: torch.Tensor, routing: RouterOutput) -> torch.Tensor:
+        if self.use_ep:
+            return self._forward_ep(x_TD, routing)
         expert_map = None if self.expert_map is None else self.expert_map.to(x_TD.device)
         y_TD = kernels.fused_experts(x_TD, self.w13_weight, self.w2_weight, routing.topk_weights_TK,
                                      routing.topk_ids_TK, expert_map=expert_map, backend=self.kernel_backend)
         return tp_all_reduce(y_TD) if self.reduce_over_tp else y_TD
+
+    def _forward_ep(self, x_TD: torch.Tensor, routing: RouterOutput) -> torch.Tensor:
+        T = x_TD.shape[0]
+        lo, hi, _ = tp_row_chunk(T)  # the TP ranks split the (replicated) rows
+        disp = self._get_dispatcher(routing.topk_ids_TK.shape[1])
+        recv = disp.dispatch(x_TD[lo:hi], routing.topk_weights_TK[lo:hi], routing.topk_ids_TK[lo:hi])
+        y_RD = kernels.fused_experts(recv.x_RD, self.w13_weight, self.w2_weight, recv.topk_weights_RK,
+                                     recv.topk_ids_RK, expert_map=disp.expert_map_on(x_TD.device),
+                                     backend=self.kernel_backend)
+        y_ND = disp.combine(y_RD, recv)
+        return tp_all_gather_rows(y_ND, T)
 
 
 class MoEBlock(nn.Module):

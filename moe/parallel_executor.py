@@ -1,0 +1,295 @@
+"""Multi-rank executors.
+
+`MultiprocExecutor` (one node; `LLM(..., tensor_parallel_size=2)` etc.): this process is the
+driver and holds no rank. It spawns world = PP x DP x TP worker processes (torch.multiprocessing
+spawn; gloo on CPU, NCCL on GPU, rank r on cuda:r), each building only its shard. Every step it
+sends each worker its replica's SchedulerOutput (pickled once per replica, the same bytes to
+every rank of it: a broadcast over pipes) together with the tokens the replica's driver rank
+sampled last step, and waits for every rank's reply.
+
+Faults: the driver waits on the pipes *and* the process sentinels with a deadline, so a worker
+that dies is reported within moments ("worker rank 1 (pid ...) died ..."), a worker that raises
+is reported with its traceback, and a step that outlives MOE_STEP_TIMEOUT_S (default 900 s)
+fails naming the ranks that did not answer. Workers are daemon processes, each also exits when
+its driver disappears (pipe EOF, parent watch); a weakref finalizer (which also runs at
+interpreter exit) stops them when the LLM is deleted. After a fault the executor is closed and
+every later call raises the same error.
+
+`TorchrunExecutor` (one or several nodes): `torchrun --nproc-per-node N ... script.py` starts
+the ranks (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT from the environment). Every rank runs
+the same script and the whole engine (SPMD, like vLLM's external launcher): each builds the
+same schedulers from the same prompts, executes its own replica's batch, and one all_gather of
+small Python objects per step gives every rank every replica's sampled tokens (and checks that
+the ranks scheduled the same batches, so a script that feeds ranks different prompts fails
+loudly). Every rank returns the same outputs.
+"""
+from __future__ import annotations
+
+import logging
+import multiprocessing.connection as mp_connection
+import os
+import pickle
+import socket
+import time
+import weakref
+import zlib
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from models.config import ModelConfig
+from moe.config import EngineArgs
+from moe.distributed import (ParallelLayout, collective_timeout, get_parallel_state, init_parallel_state,
+                             reset_parallel_state)
+from moe.executor import Executor
+from moe.model_runner import ModelRunnerOutput
+from moe.worker import Worker, WorkerSpec, worker_main
+from scheduler import SchedulerOutput
+
+logger = logging.getLogger("moe.executor")
+
+
+def launched_by_torchrun() -> bool:
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1 and "RANK" in os.environ and "LOCAL_RANK" in os.environ
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _layout(args: EngineArgs) -> ParallelLayout:
+    return ParallelLayout(args.tensor_parallel_size, args.pipeline_parallel_size, args.data_parallel_size)
+
+
+def _dummy_flags(layout: ParallelLayout, enable_ep: bool, sos: list[SchedulerOutput]) -> list[bool]:
+    """Replicas that must run a dummy batch: empty while another replica works and the MoE
+    collectives span replicas (EP with DP > 1)."""
+    if not (enable_ep and layout.dp > 1) or all(so.is_empty for so in sos):
+        return [False] * len(sos)
+    return [so.is_empty for so in sos]
+
+
+class WorkerFailure(RuntimeError):
+    """A worker process died, raised, or stopped answering."""
+
+
+def _stop_workers(procs: list, conns: list, timeout_s: float = 5.0) -> None:
+    """Ask, then terminate, then kill; only the processes this executor started. Idempotent."""
+    for conn, proc in zip(conns, procs):
+        if proc.is_alive():
+            try:
+                conn.send_bytes(pickle.dumps(("shutdown", ())))
+            except (OSError, ValueError):
+                pass
+    deadline = time.monotonic() + timeout_s
+    for proc in procs:
+        proc.join(max(0.0, deadline - time.monotonic()))
+    for proc in procs:
+        if proc.is_alive():
+            proc.terminate()
+    for proc in procs:
+        proc.join(2.0)
+        if proc.is_alive():
+            proc.kill()
+            proc.join(2.0)
+    for conn in conns:
+        try:
+            conn.close()
+        except OSError:
+            pass
+
+
+class MultiprocExecutor(Executor):
+    def __init__(self, model_cls: type, config: ModelConfig, model_path: str, args: EngineArgs,
+                 device: torch.device, dtype: torch.dtype, eos_token_ids: tuple[int, ...]) -> None:
+        self.args = args
+        self.layout = layout = _layout(args)
+        world = layout.world_size
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        if device.type == "cuda" and world > torch.cuda.device_count():
+            raise ValueError(f"tensor_parallel_size x pipeline_parallel_size x data_parallel_size = {world} "
+                             f"processes need {world} GPUs on this node, but torch sees {torch.cuda.device_count()}")
+        self.step_timeout_s = float(os.environ.get("MOE_STEP_TIMEOUT_S", "900"))
+        start_timeout_s = float(os.environ.get("MOE_WORKER_START_TIMEOUT_S", "900"))
+        spec = WorkerSpec(model_cls, config, model_path, args, device.type, dtype, tuple(eos_token_ids))
+        ctx = mp.get_context("spawn")
+        init_method = f"tcp://127.0.0.1:{_free_port()}"
+        threads = max(1, (os.cpu_count() or 1) // world) if device.type == "cpu" else 1
+        self.procs, self.conns = [], []
+        self._error: str | None = None
+        # Registered before the first start: whatever happens next, the workers get stopped.
+        self._finalizer = weakref.finalize(self, _stop_workers, self.procs, self.conns)
+        for rank in range(world):
+            parent_conn, child_conn = ctx.Pipe(duplex=True)
+            proc = ctx.Process(target=worker_main, name=f"moe-worker-rank{rank}", daemon=True,
+                               args=(rank, world, init_method, backend, spec, child_conn, os.getpid(), threads))
+            proc.start()
+            child_conn.close()  # the worker holds its end: EOF here means it is gone
+            self.procs.append(proc)
+            self.conns.append(parent_conn)
+        logger.info("Started %d worker processes (%s, tp=%d pp=%d dp=%d, pids %s)", world, backend, layout.tp,
+                    layout.pp, layout.dp, [p.pid for p in self.procs])
+        self._gather(range(world), start_timeout_s, "starting")
+        self._last_sampled: list[dict[str, list[int]]] = [{} for _ in range(layout.dp)]
+
+    @property
+    def worker_pids(self) -> list[int]:
+        return [p.pid for p in self.procs]
+
+    # ---- transport ---------------------------------------------------------------------
+    def _fail(self, message: str) -> None:
+        self._error = message
+        self._finalizer()  # stop every worker now; later calls raise `message`
+        raise WorkerFailure(message)
+
+    def _check_open(self) -> None:
+        if self._error is not None:
+            raise WorkerFailure(f"the executor is closed after an earlier failure: {self._error}")
+
+    def _send(self, ranks, payload: bytes) -> None:
+        for r in ranks:
+            try:
+                self.conns[r].send_bytes(payload)
+            except (OSError, ValueError):
+                self._gather([r], 1.0, "sending to")  # reports the death with the exit code
+                self._fail(f"worker rank {r} (pid {self.procs[r].pid}) is unreachable")
+
+    def _gather(self, ranks, timeout_s: float, what: str) -> dict[int, object]:
+        """Each rank's reply; raises WorkerFailure naming the rank on death, error or timeout."""
+        pending = {self.conns[r]: r for r in ranks}
+        sentinels = {p.sentinel: r for r, p in enumerate(self.procs)}
+        results: dict[int, object] = {}
+        deadline = time.monotonic() + timeout_s
+        while pending:
+            left = deadline - time.monotonic()
+            ready = mp_connection.wait(list(pending) + list(sentinels), timeout=max(left, 0.0)) if left > 0 else []
+            if not ready:
+                self._fail(f"worker rank(s) {sorted(pending.values())} did not answer within {timeout_s:.0f} s "
+                           f"while {what} the model (MOE_STEP_TIMEOUT_S / MOE_COLLECTIVE_TIMEOUT_S)")
+            for obj in ready:
+                if obj in pending:
+                    r = pending[obj]
+                    try:
+                        status, value = pickle.loads(obj.recv_bytes())
+                    except (EOFError, OSError):
+                        self._dead(r, what)
+                    if status == "error":
+                        self._fail(f"worker rank {r} raised while {what} the model:\n{value}")
+                    results[r] = value
+                    del pending[obj]
+                elif not self.procs[sentinels[obj]].is_alive() or self.procs[sentinels[obj]].exitcode is not None:
+                    r = sentinels[obj]
+                    # A rank that replied "error" just before exiting is reported with its traceback.
+                    if self.conns[r] in pending and self.conns[r].poll():
+                        continue
+                    self._dead(r, what)
+        return results
+
+    def _dead(self, rank: int, what: str) -> None:
+        proc = self.procs[rank]
+        proc.join(1.0)
+        self._fail(f"worker rank {rank} (pid {proc.pid}) died while {what} the model "
+                   f"(exit code {proc.exitcode})")
+
+    def _call_all(self, method: str, *args, timeout_s: float | None = None) -> dict[int, object]:
+        self._check_open()
+        ranks = range(self.layout.world_size)
+        self._send(ranks, pickle.dumps((method, args)))
+        return self._gather(ranks, timeout_s or self.step_timeout_s, "running")
+
+    # ---- Executor ----------------------------------------------------------------------
+    def determine_num_blocks(self, max_num_seqs: int, max_model_len: int, max_num_batched_tokens: int) -> int:
+        # Each rank sizes its own cache; a replica's ranks share block ids, so take the minimum.
+        return min(self._call_all("determine_num_blocks", max_num_seqs, max_model_len,
+                                  max_num_batched_tokens).values())
+
+    def initialize_cache(self, num_blocks: int) -> None:
+        self._call_all("initialize_cache", num_blocks)
+
+    def execute_models(self, scheduler_outputs: list[SchedulerOutput]) -> list[ModelRunnerOutput]:
+        self._check_open()
+        layout = self.layout
+        dummy = _dummy_flags(layout, self.args.enable_expert_parallel, scheduler_outputs)
+        for d, so in enumerate(scheduler_outputs):
+            payload = pickle.dumps(("execute", (so, self._last_sampled[d], dummy[d])),
+                                   protocol=pickle.HIGHEST_PROTOCOL)
+            self._send(layout.replica_ranks(d), payload)
+        replies = self._gather(range(layout.world_size), self.step_timeout_s, "running")
+        outs = [replies[layout.driver_rank(d)] for d in range(layout.dp)]
+        self._last_sampled = [o.sampled for o in outs]
+        return outs
+
+    def shutdown(self) -> None:
+        self._finalizer()
+
+
+class TorchrunExecutor(Executor):
+    """This process is one rank of a torchrun launch (see the module docstring)."""
+
+    def __init__(self, model_cls: type, config: ModelConfig, model_path: str, args: EngineArgs,
+                 device: torch.device, dtype: torch.dtype, eos_token_ids: tuple[int, ...]) -> None:
+        self.args = args
+        self.layout = layout = _layout(args)
+        rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        if world != layout.world_size:
+            raise ValueError(f"torchrun started WORLD_SIZE={world} processes, but tensor_parallel_size x "
+                             f"pipeline_parallel_size x data_parallel_size = {layout.world_size}")
+        if device.type == "cuda":
+            device = torch.device("cuda", local_rank)
+            torch.cuda.set_device(device)
+        self._owns_group = not dist.is_initialized()
+        if self._owns_group:
+            dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=rank, world_size=world,
+                                    timeout=collective_timeout())
+        self.state = init_parallel_state(layout, rank, args.enable_expert_parallel, args.all2all_backend,
+                                         args.expert_placement_strategy)
+        if device.type == "cpu":
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", world))))
+        spec = WorkerSpec(model_cls, config, model_path, args, device.type, dtype, tuple(eos_token_ids))
+        self.worker = Worker(spec, device)
+        self._closed = False
+
+    @property
+    def runner(self):
+        return self.worker.runner
+
+    @property
+    def model(self) -> torch.nn.Module:
+        return self.worker.model
+
+    def determine_num_blocks(self, max_num_seqs: int, max_model_len: int, max_num_batched_tokens: int) -> int:
+        n = self.worker.determine_num_blocks(max_num_seqs, max_model_len, max_num_batched_tokens)
+        t = torch.tensor([n], dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.state.cpu_group)
+        return int(t.item())
+
+    def initialize_cache(self, num_blocks: int) -> None:
+        self.worker.initialize_cache(num_blocks)
+
+    def execute_models(self, scheduler_outputs: list[SchedulerOutput]) -> list[ModelRunnerOutput]:
+        s, layout = self.state, self.layout
+        dummy = _dummy_flags(layout, self.args.enable_expert_parallel, scheduler_outputs)
+        mine = self.worker.execute(scheduler_outputs[s.dp_rank], None, dummy[s.dp_rank])
+        digest = zlib.crc32(repr([sorted(so.num_scheduled_tokens.items()) for so in scheduler_outputs]).encode())
+        gathered: list = [None] * layout.world_size
+        dist.all_gather_object(gathered, (digest, mine), group=s.cpu_group)
+        if any(g[0] != digest for g in gathered):
+            bad = [r for r, g in enumerate(gathered) if g[0] != digest]
+            raise RuntimeError(f"ranks {bad} scheduled a different batch than rank {s.rank}: under torchrun every "
+                               "rank must call generate() with the same prompts and sampling parameters")
+        outs = [gathered[layout.driver_rank(d)][1] for d in range(layout.dp)]
+        if not self.worker.runner.is_driver:
+            self.worker.runner.apply_sampled(outs[s.dp_rank].sampled)
+        return outs
+
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        reset_parallel_state()
+        if self._owns_group and dist.is_initialized():
+            dist.destroy_process_group()
