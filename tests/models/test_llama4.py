@@ -90,9 +90,11 @@ def _hf_text_dict(**overrides) -> dict:
 
 
 def test_nested_config_unwraps_text_config(tmp_path):
-    text = _hf_text_dict(rope_parameters=LLAMA3_ROPE)
+    text = {k: v for k, v in _hf_text_dict().items() if k not in ("architectures", "dtype", "rope_parameters")}
+    # The hub's legacy spelling: rope_theta + rope_scaling.
+    text.update(rope_theta=500000.0, rope_scaling={k: v for k, v in LLAMA3_ROPE.items() if k != "rope_theta"})
     raw = {"architectures": ["Llama4ForConditionalGeneration"], "model_type": "llama4", "dtype": "bfloat16",
-           "text_config": {k: v for k, v in text.items() if k not in ("architectures", "dtype")},
+           "text_config": text,
            "vision_config": {"hidden_size": 32}}
     os.makedirs(tmp_path / "c")
     with open(tmp_path / "c" / "config.json", "w") as f:
