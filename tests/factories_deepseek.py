@@ -69,12 +69,14 @@ def _mtp_tensors(cfg, tensors: dict) -> dict:
             f"model.layers.{n}.mlp.experts.0.gate_proj.weight": torch.randn(cfg.moe_intermediate_size, D)}
 
 
-def make_deepseek_v3_checkpoint(path: str, seed: int = 0, shards: int = 1, mtp: bool = False,
+def make_deepseek_v3_checkpoint(path: str, seed: int = 0, shards: int = 1, mtp: bool = False, layout: str = "per_expert",
                                 fp8_twin_path: str | None = None, with_tokenizer: bool = True,
                                 **overrides) -> str:
     """Save a random transformers DeepSeek-V3 to `path` (fp32, hub per-expert layout).
 
     RMSNorm weights are perturbed from 1 and every router gets a non-zero correction bias.
+    layout: "per_expert" (hub names experts.{e}.gate_proj...) or "fused" (transformers' in-memory
+    3-D experts.gate_up_proj [E, 2F, D] / experts.down_proj [E, D, F]).
     mtp: add fake layer-`num_hidden_layers` tensors (must be ignored on load).
     fp8_twin_path: instead save at `path` an FP8 e4m3 128x128 block-quantised checkpoint
     (`*.weight_scale_inv` beside each projection weight, `quantization_config` in config.json),
@@ -88,6 +90,9 @@ def make_deepseek_v3_checkpoint(path: str, seed: int = 0, shards: int = 1, mtp: 
     perturb_norms(model, seed)
     gen = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(".bias"):  # transformers zeroes them: a dropped bias would not show
+                p.copy_(0.1 * torch.randn(p.shape, generator=gen))
         for name, buf in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 buf.copy_(0.05 * torch.randn(buf.shape, generator=gen))
@@ -98,6 +103,8 @@ def make_deepseek_v3_checkpoint(path: str, seed: int = 0, shards: int = 1, mtp: 
         if f.endswith(".safetensors"):
             tensors.update(load_file(os.path.join(path, f)))
             os.remove(os.path.join(path, f))
+    if layout == "fused":
+        tensors = {k: v.contiguous() for k, v in model.state_dict().items()}
     assert any(k.endswith("e_score_correction_bias") for k in tensors)
     if fp8_twin_path is not None:
         twin = dict(tensors)
