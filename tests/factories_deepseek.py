@@ -69,9 +69,9 @@ def _mtp_tensors(cfg, tensors: dict) -> dict:
             f"model.layers.{n}.mlp.experts.0.gate_proj.weight": torch.randn(cfg.moe_intermediate_size, D)}
 
 
-def make_deepseek_v3_checkpoint(path: str, seed: int = 0, shards: int = 1, mtp: bool = False, layout: str = "per_expert",
-                                fp8_twin_path: str | None = None, with_tokenizer: bool = True,
-                                **overrides) -> str:
+def make_deepseek_v3_checkpoint(path: str, seed: int = 0, shards: int = 1, mtp: bool = False,
+                                layout: str = "per_expert", fp8_twin_path: str | None = None,
+                                with_tokenizer: bool = True, **overrides) -> str:
     """Save a random transformers DeepSeek-V3 to `path` (fp32, hub per-expert layout).
 
     RMSNorm weights are perturbed from 1 and every router gets a non-zero correction bias.
