@@ -1,5 +1,8 @@
 """Routers (which experts each token goes to) and expert placement (which rank holds which expert)."""
-from routing.router import RouterOutput, softmax_topk
+from routing.grouped_topk import grouped_topk
+from routing.llama4_router import llama4_topk
 from routing.placement import expert_owner_ranks, local_expert_ids, make_expert_map
+from routing.router import RouterOutput, softmax_topk
 
-__all__ = ["RouterOutput", "softmax_topk", "make_expert_map", "expert_owner_ranks", "local_expert_ids"]
+__all__ = ["RouterOutput", "softmax_topk", "grouped_topk", "llama4_topk", "make_expert_map",
+           "expert_owner_ranks", "local_expert_ids"]
