@@ -1,18 +1,25 @@
 """All-to-all dispatch: each token travels only to the ranks that hold one of its experts.
 
 Legend: T tokens on this rank, P ranks, S rows this rank sends (distinct (rank, token) pairs),
-R rows it receives, D hidden, K top-k, E global experts, B bytes per packed row.
+R rows it receives, D hidden, K top-k, E global experts, B bytes per packed row, W x words.
 
-dispatch: owner rank of every slot -> a [P, T] "token goes to rank" mask (a token whose two
-experts share a rank is sent there once) -> per-rank counts, exchanged with one small
-all_to_all_single -> the send permutation (rank-major, token order within a rank) built with
-cumsum + scatter on the device -> one all_to_all_single of packed rows (x + weights + ids, see
-all2all.packing). A slot whose expert is on another destination is sent with weight 0 and its
-global id, so it contributes nothing there.
-combine: the reverse all_to_all_single of the expert outputs, then index_add_ per token.
+dispatch:
+  1. owner rank of every slot -> here_PTK (slot's expert is on rank p) -> goes_PT (token goes to
+     rank p; a token whose experts share a rank is sent there once) -> send counts, exchanged
+     with one equal-split all_to_all_single of P int64 (launched at once, on NCCL's stream).
+  2. While that exchange is in flight, and before the host knows S: slot_PT = the send-buffer
+     row of each (rank, token) pair (rank-major, token order within a rank), from one cumsum;
+     then x and the metadata are scattered (index_put_) into a send buffer of P*T + 1 rows, the
+     worst case (the size of all-gather's receive buffer). Row 0 is a trash row that every
+     unsent pair writes to; rows 1..S are sent. A slot whose expert is on another destination
+     is sent with weight 0 and its global id, so it contributes nothing there.
+  3. The one host sync, the `.tolist()` of the 2P counts that all_to_all_single needs as Python
+     ints, then one all_to_all_single of the packed rows (x + weights + ids, all2all.packing).
+combine: the reverse all_to_all_single into rows 1..S of a buffer whose row 0 is zero, then
+  out[t] = sum_p back[slot_PT[p, t]]: one gather + one sum over P in fp32, deterministic (no
+  atomics; index_add_ of bf16 rows was the slowest kernel of the first version).
 
-Host syncs: exactly one per dispatch/combine pair, the `.tolist()` of the split sizes, which
-all_to_all_single takes as Python ints and which size the buffers. Nothing else reads back.
+Per dispatch + combine: 1 host sync, no host->device copy, 3 NCCL calls, ~15 small kernels.
 """
 from __future__ import annotations
 
@@ -22,12 +29,12 @@ import torch
 
 from all2all.base import DispatchResult, Dispatcher, check_dispatch_args
 from all2all.comm import all_to_all_rows
-from all2all.packing import RowLayout, pack_rows, unpack_rows
+from all2all.packing import RowLayout, unpack_rows
 
 
 @dataclass(frozen=True)
 class _A2AHandle:
-    token_idx_S: torch.Tensor  # [S] int64 home token of each sent row, rank-major
+    slot_PT: torch.Tensor      # [P, T] int64 row of (rank p, token t) in the send/back buffer; 0 = not sent
     send_splits: list[int]     # [P] rows sent to each rank (= rows that come back from it)
     recv_splits: list[int]     # [P] rows received from each rank
     num_tokens: int
@@ -45,49 +52,48 @@ class AllToAllDispatcher(Dispatcher):
         T, D = x_TD.shape
         K = topk_ids_TK.shape[1]
         P, dev = self.ep_size, x_TD.device
-        owner_E = self._on("owner_long", self.owner_ranks.long(), dev)
-        dest_TK = owner_E[topk_ids_TK.long()]
-        goes_PT = torch.zeros(P, T, dtype=torch.bool, device=dev)
-        goes_PT.scatter_(0, dest_TK.t(), True)  # duplicates (two experts on one rank) collapse
-        send_counts_P = goes_PT.sum(1)
-        recv_counts_P = torch.empty_like(send_counts_P)
-        all_to_all_rows(recv_counts_P, send_counts_P, [1] * P, [1] * P, self.group)
+        layout = RowLayout(D, x_TD.dtype, K)
+
+        dest_TK = self._owner_on(dev)[topk_ids_TK]
+        ranks_P11 = self._on("ranks_P11", dev, lambda: torch.arange(P).view(P, 1, 1))
+        here_PTK = dest_TK[None] == ranks_P11
+        goes_PT = here_PTK.any(dim=2)
+        counts_2P = torch.empty(2 * P, dtype=torch.int64, device=dev)
+        torch.sum(goes_PT, dim=1, out=counts_2P[:P])
+        all_to_all_rows(counts_2P[P:], counts_2P[:P], None, None, self.group)
+
+        # Overlaps the count exchange: everything below needs no host-side S.
+        slot_PT = torch.cumsum(goes_PT.view(-1), 0).view(P, T).mul_(goes_PT)
+        send_NB = layout.empty(P * T + 1, dev)
+        meta_PTM = torch.empty(P, T, 2 * K, dtype=torch.int32, device=dev)
+        torch.mul(here_PTK, topk_weights_TK, out=meta_PTM[..., :K].view(torch.float32))
+        meta_PTM[..., K:].copy_(topk_ids_TK)
+        if T:
+            layout.x_words(send_NB).index_put_((slot_PT,), layout.words_of(x_TD))
+            layout.meta_view(send_NB).index_put_((slot_PT,), meta_PTM)
+
         # The ONE host sync: all_to_all_single needs the split sizes as Python ints.
-        counts = torch.cat([send_counts_P, recv_counts_P]).tolist()
+        counts = counts_2P.tolist()
         send_splits, recv_splits = counts[:P], counts[P:]
         S, R = sum(send_splits), sum(recv_splits)
-
-        # Compact the (rank, token) pairs of goes_PT, rank-major, without nonzero() (it would sync):
-        # each set flag's position is its exclusive prefix count; unset flags land in slot S.
-        goes_N = goes_PT.flatten()
-        slot_N = torch.where(goes_N, torch.cumsum(goes_N, 0) - 1, S)
-        pair_S = torch.empty(S + 1, dtype=torch.int64, device=dev)
-        pair_S.scatter_(0, slot_N, torch.arange(P * T, dtype=torch.int64, device=dev))
-        pair_S = pair_S[:S]
-        token_idx_S = pair_S % T if T else pair_S
-        dest_S = pair_S // T if T else pair_S
-
-        here_SK = dest_TK[token_idx_S] == dest_S[:, None]
-        weights_SK = torch.where(here_SK, topk_weights_TK[token_idx_S].float(), 0.0)
-        layout = RowLayout(D, x_TD.dtype, K)
-        send_SB = layout.empty(S, dev)
-        pack_rows(layout, send_SB, x_TD, token_idx_S, weights_SK, topk_ids_TK[token_idx_S])
         recv_RB = layout.empty(R, dev)
-        all_to_all_rows(recv_RB, send_SB, recv_splits, send_splits, self.group)
+        all_to_all_rows(recv_RB, send_NB[1:S + 1], recv_splits, send_splits, self.group)
         x_RD, weights_RK, ids_RK = unpack_rows(layout, recv_RB)
-        handle = _A2AHandle(token_idx_S, send_splits, recv_splits, T, D)
-        return DispatchResult(x_RD, weights_RK, ids_RK.to(topk_ids_TK.dtype), _handle=handle)
+        handle = _A2AHandle(slot_PT, send_splits, recv_splits, T, D)
+        ids_RK = ids_RK.contiguous() if topk_ids_TK.dtype == torch.int32 else ids_RK.to(topk_ids_TK.dtype)
+        return DispatchResult(x_RD, weights_RK.contiguous(), ids_RK, _handle=handle)
 
     def combine(self, y_RD: torch.Tensor, result: DispatchResult) -> torch.Tensor:
         h: _A2AHandle = result._handle
-        R = sum(h.recv_splits)
+        R, S = sum(h.recv_splits), sum(h.send_splits)
         if y_RD.shape[0] != R:
             raise ValueError(f"y has {y_RD.shape[0]} rows, dispatch produced {R}")
-        back_SD = torch.empty(len(h.token_idx_S), h.hidden, dtype=y_RD.dtype, device=y_RD.device)
-        all_to_all_rows(back_SD, y_RD.reshape(R, h.hidden).contiguous(), h.send_splits,
+        back_ND = torch.empty(S + 1, h.hidden, dtype=y_RD.dtype, device=y_RD.device)
+        back_ND[0].zero_()  # what every unsent (rank, token) pair gathers
+        all_to_all_rows(back_ND[1:], y_RD.reshape(R, h.hidden).contiguous(), h.send_splits,
                         h.recv_splits, self.group)
-        # Each token gets one row back per destination rank; index_add_ sums them (on CUDA with
-        # atomics, so the summation order, and bf16 rounding, may vary run to run).
-        out_TD = torch.zeros(h.num_tokens, h.hidden, dtype=y_RD.dtype, device=y_RD.device)
-        out_TD.index_add_(0, h.token_idx_S, back_SD)
-        return out_TD
+        P, T = h.slot_PT.shape
+        if P == 1:
+            return back_ND.index_select(0, h.slot_PT[0])
+        # Each token has one row per rank it went to (zero row elsewhere): sum them in fp32.
+        return back_ND.index_select(0, h.slot_PT.view(-1)).view(P, T, h.hidden).sum(0)

@@ -8,6 +8,10 @@ placement; vLLM's default. Ranks may hold different T (data parallelism), includ
 counts are all-gathered first and every rank pads to M, because the one-tensor all-gather and
 reduce-scatter need equal chunks. Padding rows are zero with weight 0 and an id that is not
 on this rank, so the expert kernel skips them.
+
+Per dispatch + combine: the count all-gather (its input made by a fill kernel, not copied from
+the host), packing launched while it is in flight, 1 host sync (M), the row all-gather, 3 small
+kernels for the metadata (5 when ranks hold different T), the reduce-scatter.
 """
 from __future__ import annotations
 
@@ -44,26 +48,32 @@ class AllGatherReduceScatterDispatcher(Dispatcher):
         T, D = x_TD.shape
         K = topk_ids_TK.shape[1]
         P, dev = self.ep_size, x_TD.device
-        counts_P = torch.empty(P, dtype=torch.int64, device=dev)
-        all_gather_rows(counts_P, torch.tensor([T], dtype=torch.int64, device=dev), self.group)
-        # The one host sync: buffer sizes (M) must be known on the host to allocate and launch.
-        M = max(counts_P.tolist())
         layout = RowLayout(D, x_TD.dtype, K)
+        counts_P = torch.empty(P, dtype=torch.int64, device=dev)
+        all_gather_rows(counts_P, torch.full((1,), T, dtype=torch.int64, device=dev), self.group)
+        # Pack while the counts travel: this rank's chunk is its T rows, whatever M turns out to be.
+        send_TB = layout.empty(T, dev)
+        pack_rows(layout, send_TB, x_TD, topk_weights_TK, topk_ids_TK)
+        # The one host sync: buffer sizes (M) must be known on the host to allocate and launch.
+        counts = counts_P.tolist()
+        M = max(counts)
         if M == 0:  # every rank knows it is empty: skip the collective on all ranks alike
             recv_RB = layout.empty(0, dev)
         else:
-            send_MB = layout.empty(M, dev)
-            pack_rows(layout, send_MB, x_TD, None, topk_weights_TK, topk_ids_TK)
-            send_MB[T:].zero_()  # padding: x = 0, weight = 0 (ids fixed up below)
+            if M > T:  # padding: x = 0, weight = 0, id 0 (replaced below)
+                send_TB = torch.cat([send_TB, send_TB.new_zeros(M - T, layout.row_bytes)])
             recv_RB = layout.empty(P * M, dev)
-            all_gather_rows(recv_RB, send_MB, self.group)
+            all_gather_rows(recv_RB, send_TB, self.group)
         x_RD, weights_RK, ids_RK = unpack_rows(layout, recv_RB)
-        valid_R = (torch.arange(M, device=dev)[None, :] < counts_P[:, None]).flatten()
-        ids_RK = torch.where(valid_R[:, None], ids_RK, self._foreign_id)
         # Non-local slots get weight 0 (the contract of DispatchResult), padding rows too.
-        weights_RK = weights_RK.masked_fill_(~self._local_slot_mask(ids_RK), 0.0)
-        return DispatchResult(x_RD, weights_RK, ids_RK.to(topk_ids_TK.dtype),
-                              _handle=_AGHandle(T, M, D))
+        keep_RK = self._is_local_on(dev)[ids_RK]
+        if min(counts) < M:
+            valid_R = (torch.arange(M, device=dev)[None, :] < counts_P[:, None]).flatten()
+            keep_RK &= valid_R[:, None]
+            ids_RK = torch.where(valid_R[:, None], ids_RK, self._foreign_id)
+        weights_RK = torch.mul(keep_RK, weights_RK)
+        ids_RK = ids_RK.contiguous() if topk_ids_TK.dtype == torch.int32 else ids_RK.to(topk_ids_TK.dtype)
+        return DispatchResult(x_RD, weights_RK, ids_RK, _handle=_AGHandle(T, M, D))
 
     def combine(self, y_RD: torch.Tensor, result: DispatchResult) -> torch.Tensor:
         h: _AGHandle = result._handle

@@ -103,19 +103,25 @@ class Dispatcher(ABC):
 
     def expert_map_on(self, device: torch.device | str) -> torch.Tensor:
         """[E] int32 global -> local expert id on this rank (-1 = elsewhere), on `device`."""
-        return self._on("expert_map", self.expert_map, device)
+        return self._on("expert_map", device, lambda: self.expert_map)
 
-    def _on(self, key: str, t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
-        device = torch.device(device)
+    def _on(self, key: str, device: torch.device | str, make) -> torch.Tensor:
+        """Per-device cache of a constant table: `make()` (a CPU tensor) is copied to `device`
+        once, so a dispatch does no host->device copy and no host-side tensor work."""
         cached = self._device_cache.get((key, device))
         if cached is None:
-            cached = self._device_cache[(key, device)] = t.to(device)
+            cached = make().to(device)
+            self._device_cache[(key, device)] = cached
+            self._device_cache[(key, torch.device(device))] = cached
         return cached
 
-    def _local_slot_mask(self, ids_NK: torch.Tensor) -> torch.Tensor:
-        """[N, K] bool: slot's expert lives on this rank."""
-        owner = self._on("owner_long", self.owner_ranks.long(), ids_NK.device)
-        return owner[ids_NK.long()] == self.ep_rank
+    def _owner_on(self, device: torch.device) -> torch.Tensor:
+        """[E] int64 owner rank of each global expert, on `device`."""
+        return self._on("owner_long", device, lambda: self.owner_ranks.long())
+
+    def _is_local_on(self, device: torch.device) -> torch.Tensor:
+        """[E] bool: expert lives on this rank, on `device`."""
+        return self._on("is_local", device, lambda: self.expert_map >= 0)
 
     def __repr__(self) -> str:
         return (f"{type(self).__name__}(ep_size={self.ep_size}, ep_rank={self.ep_rank}, "

@@ -32,9 +32,10 @@ def all_gather_rows(out_PNX: torch.Tensor, in_NX: torch.Tensor, group) -> None:
     _all_gather_single(out_PNX, in_NX, group=group)
 
 
-def all_to_all_rows(out_RX: torch.Tensor, in_SX: torch.Tensor, out_splits: list[int],
-                    in_splits: list[int], group) -> None:
-    """Rows in_SX[sum(in_splits[:p]) : ...] go to rank p; out rows arrive ordered by source rank."""
+def all_to_all_rows(out_RX: torch.Tensor, in_SX: torch.Tensor, out_splits: list[int] | None,
+                    in_splits: list[int] | None, group) -> None:
+    """Rows in_SX[sum(in_splits[:p]) : ...] go to rank p; out rows arrive ordered by source rank.
+    Splits None = equal chunks (the cheaper all-to-all, no per-peer size lists)."""
     if _single_process():
         out_RX.copy_(in_SX)
         return
@@ -46,7 +47,7 @@ def reduce_scatter_rows(out_ND: torch.Tensor, in_PND: torch.Tensor, group) -> No
     if _single_process():
         out_ND.copy_(in_PND)
         return
-    backend = str(dist.get_backend(group))
+    backend = str(dist.get_backend(group)) if _NO_REDUCE_SCATTER else ""
     if backend not in _NO_REDUCE_SCATTER:
         try:
             _reduce_scatter_single(out_ND, in_PND, group=group)
@@ -55,6 +56,7 @@ def reduce_scatter_rows(out_ND: torch.Tensor, in_PND: torch.Tensor, group) -> No
             # A real communication failure (timeout, peer gone) must surface, not be retried.
             if isinstance(exc, _DIST_ERROR) or "support" not in str(exc).lower():
                 raise
+            backend = str(dist.get_backend(group))
             _NO_REDUCE_SCATTER.add(backend)
     # Fallback for gloo builds without reduce_scatter: all_reduce moves P times the bytes, but
     # gloo is the CPU test/smoke path, where correctness matters and bandwidth does not.

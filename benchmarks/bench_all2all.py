@@ -28,7 +28,8 @@ import torch
 import torch.distributed as dist
 
 if __package__ in (None, ""):  # run as a script by torchrun: make the repo importable
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    # Appended, so PYTHONPATH comes first (lets `--profile` time another copy of all2all/).
+    sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from all2all import make_dispatcher  # noqa: E402
 
@@ -57,11 +58,19 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def _start_together(device: torch.device, group) -> None:
+    """Release all ranks at once, nothing queued: drain this GPU, then a barrier whose completion
+    this host waits for (NCCL's barrier is an all-reduce; the explicit sync after it makes the
+    wait independent of whether barrier() blocks the host in this torch version)."""
+    _sync(device)
+    dist.barrier(group=group)
+    _sync(device)
+
+
 def _median_us(step, iters: int, warmup: int, device: torch.device, group) -> float:
     times = []
     for i in range(warmup + iters):
-        _sync(device)
-        dist.barrier(group=group)  # start every iteration together; not timed
+        _start_together(device, group)  # not timed
         t0 = time.perf_counter()
         step()
         _sync(device)
@@ -119,6 +128,98 @@ def run_bench(tokens=(8, 32), hidden: int = 64, num_experts: int = 16, top_k: in
     return rows
 
 
+def _bench_steps(T: int, routing: str, hidden: int, num_experts: int, top_k: int, dtype,
+                 backends, placement: str, n_group: int, topk_group: int, seed: int, group, device):
+    """(name, step) for each backend and "bare" at one size, inputs made and warmed once."""
+    P, rank = dist.get_world_size(group), dist.get_rank(group)
+    g = torch.Generator().manual_seed(seed * 1000003 + rank)
+    weights_TK, ids_TK = make_routing(routing, T, num_experts, top_k, n_group, topk_group, g, device)
+    x_TD = torch.randn(T, hidden, generator=g).to(device=device, dtype=dtype)
+    steps = []
+    for b in backends:
+        disp = make_dispatcher(b, group, num_experts, placement, top_k=top_k)
+        y_RD = disp.dispatch(x_TD, weights_TK, ids_TK).x_RD.contiguous()  # identity experts
+
+        def step(disp=disp, y_RD=y_RD):
+            disp.combine(y_RD, disp.dispatch(x_TD, weights_TK, ids_TK))
+        steps.append((b, step))
+    a2a = make_dispatcher("all_to_all", group, num_experts, placement)
+    h = a2a.dispatch(x_TD, weights_TK, ids_TK)._handle
+    send_SD = torch.randn(sum(h.send_splits), hidden, generator=g).to(device=device, dtype=dtype)
+    recv_RD = torch.empty(sum(h.recv_splits), hidden, dtype=dtype, device=device)
+    back_SD = torch.empty_like(send_SD)
+
+    def bare():
+        dist.all_to_all_single(recv_RD, send_SD, h.recv_splits, h.send_splits, group=group)
+        dist.all_to_all_single(back_SD, recv_RD, h.send_splits, h.recv_splits, group=group)
+    steps.append(("bare", bare))
+    return steps
+
+
+def _evt_us(evt, attr: str) -> float:
+    # torch renamed *_cuda_time_total to *_device_time_total; accept both.
+    for name in (f"self_device_{attr}", f"self_cuda_{attr}"):
+        if hasattr(evt, name):
+            return float(getattr(evt, name))
+    return 0.0
+
+
+def profile_bench(tokens, hidden: int, num_experts: int, top_k: int, dtype, routing: str,
+                  backends, placement: str, n_group: int, topk_group: int, iters: int, seed: int,
+                  group=None, device=None, top: int = 10) -> tuple[list[dict], str]:
+    """torch.profiler over `iters` steps per (tokens, impl), after 3 warm-up steps.
+
+    Returns (summary rows, full text report). Per row: wall µs per step on this rank, kernel
+    (device) µs per step, kernel launches, NCCL calls, host syncs and host->device copies per
+    step, and the top device and CPU ops. Counts come from the CUDA runtime events of the trace.
+    """
+    from torch.profiler import ProfilerActivity, profile
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    rows, report = [], []
+    for T in tokens:
+        for name, step in _bench_steps(T, routing, hidden, num_experts, top_k, dtype, backends,
+                                       placement, n_group, topk_group, seed, group, device):
+            for _ in range(3):
+                _start_together(device, group)
+                step()
+            walls = []
+            with profile(activities=acts) as prof:
+                for _ in range(iters):
+                    _start_together(device, group)
+                    t0 = time.perf_counter()
+                    step()
+                    _sync(device)
+                    walls.append(time.perf_counter() - t0)
+            ka = prof.key_averages()
+            dev_evts = [e for e in ka if _evt_us(e, "time_total") > 0 and e.key != "ProfilerStep*"
+                        and getattr(e, "device_type", None) is not None and "CUDA" in str(e.device_type)]
+            cnt = {e.key: e.count for e in ka}
+
+            def count(*names):
+                return sum(cnt.get(n, 0) for n in names) / iters
+            row = {"tokens_per_rank": T, "impl": name,
+                   "wall_us_profiled": statistics.median(walls) * 1e6,
+                   "kernel_us": sum(_evt_us(e, "time_total") for e in dev_evts) / iters,
+                   "launches": count("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx",
+                                     "cudaLaunchKernelExC"),
+                   "collectives": sum(c for k, c in cnt.items() if k.startswith("c10d::")
+                                      and k != "c10d::barrier") / iters,
+                   # raw counts include _start_together's and the timing's: compare with "bare",
+                   # whose step has none
+                   "syncs_raw": count("cudaStreamSynchronize", "cudaDeviceSynchronize",
+                                      "cudaEventSynchronize"),
+                   "memcpy": count("cudaMemcpyAsync", "cudaMemcpy"),
+                   "top_device": [(e.key[:60], round(_evt_us(e, "time_total") / iters, 1))
+                                  for e in sorted(dev_evts, key=lambda e: -_evt_us(e, "time_total"))[:5]]}
+            rows.append(row)
+            report.append(f"===== T={T} impl={name} routing={routing}: {row}")
+            for sort in ("self_device_time_total" if hasattr(ka[0], "self_device_time_total")
+                         else "self_cuda_time_total", "self_cpu_time_total"):
+                report.append(ka.table(sort_by=sort, row_limit=top, max_name_column_width=60))
+    return rows, "\n".join(report)
+
+
 def format_table(rows: list[dict]) -> str:
     impls = list(dict.fromkeys(r["impl"] for r in rows))
     head = ["tokens/rank", "routing", *[f"{i} µs" for i in impls], *[f"{i}/bare" for i in impls if i != "bare"]]
@@ -149,6 +250,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", help="write the raw rows and the configuration as JSON here (rank 0)")
+    p.add_argument("--profile", action="store_true",
+                   help="instead of timing: torch.profiler over --iters steps per backend and size "
+                        "(first --routing only); prints a summary, full tables to --profile-out")
+    p.add_argument("--profile-out", help="full profiler tables (rank 0), default: stdout")
     return p.parse_args(argv)
 
 
@@ -163,6 +268,23 @@ def main(argv=None) -> int:
         dist.init_process_group("nccl" if use_cuda else "gloo")
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     try:
+        if args.profile:
+            rows, report = profile_bench(args.tokens, args.hidden, args.num_experts, args.top_k,
+                                         DTYPES[args.dtype], args.routing[0], args.backends,
+                                         args.placement, args.n_group, args.topk_group, args.iters,
+                                         args.seed, device=device)
+            if dist.get_rank() == 0:
+                import all2all
+                print(f"profile of {os.path.dirname(all2all.__file__)}")
+                for r in rows:
+                    print(json.dumps(r))
+                if args.profile_out:
+                    os.makedirs(os.path.dirname(os.path.abspath(args.profile_out)), exist_ok=True)
+                    with open(args.profile_out, "w") as f:
+                        f.write(report)
+                else:
+                    print(report)
+            return 0
         rows = run_bench(args.tokens, args.hidden, args.num_experts, args.top_k, DTYPES[args.dtype],
                          args.routing, args.backends, args.placement, args.n_group, args.topk_group,
                          args.iters, args.warmup, args.seed, device=device)

@@ -71,11 +71,12 @@ def make_inputs(scenario: str, counts: list[int], placement: str, seed: int):
     return out
 
 
-def _check_case(disp, rank, ep, scenario, counts, placement, seed, w13_EFD, w2_EDF) -> None:
+def _check_case(disp, rank, ep, scenario, counts, placement, seed, w13_EFD, w2_EDF,
+                device="cpu") -> None:
     inputs = make_inputs(scenario, counts, placement, seed)
-    x_TD, weights_TK, ids_TK = inputs[rank]
-    local = torch.tensor(local_expert_ids(E, ep, rank, placement))
-    expert_map = make_expert_map(E, ep, rank, placement)
+    x_TD, weights_TK, ids_TK = (t.to(device) for t in inputs[rank])
+    local = torch.tensor(local_expert_ids(E, ep, rank, placement)).to(device)
+    expert_map = make_expert_map(E, ep, rank, placement).to(device)
 
     recv = disp.dispatch(x_TD, weights_TK, ids_TK)
     y_RD = fused_experts(recv.x_RD, w13_EFD[local], w2_EDF[local], recv.topk_weights_RK,
@@ -92,18 +93,21 @@ def _check_case(disp, rank, ep, scenario, counts, placement, seed, w13_EFD, w2_E
     off_rank_RK = expert_map.long()[ids_RK.long()] < 0
     assert not recv.topk_weights_RK[off_rank_RK].any(), "off-rank slot with a non-zero weight"
     if disp.name == "all_to_all":
-        owner_E = expert_owner_ranks(E, ep, placement).long()
+        owner_E = expert_owner_ranks(E, ep, placement).long().to(device)
         # Each token arrives here at most once, and only if one of its experts is here.
-        want_R = sum(int((owner_E[ids.long()] == rank).any(dim=1).sum()) for _, _, ids in inputs)
+        want_R = sum(int((owner_E[ids.long().to(device)] == rank).any(dim=1).sum()) for _, _, ids in inputs)
         assert recv.num_rows == want_R, f"received {recv.num_rows} rows, expected {want_R}"
 
 
-def run_cases(rank: int, ep: int) -> dict[str, str | None]:
-    """Case name -> None if it passed on this rank, else the failure message."""
+def run_cases(rank: int, ep: int, device: str = "cpu",
+              backends: tuple[str, ...] = BACKENDS) -> dict[str, str | None]:
+    """Case name -> None if it passed on this rank, else the failure message.
+
+    device "cuda" runs the same cases on an NCCL group (tests/all2all/nccl_check.py)."""
     torch.manual_seed(0)
-    w13_EFD, w2_EDF = global_weights()
+    w13_EFD, w2_EDF = (w.to(device) for w in global_weights())
     results: dict[str, str | None] = {}
-    for backend in BACKENDS:
+    for backend in backends:
         real = backend.split("[")[0]
         if backend.endswith("[gloo_fallback]"):
             comm._NO_REDUCE_SCATTER.add("gloo")  # exercise the all_reduce fallback
@@ -112,7 +116,8 @@ def run_cases(rank: int, ep: int) -> dict[str, str | None]:
             for i, (scenario, counts) in enumerate(scenarios(ep).items()):
                 name = f"{backend}-{placement}-{scenario}"
                 try:
-                    _check_case(disp, rank, ep, scenario, counts, placement, 100 + i, w13_EFD, w2_EDF)
+                    _check_case(disp, rank, ep, scenario, counts, placement, 100 + i, w13_EFD, w2_EDF,
+                                device)
                     results[name] = None
                 except AssertionError as exc:
                     results[name] = f"{type(exc).__name__}: {exc}"
