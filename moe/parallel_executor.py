@@ -134,6 +134,7 @@ class MultiprocExecutor(Executor):
                     layout.pp, layout.dp, [p.pid for p in self.procs])
         self._gather(range(world), start_timeout_s, "starting")
         self._last_sampled: list[dict[str, list[int]]] = [{} for _ in range(layout.dp)]
+        self.num_dummy_batches = 0  # replica-steps run as dummy batches (observability, tests)
 
     @property
     def worker_pids(self) -> list[int]:
@@ -213,6 +214,7 @@ class MultiprocExecutor(Executor):
         self._check_open()
         layout = self.layout
         dummy = _dummy_flags(layout, self.args.enable_expert_parallel, scheduler_outputs)
+        self.num_dummy_batches += sum(dummy)
         for d, so in enumerate(scheduler_outputs):
             payload = pickle.dumps(("execute", (so, self._last_sampled[d], dummy[d])),
                                    protocol=pickle.HIGHEST_PROTOCOL)

@@ -1,0 +1,59 @@
+"""Fixtures for the multi-process tests: one tiny checkpoint for the module, its single-process
+fp32 reference outputs, and short collective / step timeouts so a bug fails instead of hanging."""
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+
+from moe import LLM, SamplingParams
+from tests.factories import make_qwen3_moe_checkpoint
+
+# Inherited by every worker a test spawns (set before any executor starts).
+os.environ.setdefault("MOE_COLLECTIVE_TIMEOUT_S", "60")
+os.environ.setdefault("MOE_STEP_TIMEOUT_S", "90")
+os.environ.setdefault("MOE_WORKER_START_TIMEOUT_S", "120")
+
+# 4 layers (pipeline stages of 2), layer 1 dense: each stage holds a MoE and the first a dense MLP.
+CKPT_OVERRIDES = dict(num_hidden_layers=4, mlp_only_layers=[1])
+PROMPT_LENGTHS = [1, 5, 17, 33]
+# Different lengths of output: data-parallel replicas run out of work at different steps, so the
+# idle one runs dummy batches while the other decodes.
+MAX_TOKENS = [7, 2, 5, 3]
+
+
+def prompts(vocab: int = 512) -> list[dict]:
+    rng = random.Random(11)
+    return [{"prompt_token_ids": [rng.randrange(1, vocab) for _ in range(n)]} for n in PROMPT_LENGTHS]
+
+
+def sampling_params() -> list[SamplingParams]:
+    return [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=1) for n in MAX_TOKENS]
+
+
+def summarize(outs) -> list[tuple[list[int], list[float]]]:
+    """(tokens, logprob of each token) per prompt."""
+    res = []
+    for o in outs:
+        c = o.outputs[0]
+        res.append((list(c.token_ids), [c.logprobs[i][t].logprob for i, t in enumerate(c.token_ids)]))
+    return res
+
+
+@pytest.fixture(scope="session")
+def parallel_ckpt(tmp_path_factory) -> str:
+    return make_qwen3_moe_checkpoint(str(tmp_path_factory.mktemp("qwen3_pp")), seed=5, **CKPT_OVERRIDES)
+
+
+@pytest.fixture(scope="session")
+def reference(parallel_ckpt):
+    """Greedy tokens and logprobs of one process (fp32)."""
+    llm = LLM(parallel_ckpt, dtype="float32", device="cpu")
+    return summarize(llm.generate(prompts(), sampling_params(), use_tqdm=False))
+
+
+def assert_same_as_reference(got, reference) -> None:
+    for (tokens, lps), (ref_tokens, ref_lps) in zip(got, reference):
+        assert tokens == ref_tokens
+        assert max(abs(a - b) for a, b in zip(lps, ref_lps)) < 1e-4
