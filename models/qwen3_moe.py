@@ -142,6 +142,7 @@ class Qwen3MoeModel(nn.Module):
 
 class Qwen3MoeForCausalLM(nn.Module):
     config_class = Qwen3MoeConfig
+    supports_pp = True  # builds only its pipeline stage (moe/pipeline.py)
 
     def __init__(self, cfg: Qwen3MoeConfig) -> None:
         super().__init__()

@@ -74,7 +74,7 @@ class LLMEngine:
         self.model_path = resolve_model_path(args.model)
         model_cls, self.model_config = load_model_config(self.model_path)
         cfg = self.model_config
-        self._validate_parallel(args, cfg)
+        self._validate_parallel(args, cfg, model_cls)
         self.max_model_len = args.max_model_len or cfg.max_position_embeddings
         if self.max_model_len > cfg.max_position_embeddings:
             raise ValueError(f"max_model_len={self.max_model_len} exceeds the model's "
@@ -114,9 +114,12 @@ class LLMEngine:
         self._last_logged_generation = 0
 
     @staticmethod
-    def _validate_parallel(args: EngineArgs, cfg) -> None:
+    def _validate_parallel(args: EngineArgs, cfg, model_cls: type | None = None) -> None:
         """Every size must divide what it splits; raised before any process starts."""
         tp, pp, dp = args.tensor_parallel_size, args.pipeline_parallel_size, args.data_parallel_size
+        if pp > 1 and model_cls is not None and not getattr(model_cls, "supports_pp", False):
+            raise ValueError(f"pipeline_parallel_size={pp}: {model_cls.__name__} does not support pipeline "
+                             "parallelism yet (see moe/pipeline.py for how a model adopts it)")
         if cfg.num_attention_heads % tp:
             raise ValueError(f"tensor_parallel_size={tp} does not divide num_attention_heads="
                              f"{cfg.num_attention_heads}")

@@ -20,6 +20,9 @@ How a model adopts it (models/qwen3_moe.py is the worked example):
    loader skips the tensors of other stages. With tied embeddings, the last stage's lm_head
    loads from the embedding tensor (`tied_lm_head_rules`).
 
+5. Set the class attribute `supports_pp = True` (the engine refuses pipeline_parallel_size > 1
+   for a model class without it, before starting any process).
+
 The model runner does the rest (moe/model_runner.py: receive, forward, send; logits and
 sampling on the last stage only). With one stage all of this reduces to the plain model.
 """

@@ -78,3 +78,18 @@ def test_deleting_the_llm_stops_its_workers(parallel_ckpt):
     for pid in pids:
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
+
+
+def test_bench_parallel_decode_smoke():
+    """benchmarks/bench_parallel_decode.py end to end on tiny shapes (2 CPU processes)."""
+    import json
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    proc = subprocess.run([sys.executable, os.path.join(root, "benchmarks", "bench_parallel_decode.py"), "--smoke",
+                           "--layouts", "dp2-ep"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert [(r["layout"], r["batch"]) for r in rows] == [("dp2-ep", 1), ("dp2-ep", 4)]
+    assert all(r["decode_step_ms_median"] > 0 for r in rows)
