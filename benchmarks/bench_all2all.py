@@ -67,16 +67,20 @@ def _start_together(device: torch.device, group) -> None:
     _sync(device)
 
 
-def _median_us(step, iters: int, warmup: int, device: torch.device, group) -> float:
-    times = []
+def _median_us(step, iters: int, warmup: int, device: torch.device, group) -> tuple[float, float]:
+    """(median wall µs of step + GPU drain, median µs until step() returned on the host).
+    host ~ wall means the step is bound by host-side launch/dispatch overhead."""
+    times, host = [], []
     for i in range(warmup + iters):
         _start_together(device, group)  # not timed
         t0 = time.perf_counter()
         step()
+        t1 = time.perf_counter()
         _sync(device)
         if i >= warmup:
             times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e6
+            host.append(t1 - t0)
+    return statistics.median(times) * 1e6, statistics.median(host) * 1e6
 
 
 def _max_over_ranks(value: float, device: torch.device, group) -> float:
@@ -111,8 +115,10 @@ def run_bench(tokens=(8, 32), hidden: int = 64, num_experts: int = 16, top_k: in
 
                 def step(disp=disp, y_RD=y_RD):
                     disp.combine(y_RD, disp.dispatch(x_TD, weights_TK, ids_TK))
-                us = _max_over_ranks(_median_us(step, iters, warmup, device, group), device, group)
-                rows.append({"tokens_per_rank": T, "routing": routing, "impl": name, "median_us": us})
+                us, host = _median_us(step, iters, warmup, device, group)
+                rows.append({"tokens_per_rank": T, "routing": routing, "impl": name,
+                             "median_us": _max_over_ranks(us, device, group),
+                             "host_us": _max_over_ranks(host, device, group)})
             h = a2a.dispatch(x_TD, weights_TK, ids_TK)._handle
             send_SD = torch.randn(sum(h.send_splits), hidden, generator=g).to(device=device, dtype=dtype)
             recv_RD = torch.empty(sum(h.recv_splits), hidden, dtype=dtype, device=device)
@@ -121,8 +127,10 @@ def run_bench(tokens=(8, 32), hidden: int = 64, num_experts: int = 16, top_k: in
             def bare(h=h, send_SD=send_SD, recv_RD=recv_RD, back_SD=back_SD):
                 dist.all_to_all_single(recv_RD, send_SD, h.recv_splits, h.send_splits, group=group)
                 dist.all_to_all_single(back_SD, recv_RD, h.send_splits, h.recv_splits, group=group)
-            us = _max_over_ranks(_median_us(bare, iters, warmup, device, group), device, group)
-            rows.append({"tokens_per_rank": T, "routing": routing, "impl": "bare", "median_us": us})
+            us, host = _median_us(bare, iters, warmup, device, group)
+            rows.append({"tokens_per_rank": T, "routing": routing, "impl": "bare",
+                         "median_us": _max_over_ranks(us, device, group),
+                         "host_us": _max_over_ranks(host, device, group)})
             for row in rows[-len(dispatchers) - 1:]:
                 row.update(rows_sent=sum(h.send_splits), rows_recv=sum(h.recv_splits))
     return rows
