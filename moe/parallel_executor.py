@@ -21,7 +21,12 @@ the same script and the whole engine (SPMD, like vLLM's external launcher): each
 same schedulers from the same prompts, executes its own replica's batch, and one all_gather of
 small Python objects per step gives every rank every replica's sampled tokens (and checks that
 the ranks scheduled the same batches, so a script that feeds ranks different prompts fails
-loudly). Every rank returns the same outputs.
+loudly). Every rank returns the same outputs. Two nodes of 8 GPUs, TP=8 x PP=2:
+
+    # on each node (NODE_RANK 0 and 1), the same script calling LLM(..., tensor_parallel_size=8,
+    # pipeline_parallel_size=2) and generate() with the same prompts on every rank:
+    torchrun --nnodes 2 --nproc-per-node 8 --node-rank $NODE_RANK \
+        --master-addr $HEAD_NODE_IP --master-port 29500 my_script.py
 """
 from __future__ import annotations
 
@@ -181,7 +186,7 @@ class MultiprocExecutor(Executor):
                         self._fail(f"worker rank {r} raised while {what} the model:\n{value}")
                     results[r] = value
                     del pending[obj]
-                elif not self.procs[sentinels[obj]].is_alive() or self.procs[sentinels[obj]].exitcode is not None:
+                else:  # a process sentinel: that worker has exited
                     r = sentinels[obj]
                     # A rank that replied "error" just before exiting is reported with its traceback.
                     if self.conns[r] in pending and self.conns[r].poll():

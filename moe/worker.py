@@ -42,7 +42,7 @@ def build_model(model_cls: type, config: ModelConfig, model_path: str, args: Eng
     if args.load_format == "dummy":
         init_dummy_weights(model, seed=args.seed)
     else:
-        load_weights(model, model_path, progress=get_rank_zero())
+        load_weights(model, model_path, progress=_is_rank_zero())
     if args.moe_backend is not None:
         for module in model.modules():
             if hasattr(module, "kernel_backend"):
@@ -50,7 +50,7 @@ def build_model(model_cls: type, config: ModelConfig, model_path: str, args: Eng
     return model.eval()
 
 
-def get_rank_zero() -> bool:
+def _is_rank_zero() -> bool:
     from moe.distributed import get_parallel_state
     return get_parallel_state().rank == 0
 
