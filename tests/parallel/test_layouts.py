@@ -44,3 +44,20 @@ def test_layout_matches_single_process(parallel_ckpt, reference, layout):
     finally:
         llm.llm_engine.shutdown()
     assert not [p for p in multiprocessing.active_children() if p.name.startswith("moe-worker")]
+
+
+def test_replicated_kv_heads_and_tied_embeddings_over_stages(tmp_path):
+    """One KV head on two TP ranks (replicated), and a tied lm_head on a last stage that does
+    not hold the embedding (it loads from the embedding tensor)."""
+    from tests.factories import make_qwen3_moe_checkpoint
+    from tests.parallel.conftest import CKPT_OVERRIDES
+
+    path = make_qwen3_moe_checkpoint(str(tmp_path / "tied"), seed=9, num_key_value_heads=1,
+                                     tie_word_embeddings=True, **CKPT_OVERRIDES)
+    reference = summarize(LLM(path, dtype="float32", device="cpu").generate(prompts(), sampling_params(),
+                                                                            use_tqdm=False))
+    llm = LLM(path, dtype="float32", device="cpu", tensor_parallel_size=2, pipeline_parallel_size=2)
+    try:
+        assert_same_as_reference(summarize(llm.generate(prompts(), sampling_params(), use_tqdm=False)), reference)
+    finally:
+        llm.llm_engine.shutdown()
