@@ -24,7 +24,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("checkpoint")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
-    common = dict(device="cuda", dtype="float32", max_model_len=128, gpu_memory_utilization=0.3)
+    common = dict(device="cuda", dtype="float32", max_model_len=128, num_gpu_blocks_override=256)
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     rng = random.Random(0)
     prompts = [{"prompt_token_ids": [rng.randrange(1, 500) for _ in range(n)]} for n in (1, 6, 17, 40, 3, 25)]
