@@ -74,6 +74,16 @@ class ModelConfig:
     bos_token_id: int | None
     torch_dtype: str | None
 
+    @property
+    def rope_max_position(self) -> int:
+        """Positions a RoPE table needs: max_position_embeddings, or max_model_len once the
+        engine has set it with `limit_positions` (a 10M-position table would take GBs)."""
+        limit = getattr(self, "_max_model_len", None)
+        return min(self.max_position_embeddings, limit) if limit else self.max_position_embeddings
+
+    def limit_positions(self, max_model_len: int) -> None:
+        self._max_model_len = max_model_len
+
     @classmethod
     def common_fields(cls, cfg: dict, architecture: str) -> dict:
         hidden = int(hf_get(cfg, "hidden_size"))

@@ -91,7 +91,7 @@ class DeepseekV3Config(ModelConfig):
     def mla(self) -> MLAConfig:
         return MLAConfig(self.hidden_size, self.num_attention_heads, self.q_lora_rank, self.kv_lora_rank,
                          self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim,
-                         self.max_position_embeddings, self.rope, self.rope_interleave, self.attention_bias)
+                         self.rope_max_position, self.rope, self.rope_interleave, self.attention_bias)
 
 
 class DeepseekV3MLP(nn.Module):

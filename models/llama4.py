@@ -175,7 +175,7 @@ class Llama4Attention(nn.Module):
         self.qkv_proj = QKVParallelLinear(cfg.hidden_size, d, cfg.num_attention_heads, cfg.num_key_value_heads,
                                           bias=cfg.attention_bias)
         self.o_proj = RowParallelLinear(cfg.num_attention_heads * d, cfg.hidden_size, bias=cfg.attention_bias)
-        # One table shared by every RoPE layer (it is as long as max_position_embeddings).
+        # One table shared by every RoPE layer, as long as max_model_len.
         self.rotary_emb = rotary_emb if self.use_rope else None
         chunk = cfg.attention_chunk_size if cfg.layer_types[layer_idx] == "chunked_attention" else None
         self.attn = Attention(self.qkv_proj.num_heads, d, self.qkv_proj.num_kv_heads, d ** -0.5, chunk_size=chunk)
@@ -227,7 +227,7 @@ class Llama4TextModel(nn.Module):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
         # Interleaved (complex-pair) RoPE, as transformers' apply_rotary_emb (view_as_complex).
-        rotary = get_rope(cfg.head_dim, cfg.max_position_embeddings, cfg.rope, is_neox_style=False) \
+        rotary = get_rope(cfg.head_dim, cfg.rope_max_position, cfg.rope, is_neox_style=False) \
             if any(cfg.uses_rope(i) for i in range(cfg.num_hidden_layers)) else None
         self.layers = nn.ModuleList(Llama4DecoderLayer(cfg, i, rotary) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)

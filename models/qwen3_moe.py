@@ -74,7 +74,7 @@ class Qwen3MoeAttention(nn.Module):
         self.o_proj = RowParallelLinear(cfg.num_attention_heads * d, cfg.hidden_size, bias=cfg.attention_bias)
         self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
-        self.rotary_emb = get_rope(d, cfg.max_position_embeddings, cfg.rope)
+        self.rotary_emb = get_rope(d, cfg.rope_max_position, cfg.rope)
         self.attn = Attention(self.qkv_proj.num_heads, d, self.qkv_proj.num_kv_heads, d ** -0.5)
         self.head_dim = d
 

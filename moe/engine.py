@@ -79,6 +79,7 @@ class LLMEngine:
         if self.max_model_len > cfg.max_position_embeddings:
             raise ValueError(f"max_model_len={self.max_model_len} exceeds the model's "
                              f"max_position_embeddings={cfg.max_position_embeddings}")
+        cfg.limit_positions(self.max_model_len)
         self.device = args.resolve_device()
         self.dtype = args.resolve_dtype(cfg.torch_dtype)
         self.tokenizer: Tokenizer | None = load_tokenizer(args.tokenizer or self.model_path)
@@ -93,6 +94,10 @@ class LLMEngine:
                                                 self.dtype, self.eos_token_ids)
         num_blocks = self.executor.determine_num_blocks(args.max_num_seqs, self.max_model_len,
                                                         self.max_num_batched_tokens)
+        if num_blocks <= 0:
+            raise ValueError("no memory is left for the KV cache after the weights and the activation peak; "
+                             "increase gpu_memory_utilization (other processes' use of the GPU counts against "
+                             "it), lower max_num_batched_tokens, or set num_gpu_blocks_override")
         tokens = num_blocks * args.block_size
         logger.info("KV cache: %d blocks of %d tokens (%d tokens); maximum concurrency for %d tokens per "
                     "request: %.2fx", num_blocks, args.block_size, tokens, self.max_model_len,

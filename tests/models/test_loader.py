@@ -119,3 +119,11 @@ def test_dummy_weights_and_dtype(qwen3_ckpt):
 def test_load_model_config_reads_typed_config(qwen3_ckpt):
     cls, cfg = load_model_config(qwen3_ckpt)
     assert cls.__name__ == "Qwen3MoeForCausalLM" and cfg.mlp_only_layers == [1] and not cfg.is_moe_layer(1)
+
+
+def test_rope_table_sized_by_max_model_len_and_shared(qwen3_ckpt):
+    llm = LLM(qwen3_ckpt, device="cpu", max_model_len=64)
+    layers = llm.llm_engine.executor.model.model.layers
+    tables = {id(layer.self_attn.rotary_emb) for layer in layers}
+    assert len(tables) == 1  # one table for every layer
+    assert layers[0].self_attn.rotary_emb.cos_cache.shape[0] == 64
