@@ -7,14 +7,14 @@ import functools
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from kernels.attention import AttentionMetadata
 from models.config import ModelConfig, hf_get
 from models.layers.attention import Attention
 from models.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from models.layers.linear import ColumnParallelLinear, QKVParallelLinear, ReplicatedLinear, RowParallelLinear
+from models.layers.linear import QKVParallelLinear, ReplicatedLinear, RowParallelLinear
+from models.layers.mlp import SwiGLUMLP
 from models.layers.norm import RMSNorm
 from models.layers.rotary import get_rope
 from models.loader import NameRule
@@ -52,19 +52,6 @@ class Qwen3MoeConfig(ModelConfig):
                 and (layer_idx + 1) % self.decoder_sparse_step == 0)
 
 
-class DenseMLP(nn.Module):
-    """SwiGLU MLP with fused gate/up (column-parallel) and row-parallel down."""
-
-    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
-        super().__init__()
-        self.gate_up_proj = ColumnParallelLinear(hidden_size, [intermediate_size] * 2)
-        self.down_proj = RowParallelLinear(intermediate_size, hidden_size)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
-
-
 class Qwen3MoeAttention(nn.Module):
     def __init__(self, cfg: Qwen3MoeConfig) -> None:
         super().__init__()
@@ -99,7 +86,7 @@ class Qwen3MoeDecoderLayer(nn.Module):
                 experts=FusedMoE(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size),
             )
         else:
-            self.mlp = DenseMLP(cfg.hidden_size, cfg.intermediate_size)
+            self.mlp = SwiGLUMLP(cfg.hidden_size, cfg.intermediate_size)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
