@@ -19,10 +19,13 @@ from models.fp8 import Fp8BlockConfig, attach_fp8_scales
 from models.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from models.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from models.layers.mla_attention import MLAAttention, MLAConfig
+from models.layers.mlp import SwiGLUMLP
 from models.layers.norm import RMSNorm
 from models.layers.weights import ReplicatedLoader, attach_loader, new_param
 from models.loader import NameRule
 from moe.moe_block import FusedMoE, MoEBlock
+from moe.pipeline import (IntermediateTensors, PPMissingLayer, first_stage, is_pp_missing_parameter, last_stage,
+                          make_empty_intermediate_tensors_factory, make_layers, tied_lm_head_rules)
 from routing.grouped_topk import grouped_topk
 from routing.router import RouterOutput
 
@@ -94,19 +97,6 @@ class DeepseekV3Config(ModelConfig):
                          self.rope_max_position, self.rope, self.rope_interleave, self.attention_bias)
 
 
-class DeepseekV3MLP(nn.Module):
-    """SwiGLU MLP (dense layers and the shared experts): fused gate/up, row-parallel down."""
-
-    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
-        super().__init__()
-        self.gate_up_proj = ColumnParallelLinear(hidden_size, [intermediate_size] * 2)
-        self.down_proj = RowParallelLinear(intermediate_size, hidden_size)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
-
-
 class DeepseekV3Gate(nn.Module):
     """Router logits in fp32 (weight [E, D] and the correction bias [E] stay fp32 whatever the
     model dtype, as in transformers); `route` turns them into top-k."""
@@ -134,13 +124,13 @@ class DeepseekV3DecoderLayer(nn.Module):
         self.self_attn = MLAAttention(cfg.mla(), attn_mode)
         if cfg.is_moe_layer(layer_idx):
             gate = DeepseekV3Gate(cfg)
-            shared = (DeepseekV3MLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts)
+            shared = (SwiGLUMLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts)
                       if cfg.n_shared_experts else None)
             self.mlp = MoEBlock(gate=gate, router_fn=gate.route,
                                 experts=FusedMoE(cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size),
                                 shared_experts=shared)
         else:
-            self.mlp = DeepseekV3MLP(cfg.hidden_size, cfg.intermediate_size)
+            self.mlp = SwiGLUMLP(cfg.hidden_size, cfg.intermediate_size)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -155,16 +145,31 @@ class DeepseekV3DecoderLayer(nn.Module):
 
 
 class DeepseekV3Model(nn.Module):
+    """Pipeline-parallel aware (moe/pipeline.py): this stage's layers, embedding on the first
+    stage, final norm on the last."""
+
     def __init__(self, cfg: DeepseekV3Config, attn_mode: str = "auto") -> None:
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DeepseekV3DecoderLayer(cfg, i, attn_mode) for i in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size) if first_stage() \
+            else PPMissingLayer()
+        self.start_layer, self.end_layer, self.layers = make_layers(
+            cfg.num_hidden_layers, lambda i: DeepseekV3DecoderLayer(cfg, i, attn_mode))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if last_stage() else PPMissingLayer()
+        self.make_empty_intermediate_tensors = make_empty_intermediate_tensors_factory(
+            ["hidden_states", "residual"], cfg.hidden_size)
 
-    def forward(self, input_ids, positions, meta):
-        x, residual = self.embed_tokens(input_ids), None
-        for layer in self.layers:
+    def stage_layers(self) -> list[DeepseekV3DecoderLayer]:
+        return list(self.layers[self.start_layer:self.end_layer])
+
+    def forward(self, input_ids, positions, meta, intermediate_tensors: IntermediateTensors | None = None):
+        if intermediate_tensors is None:
+            x, residual = self.embed_tokens(input_ids), None
+        else:
+            x, residual = intermediate_tensors["hidden_states"], intermediate_tensors["residual"]
+        for layer in self.stage_layers():
             x, residual = layer(positions, x, residual, meta)
+        if not last_stage():
+            return IntermediateTensors({"hidden_states": x, "residual": residual})
         x, _ = self.norm(x, residual)
         return x
 
@@ -181,30 +186,33 @@ def _fp8_params(module_name: str, module: nn.Module) -> list[str]:
 
 class DeepseekV3ForCausalLM(nn.Module):
     config_class = DeepseekV3Config
+    supports_pp = True  # builds only its pipeline stage (moe/pipeline.py)
 
     def __init__(self, cfg: DeepseekV3Config, attn_mode: str = "auto") -> None:
         super().__init__()
         self.config = cfg
         self.model = DeepseekV3Model(cfg, attn_mode)
-        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
-        if cfg.tie_word_embeddings:
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size) if last_stage() else PPMissingLayer()
+        if cfg.tie_word_embeddings and first_stage() and last_stage():
             self.lm_head.weight = self.model.embed_tokens.weight
         if cfg.fp8 is not None:
             attach_fp8_scales(self, cfg.fp8, _fp8_params)
+        self.make_empty_intermediate_tensors = self.model.make_empty_intermediate_tensors
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """input_ids, positions [T] -> final hidden states [T, D]."""
-        return self.model(input_ids, positions, meta)
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                intermediate_tensors: IntermediateTensors | None = None):
+        """input_ids, positions [T] -> final hidden states [T, D] (last pipeline stage), or this
+        stage's IntermediateTensors for the next one."""
+        return self.model(input_ids, positions, meta, intermediate_tensors)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head.compute_logits(hidden)
 
     def attention_layers(self) -> list[MLAAttention]:
-        return [layer.self_attn for layer in self.model.layers]
+        return [layer.self_attn for layer in self.model.stage_layers()]
 
-    @staticmethod
-    def weight_name_rules() -> list[NameRule]:
-        rules = []
+    def weight_name_rules(self) -> list[NameRule]:
+        rules = tied_lm_head_rules(self.config.tie_word_embeddings)
         for suffix in ("_scale_inv", ""):  # scales first: their names extend the weights'
             rules += [
                 NameRule(f"experts.w13_weight{suffix}", f"experts.{{e}}.gate_proj.weight{suffix}", "w1"),
@@ -224,4 +232,9 @@ class DeepseekV3ForCausalLM(nn.Module):
         m = self._LAYER.search(name)
         if m and int(m.group(1)) >= self.config.num_hidden_layers:
             return True  # multi-token-prediction layers (and anything past the model's depth)
-        return "rotary_emb.inv_freq" in name or (self.config.tie_word_embeddings and name == "lm_head.weight")
+        tied = self.config.tie_word_embeddings
+        if "rotary_emb.inv_freq" in name or (tied and name == "lm_head.weight"):
+            return True
+        if tied and name.startswith("model.embed_tokens.") and last_stage():
+            return False  # fills the tied lm_head of a last stage without the embedding
+        return is_pp_missing_parameter(name, self)

@@ -28,12 +28,13 @@ from models.config import ModelConfig, hf_get
 from models.layers.attention import Attention
 from models.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from models.layers.linear import QKVParallelLinear, ReplicatedLinear, RowParallelLinear
+from models.layers.mlp import SwiGLUMLP
 from models.layers.norm import RMSNorm
 from models.layers.rotary import get_rope
 from models.loader import NameRule
-from models.qwen3_moe import DenseMLP
 from moe.moe_block import ExpertWeightLoader, FusedMoE, MoEBlock
-from routing import RouterOutput
+from moe.pipeline import (IntermediateTensors, PPMissingLayer, first_stage, is_pp_missing_parameter, last_stage,
+                          make_empty_intermediate_tensors_factory, make_layers, tied_lm_head_rules)
 from routing.llama4_router import llama4_topk
 
 logger = logging.getLogger("moe.models.llama4")
@@ -139,30 +140,6 @@ class HubExpertWeightLoader(ExpertWeightLoader):
         return super().load(param, tensor if expert_id is not None else tensor.transpose(1, 2), shard_id, expert_id)
 
 
-class Llama4MoE(MoEBlock):
-    """The shared MoE block with the router score applied to the expert's input.
-
-    The expert seam multiplies outputs by `topk_weights`; Llama-4 needs expert_e(s_e * x). So
-    each (token, chosen expert) pair becomes one row s_e * x routed to e with weight 1, and the
-    rows of a token are summed (top-1: one row per token, no copy of the routing).
-    """
-
-    def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
-        routing = self.router_fn(self.gate(x_TD))
-        w_TK, ids_TK = routing.topk_weights_TK, routing.topk_ids_TK
-        T, K = ids_TK.shape
-        if K == 1:
-            x_in = x_TD * w_TK.to(x_TD.dtype)
-        else:
-            x_in = (x_TD[:, None, :] * w_TK.to(x_TD.dtype)[..., None]).reshape(T * K, -1)
-            ids_TK = ids_TK.reshape(T * K, 1)
-        y = self.experts(x_in, RouterOutput(torch.ones(ids_TK.shape, dtype=torch.float32, device=x_TD.device),
-                                            ids_TK))
-        if K > 1:
-            y = y.view(T, K, -1).sum(dim=1)
-        return self.shared_experts(x_TD) + y
-
-
 class Llama4Attention(nn.Module):
     def __init__(self, cfg: Llama4TextConfig, layer_idx: int, rotary_emb: nn.Module | None) -> None:
         super().__init__()
@@ -199,16 +176,17 @@ class Llama4DecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = Llama4Attention(cfg, layer_idx, rotary_emb)
         if cfg.is_moe_layer(layer_idx):
-            self.feed_forward = Llama4MoE(
+            self.feed_forward = MoEBlock(
                 gate=ReplicatedLinear(cfg.hidden_size, cfg.num_local_experts),
                 router_fn=functools.partial(llama4_topk, top_k=cfg.num_experts_per_tok),
                 experts=FusedMoE(cfg.num_local_experts, cfg.hidden_size, cfg.intermediate_size),
-                shared_experts=DenseMLP(cfg.hidden_size, cfg.intermediate_size),
+                shared_experts=SwiGLUMLP(cfg.hidden_size, cfg.intermediate_size),
+                apply_router_weight_on_input=True,  # expert_e(sigmoid(l_e) * x)
             )
             HubExpertWeightLoader.replacing(self.feed_forward.experts.w13_weight)
             HubExpertWeightLoader.replacing(self.feed_forward.experts.w2_weight)
         else:
-            self.feed_forward = DenseMLP(cfg.hidden_size, cfg.intermediate_size_mlp)
+            self.feed_forward = SwiGLUMLP(cfg.hidden_size, cfg.intermediate_size_mlp)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -223,19 +201,34 @@ class Llama4DecoderLayer(nn.Module):
 
 
 class Llama4TextModel(nn.Module):
+    """Pipeline-parallel aware (moe/pipeline.py): this stage's layers, embedding on the first
+    stage, final norm on the last."""
+
     def __init__(self, cfg: Llama4TextConfig) -> None:
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size) if first_stage() \
+            else PPMissingLayer()
         # Interleaved (complex-pair) RoPE, as transformers' apply_rotary_emb (view_as_complex).
         rotary = get_rope(cfg.head_dim, cfg.rope_max_position, cfg.rope, is_neox_style=False) \
             if any(cfg.uses_rope(i) for i in range(cfg.num_hidden_layers)) else None
-        self.layers = nn.ModuleList(Llama4DecoderLayer(cfg, i, rotary) for i in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.start_layer, self.end_layer, self.layers = make_layers(
+            cfg.num_hidden_layers, lambda i: Llama4DecoderLayer(cfg, i, rotary))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if last_stage() else PPMissingLayer()
+        self.make_empty_intermediate_tensors = make_empty_intermediate_tensors_factory(
+            ["hidden_states", "residual"], cfg.hidden_size)
 
-    def forward(self, input_ids, positions, meta):
-        x, residual = self.embed_tokens(input_ids), None
-        for layer in self.layers:
+    def stage_layers(self) -> list[Llama4DecoderLayer]:
+        return list(self.layers[self.start_layer:self.end_layer])
+
+    def forward(self, input_ids, positions, meta, intermediate_tensors: IntermediateTensors | None = None):
+        if intermediate_tensors is None:
+            x, residual = self.embed_tokens(input_ids), None
+        else:
+            x, residual = intermediate_tensors["hidden_states"], intermediate_tensors["residual"]
+        for layer in self.stage_layers():
             x, residual = layer(positions, x, residual, meta)
+        if not last_stage():
+            return IntermediateTensors({"hidden_states": x, "residual": residual})
         x, _ = self.norm(x, residual)
         return x
 
@@ -253,38 +246,43 @@ class Llama4ForCausalLM(nn.Module):
     modules under `language_model` so that parameter names match the nested checkpoint names;
     the vision tower's tensors are skipped."""
     config_class = Llama4TextConfig
+    supports_pp = True  # builds only its pipeline stage (moe/pipeline.py)
 
     def __init__(self, cfg: Llama4TextConfig) -> None:
         super().__init__()
         self.config = cfg
         model = Llama4TextModel(cfg)
-        lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
-        if cfg.tie_word_embeddings:
+        lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size) if last_stage() else PPMissingLayer()
+        if cfg.tie_word_embeddings and first_stage() and last_stage():
             lm_head.weight = model.embed_tokens.weight
         if cfg.nested_checkpoint:
             self.language_model = _LanguageModel(model, lm_head)
         else:
             self.model, self.lm_head = model, lm_head
+        self.make_empty_intermediate_tensors = model.make_empty_intermediate_tensors
+        self._prefix = "language_model." if cfg.nested_checkpoint else ""
         self._logged_vision_skip = False
 
     @property
     def _lm(self) -> nn.Module:
         return self.language_model if self.config.nested_checkpoint else self
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """input_ids, positions [T] -> final hidden states [T, D]."""
-        return self._lm.model(input_ids, positions, meta)
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                intermediate_tensors: IntermediateTensors | None = None):
+        """input_ids, positions [T] -> final hidden states [T, D] (last pipeline stage), or this
+        stage's IntermediateTensors for the next one."""
+        return self._lm.model(input_ids, positions, meta, intermediate_tensors)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self._lm.lm_head.compute_logits(hidden)
 
     def attention_layers(self) -> list[Attention]:
-        return [layer.self_attn.attn for layer in self._lm.model.layers]
+        return [layer.self_attn.attn for layer in self._lm.model.stage_layers()]
 
-    @staticmethod
-    def weight_name_rules() -> list[NameRule]:
+    def weight_name_rules(self) -> list[NameRule]:
         # First match wins: the shared-expert rules must precede the generic gate/up/down ones.
-        return [
+        p = self._prefix
+        return tied_lm_head_rules(self.config.tie_word_embeddings, f"{p}model.embed_tokens", f"{p}lm_head") + [
             NameRule("feed_forward.gate", "feed_forward.router"),
             NameRule("shared_experts.gate_up_proj", "shared_expert.gate_proj", 0),
             NameRule("shared_experts.gate_up_proj", "shared_expert.up_proj", 1),
@@ -305,4 +303,9 @@ class Llama4ForCausalLM(nn.Module):
                             "%s checkpoint: only the text model is loaded", self.config.architecture)
                 self._logged_vision_skip = True
             return True
-        return "rotary_emb.inv_freq" in name or (self.config.tie_word_embeddings and name.endswith("lm_head.weight"))
+        tied = self.config.tie_word_embeddings
+        if "rotary_emb.inv_freq" in name or (tied and name.endswith("lm_head.weight")):
+            return True
+        if tied and name.startswith(f"{self._prefix}model.embed_tokens.") and last_stage():
+            return False  # fills the tied lm_head of a last stage without the embedding
+        return is_pp_missing_parameter(name, self)

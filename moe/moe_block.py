@@ -141,19 +141,43 @@ class MoEBlock(nn.Module):
     `router_fn(logits_TE) -> RouterOutput` holds the family's routing rule (softmax top-k,
     sigmoid group-limited, ...). Attribute names match the Hugging Face layout (`gate`,
     `experts`, `shared_experts`) so weight names map one to one.
+
+    `apply_router_weight_on_input` (Llama-4): each chosen expert e of a token computes
+    expert_e(w_e * x) and the K results are summed with weight 1, instead of sum_e w_e * expert_e(x).
+    The scaling happens here, before the experts (and so before any expert-parallel dispatch):
+    each (token, chosen expert) pair becomes one row w_e * x routed to e alone with weight 1
+    (top-1: the T rows themselves, no copy of the routing), and a token's K rows are summed
+    after the combine.
     """
 
     def __init__(self, gate: nn.Module, router_fn: Callable[[torch.Tensor], RouterOutput],
-                 experts: FusedMoE, shared_experts: nn.Module | None = None) -> None:
+                 experts: FusedMoE, shared_experts: nn.Module | None = None,
+                 apply_router_weight_on_input: bool = False) -> None:
         super().__init__()
         self.gate = gate
         self.router_fn = router_fn
         self.experts = experts
         self.shared_experts = shared_experts
+        self.apply_router_weight_on_input = apply_router_weight_on_input
 
     def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
         routing = self.router_fn(self.gate(x_TD))
-        y_TD = self.experts(x_TD, routing)
+        if self.apply_router_weight_on_input:
+            y_TD = self._experts_on_scaled_input(x_TD, routing)
+        else:
+            y_TD = self.experts(x_TD, routing)
         if self.shared_experts is not None:
             y_TD = y_TD + self.shared_experts(x_TD)
         return y_TD
+
+    def _experts_on_scaled_input(self, x_TD: torch.Tensor, routing: RouterOutput) -> torch.Tensor:
+        w_TK, ids_TK = routing.topk_weights_TK, routing.topk_ids_TK
+        T, K = ids_TK.shape
+        if K == 1:
+            x_ND, ids_NK = x_TD * w_TK.to(x_TD.dtype), ids_TK
+        else:  # N = T * K rows, token-major: row t * K + k is token t scaled for its k-th expert
+            x_ND = (x_TD[:, None, :] * w_TK.to(x_TD.dtype)[..., None]).reshape(T * K, -1)
+            ids_NK = ids_TK.reshape(T * K, 1)
+        ones_NK = torch.ones(ids_NK.shape, dtype=torch.float32, device=x_TD.device)
+        y_ND = self.experts(x_ND, RouterOutput(ones_NK, ids_NK))
+        return y_ND if K == 1 else y_ND.view(T, K, -1).sum(dim=1)
