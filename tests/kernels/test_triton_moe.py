@@ -55,6 +55,10 @@ def check_alignment(ids, E, bm, emap, path):
     s, e, n = s.cpu(), e.cpu(), int(n.item())
     R = ids.numel()
     assert n == int(rn.item()) and n % bm == 0
+    _, _, n2, real = align_tokens(ids, E, bm, emap, path=path, return_real=True)
+    assert int(n2.item()) == n
+    # real experts' rows come first; the 'elsewhere' bucket (expert id -1) after them
+    assert int(real.item()) == bm * int((e[:n // bm] >= 0).sum())
     assert torch.equal(e, re_), "one expert id per block, -1 past the end / for elsewhere"
     used = s[:n]
     real = used[used < R]
@@ -113,8 +117,36 @@ def test_fused_experts_matches_reference(T, D, F, E, K, dtype):
 
 
 @needs_triton_device
+@pytest.mark.parametrize("T,D,F,E,K", [
+    (1, 32, 16, 4, 2), (19, 40, 24, 4, 2), (33, 24, 40, 1, 1), (40, 32, 48, 8, 3)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("split", [1, 2])
+def test_persistent_matches_reference(T, D, F, E, K, dtype, split):
+    """Persistent GEMMs + fp32-atomic top-k sum (+ split-K on the down GEMM)."""
+    x, w13, w2, tw, ti = make_inputs(T, D, F, E, K, dtype, seed=5,
+                                     empty_expert=E - 1 if E > 2 else None)
+    cfg = dict(SMALL_CFG, persistent=True, down={"SPLIT_K": split})
+    out = fused_experts_triton(x, w13, w2, tw, ti, config=cfg)
+    ref = fused_experts_torch(x, w13, w2, tw, ti)
+    assert out.shape == (T, D) and out.dtype == dtype
+    assert rel(out, ref) < TOL[dtype]
+
+
+@needs_triton_device
+def test_persistent_path_env_override(monkeypatch):
+    from kernels.triton_moe.fused import use_persistent
+    assert not use_persistent({}) and use_persistent({"persistent": True})
+    monkeypatch.setenv("MOE_TRITON_PATH", "classic")
+    assert not use_persistent({"persistent": True})
+    monkeypatch.setenv("MOE_TRITON_PATH", "persistent")
+    assert use_persistent({})
+
+
+@needs_triton_device
+@pytest.mark.parametrize("persistent", [False, True])
 @pytest.mark.parametrize("K", [1, 2])
-def test_expert_map_with_remote_experts(K):
+def test_expert_map_with_remote_experts(K, persistent, monkeypatch):
+    monkeypatch.setenv("MOE_TRITON_PATH", "persistent" if persistent else "classic")
     E_global, E = 8, 3
     emap = torch.full((E_global,), -1, dtype=torch.int32)
     emap[torch.tensor([1, 4, 6])] = torch.arange(E, dtype=torch.int32)
@@ -233,7 +265,20 @@ def test_real_shapes_gpu(E, D, F, K, T):
 
 
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
-def test_cuda_graph_capture_gpu():
+@pytest.mark.parametrize("E,D,F,K,split", [(128, 2048, 768, 8, 2), (16, 5120, 8192, 1, 4)])
+@pytest.mark.parametrize("T", [1, 8, 64, 300])
+def test_real_shapes_persistent_gpu(E, D, F, K, split, T):
+    x, w13, w2, tw, ti = make_inputs(T, D, F, E, K, torch.bfloat16, seed=T + 1)
+    cfg = {"BLOCK_SIZE_M": 16, "BLOCK_SIZE_N": 64, "BLOCK_SIZE_K": 128, "GROUP_SIZE_M": 1,
+           "num_warps": 4, "num_stages": 3, "persistent": True, "down": {"SPLIT_K": split}}
+    out = fused_experts_triton(x, w13, w2, tw, ti, config=cfg)
+    assert rel(out, fused_experts_torch(x, w13, w2, tw, ti)) < 1e-2
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("path", ["classic", "persistent"])
+def test_cuda_graph_capture_gpu(path, monkeypatch):
+    monkeypatch.setenv("MOE_TRITON_PATH", path)
     x, w13, w2, tw, ti = make_inputs(33, 256, 128, 8, 2, torch.bfloat16)
     ref = fused_experts_triton(x, w13, w2, tw, ti)
     s = torch.cuda.Stream()
