@@ -36,6 +36,12 @@ class AttentionMetadata:
     decode_token_idx: torch.Tensor | None = None
     decode_seq_lens: torch.Tensor | None = None
     decode_block_tables: torch.Tensor | None = None
+    # With several KV-cache groups (e.g. full and chunked-local layers), each group's own
+    # metadata (same batch layout, its own block tables and slots); group 0 is this object.
+    group_metas: list["AttentionMetadata"] | None = None
+
+    def for_group(self, group: int) -> "AttentionMetadata":
+        return self if self.group_metas is None else self.group_metas[group]
 
 
 def write_kv_cache(k_TGd: torch.Tensor, v_TGd: torch.Tensor, kv_cache_2NSGd: torch.Tensor,

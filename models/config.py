@@ -84,6 +84,14 @@ class ModelConfig:
     def limit_positions(self, max_model_len: int) -> None:
         self._max_model_len = max_model_len
 
+    def kv_cache_chunk_sizes(self) -> list[int | None]:
+        """Per layer, the chunked-local attention window, or None for full attention (the KV
+        cache keeps chunked layers in a group of their own: scheduler/kv_cache_spec.py)."""
+        types = getattr(self, "layer_types", None)
+        chunk = getattr(self, "attention_chunk_size", None)
+        return [chunk if chunk and types and types[i] == "chunked_attention" else None
+                for i in range(self.num_hidden_layers)]
+
     @classmethod
     def common_fields(cls, cfg: dict, architecture: str) -> dict:
         hidden = int(hf_get(cfg, "hidden_size"))

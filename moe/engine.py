@@ -17,7 +17,7 @@ from moe.model_runner import TokenLogprobs
 from moe.outputs import CompletionOutput, Logprob, RequestOutput
 from moe.sampling_params import SamplingParams
 from moe.tokenizer import Tokenizer, eos_token_ids, load_tokenizer
-from scheduler import Request, RequestStatus, Scheduler, SchedulerConfig
+from scheduler import plan_groups, Request, RequestStatus, Scheduler, SchedulerConfig
 
 logger = logging.getLogger("moe.engine")
 
@@ -102,14 +102,24 @@ class LLMEngine:
         logger.info("KV cache: %d blocks of %d tokens (%d tokens); maximum concurrency for %d tokens per "
                     "request: %.2fx", num_blocks, args.block_size, tokens, self.max_model_len,
                     tokens / self.max_model_len)
+        # Chunked-local layers get a KV-cache group of their own, sized to what their chunks use.
+        groups = plan_groups(cfg.kv_cache_chunk_sizes(), num_blocks, args.block_size, args.max_num_seqs,
+                             self.max_num_batched_tokens)
+        if len(groups) > 1:
+            logger.info("KV cache groups: %s", ", ".join(
+                f"{'full attention' if g.chunk_size is None else f'chunked-local {g.chunk_size}'}: {g.num_blocks} blocks"
+                for g in groups))
+            if args.enable_prefix_caching:
+                logger.info("Prefix caching is off: chunked-local layers release their blocks behind each chunk")
         # One scheduler (engine core) per data-parallel replica, each over its own KV cache.
         self.schedulers = [Scheduler(SchedulerConfig(
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
             max_model_len=self.max_model_len, block_size=args.block_size, num_blocks=num_blocks,
-            enable_chunked_prefill=args.enable_chunked_prefill, enable_prefix_caching=args.enable_prefix_caching))
+            enable_chunked_prefill=args.enable_chunked_prefill, enable_prefix_caching=args.enable_prefix_caching,
+            kv_cache_groups=groups))
             for _ in range(args.data_parallel_size)]
         self.scheduler = self.schedulers[0] if len(self.schedulers) == 1 else DataParallelScheduler(self.schedulers)
-        self.executor.initialize_cache(num_blocks)
+        self.executor.initialize_cache(groups)
         self.metrics = EngineMetrics(args.model)
         self._parents: dict[str, _Parent] = {}
         self.num_steps = 0

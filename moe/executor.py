@@ -20,7 +20,7 @@ from models.config import ModelConfig
 from moe.config import EngineArgs
 from moe.model_runner import ModelRunnerOutput
 from moe.worker import Worker, WorkerSpec, build_model  # noqa: F401  (build_model: public helper)
-from scheduler import SchedulerOutput
+from scheduler import KVCacheGroup, SchedulerOutput
 
 logger = logging.getLogger("moe.executor")
 
@@ -30,7 +30,7 @@ class Executor(ABC):
     def determine_num_blocks(self, max_num_seqs: int, max_model_len: int, max_num_batched_tokens: int) -> int: ...
 
     @abstractmethod
-    def initialize_cache(self, num_blocks: int) -> None: ...
+    def initialize_cache(self, groups: list[KVCacheGroup]) -> None: ...
 
     @abstractmethod
     def execute_models(self, scheduler_outputs: list[SchedulerOutput]) -> list[ModelRunnerOutput]:
@@ -61,8 +61,8 @@ class InProcessExecutor(Executor):
     def determine_num_blocks(self, max_num_seqs: int, max_model_len: int, max_num_batched_tokens: int) -> int:
         return self.worker.determine_num_blocks(max_num_seqs, max_model_len, max_num_batched_tokens)
 
-    def initialize_cache(self, num_blocks: int) -> None:
-        self.worker.initialize_cache(num_blocks)
+    def initialize_cache(self, groups: list[KVCacheGroup]) -> None:
+        self.worker.initialize_cache(groups)
 
     def execute_models(self, scheduler_outputs: list[SchedulerOutput]) -> list[ModelRunnerOutput]:
         return [self.worker.runner.execute_model(scheduler_outputs[0])]

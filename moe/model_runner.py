@@ -23,7 +23,8 @@ from kernels.attention import AttentionMetadata
 from moe.distributed import get_parallel_state, pp_recv, pp_send
 from moe.sampler import SamplingBatch, sample
 from moe.sampling_params import SamplingParams
-from scheduler import SchedulerOutput
+from scheduler import KVCacheGroup, SchedulerOutput
+from scheduler.kv_cache_spec import group_keys
 
 logger = logging.getLogger("moe.runner")
 
@@ -33,7 +34,7 @@ class RequestState:
     token_ids: list[int]
     num_prompt_tokens: int
     params: SamplingParams
-    block_ids: list[int]
+    block_ids: list[list[int]]  # one list per KV-cache group
     num_computed_tokens: int
 
 
@@ -75,7 +76,7 @@ class ModelRunner:
         # A replica without work still runs a one-token forward (MoE collectives span DP
         # replicas); its KV write goes to one extra block that the scheduler never hands out.
         self.reserve_dummy_block = ps.needs_dummy_batches
-        self.dummy_block: int | None = None
+        self.dummy_blocks: list[int] | None = None  # per KV-cache group
 
     # ---- KV cache ----------------------------------------------------------------------
     def kv_cache_bytes_per_block(self) -> int:
@@ -89,14 +90,29 @@ class ModelRunner:
     def kv_dtype(self) -> torch.dtype:
         return next(self.model.parameters()).dtype
 
-    def allocate_kv_cache(self, num_blocks: int) -> None:
+    def allocate_kv_cache(self, groups: int | list[KVCacheGroup]) -> None:
+        """One zeroed cache tensor per attention layer, sized by its KV-cache group's block
+        count (an int = one full-attention group of that many blocks)."""
+        if isinstance(groups, int):
+            groups = [KVCacheGroup(None, groups)]
+        keys = [g.chunk_size for g in groups]
         self.kv_caches = []
-        if self.reserve_dummy_block and num_blocks:
-            self.dummy_block, num_blocks = num_blocks, num_blocks + 1
+        self.num_kv_groups = len(groups)
+        # The dummy batch writes to one extra block per group, never handed out by the scheduler.
+        self.dummy_blocks = [g.num_blocks for g in groups] if self.reserve_dummy_block and groups[0].num_blocks \
+            else None
+        extra = 1 if self.dummy_blocks else 0
         for attn in self.model.attention_layers():
-            cache = torch.zeros(attn.kv_cache_shape(num_blocks, self.block_size), dtype=self.kv_dtype, device=self.device)
+            group = keys.index(getattr(attn, "chunk_size", None))
+            attn.kv_group = group
+            cache = torch.zeros(attn.kv_cache_shape(groups[group].num_blocks + extra, self.block_size),
+                                dtype=self.kv_dtype, device=self.device)
             attn.kv_cache = cache
             self.kv_caches.append(cache)
+
+    def kv_cache_chunk_sizes(self) -> list[int | None]:
+        """Per attention layer of this rank: its chunked-local window, or None."""
+        return [getattr(attn, "chunk_size", None) for attn in self.model.attention_layers()]
 
     # ---- one step ----------------------------------------------------------------------
     def _update_states(self, so: SchedulerOutput) -> None:
@@ -104,13 +120,13 @@ class ModelRunner:
             self.requests.pop(req_id, None)
         for new in so.scheduled_new_reqs:
             self.requests[new.req_id] = RequestState(list(new.token_ids), new.num_prompt_tokens,
-                                                     new.sampling_params, list(new.block_ids),
+                                                     new.sampling_params, [list(g) for g in new.block_ids],
                                                      new.num_computed_tokens)
         cached = so.scheduled_cached_reqs
         for req_id, new_blocks, num_computed in zip(cached.req_ids, cached.new_block_ids, cached.num_computed_tokens):
             state = self.requests[req_id]
-            if new_blocks:
-                state.block_ids.extend(new_blocks)
+            for group, ids in enumerate(new_blocks):  # () when no group added a block
+                state.block_ids[group].extend(ids)
             state.num_computed_tokens = num_computed
 
     def _prepare(self, so: SchedulerOutput):
@@ -121,33 +137,41 @@ class ModelRunner:
         qsl = np.zeros(len(req_ids) + 1, dtype=np.int64)
         np.cumsum(n, out=qsl[1:])
         seq_lens = computed + n
-        max_blocks = max(len(s.block_ids) for s in states)
-        tables = np.zeros((len(states), max_blocks), dtype=np.int64)
         input_ids: list[int] = []
         for i, s in enumerate(states):
-            tables[i, :len(s.block_ids)] = s.block_ids
             c = s.num_computed_tokens
             input_ids.extend(s.token_ids[c:c + n[i]])
         row = np.repeat(np.arange(len(states)), n)
         positions = np.arange(qsl[-1]) - qsl[:-1][row] + computed[row]
-        slots = tables[row, positions // self.block_size] * self.block_size + positions % self.block_size
-
-        dev = self.device
         decode = np.nonzero(n == 1)[0]
-        prefill = np.nonzero(n != 1)[0]
-        meta = AttentionMetadata(
-            query_start_loc=qsl.tolist(), seq_lens=seq_lens.tolist(),
-            block_tables_BM=torch.from_numpy(tables).to(dev), slot_mapping_T=torch.from_numpy(slots).to(dev),
-            decode_seqs=decode.tolist(), prefill_seqs=prefill.tolist())
+        layout = dict(query_start_loc=qsl.tolist(), seq_lens=seq_lens.tolist(), decode_seqs=decode.tolist(),
+                      prefill_seqs=np.nonzero(n != 1)[0].tolist())
+        metas = [self._group_metadata([s.block_ids[g] for s in states], row, positions, qsl, seq_lens, decode, layout)
+                 for g in range(len(states[0].block_ids))]
+        meta = metas[0]
+        if len(metas) > 1:
+            meta.group_metas = metas
+        # Rows that reach the end of their known tokens produce a next token.
+        sample_rows = [i for i, s in enumerate(states) if seq_lens[i] == len(s.token_ids)]
+        return (req_ids, states, torch.tensor(input_ids, dtype=torch.long, device=self.device),
+                torch.from_numpy(positions).to(self.device), meta, qsl, sample_rows)
+
+    def _group_metadata(self, block_ids: list[list[int]], row, positions, qsl, seq_lens, decode,
+                        layout: dict) -> AttentionMetadata:
+        """Block tables and slot mapping of one KV-cache group; the batch layout is shared."""
+        dev, bs = self.device, self.block_size
+        tables = np.zeros((len(block_ids), max(len(b) for b in block_ids)), dtype=np.int64)
+        for i, ids in enumerate(block_ids):
+            tables[i, :len(ids)] = ids
+        slots = tables[row, positions // bs] * bs + positions % bs
+        meta = AttentionMetadata(block_tables_BM=torch.from_numpy(tables).to(dev),
+                                 slot_mapping_T=torch.from_numpy(slots).to(dev), **layout)
         if len(decode):
-            nblk = -(-int(seq_lens[decode].max()) // self.block_size)
+            nblk = -(-int(seq_lens[decode].max()) // bs)
             meta.decode_token_idx = torch.from_numpy(qsl[decode]).to(dev)
             meta.decode_seq_lens = torch.from_numpy(seq_lens[decode]).to(dev)
             meta.decode_block_tables = torch.from_numpy(np.ascontiguousarray(tables[decode, :nblk])).to(dev)
-        # Rows that reach the end of their known tokens produce a next token.
-        sample_rows = [i for i, s in enumerate(states) if seq_lens[i] == len(s.token_ids)]
-        return (req_ids, states, torch.tensor(input_ids, dtype=torch.long, device=dev),
-                torch.from_numpy(positions).to(dev), meta, qsl, sample_rows)
+        return meta
 
     def _sampling_batch(self, states: list[RequestState]) -> SamplingBatch:
         dev = self.device
@@ -213,15 +237,20 @@ class ModelRunner:
     def execute_dummy(self) -> None:
         """One token at position 0 written to the reserved block: runs every collective of a
         forward (MoE dispatch/combine, TP, PP) without touching any request's state."""
-        if self.dummy_block is None:
-            raise RuntimeError("a dummy batch needs the reserved KV block (allocate_kv_cache first)")
+        if self.dummy_blocks is None:
+            raise RuntimeError("a dummy batch needs the reserved KV blocks (allocate_kv_cache first)")
         dev = self.device
-        table = torch.tensor([[self.dummy_block]], dtype=torch.int64, device=dev)
-        meta = AttentionMetadata(
-            query_start_loc=[0, 1], seq_lens=[1], block_tables_BM=table,
-            slot_mapping_T=torch.tensor([self.dummy_block * self.block_size], dtype=torch.int64, device=dev),
-            decode_seqs=[0], prefill_seqs=[], decode_token_idx=torch.zeros(1, dtype=torch.int64, device=dev),
-            decode_seq_lens=torch.ones(1, dtype=torch.int64, device=dev), decode_block_tables=table)
+        metas = []
+        for block in self.dummy_blocks:
+            table = torch.tensor([[block]], dtype=torch.int64, device=dev)
+            metas.append(AttentionMetadata(
+                query_start_loc=[0, 1], seq_lens=[1], block_tables_BM=table,
+                slot_mapping_T=torch.tensor([block * self.block_size], dtype=torch.int64, device=dev),
+                decode_seqs=[0], prefill_seqs=[], decode_token_idx=torch.zeros(1, dtype=torch.int64, device=dev),
+                decode_seq_lens=torch.ones(1, dtype=torch.int64, device=dev), decode_block_tables=table))
+        meta = metas[0]
+        if len(metas) > 1:
+            meta.group_metas = metas
         self._forward(torch.zeros(1, dtype=torch.long, device=dev), torch.zeros(1, dtype=torch.long, device=dev), meta)
 
     @torch.inference_mode()

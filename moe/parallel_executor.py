@@ -50,7 +50,7 @@ from moe.distributed import (ParallelLayout, collective_timeout, get_parallel_st
 from moe.executor import Executor
 from moe.model_runner import ModelRunnerOutput
 from moe.worker import Worker, WorkerSpec, worker_main
-from scheduler import SchedulerOutput
+from scheduler import KVCacheGroup, SchedulerOutput
 
 logger = logging.getLogger("moe.executor")
 
@@ -212,8 +212,8 @@ class MultiprocExecutor(Executor):
         return min(self._call_all("determine_num_blocks", max_num_seqs, max_model_len,
                                   max_num_batched_tokens).values())
 
-    def initialize_cache(self, num_blocks: int) -> None:
-        self._call_all("initialize_cache", num_blocks)
+    def initialize_cache(self, groups: list[KVCacheGroup]) -> None:
+        self._call_all("initialize_cache", groups)
 
     def execute_models(self, scheduler_outputs: list[SchedulerOutput]) -> list[ModelRunnerOutput]:
         self._check_open()
@@ -274,8 +274,8 @@ class TorchrunExecutor(Executor):
         dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.state.cpu_group)
         return int(t.item())
 
-    def initialize_cache(self, num_blocks: int) -> None:
-        self.worker.initialize_cache(num_blocks)
+    def initialize_cache(self, groups: list[KVCacheGroup]) -> None:
+        self.worker.initialize_cache(groups)
 
     def execute_models(self, scheduler_outputs: list[SchedulerOutput]) -> list[ModelRunnerOutput]:
         s, layout = self.state, self.layout

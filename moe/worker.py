@@ -19,7 +19,7 @@ from models.config import ModelConfig
 from models.loader import init_dummy_weights, load_weights
 from moe.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineArgs
 from moe.model_runner import ModelRunner, ModelRunnerOutput
-from scheduler import SchedulerOutput
+from scheduler import KVCacheGroup, SchedulerOutput
 
 logger = logging.getLogger("moe.worker")
 
@@ -112,8 +112,8 @@ class Worker:
                     max(available, 0) / 2**30)
         return max(int(available // per_block), 0)
 
-    def initialize_cache(self, num_blocks: int) -> None:
-        self.runner.allocate_kv_cache(num_blocks)
+    def initialize_cache(self, groups: list[KVCacheGroup]) -> None:
+        self.runner.allocate_kv_cache(groups)
 
     # ---- steps -------------------------------------------------------------------------
     def execute(self, so: SchedulerOutput, prev_sampled: dict[str, list[int]] | None = None,

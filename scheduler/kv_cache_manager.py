@@ -1,19 +1,66 @@
-"""Per-request KV block tables on top of the block pool, with prefix-cache lookup."""
+"""Per-request KV block tables on top of the block pool, with prefix-cache lookup.
+
+The main group (full attention) keeps every block of a request and serves prefix caching.
+Chunked-local groups (see kv_cache_spec.py) hold only the blocks of the current chunk.
+"""
 from __future__ import annotations
 
 from scheduler.block_pool import BlockPool, KVBlock, hash_block_tokens
+from scheduler.kv_cache_spec import KVCacheGroup, cdiv
 from scheduler.request import Request
 
 
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
+class ChunkedLocalBlocks:
+    """Block tables of one chunked-local group. A request's list keeps None where a block
+    before its current chunk was released, so list index = position // block_size still."""
+
+    def __init__(self, group: KVCacheGroup, block_size: int) -> None:
+        self.chunk_size, self.block_size = group.chunk_size, block_size
+        self.pool = BlockPool(group.num_blocks, enable_caching=False)
+        self.req_to_blocks: dict[str, list[KVBlock | None]] = {}
+
+    def _releasable(self, blocks: list, first_new_position: int) -> int:
+        """Blocks wholly before the chunk of the first new token: no query reads them again."""
+        first_needed = (first_new_position // self.chunk_size) * self.chunk_size // self.block_size
+        return sum(1 for b in blocks[:first_needed] if b is not None)
+
+    def can_allocate(self, request: Request, num_computed: int, total_tokens: int) -> bool:
+        blocks = self.req_to_blocks.get(request.request_id, [])
+        needed = cdiv(total_tokens, self.block_size) - len(blocks)
+        return needed <= 0 or needed <= self.pool.num_free_blocks + self._releasable(blocks, num_computed)
+
+    def allocate(self, request: Request, num_computed: int, total_tokens: int) -> list[KVBlock]:
+        blocks = self.req_to_blocks.setdefault(request.request_id, [])
+        first_needed = (num_computed // self.chunk_size) * self.chunk_size // self.block_size
+        released = [b for b in blocks[:first_needed] if b is not None]
+        if released:
+            self.pool.free_blocks(released)
+            blocks[:first_needed] = [None] * first_needed
+        new = self.pool.get_new_blocks(max(cdiv(total_tokens, self.block_size) - len(blocks), 0)) or []
+        blocks.extend(new)
+        return new
+
+    def free(self, request: Request) -> None:
+        blocks = self.req_to_blocks.pop(request.request_id, [])
+        self.pool.free_blocks(b for b in reversed(blocks) if b is not None)
+
+    def block_ids(self, request: Request) -> list[int]:
+        # A released block's slot reads as block 0: it lies outside every query's chunk.
+        return [0 if b is None else b.block_id for b in self.req_to_blocks.get(request.request_id, [])]
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool,
+                 groups: list[KVCacheGroup] | None = None) -> None:
+        groups = groups or [KVCacheGroup(None, num_blocks)]
+        if groups[0].is_chunked:
+            raise ValueError("the first KV-cache group must be the full-attention one")
+        self.groups = groups
+        self.chunked = [ChunkedLocalBlocks(g, block_size) for g in groups[1:]]
         self.block_size = block_size
-        self.enable_caching = enable_caching
-        self.pool = BlockPool(num_blocks, enable_caching)
+        # Prefix caching would need every group to keep the prefix; chunked groups do not.
+        self.enable_caching = enable_caching and not self.chunked
+        self.pool = BlockPool(groups[0].num_blocks, self.enable_caching)
         self.req_to_blocks: dict[str, list[KVBlock]] = {}
         # Per request, how many of its leading blocks are already registered in the prefix cache.
         self._num_cached_blocks: dict[str, int] = {}
@@ -55,26 +102,29 @@ class KVCacheManager:
         return hits, len(hits) * self.block_size
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
-                       new_computed_blocks: list[KVBlock] | None = None) -> list[KVBlock] | None:
-        """Blocks for `num_new_tokens` more tokens after the computed ones; None if the pool
-        cannot supply them (nothing is changed then)."""
+                       new_computed_blocks: list[KVBlock] | None = None) -> list[list[KVBlock]] | None:
+        """Blocks for `num_new_tokens` more tokens after the computed ones, one list per group
+        (group 0 first); None if a pool cannot supply them (nothing is changed then)."""
         req_id = request.request_id
         blocks = self.req_to_blocks.get(req_id)
         if blocks is None:
             blocks = self.req_to_blocks[req_id] = []
             self._num_cached_blocks[req_id] = 0
         num_hit = len(new_computed_blocks) if new_computed_blocks else 0
-        total_tokens = request.num_computed_tokens + num_hit * self.block_size + num_new_tokens
+        num_computed = request.num_computed_tokens + num_hit * self.block_size
+        total_tokens = num_computed + num_new_tokens
         needed = -(-total_tokens // self.block_size) - len(blocks) - num_hit
-        if needed <= 0 and not num_hit:
-            new_blocks = []  # the common decode step: the last block still has room
-        else:
+        if needed > 0 or num_hit or self.chunked:
             # Hits that sit in the free queue stop being free once touched.
             evictable_hits = sum(1 for b in new_computed_blocks if b.ref_cnt == 0) if num_hit else 0
-            if needed > self.pool.num_free_blocks - evictable_hits:
+            if needed > self.pool.num_free_blocks - evictable_hits or not all(
+                    g.can_allocate(request, num_computed, total_tokens) for g in self.chunked):
                 if not blocks:
                     del self.req_to_blocks[req_id], self._num_cached_blocks[req_id]
                 return None
+        if needed <= 0 and not num_hit:
+            new_blocks = []  # the common decode step: the last block still has room
+        else:
             if num_hit:
                 self.pool.touch(new_computed_blocks)
                 blocks.extend(new_computed_blocks)
@@ -85,7 +135,9 @@ class KVCacheManager:
             num_full = min(total_tokens, request.num_tokens) // self.block_size
             if num_full > self._num_cached_blocks[req_id]:
                 self._cache_full_blocks(request, blocks, num_full)
-        return new_blocks
+        if not self.chunked:
+            return [new_blocks]
+        return [new_blocks] + [g.allocate(request, num_computed, total_tokens) for g in self.chunked]
 
     def _cache_full_blocks(self, request: Request, blocks: list[KVBlock], num_full: int) -> None:
         self._update_block_hashes(request)
@@ -98,9 +150,13 @@ class KVCacheManager:
         blocks = self.req_to_blocks.pop(request.request_id, [])
         self._num_cached_blocks.pop(request.request_id, None)
         self.pool.free_blocks(reversed(blocks))
+        for group in self.chunked:
+            group.free(request)
 
-    def block_ids(self, request: Request) -> list[int]:
-        return [b.block_id for b in self.req_to_blocks.get(request.request_id, [])]
+    def block_ids(self, request: Request) -> list[list[int]]:
+        """The request's block ids, one list per group."""
+        main = [b.block_id for b in self.req_to_blocks.get(request.request_id, [])]
+        return [main] + [g.block_ids(request) for g in self.chunked]
 
     def reset_prefix_cache(self) -> None:
         self.pool.reset_prefix_cache()

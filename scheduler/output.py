@@ -12,7 +12,7 @@ class NewRequestData:
     token_ids: list[int]          # prompt + tokens generated so far (recomputed after preemption)
     num_prompt_tokens: int
     sampling_params: Any
-    block_ids: list[int]
+    block_ids: list[list[int]]    # one list per KV-cache group (group 0 = full attention)
     num_computed_tokens: int      # tokens already in the KV cache (prefix-cache hits) before this step
 
 
@@ -23,7 +23,8 @@ class CachedRequestData:
     One object per step rather than one per request keeps a 256-request decode step cheap.
     """
     req_ids: list[str] = field(default_factory=list)
-    new_block_ids: list[list[int]] = field(default_factory=list)  # empty when no block was added
+    # Per request, one list of new block ids per KV-cache group; () when no group added a block.
+    new_block_ids: list = field(default_factory=list)
     num_computed_tokens: list[int] = field(default_factory=list)
 
     def __len__(self) -> int:

@@ -7,6 +7,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from scheduler.kv_cache_manager import KVCacheManager
+from scheduler.kv_cache_spec import KVCacheGroup
 from scheduler.output import CachedRequestData, EngineCoreOutput, NewRequestData, SchedulerOutput
 from scheduler.request import Request, RequestStatus
 
@@ -22,6 +23,8 @@ class SchedulerConfig:
     num_blocks: int
     enable_chunked_prefill: bool = True
     enable_prefix_caching: bool = True
+    # Block counts per KV-cache group (kv_cache_spec.plan_groups); None = one full-attention group.
+    kv_cache_groups: list[KVCacheGroup] | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size", "num_blocks"):
@@ -43,7 +46,8 @@ class SchedulerConfig:
 class Scheduler:
     def __init__(self, config: SchedulerConfig) -> None:
         self.config = config
-        self.kv = KVCacheManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.kv = KVCacheManager(config.num_blocks, config.block_size, config.enable_prefix_caching,
+                                 config.kv_cache_groups)
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -159,7 +163,7 @@ class Scheduler:
             self.running.append(request)
             num_scheduled[request.request_id] = num_new
             budget -= num_new
-            self._record(request, hit_blocks + new_blocks, num_new, new_reqs, cached_reqs)
+            self._record(request, new_blocks, num_new, new_reqs, cached_reqs)
 
         total = cfg.max_num_batched_tokens - budget
         assert total <= cfg.max_num_batched_tokens and len(self.running) <= cfg.max_num_seqs
@@ -178,7 +182,9 @@ class Scheduler:
                 new_reqs: list[NewRequestData], cached_reqs: CachedRequestData) -> None:
         if request.request_id in self._runner_knows:
             cached_reqs.req_ids.append(request.request_id)
-            cached_reqs.new_block_ids.append([b.block_id for b in new_blocks] if new_blocks else [])
+            # Per group; the common decode step adds no block anywhere and sends ().
+            cached_reqs.new_block_ids.append(
+                [[b.block_id for b in g] for g in new_blocks] if any(new_blocks) else ())
             cached_reqs.num_computed_tokens.append(request.num_computed_tokens)
         else:
             self._runner_knows.add(request.request_id)

@@ -18,6 +18,7 @@ class Attention(nn.Module):
         self.num_heads, self.head_dim, self.num_kv_heads, self.scale = num_heads, head_dim, num_kv_heads, scale
         self.chunk_size = chunk_size
         self.kv_cache: torch.Tensor | None = None  # [2, N, S, G, d], bound by the runner
+        self.kv_group = 0  # which KV-cache group's block tables this layer reads (set by the runner)
 
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
         return (2, num_blocks, block_size, self.num_kv_heads, self.head_dim)
@@ -30,6 +31,7 @@ class Attention(nn.Module):
         v = v.view(T, self.num_kv_heads, self.head_dim)
         if self.kv_cache is None:
             raise RuntimeError("attention ran before the model runner bound a KV cache")
+        meta = meta.for_group(self.kv_group)
         write_kv_cache(k, v, self.kv_cache, meta.slot_mapping_T)
         out = paged_attention_torch(q, k, v, self.kv_cache, meta, self.scale, self.chunk_size)
         return out.reshape(T, self.num_heads * self.head_dim)

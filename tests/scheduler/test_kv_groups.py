@@ -1,0 +1,89 @@
+"""KV-cache groups: chunked-local layers hold only their current chunk's blocks."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from scheduler import KVCacheGroup, Request, RequestStatus, Scheduler, SchedulerConfig, plan_groups
+from scheduler.kv_cache_spec import group_keys
+from tests.scheduler.factories import fake_tokens, make_requests
+
+
+def make_grouped(num_blocks=64, chunk_blocks=None, block_size=4, chunk=8, max_num_seqs=8,
+                 max_num_batched_tokens=32, max_model_len=64):
+    groups = plan_groups([chunk, None, chunk, None], num_blocks, block_size, max_num_seqs, max_num_batched_tokens)
+    if chunk_blocks is not None:
+        groups = [groups[0], KVCacheGroup(chunk, chunk_blocks)]
+    return Scheduler(SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                                     max_model_len=max_model_len, block_size=block_size, num_blocks=num_blocks,
+                                     kv_cache_groups=groups))
+
+
+def test_plan_groups():
+    assert group_keys([8, None, 16, None, 8]) == [None, 8, 16]
+    groups = plan_groups([8, None], num_blocks=1000, block_size=4, max_num_seqs=2, max_num_batched_tokens=16)
+    # per request: its chunk (2 blocks) + 1; plus one step's new tokens (4 blocks) + 1
+    assert [(g.chunk_size, g.num_blocks) for g in groups] == [(None, 1000), (8, 2 * 3 + 4 + 1)]
+    assert plan_groups([None], 50, 4, 8, 32) == [KVCacheGroup(None, 50)]
+
+
+def test_chunked_group_releases_blocks_behind_the_chunk():
+    sched = make_grouped(block_size=4, chunk=8)
+    assert not sched.kv.enable_caching  # prefix caching is off with chunked groups
+    sched.add_request(Request("a", list(range(1, 11)), max_tokens=30))  # 10 prompt tokens
+    chunked = sched.kv.chunked[0]
+    held_max = 0
+    while sched.has_unfinished_requests():
+        first_new = sched.requests["a"].num_computed_tokens
+        so = sched.schedule()
+        blocks = chunked.req_to_blocks.get("a", [])
+        live = [b for b in blocks if b is not None]
+        held_max = max(held_max, len(live))
+        # Every block wholly before the chunk of this step's first new token was released.
+        first_live = next(i for i, b in enumerate(blocks) if b is not None)
+        assert first_live == (first_new // 8) * 8 // 4
+        ids = sched.kv.block_ids(sched.requests["a"])
+        assert len(ids) == 2 and len(ids[1]) == len(blocks)
+        assert all(i == 0 for i, b in zip(ids[1], blocks) if b is None)
+        sched.update_from_output(so, fake_tokens(so, sched))
+    assert held_max <= 3
+    assert len(sched.kv.req_to_blocks) == 0 and not chunked.req_to_blocks
+    assert chunked.pool.num_free_blocks == chunked.pool.num_blocks
+    assert sched.kv.pool.num_free_blocks == sched.kv.num_blocks
+
+
+@pytest.mark.parametrize("chunk_blocks", [None, 7])
+def test_tight_chunk_pool_preempts_without_changing_outputs(chunk_blocks):
+    rng = random.Random(4)
+    reqs = make_requests(40, rng, max_len=30, max_tokens=(5, 25))
+    outputs = {}
+    for tight in (False, True):
+        sched = make_grouped(num_blocks=256 if not tight else 40,
+                             chunk_blocks=chunk_blocks if tight else None, max_num_batched_tokens=16)
+        for r in reqs:
+            sched.add_request(Request(r.request_id, r.prompt_token_ids, r.max_tokens))
+        got: dict[str, list[int]] = {}
+        steps = 0
+        while sched.has_unfinished_requests():
+            so = sched.schedule()
+            assert so.total_num_scheduled_tokens <= 16
+            for co in sched.update_from_output(so, fake_tokens(so, sched)):
+                got.setdefault(co.req_id, []).extend(co.new_token_ids)
+            steps += 1
+            assert steps < 10000
+        for g in [sched.kv] + sched.kv.chunked:
+            assert g.pool.num_free_blocks == g.pool.num_blocks  # nothing leaked
+        outputs[tight] = (got, sched.num_preemptions)
+    assert outputs[True][0] == outputs[False][0]
+    assert outputs[True][1] > 0
+
+
+def test_abort_frees_every_group():
+    sched = make_grouped()
+    sched.add_request(Request("a", list(range(1, 30)), max_tokens=5))
+    sched.schedule()
+    assert sched.kv.chunked[0].pool.num_free_blocks < sched.kv.chunked[0].pool.num_blocks
+    sched.finish_requests("a", RequestStatus.FINISHED_ABORTED)
+    for g in [sched.kv] + sched.kv.chunked:
+        assert g.pool.num_free_blocks == g.pool.num_blocks
