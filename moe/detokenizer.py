@@ -1,27 +1,28 @@
 """Incremental detokenisation with stop strings.
 
-Text grows by decoding a short window of recent tokens: the delta is what the window's text
-gained. A window whose text ends in U+FFFD is a multi-byte character cut in half, so it waits
-for the next token instead of emitting a broken character.
+Each token goes through the tokenizers library's DecodeStream (one call into Rust per token),
+which holds back a multi-byte character cut across tokens until it is whole. The text equals
+a full decode of the output tokens.
 """
 from __future__ import annotations
 
-from moe.tokenizer import Tokenizer
+from tokenizers.decoders import DecodeStream
 
-# Prompt tokens kept as context so that the first output token decodes with its leading space.
-_CONTEXT_TOKENS = 5
+from moe.tokenizer import Tokenizer
 
 
 class IncrementalDetokenizer:
     def __init__(self, tokenizer: Tokenizer | None, prompt_token_ids: list[int], stop: list[str],
                  include_stop_str_in_output: bool, skip_special_tokens: bool = True) -> None:
+        # The prompt is not needed: byte-level and metaspace decoders give the text of the
+        # output tokens alone the way a full decode of them does.
+        del prompt_token_ids
         self.tokenizer = tokenizer
         self.stop = stop
         self.include_stop = include_stop_str_in_output
         self.skip_special_tokens = skip_special_tokens
-        self.tokens = list(prompt_token_ids[-_CONTEXT_TOKENS:])
-        self.prefix_offset = 0
-        self.read_offset = len(self.tokens)
+        self._stream = DecodeStream(skip_special_tokens=skip_special_tokens) if tokenizer is not None else None
+        self._pending: list[int] = []  # tokens not yet visible in the text (a partial character)
         self.output_text = ""
         self.stop_buffer = max((len(s) for s in stop), default=1) - 1
 
@@ -30,13 +31,13 @@ class IncrementalDetokenizer:
         if self.tokenizer is None:
             return None
         for token in new_token_ids:
-            self.tokens.append(token)
-            prefix = self.tokenizer.decode(self.tokens[self.prefix_offset:self.read_offset], self.skip_special_tokens)
-            full = self.tokenizer.decode(self.tokens[self.prefix_offset:], self.skip_special_tokens)
-            if len(full) > len(prefix) and not full.endswith("\ufffd"):
-                delta = full[len(prefix):]
-                self.prefix_offset, self.read_offset = self.read_offset, len(self.tokens)
-                stop = self._append(delta)
+            chunk = self._stream.step(self.tokenizer.backend, token)
+            if chunk is None:
+                self._pending.append(token)
+                continue
+            self._pending = []
+            if chunk:
+                stop = self._append(chunk)
                 if stop is not None:
                     return stop
         return None
@@ -44,12 +45,11 @@ class IncrementalDetokenizer:
     def flush(self) -> str | None:
         """At the end of generation, emit what was held back (a final incomplete character
         decodes to U+FFFD, as a full decode of the tokens would show it)."""
-        if self.tokenizer is None or self.read_offset == len(self.tokens):
+        if self.tokenizer is None or not self._pending:
             return None
-        prefix = self.tokenizer.decode(self.tokens[self.prefix_offset:self.read_offset], self.skip_special_tokens)
-        full = self.tokenizer.decode(self.tokens[self.prefix_offset:], self.skip_special_tokens)
-        self.prefix_offset = self.read_offset = len(self.tokens)
-        return self._append(full[len(prefix):]) if len(full) > len(prefix) else None
+        text = self.tokenizer.decode(self._pending, self.skip_special_tokens)
+        self._pending = []
+        return self._append(text) if text else None
 
     def _append(self, delta: str) -> str | None:
         start = max(0, len(self.output_text) - self.stop_buffer)

@@ -35,6 +35,11 @@ class Tokenizer:
         self.eos_token_id = self._tk.token_to_id(eos) if isinstance(eos, str) else None
         self.vocab_size = self._tk.get_vocab_size(with_added_tokens=True)
 
+    @property
+    def backend(self) -> _HFTokenizer:
+        """The underlying `tokenizers.Tokenizer`."""
+        return self._tk
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self._tk.encode(text, add_special_tokens=add_special_tokens).ids
 
