@@ -24,8 +24,9 @@ from models.layers.norm import RMSNorm
 from models.layers.weights import ReplicatedLoader, attach_loader, new_param
 from models.loader import NameRule
 from moe.moe_block import FusedMoE, MoEBlock
-from moe.pipeline import (IntermediateTensors, PPMissingLayer, first_stage, is_pp_missing_parameter, last_stage,
-                          make_empty_intermediate_tensors_factory, make_layers, tied_lm_head_rules)
+from moe.pipeline import (IntermediateTensors, PPMissingLayer, first_stage, last_stage,
+                          make_empty_intermediate_tensors_factory, make_layers, skip_other_stage_tensor,
+                          tied_lm_head_rules)
 from routing.grouped_topk import grouped_topk
 from routing.router import RouterOutput
 
@@ -235,6 +236,4 @@ class DeepseekV3ForCausalLM(nn.Module):
         tied = self.config.tie_word_embeddings
         if "rotary_emb.inv_freq" in name or (tied and name == "lm_head.weight"):
             return True
-        if tied and name.startswith("model.embed_tokens.") and last_stage():
-            return False  # fills the tied lm_head of a last stage without the embedding
-        return is_pp_missing_parameter(name, self)
+        return skip_other_stage_tensor(name, self, tied)

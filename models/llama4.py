@@ -33,8 +33,9 @@ from models.layers.norm import RMSNorm
 from models.layers.rotary import get_rope
 from models.loader import NameRule
 from moe.moe_block import ExpertWeightLoader, FusedMoE, MoEBlock
-from moe.pipeline import (IntermediateTensors, PPMissingLayer, first_stage, is_pp_missing_parameter, last_stage,
-                          make_empty_intermediate_tensors_factory, make_layers, tied_lm_head_rules)
+from moe.pipeline import (IntermediateTensors, PPMissingLayer, first_stage, last_stage,
+                          make_empty_intermediate_tensors_factory, make_layers, skip_other_stage_tensor,
+                          tied_lm_head_rules)
 from routing.llama4_router import llama4_topk
 
 logger = logging.getLogger("moe.models.llama4")
@@ -306,6 +307,4 @@ class Llama4ForCausalLM(nn.Module):
         tied = self.config.tie_word_embeddings
         if "rotary_emb.inv_freq" in name or (tied and name.endswith("lm_head.weight")):
             return True
-        if tied and name.startswith(f"{self._prefix}model.embed_tokens.") and last_stage():
-            return False  # fills the tied lm_head of a last stage without the embedding
-        return is_pp_missing_parameter(name, self)
+        return skip_other_stage_tensor(name, self, tied, f"{self._prefix}model.embed_tokens")

@@ -172,12 +172,12 @@ class MoEBlock(nn.Module):
 
     def _experts_on_scaled_input(self, x_TD: torch.Tensor, routing: RouterOutput) -> torch.Tensor:
         w_TK, ids_TK = routing.topk_weights_TK, routing.topk_ids_TK
-        T, K = ids_TK.shape
+        (T, K), D = ids_TK.shape, x_TD.shape[1]
         if K == 1:
             x_ND, ids_NK = x_TD * w_TK.to(x_TD.dtype), ids_TK
         else:  # N = T * K rows, token-major: row t * K + k is token t scaled for its k-th expert
-            x_ND = (x_TD[:, None, :] * w_TK.to(x_TD.dtype)[..., None]).reshape(T * K, -1)
+            x_ND = (x_TD[:, None, :] * w_TK.to(x_TD.dtype)[..., None]).reshape(T * K, D)
             ids_NK = ids_TK.reshape(T * K, 1)
         ones_NK = torch.ones(ids_NK.shape, dtype=torch.float32, device=x_TD.device)
         y_ND = self.experts(x_ND, RouterOutput(ones_NK, ids_NK))
-        return y_ND if K == 1 else y_ND.view(T, K, -1).sum(dim=1)
+        return y_ND if K == 1 else y_ND.view(T, K, D).sum(dim=1)

@@ -1,7 +1,8 @@
 """Pipeline parallelism for any model family: which layers a stage builds, placeholders for the
 rest, and the activations that travel between stages.
 
-How a model adopts it (models/qwen3_moe.py is the worked example):
+How a model adopts it (models/qwen3_moe.py is the worked example; models/deepseek_v3.py and
+models/llama4.py do the same, Llama-4 with its `language_model.` prefix for nested checkpoints):
 
 1. Build layers with `make_layers(num_layers, build_fn)`: it returns (start, end, ModuleList)
    where only layers [start, end) of this stage are real and the others are `PPMissingLayer`
@@ -16,9 +17,10 @@ How a model adopts it (models/qwen3_moe.py is the worked example):
 3. `make_empty_intermediate_tensors(num_tokens, dtype, device)`: buffers of the same names
    and shapes, for the receiving side (`make_empty_intermediate_tensors_factory` builds it).
 4. `attention_layers()` returns only this stage's attention layers (its KV cache), and
-   `ignore_checkpoint_name(name)` returns True for `is_pp_missing_parameter(name, self)` so the
-   loader skips the tensors of other stages. With tied embeddings, the last stage's lm_head
-   loads from the embedding tensor (`tied_lm_head_rules`).
+   `ignore_checkpoint_name(name)` ends with `skip_other_stage_tensor(name, self, tied)` (True
+   for `is_pp_missing_parameter(name, self)`) so the loader skips the tensors of other stages.
+   With tied embeddings, the last stage's lm_head loads from the embedding tensor
+   (`tied_lm_head_rules` among the name rules).
 
 5. Set the class attribute `supports_pp = True` (the engine refuses pipeline_parallel_size > 1
    for a model class without it, before starting any process).
@@ -88,6 +90,15 @@ def is_pp_missing_parameter(name: str, model: nn.Module) -> bool:
             return False
         module = child
     return isinstance(module, PPMissingLayer)
+
+
+def skip_other_stage_tensor(name: str, model: nn.Module, tie_word_embeddings: bool,
+                            embed_name: str = "model.embed_tokens") -> bool:
+    """True when checkpoint tensor `name` belongs to another pipeline stage, except the tied
+    embedding on a last stage (it fills that stage's lm_head through `tied_lm_head_rules`)."""
+    if tie_word_embeddings and name.startswith(embed_name + ".") and last_stage():
+        return False
+    return is_pp_missing_parameter(name, model)
 
 
 def tied_lm_head_rules(tie_word_embeddings: bool, embed_name: str = "model.embed_tokens",

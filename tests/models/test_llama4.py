@@ -136,3 +136,34 @@ def test_expert_tensor_in_our_layout_is_rejected(tmp_path, base_model):
     save_file(tensors, file, metadata={"format": "pt"})
     with pytest.raises(ValueError, match=r"experts\.down_proj.*\[4, 64, 32\].*expects \[4, 32, 64\]"):
         LLM(path, dtype="float32", device="cpu")
+
+
+@pytest.mark.parametrize("top_k,num_tokens", [(1, 5), (2, 7), (3, 1), (2, 0)])
+def test_moe_block_router_weight_on_input(top_k, num_tokens):
+    """MoEBlock(apply_router_weight_on_input=True) = sum over the chosen experts of
+    expert_e(w_e * x) (+ the shared expert), for top-1 and top-k > 1, one token and none."""
+    import functools
+
+    import torch.nn.functional as F
+
+    from models.layers.linear import ReplicatedLinear
+    from models.layers.mlp import SwiGLUMLP
+    from moe.moe_block import FusedMoE, MoEBlock
+    from routing.llama4_router import llama4_topk
+
+    torch.manual_seed(top_k)
+    E, D, Fi = 4, 16, 8
+    block = MoEBlock(gate=ReplicatedLinear(D, E), router_fn=functools.partial(llama4_topk, top_k=top_k),
+                     experts=FusedMoE(E, D, Fi), shared_experts=SwiGLUMLP(D, Fi),
+                     apply_router_weight_on_input=True)
+    with torch.no_grad():
+        for p in block.parameters():
+            p.copy_(torch.randn(p.shape) * 0.5)
+    x = torch.randn(num_tokens, D)
+    routing = llama4_topk(block.gate(x), top_k)
+    want = block.shared_experts(x)
+    for t in range(num_tokens):
+        for w, e in zip(routing.topk_weights_TK[t], routing.topk_ids_TK[t].tolist()):
+            gate, up = (block.experts.w13_weight[e] @ (w * x[t])).chunk(2)
+            want[t] += block.experts.w2_weight[e] @ (F.silu(gate) * up)
+    torch.testing.assert_close(block(x), want, atol=1e-5, rtol=1e-5)
