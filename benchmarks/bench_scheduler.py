@@ -47,8 +47,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=None)
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--num-running", type=int, nargs="+", default=[256, 1024])
+    parser.add_argument("--repeats", type=int, default=5,
+                        help="fresh runs per row; the row reports the run with the median median")
     args = parser.parse_args(argv)
-    rows = [bench(n, c, args.steps) for n in args.num_running for c in (False, True)]
+    rows = []
+    for n in args.num_running:
+        for caching in (False, True):
+            runs = sorted((bench(n, caching, args.steps) for _ in range(args.repeats)), key=lambda r: r["median_ms"])
+            rows.append({**runs[len(runs) // 2], "repeats": args.repeats,
+                         "median_ms_of_each_run": [round(r["median_ms"], 4) for r in runs]})
     print(f"{'running':>8} {'prefix cache':>12} {'median ms':>10} {'mean ms':>8} {'p90 ms':>7}")
     for r in rows:
         print(f"{r['num_running']:>8} {str(r['prefix_caching']):>12} {r['median_ms']:>10.3f} {r['mean_ms']:>8.3f} "

@@ -256,9 +256,9 @@ class LLMEngine:
             if child.finish_reason is not None:
                 self._child_to_parent.pop(co.req_id, None)
                 self.metrics.request_success.inc()
-            if parent.finished:
-                finished.append(parent.to_output())
-                del self._parents[parent_id]
+                if parent.finished:
+                    finished.append(parent.to_output())
+                    del self._parents[parent_id]
         self._maybe_log_stats()
         return finished
 

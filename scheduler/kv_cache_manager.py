@@ -49,6 +49,10 @@ class ChunkedLocalBlocks:
         return [0 if b is None else b.block_id for b in self.req_to_blocks.get(request.request_id, [])]
 
 
+# allocate_slots' answer when no group needs a block (shared, never mutated).
+NO_NEW_BLOCKS: tuple = ()
+
+
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool,
                  groups: list[KVCacheGroup] | None = None) -> None:
@@ -104,7 +108,8 @@ class KVCacheManager:
     def allocate_slots(self, request: Request, num_new_tokens: int,
                        new_computed_blocks: list[KVBlock] | None = None) -> list[list[KVBlock]] | None:
         """Blocks for `num_new_tokens` more tokens after the computed ones, one list per group
-        (group 0 first); None if a pool cannot supply them (nothing is changed then)."""
+        (group 0 first), or NO_NEW_BLOCKS when none is needed; None if a pool cannot supply
+        them (nothing is changed then)."""
         req_id = request.request_id
         blocks = self.req_to_blocks.get(req_id)
         if blocks is None:
@@ -114,7 +119,9 @@ class KVCacheManager:
         num_computed = request.num_computed_tokens + num_hit * self.block_size
         total_tokens = num_computed + num_new_tokens
         needed = -(-total_tokens // self.block_size) - len(blocks) - num_hit
-        if needed > 0 or num_hit or self.chunked:
+        # The common decode step: the last block still has room, no hit, no chunked group.
+        fast = needed <= 0 and not num_hit and not self.chunked
+        if not fast:
             # Hits that sit in the free queue stop being free once touched.
             evictable_hits = sum(1 for b in new_computed_blocks if b.ref_cnt == 0) if num_hit else 0
             if needed > self.pool.num_free_blocks - evictable_hits or not all(
@@ -122,21 +129,20 @@ class KVCacheManager:
                 if not blocks:
                     del self.req_to_blocks[req_id], self._num_cached_blocks[req_id]
                 return None
-        if needed <= 0 and not num_hit:
-            new_blocks = []  # the common decode step: the last block still has room
-        else:
             if num_hit:
                 self.pool.touch(new_computed_blocks)
                 blocks.extend(new_computed_blocks)
             new_blocks = self.pool.get_new_blocks(max(needed, 0)) or []
             blocks.extend(new_blocks)
-        if self.enable_caching:
-            # Only tokens known now can be hashed: a decode step's KV slot is for a known token.
-            num_full = min(total_tokens, request.num_tokens) // self.block_size
+        # Register blocks that this step fills in the prefix cache (their tokens are all known:
+        # total_tokens never exceeds the request's tokens). In the fast path only a step ending
+        # exactly on a block boundary fills one.
+        if self.enable_caching and (not fast or total_tokens % self.block_size == 0):
+            num_full = total_tokens // self.block_size
             if num_full > self._num_cached_blocks[req_id]:
                 self._cache_full_blocks(request, blocks, num_full)
-        if not self.chunked:
-            return [new_blocks]
+        if fast:
+            return NO_NEW_BLOCKS
         return [new_blocks] + [g.allocate(request, num_computed, total_tokens) for g in self.chunked]
 
     def _cache_full_blocks(self, request: Request, blocks: list[KVBlock], num_full: int) -> None:

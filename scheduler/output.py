@@ -47,7 +47,7 @@ class SchedulerOutput:
         return self.total_num_scheduled_tokens == 0
 
 
-@dataclass
+@dataclass(slots=True)
 class EngineCoreOutput:
     """New tokens of one request after a step, with its finish state."""
     req_id: str

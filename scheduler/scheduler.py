@@ -119,6 +119,10 @@ class Scheduler:
         preempted: set[str] = set()
 
         # Running requests first (decodes and unfinished prefill chunks), in arrival order.
+        # The hot loop of a large decode batch: names bound locally, cached requests recorded inline.
+        allocate, runner_knows = self.kv.allocate_slots, self._runner_knows
+        cached_ids, cached_blocks, cached_computed = (cached_reqs.req_ids, cached_reqs.new_block_ids,
+                                                      cached_reqs.num_computed_tokens)
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
@@ -127,7 +131,7 @@ class Scheduler:
                 i += 1
                 continue
             while True:
-                new_blocks = self.kv.allocate_slots(request, num_new)
+                new_blocks = allocate(request, num_new)
                 if new_blocks is not None:
                     break
                 victim = self.running.pop()  # the most recently arrived running request
@@ -137,9 +141,17 @@ class Scheduler:
                     break
             if new_blocks is None:
                 break
-            num_scheduled[request.request_id] = num_new
+            req_id = request.request_id
+            num_scheduled[req_id] = num_new
             budget -= num_new
-            self._record(request, new_blocks, num_new, new_reqs, cached_reqs)
+            if req_id in runner_knows:
+                cached_ids.append(req_id)
+                # Per group; the common decode step adds no block anywhere and sends ().
+                cached_blocks.append([[b.block_id for b in g] for g in new_blocks] if any(new_blocks) else ())
+                cached_computed.append(request.num_computed_tokens)
+                request.num_computed_tokens += num_new
+            else:
+                self._record(request, new_blocks, num_new, new_reqs, cached_reqs)
             i += 1
 
         # Then waiting requests in arrival order (preempted ones were put back at the front),
@@ -222,7 +234,7 @@ class Scheduler:
             outputs.append(EngineCoreOutput(
                 req_id, appended, logprobs.get(req_id) if logprobs else None,
                 None if status is None else request.finish_reason.value,
-                request.stop_reason, max(request.num_cached_tokens, 0)))
+                request.stop_reason, request.num_cached_tokens))
         return outputs
 
     def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
