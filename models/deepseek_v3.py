@@ -16,7 +16,8 @@ from torch import nn
 from kernels.attention import AttentionMetadata
 from models.config import ModelConfig, hf_get
 from models.fp8 import Fp8BlockConfig, attach_fp8_scales
-from models.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from models.layers.decoder import DecoderStack, PreNormDecoderLayer
+from models.layers.embedding import ParallelLMHead
 from models.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from models.layers.mla_attention import MLAAttention, MLAConfig
 from models.layers.mlp import SwiGLUMLP
@@ -24,8 +25,7 @@ from models.layers.norm import RMSNorm
 from models.layers.weights import ReplicatedLoader, attach_loader, new_param
 from models.loader import NameRule
 from moe.moe_block import FusedMoE, MoEBlock
-from moe.pipeline import (IntermediateTensors, PPMissingLayer, first_stage, last_stage,
-                          make_empty_intermediate_tensors_factory, make_layers, skip_other_stage_tensor,
+from moe.pipeline import (IntermediateTensors, PPMissingLayer, first_stage, last_stage, skip_other_stage_tensor,
                           tied_lm_head_rules)
 from routing.grouped_topk import grouped_topk
 from routing.router import RouterOutput
@@ -119,7 +119,7 @@ class DeepseekV3Gate(nn.Module):
         return self._route(logits_TE, e_score_correction_bias_E=self.e_score_correction_bias)
 
 
-class DeepseekV3DecoderLayer(nn.Module):
+class DeepseekV3DecoderLayer(PreNormDecoderLayer):
     def __init__(self, cfg: DeepseekV3Config, layer_idx: int, attn_mode: str = "auto") -> None:
         super().__init__()
         self.self_attn = MLAAttention(cfg.mla(), attn_mode)
@@ -135,44 +135,10 @@ class DeepseekV3DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, positions, x, residual, meta):
-        if residual is None:
-            residual, x = x, self.input_layernorm(x)
-        else:
-            x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(positions, x, meta)
-        x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x), residual
-
-
-class DeepseekV3Model(nn.Module):
-    """Pipeline-parallel aware (moe/pipeline.py): this stage's layers, embedding on the first
-    stage, final norm on the last."""
-
+class DeepseekV3Model(DecoderStack):
     def __init__(self, cfg: DeepseekV3Config, attn_mode: str = "auto") -> None:
-        super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size) if first_stage() \
-            else PPMissingLayer()
-        self.start_layer, self.end_layer, self.layers = make_layers(
-            cfg.num_hidden_layers, lambda i: DeepseekV3DecoderLayer(cfg, i, attn_mode))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if last_stage() else PPMissingLayer()
-        self.make_empty_intermediate_tensors = make_empty_intermediate_tensors_factory(
-            ["hidden_states", "residual"], cfg.hidden_size)
-
-    def stage_layers(self) -> list[DeepseekV3DecoderLayer]:
-        return list(self.layers[self.start_layer:self.end_layer])
-
-    def forward(self, input_ids, positions, meta, intermediate_tensors: IntermediateTensors | None = None):
-        if intermediate_tensors is None:
-            x, residual = self.embed_tokens(input_ids), None
-        else:
-            x, residual = intermediate_tensors["hidden_states"], intermediate_tensors["residual"]
-        for layer in self.stage_layers():
-            x, residual = layer(positions, x, residual, meta)
-        if not last_stage():
-            return IntermediateTensors({"hidden_states": x, "residual": residual})
-        x, _ = self.norm(x, residual)
-        return x
+        super().__init__(cfg.vocab_size, cfg.hidden_size, cfg.num_hidden_layers, cfg.rms_norm_eps,
+                         lambda i: DeepseekV3DecoderLayer(cfg, i, attn_mode))
 
 
 def _fp8_params(module_name: str, module: nn.Module) -> list[str]:

@@ -26,15 +26,15 @@ from torch import nn
 from kernels.attention import AttentionMetadata
 from models.config import ModelConfig, hf_get
 from models.layers.attention import Attention
-from models.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from models.layers.decoder import DecoderStack, PreNormDecoderLayer
+from models.layers.embedding import ParallelLMHead
 from models.layers.linear import QKVParallelLinear, ReplicatedLinear, RowParallelLinear
 from models.layers.mlp import SwiGLUMLP
 from models.layers.norm import RMSNorm
 from models.layers.rotary import get_rope
 from models.loader import NameRule
 from moe.moe_block import ExpertWeightLoader, FusedMoE, MoEBlock
-from moe.pipeline import (IntermediateTensors, PPMissingLayer, first_stage, last_stage,
-                          make_empty_intermediate_tensors_factory, make_layers, skip_other_stage_tensor,
+from moe.pipeline import (IntermediateTensors, PPMissingLayer, first_stage, last_stage, skip_other_stage_tensor,
                           tied_lm_head_rules)
 from routing.llama4_router import llama4_topk
 
@@ -172,7 +172,9 @@ class Llama4Attention(nn.Module):
         return self.o_proj(self.attn(q.reshape(T, -1), k.reshape(T, -1), v, meta))
 
 
-class Llama4DecoderLayer(nn.Module):
+class Llama4DecoderLayer(PreNormDecoderLayer):
+    ffn_name = "feed_forward"  # the checkpoint's name
+
     def __init__(self, cfg: Llama4TextConfig, layer_idx: int, rotary_emb: nn.Module) -> None:
         super().__init__()
         self.self_attn = Llama4Attention(cfg, layer_idx, rotary_emb)
@@ -191,47 +193,14 @@ class Llama4DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, positions, x, residual, meta):
-        if residual is None:
-            residual, x = x, self.input_layernorm(x)
-        else:
-            x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(positions, x, meta)
-        x, residual = self.post_attention_layernorm(x, residual)
-        return self.feed_forward(x), residual
-
-
-class Llama4TextModel(nn.Module):
-    """Pipeline-parallel aware (moe/pipeline.py): this stage's layers, embedding on the first
-    stage, final norm on the last."""
-
+class Llama4TextModel(DecoderStack):
     def __init__(self, cfg: Llama4TextConfig) -> None:
-        super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size) if first_stage() \
-            else PPMissingLayer()
-        # Interleaved (complex-pair) RoPE, as transformers' apply_rotary_emb (view_as_complex).
+        # One RoPE table for every RoPE layer. Interleaved (complex-pair) RoPE, as transformers'
+        # apply_rotary_emb (view_as_complex).
         rotary = get_rope(cfg.head_dim, cfg.rope_max_position, cfg.rope, is_neox_style=False) \
             if any(cfg.uses_rope(i) for i in range(cfg.num_hidden_layers)) else None
-        self.start_layer, self.end_layer, self.layers = make_layers(
-            cfg.num_hidden_layers, lambda i: Llama4DecoderLayer(cfg, i, rotary))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if last_stage() else PPMissingLayer()
-        self.make_empty_intermediate_tensors = make_empty_intermediate_tensors_factory(
-            ["hidden_states", "residual"], cfg.hidden_size)
-
-    def stage_layers(self) -> list[Llama4DecoderLayer]:
-        return list(self.layers[self.start_layer:self.end_layer])
-
-    def forward(self, input_ids, positions, meta, intermediate_tensors: IntermediateTensors | None = None):
-        if intermediate_tensors is None:
-            x, residual = self.embed_tokens(input_ids), None
-        else:
-            x, residual = intermediate_tensors["hidden_states"], intermediate_tensors["residual"]
-        for layer in self.stage_layers():
-            x, residual = layer(positions, x, residual, meta)
-        if not last_stage():
-            return IntermediateTensors({"hidden_states": x, "residual": residual})
-        x, _ = self.norm(x, residual)
-        return x
+        super().__init__(cfg.vocab_size, cfg.hidden_size, cfg.num_hidden_layers, cfg.rms_norm_eps,
+                         lambda i: Llama4DecoderLayer(cfg, i, rotary))
 
 
 class _LanguageModel(nn.Module):

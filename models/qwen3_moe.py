@@ -12,15 +12,15 @@ from torch import nn
 from kernels.attention import AttentionMetadata
 from models.config import ModelConfig, hf_get
 from models.layers.attention import Attention
-from models.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from models.layers.decoder import DecoderStack, PreNormDecoderLayer
+from models.layers.embedding import ParallelLMHead
 from models.layers.linear import QKVParallelLinear, ReplicatedLinear, RowParallelLinear
 from models.layers.mlp import SwiGLUMLP
 from models.layers.norm import RMSNorm
 from models.layers.rotary import get_rope
 from models.loader import NameRule
 from moe.moe_block import FusedMoE, MoEBlock
-from moe.pipeline import (IntermediateTensors, PPMissingLayer, first_stage, last_stage,
-                          make_empty_intermediate_tensors_factory, make_layers, skip_other_stage_tensor,
+from moe.pipeline import (IntermediateTensors, PPMissingLayer, first_stage, last_stage, skip_other_stage_tensor,
                           tied_lm_head_rules)
 from routing import softmax_topk
 
@@ -75,7 +75,7 @@ class Qwen3MoeAttention(nn.Module):
         return self.o_proj(self.attn(q.reshape(T, -1), k.reshape(T, -1), v, meta))
 
 
-class Qwen3MoeDecoderLayer(nn.Module):
+class Qwen3MoeDecoderLayer(PreNormDecoderLayer):
     def __init__(self, cfg: Qwen3MoeConfig, layer_idx: int) -> None:
         super().__init__()
         self.self_attn = Qwen3MoeAttention(cfg)
@@ -91,41 +91,10 @@ class Qwen3MoeDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, positions, x, residual, meta):
-        if residual is None:
-            residual, x = x, self.input_layernorm(x)
-        else:
-            x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(positions, x, meta)
-        x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x), residual
-
-
-class Qwen3MoeModel(nn.Module):
-    """Pipeline-parallel aware (moe/pipeline.py): this stage's layers, embedding on the first
-    stage, final norm on the last."""
-
+class Qwen3MoeModel(DecoderStack):
     def __init__(self, cfg: Qwen3MoeConfig) -> None:
-        super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size) if first_stage() \
-            else PPMissingLayer()
-        self.start_layer, self.end_layer, self.layers = make_layers(
-            cfg.num_hidden_layers, lambda i: Qwen3MoeDecoderLayer(cfg, i))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if last_stage() else PPMissingLayer()
-        self.make_empty_intermediate_tensors = make_empty_intermediate_tensors_factory(
-            ["hidden_states", "residual"], cfg.hidden_size)
-
-    def forward(self, input_ids, positions, meta, intermediate_tensors: IntermediateTensors | None = None):
-        if intermediate_tensors is None:
-            x, residual = self.embed_tokens(input_ids), None
-        else:
-            x, residual = intermediate_tensors["hidden_states"], intermediate_tensors["residual"]
-        for layer in self.layers[self.start_layer:self.end_layer]:
-            x, residual = layer(positions, x, residual, meta)
-        if not last_stage():
-            return IntermediateTensors({"hidden_states": x, "residual": residual})
-        x, _ = self.norm(x, residual)
-        return x
+        super().__init__(cfg.vocab_size, cfg.hidden_size, cfg.num_hidden_layers, cfg.rms_norm_eps,
+                         lambda i: Qwen3MoeDecoderLayer(cfg, i))
 
 
 class Qwen3MoeForCausalLM(nn.Module):

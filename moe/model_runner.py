@@ -24,7 +24,6 @@ from moe.distributed import get_parallel_state, pp_recv, pp_send
 from moe.sampler import SamplingBatch, sample
 from moe.sampling_params import SamplingParams
 from scheduler import KVCacheGroup, SchedulerOutput
-from scheduler.kv_cache_spec import group_keys
 
 logger = logging.getLogger("moe.runner")
 

@@ -45,7 +45,7 @@ import torch.multiprocessing as mp
 
 from models.config import ModelConfig
 from moe.config import EngineArgs
-from moe.distributed import (ParallelLayout, collective_timeout, get_parallel_state, init_parallel_state,
+from moe.distributed import (ParallelLayout, collective_timeout, init_parallel_state,
                              reset_parallel_state)
 from moe.executor import Executor
 from moe.model_runner import ModelRunnerOutput

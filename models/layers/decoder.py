@@ -1,0 +1,63 @@
+"""The skeleton every family shares: a pre-norm decoder layer and the pipeline-aware stack
+(embedding on the first stage, this stage's layers, final norm on the last; moe/pipeline.py).
+
+The residual travels beside the hidden states so that each add fuses into the next RMSNorm.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+from torch import nn
+
+from models.layers.embedding import VocabParallelEmbedding
+from models.layers.norm import RMSNorm
+from moe.pipeline import (IntermediateTensors, PPMissingLayer, first_stage, last_stage,
+                          make_empty_intermediate_tensors_factory, make_layers)
+
+
+class PreNormDecoderLayer(nn.Module):
+    """x -> x + self_attn(norm(x)) -> x + feed-forward(norm(x)).
+
+    Subclasses set `self_attn`, `input_layernorm`, `post_attention_layernorm` and the
+    feed-forward under its checkpoint name, which `ffn_name` gives ("mlp" unless overridden).
+    """
+
+    ffn_name = "mlp"
+
+    def forward(self, positions, x, residual, meta):
+        if residual is None:
+            residual, x = x, self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(positions, x, meta)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return getattr(self, self.ffn_name)(x), residual
+
+
+class DecoderStack(nn.Module):
+    """embed_tokens -> layers -> norm, holding only this pipeline stage's part."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, num_layers: int, rms_norm_eps: float,
+                 make_layer: Callable[[int], nn.Module]) -> None:
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(vocab_size, hidden_size) if first_stage() else PPMissingLayer()
+        self.start_layer, self.end_layer, self.layers = make_layers(num_layers, make_layer)
+        self.norm = RMSNorm(hidden_size, rms_norm_eps) if last_stage() else PPMissingLayer()
+        self.make_empty_intermediate_tensors = make_empty_intermediate_tensors_factory(
+            ["hidden_states", "residual"], hidden_size)
+
+    def stage_layers(self) -> list[nn.Module]:
+        return list(self.layers[self.start_layer:self.end_layer])
+
+    def forward(self, input_ids, positions, meta, intermediate_tensors: IntermediateTensors | None = None):
+        """Final hidden states [T, D] on the last stage, else IntermediateTensors for the next."""
+        if intermediate_tensors is None:
+            x, residual = self.embed_tokens(input_ids), None
+        else:
+            x, residual = intermediate_tensors["hidden_states"], intermediate_tensors["residual"]
+        for layer in self.stage_layers():
+            x, residual = layer(positions, x, residual, meta)
+        if not last_stage():
+            return IntermediateTensors({"hidden_states": x, "residual": residual})
+        x, _ = self.norm(x, residual)
+        return x
