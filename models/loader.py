@@ -101,10 +101,13 @@ def load_weights(model: torch.nn.Module, model_dir: str, progress: bool = True) 
             raise ValueError(f"unexpected tensor {name!r} in {os.path.basename(path)}: the "
                              f"{type(model).__name__} model has no parameter for it")
         want = param.param_loader.ckpt_shape(shard, expert)
-        tensor = f.get_tensor(name)
-        if tuple(tensor.shape) != tuple(want):
-            raise ValueError(f"tensor {name!r} in {os.path.basename(path)} has shape {_fmt(tensor.shape)}, "
+        shape = tuple(f.get_slice(name).get_shape())  # the header only: no data read yet
+        if shape != tuple(want):
+            raise ValueError(f"tensor {name!r} in {os.path.basename(path)} has shape {_fmt(shape)}, "
                              f"but the model expects {_fmt(want)}")
+        if not param.param_loader.wants(shard, expert):
+            continue
+        tensor = f.get_tensor(name)
         loaded[pname].update(param.param_loader.load(param, tensor.to(param.dtype), shard, expert))
     missing = []
     for pname, param in params.items():

@@ -20,6 +20,11 @@ class ParamLoader:
     def pieces(self) -> list[Piece]:
         return [(None, None)]
 
+    def wants(self, shard_id, expert_id) -> bool:
+        """False when this rank keeps nothing of that checkpoint tensor (e.g. another expert-
+        parallel rank's expert): the loader then skips reading it from disk."""
+        return True
+
     def ckpt_shape(self, shard_id, expert_id) -> tuple[int, ...]:
         raise NotImplementedError
 
