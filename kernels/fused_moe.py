@@ -1,12 +1,21 @@
 """The expert-layer seam: one call that every MoE block goes through, whatever the backend.
 
-Legend: T tokens, D hidden, E experts held here, F expert intermediate size, K top-k.
+Weights come unquantised (the activation dtype) or as FP8 e4m3 with block scales (DeepSeek-V3
+`weight_scale_inv`: dequantised weight = fp8 * scale, one scale per bn x bk block).
+
+Legend: T tokens, D hidden, E experts held here, F expert intermediate size, K top-k;
+block_shape = (bn, bk): bn rows (output dim) x bk columns (input dim) per scale.
 """
 from __future__ import annotations
+
+import math
 
 import torch
 
 from kernels.reference import fused_experts_torch
+
+FP8_DTYPE = torch.float8_e4m3fn
+DEFAULT_BLOCK_SHAPE = (128, 128)
 
 _BACKENDS = ("torch", "triton")
 
@@ -46,6 +55,37 @@ def _check_shapes(x_TD, w13_EFD, w2_EDF, topk_weights_TK, topk_ids_TK, expert_ma
         raise ValueError(f"expert_map must be 1-D [num_global_experts], got {tuple(expert_map_E.shape)}")
 
 
+def _check_fp8(w13_EFD, w2_EDF, w13_scale, w2_scale, block_shape) -> tuple[int, int] | None:
+    """FP8 weights need both scale grids, in fp32, of exactly the block grid's shape.
+    Returns the block shape as a tuple, or None when the weights are not FP8."""
+    if (w13_scale is None) != (w2_scale is None):
+        raise ValueError("FP8 experts need both w13_scale and w2_scale (got only one)")
+    if w13_scale is None:
+        if w13_EFD.dtype == FP8_DTYPE or w2_EDF.dtype == FP8_DTYPE:
+            raise ValueError("w13/w2 are float8_e4m3fn but no w13_scale/w2_scale were given")
+        if block_shape is not None:
+            raise ValueError("block_shape is only meaningful with FP8 weights and their scales")
+        return None
+    block = tuple(DEFAULT_BLOCK_SHAPE if block_shape is None else block_shape)
+    if len(block) != 2 or min(block) < 1:
+        raise ValueError(f"block_shape must be (bn, bk) of positive ints, got {block_shape}")
+    bn, bk = block
+    for name, w in (("w13", w13_EFD), ("w2", w2_EDF)):
+        if w.dtype != FP8_DTYPE:
+            raise ValueError(f"with scales, {name} must be float8_e4m3fn, got {w.dtype}")
+    E, F2, D = w13_EFD.shape
+    F = F2 // 2
+    want13 = (E, math.ceil(F2 / bn), math.ceil(D / bk))
+    want2 = (E, math.ceil(D / bn), math.ceil(F / bk))
+    for name, s, want in (("w13_scale", w13_scale, want13), ("w2_scale", w2_scale, want2)):
+        if s.dtype != torch.float32:
+            raise ValueError(f"{name} must be float32, got {s.dtype}")
+        if tuple(s.shape) != want:
+            raise ValueError(f"{name} must be {list(want)} for block_shape {block}, got shape "
+                             f"{tuple(s.shape)}")
+    return block
+
+
 def fused_experts(
     hidden_states: torch.Tensor,
     w13: torch.Tensor,
@@ -54,6 +94,9 @@ def fused_experts(
     topk_ids: torch.Tensor,
     expert_map: torch.Tensor | None = None,
     backend: str | None = None,
+    w13_scale: torch.Tensor | None = None,
+    w2_scale: torch.Tensor | None = None,
+    block_shape: tuple[int, int] | None = None,
 ) -> torch.Tensor:
     """Run the routed experts of one MoE layer and sum their weighted outputs.
 
@@ -66,15 +109,30 @@ def fused_experts(
         expert_map: optional [E_global] int tensor mapping global ids to local ids, -1 meaning the
             expert is not on this rank (that slot contributes zero).
         backend: "torch", "triton", or None for the best one available on the tensors' device.
+        w13_scale, w2_scale: FP8 mode (both or neither). w13/w2 are then float8_e4m3fn and the
+            scales fp32 [E, ceil(2F/bn), ceil(D/bk)] and [E, ceil(D/bn), ceil(F/bk)] (the grids
+            of the stacked [2F, D] and of [D, F]). "triton" runs the FP8 kernel (activations
+            quantised per token and bk columns); "torch" dequantises every expert to the
+            activation dtype on each call, then runs the reference (slow: tests, CPU).
+        block_shape: (bn, bk) of the scales, default (128, 128); FP8 mode only.
     Returns:
         [T, D] in the dtype of `hidden_states`.
     """
     _check_shapes(hidden_states, w13, w2, topk_weights, topk_ids, expert_map)
+    block = _check_fp8(w13, w2, w13_scale, w2_scale, block_shape)
     if backend is None:
         backend = "triton" if _triton_usable(hidden_states) else "torch"
     if backend == "torch":
+        if block is not None:
+            from kernels.reference_fp8 import fused_experts_fp8_torch
+            return fused_experts_fp8_torch(hidden_states, w13, w2, w13_scale, w2_scale, topk_weights,
+                                           topk_ids, expert_map, block)
         return fused_experts_torch(hidden_states, w13, w2, topk_weights, topk_ids, expert_map)
     if backend == "triton":
+        if block is not None:
+            from kernels.triton_moe import fused_experts_triton_fp8
+            return fused_experts_triton_fp8(hidden_states, w13, w2, w13_scale, w2_scale, topk_weights,
+                                            topk_ids, expert_map, block)
         from kernels.triton_moe import fused_experts_triton
         return fused_experts_triton(hidden_states, w13, w2, topk_weights, topk_ids, expert_map)
     raise ValueError(f"unknown fused_experts backend {backend!r}; choose one of {_BACKENDS} or None")

@@ -2,7 +2,8 @@
 cached, YaRN with mscale^2 in the softmax scale, interleaved RoPE), sigmoid group-limited top-k
 routing with a selection-only correction bias, shared experts beside the routed ones, the first
 `first_k_dense_replace` layers dense, FP8 128x128 block-quantised hub weights (dequantised at
-load), multi-token-prediction layers of the checkpoint ignored."""
+load, except the routed experts where the engine keeps them FP8: `Fp8BlockConfig.keep_experts`),
+multi-token-prediction layers of the checkpoint ignored."""
 from __future__ import annotations
 
 import functools
@@ -119,6 +120,15 @@ class DeepseekV3Gate(nn.Module):
         return self._route(logits_TE, e_score_correction_bias_E=self.e_score_correction_bias)
 
 
+def _fp8_experts_block(cfg: DeepseekV3Config, layer_idx: int) -> tuple[int, int] | None:
+    """The scale block when this layer's routed experts stay FP8 (the engine chose so and the
+    checkpoint quantised them), else None."""
+    fp8 = cfg.fp8
+    if fp8 is None or not fp8.keep_experts or fp8.skips(f"model.layers.{layer_idx}.mlp.experts"):
+        return None
+    return fp8.block
+
+
 class DeepseekV3DecoderLayer(PreNormDecoderLayer):
     def __init__(self, cfg: DeepseekV3Config, layer_idx: int, attn_mode: str = "auto") -> None:
         super().__init__()
@@ -127,9 +137,9 @@ class DeepseekV3DecoderLayer(PreNormDecoderLayer):
             gate = DeepseekV3Gate(cfg)
             shared = (SwiGLUMLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts)
                       if cfg.n_shared_experts else None)
-            self.mlp = MoEBlock(gate=gate, router_fn=gate.route,
-                                experts=FusedMoE(cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size),
-                                shared_experts=shared)
+            experts = FusedMoE(cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size,
+                               fp8_block=_fp8_experts_block(cfg, layer_idx))
+            self.mlp = MoEBlock(gate=gate, router_fn=gate.route, experts=experts, shared_experts=shared)
         else:
             self.mlp = SwiGLUMLP(cfg.hidden_size, cfg.intermediate_size)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -142,10 +152,11 @@ class DeepseekV3Model(DecoderStack):
 
 
 def _fp8_params(module_name: str, module: nn.Module) -> list[str]:
-    """Weights the hub checkpoint stores in FP8: every linear and the routed experts (not the
-    embedding, lm_head, norms or router gate)."""
+    """Weights the hub checkpoint stores in FP8 and that are dequantised at load: every linear
+    and the routed experts, unless they stay FP8 and own their scales (not the embedding,
+    lm_head, norms or router gate)."""
     if isinstance(module, FusedMoE):
-        return ["w13_weight", "w2_weight"]
+        return [] if module.fp8_block is not None else ["w13_weight", "w2_weight"]
     if isinstance(module, (ReplicatedLinear, ColumnParallelLinear, RowParallelLinear)):
         return ["weight"]
     return []
@@ -154,6 +165,7 @@ def _fp8_params(module_name: str, module: nn.Module) -> list[str]:
 class DeepseekV3ForCausalLM(nn.Module):
     config_class = DeepseekV3Config
     supports_pp = True  # builds only its pipeline stage (moe/pipeline.py)
+    supports_fp8_experts = True  # routed experts can stay FP8 (models/fp8.resolve_fp8_experts)
 
     def __init__(self, cfg: DeepseekV3Config, attn_mode: str = "auto") -> None:
         super().__init__()

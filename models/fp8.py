@@ -1,4 +1,5 @@
-"""FP8 (e4m3) block-quantised checkpoints (DeepSeek-V3 hub weights): dequantised at load, on the CPU.
+"""FP8 (e4m3) block-quantised checkpoints (DeepSeek-V3 hub weights): dequantised at load, on the
+CPU, except the routed experts when the engine keeps them FP8 (`resolve_fp8_experts`).
 
 A quantised linear weight `X.weight` [out, in] (float8_e4m3fn) comes with `X.weight_scale_inv`
 [ceil(out / bo), ceil(in / bi)] fp32 (bo x bi = `weight_block_size`, 128 x 128); the real
@@ -9,11 +10,14 @@ parameter gets a companion fp32 parameter `<weight name>_scale_inv` (same pieces
 checkpoint's scales, flat, piece after piece) and the two loaders meet in a shared `_Pairing`:
 whichever of weight and scale arrives second triggers the dequantisation, which feeds the
 weight's own ParamLoader (TP/EP slicing unchanged). A weight whose scale never arrives is
-reported missing by its scale's name. An FP8 expert path on the GPU can later keep the fp8
-weight and read these scales instead (see `Fp8BlockConfig`).
+reported missing by its scale's name.
+
+FP8 routed experts: where `Fp8BlockConfig.keep_experts` is set, the model's FusedMoE layers keep
+the fp8 weights and own their scales (moe/moe_block.py), and the Triton FP8 kernel reads them.
 """
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass, field
 from typing import Callable
@@ -23,7 +27,12 @@ from torch import nn
 
 from models.layers.weights import ParamLoader, attach_loader, new_param
 
+logger = logging.getLogger("moe.fp8")
+
 FP8_E4M3_MAX = 448.0
+# EngineArgs.quantization: None = auto (from the checkpoint and the device), "fp8" = keep the
+# routed experts FP8 wherever the model runs, "none" = dequantise every FP8 weight at load.
+QUANTIZATION_CHOICES = (None, "fp8", "none")
 
 
 @dataclass
@@ -32,6 +41,9 @@ class Fp8BlockConfig:
     block: tuple[int, int] = (128, 128)
     # Module-name substrings left unquantised (`modules_to_not_convert` / `ignored_layers`).
     ignored: list[str] = field(default_factory=list)
+    # Not from config.json: the engine's choice (resolve_fp8_experts) to keep the routed experts
+    # in FP8 instead of dequantising them at load.
+    keep_experts: bool = False
 
     @classmethod
     def from_hf(cls, cfg: dict) -> "Fp8BlockConfig | None":
@@ -53,6 +65,42 @@ class Fp8BlockConfig:
 
     def skips(self, module_name: str) -> bool:
         return any(pat in module_name for pat in self.ignored)
+
+
+def resolve_fp8_experts(fp8: Fp8BlockConfig | None, quantization: str | None, device: torch.device,
+                        moe_backend: str | None, load_format: str, supported: bool) -> bool:
+    """Keep the routed experts FP8? (`supported`: the model class can, `supports_fp8_experts`.)
+
+    quantization=None (auto): yes for a 128x128 block FP8 checkpoint on CUDA with the Triton
+    backend available and not overridden (moe_backend None or "triton"); the torch backend would
+    dequantise every expert at every step. "fp8": yes wherever it runs (on the CPU or with
+    moe_backend="torch" the expert layer dequantises per call: slow, for tests); the checkpoint
+    must be block-FP8. "none": never. load_format="dummy" always dequantises (random fp8 weights
+    cannot be drawn in place).
+    """
+    if quantization not in QUANTIZATION_CHOICES:
+        raise ValueError(f"quantization must be one of {QUANTIZATION_CHOICES}, got {quantization!r}")
+    if quantization == "fp8" and (fp8 is None or not supported):
+        raise ValueError("quantization='fp8' needs a block-FP8 checkpoint (config.json quantization_config "
+                         "with quant_method 'fp8' and weight_block_size) of a model with FP8 experts "
+                         "(DeepseekV3ForCausalLM); online quantisation is not supported")
+    if fp8 is None or not supported or quantization == "none":
+        return False
+    if load_format == "dummy":
+        logger.info("FP8 checkpoint with load_format='dummy': routed experts use dequantised random weights")
+        return False
+    if quantization == "fp8":
+        return True
+    if fp8.block != (128, 128):
+        logger.info("FP8 block %s is not 128x128: routed experts are dequantised at load", fp8.block)
+        return False
+    from kernels import available_backends
+    if device.type != "cuda" or "triton" not in available_backends(device) or moe_backend not in (None, "triton"):
+        logger.info("FP8 checkpoint: routed experts are dequantised at load (FP8 experts need CUDA and "
+                    "the Triton backend; device=%s, moe_backend=%s)", device, moe_backend)
+        return False
+    logger.info("FP8 checkpoint: routed experts stay FP8 (Triton FP8 kernel); other weights are dequantised")
+    return True
 
 
 def scale_shape(weight_shape: tuple[int, ...], block: tuple[int, int]) -> tuple[int, ...]:

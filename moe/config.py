@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
+from models.fp8 import QUANTIZATION_CHOICES as QUANTIZATIONS  # None (auto) | "fp8" | "none"
+
 DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
           "float16": torch.float16, "half": torch.float16}
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
@@ -19,6 +21,18 @@ DISTRIBUTED_EXECUTOR_BACKENDS = (None, "uni", "mp", "external_launcher")
 
 @dataclass
 class EngineArgs:
+    """Engine arguments (vLLM's names; README "Engine arguments" has the full table).
+
+    quantization: how an FP8 block-quantised checkpoint (config.json `quantization_config`,
+    quant_method "fp8", `weight_block_size`) is served. None (auto): the routed experts stay
+    FP8 and run the Triton FP8 kernel when the device is CUDA, Triton is available and
+    moe_backend is None or "triton"; every other FP8 weight (attention, dense MLPs, shared
+    experts), and everything elsewhere, is dequantised at load on the CPU. "fp8": keep the routed
+    experts FP8 wherever the engine runs (on the CPU, or with moe_backend="torch", the expert
+    layer dequantises on every call: slow, for tests); an error for a checkpoint that is not
+    block-FP8. "none": dequantise every FP8 weight at load. Unquantised checkpoints ignore it.
+    """
+
     model: str
     tokenizer: str | None = None
     dtype: str = "auto"
@@ -43,6 +57,7 @@ class EngineArgs:
     expert_placement_strategy: str = "linear"
     distributed_executor_backend: str | None = None
     moe_backend: str | None = None
+    quantization: str | None = None
     trust_remote_code: bool = False  # accepted for vLLM compatibility; nothing remote is ever run
     enforce_eager: bool = False
 
@@ -86,6 +101,8 @@ class EngineArgs:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
             raise ValueError(f"num_gpu_blocks_override must be >= 1, got {self.num_gpu_blocks_override}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
 

@@ -11,10 +11,20 @@ dispatch -> local experts -> combine over the EP group, and an all-gather over T
 full [T, D]. Every rank of the EP group calls dispatch and combine in every MoE layer, also with
 zero rows (a DP replica without work runs a dummy batch, see moe/model_runner.py).
 
-Legend: T tokens, D hidden, E experts, F expert intermediate size, K top-k.
+FP8 experts (`fp8_block` given): the weights stay float8_e4m3fn with their block scales
+(`*_weight_scale_inv`, the checkpoint's own) and the kernel dequantises on the fly. A checkpoint
+stores gate and up as separate [F, D] tensors with their own scale grids; stacked into w13 they
+only keep one scale per block if F (per TP rank) is a multiple of the block rows, and a TP slice
+along F must start and end on block boundaries: otherwise the layer falls back to weights
+dequantised at load (models/fp8.py).
+
+Legend: T tokens, D hidden, E experts, F expert intermediate size, K top-k; (bn, bk) the FP8
+scale block (rows of the output dim x columns of the input dim).
 """
 from __future__ import annotations
 
+import logging
+import math
 from typing import Callable
 
 import torch
@@ -26,6 +36,9 @@ from all2all import Dispatcher, make_dispatcher
 from moe.distributed import get_parallel_state, tp_all_gather_rows, tp_all_reduce, tp_row_chunk
 from routing import RouterOutput, make_expert_map
 from routing.placement import local_expert_ids
+
+logger = logging.getLogger("moe.moe_block")
+_FALLBACKS_LOGGED: set[tuple[int, int, tuple[int, int]]] = set()
 
 
 class ExpertWeightLoader(ParamLoader):
@@ -75,15 +88,65 @@ class ExpertWeightLoader(ParamLoader):
         return filled
 
 
+class ExpertScaleLoader(ParamLoader):
+    """The block scales of FP8 experts, from per-expert `weight_scale_inv` tensors: gate (`w1`)
+    and up (`w3`) [ceil(F/bn), ceil(D/bk)] stacked into w13's grid [E, 2F_local/bn, ceil(D/bk)],
+    down (`w2`) [ceil(D/bn), ceil(F/bk)] into [E, ceil(D/bn), ceil(F_local/bk)]. The TP slice of F
+    is block-aligned (FusedMoE checks), so it maps to whole scale rows / columns."""
+
+    def __init__(self, weights: ExpertWeightLoader, block: tuple[int, int]) -> None:
+        self.w, self.block = weights, block
+
+    def pieces(self):
+        return self.w.pieces()
+
+    def wants(self, shard_id, expert_id):
+        return self.w.wants(shard_id, expert_id)
+
+    def ckpt_shape(self, shard_id, expert_id):
+        *lead, out, inp = self.w.ckpt_shape(shard_id, expert_id)
+        return (*lead, math.ceil(out / self.block[0]), math.ceil(inp / self.block[1]))
+
+    def load(self, param, tensor, shard_id, expert_id):
+        if expert_id is None:  # the hub has no fused 3-D FP8 expert tensors
+            raise ValueError(f"FP8 expert scales must come per expert, got a fused {shard_id!r} tensor")
+        local = self.w.local_of.get(expert_id)
+        if local is None:
+            return []  # held by another expert-parallel rank
+        bn, bk = self.block
+        if shard_id == "w2":
+            c0 = self.w.f0 // bk
+            param.data[local].copy_(tensor[:, c0:c0 + param.shape[2]])
+        else:
+            rows = self.w.Fl // bn  # gate's scale rows, then up's
+            r0, dst = self.w.f0 // bn, 0 if shard_id == "w1" else self.w.Fl // bn
+            param.data[local, dst:dst + rows].copy_(tensor[r0:r0 + rows])
+        return [(shard_id, expert_id)]
+
+
+def fp8_experts_aligned(inter_local: int, inter: int, block: tuple[int, int]) -> bool:
+    """Can FP8 experts keep the checkpoint's block scales? Gate and up stack into whole blocks
+    only when F_local is a multiple of bn; a TP slice of down's columns needs F_local % bk == 0."""
+    bn, bk = block
+    return inter_local % bn == 0 and (inter_local == inter or inter_local % bk == 0)
+
+
 class FusedMoE(nn.Module):
     """The routed experts of one layer: w13_weight [E_local, 2F_local, D], w2_weight [E_local, D, F_local].
 
     `top_k` (optional) feeds all2all_backend="auto"; without it the rule uses the routing's K
     at the first forward (every rank sees the same K, so every rank picks the same backend).
+
+    `fp8_block` (bn, bk): ask for FP8 experts. If the shapes allow it (`fp8_experts_aligned`),
+    `self.fp8_block` keeps it and the weights are float8_e4m3fn with fp32 scales
+    w13_weight_scale_inv [E_local, 2F_local/bn, ceil(D/bk)] and w2_weight_scale_inv
+    [E_local, ceil(D/bn), ceil(F_local/bk)]; otherwise `self.fp8_block` is None (a log line says
+    why) and the model dequantises these weights at load like its other FP8 weights.
     """
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int,
-                 kernel_backend: str | None = None, top_k: int | None = None) -> None:
+                 kernel_backend: str | None = None, top_k: int | None = None,
+                 fp8_block: tuple[int, int] | None = None) -> None:
         super().__init__()
         ps = get_parallel_state()
         self.num_experts = num_experts
@@ -104,9 +167,32 @@ class FusedMoE(nn.Module):
                                  f"tensor_parallel_size={ps.tp_size}")
             f_local, tp_rank, self.reduce_over_tp = intermediate_size // ps.tp_size, ps.tp_rank, ps.tp_size > 1
         E = len(local_ids)
+        if fp8_block is not None:
+            fp8_block = tuple(fp8_block)
+            if not fp8_experts_aligned(f_local, intermediate_size, fp8_block):
+                _log_fallback(f_local, intermediate_size, fp8_block)
+                fp8_block = None
+        self.fp8_block = fp8_block
+        wdtype = None if fp8_block is None else torch.float8_e4m3fn
         args = (num_experts, hidden_size, intermediate_size, local_ids, tp_rank, f_local)
-        self.w13_weight = attach_loader(new_param(E, 2 * f_local, hidden_size), ExpertWeightLoader("w13", *args))
-        self.w2_weight = attach_loader(new_param(E, hidden_size, f_local), ExpertWeightLoader("w2", *args))
+        w13_loader, w2_loader = ExpertWeightLoader("w13", *args), ExpertWeightLoader("w2", *args)
+        self.w13_weight = attach_loader(new_param(E, 2 * f_local, hidden_size, dtype=wdtype), w13_loader)
+        self.w2_weight = attach_loader(new_param(E, hidden_size, f_local, dtype=wdtype), w2_loader)
+        if fp8_block is not None:
+            bn, bk = fp8_block
+            s13 = new_param(E, 2 * f_local // bn, math.ceil(hidden_size / bk), dtype=torch.float32)
+            s2 = new_param(E, math.ceil(hidden_size / bn), math.ceil(f_local / bk), dtype=torch.float32)
+            self.w13_weight_scale_inv = attach_loader(s13, ExpertScaleLoader(w13_loader, fp8_block))
+            self.w2_weight_scale_inv = attach_loader(s2, ExpertScaleLoader(w2_loader, fp8_block))
+
+    def _experts(self, x_TD, topk_weights_TK, topk_ids_TK, expert_map_E) -> torch.Tensor:
+        if self.fp8_block is None:  # (a dequantising model may hang its own *_scale_inv here)
+            return kernels.fused_experts(x_TD, self.w13_weight, self.w2_weight, topk_weights_TK, topk_ids_TK,
+                                         expert_map=expert_map_E, backend=self.kernel_backend)
+        return kernels.fused_experts(x_TD, self.w13_weight, self.w2_weight, topk_weights_TK, topk_ids_TK,
+                                     expert_map=expert_map_E, backend=self.kernel_backend,
+                                     w13_scale=self.w13_weight_scale_inv, w2_scale=self.w2_weight_scale_inv,
+                                     block_shape=self.fp8_block)
 
     def _get_dispatcher(self, top_k: int) -> Dispatcher:
         if self.dispatcher is None:
@@ -119,8 +205,7 @@ class FusedMoE(nn.Module):
         if self.use_ep:
             return self._forward_ep(x_TD, routing)
         expert_map = None if self.expert_map is None else self.expert_map.to(x_TD.device)
-        y_TD = kernels.fused_experts(x_TD, self.w13_weight, self.w2_weight, routing.topk_weights_TK,
-                                     routing.topk_ids_TK, expert_map=expert_map, backend=self.kernel_backend)
+        y_TD = self._experts(x_TD, routing.topk_weights_TK, routing.topk_ids_TK, expert_map)
         return tp_all_reduce(y_TD) if self.reduce_over_tp else y_TD
 
     def _forward_ep(self, x_TD: torch.Tensor, routing: RouterOutput) -> torch.Tensor:
@@ -128,11 +213,18 @@ class FusedMoE(nn.Module):
         lo, hi, _ = tp_row_chunk(T)  # the TP ranks split the (replicated) rows
         disp = self._get_dispatcher(routing.topk_ids_TK.shape[1])
         recv = disp.dispatch(x_TD[lo:hi], routing.topk_weights_TK[lo:hi], routing.topk_ids_TK[lo:hi])
-        y_RD = kernels.fused_experts(recv.x_RD, self.w13_weight, self.w2_weight, recv.topk_weights_RK,
-                                     recv.topk_ids_RK, expert_map=disp.expert_map_on(x_TD.device),
-                                     backend=self.kernel_backend)
+        y_RD = self._experts(recv.x_RD, recv.topk_weights_RK, recv.topk_ids_RK,
+                             disp.expert_map_on(x_TD.device))
         y_ND = disp.combine(y_RD, recv)
         return tp_all_gather_rows(y_ND, T)
+
+
+def _log_fallback(f_local: int, inter: int, block: tuple[int, int]) -> None:
+    key = (f_local, inter, block)
+    if key not in _FALLBACKS_LOGGED:  # once per shape, not once per layer
+        _FALLBACKS_LOGGED.add(key)
+        logger.info("FP8 experts: intermediate size %d (%d per rank) does not split into whole %dx%d "
+                    "scale blocks; routed experts are dequantised at load instead", inter, f_local, *block)
 
 
 class MoEBlock(nn.Module):

@@ -5,6 +5,8 @@ spawned worker process (`worker_main`, driven over a pipe by moe.parallel_execut
 from __future__ import annotations
 
 import contextlib
+import copy
+import dataclasses
 import logging
 import os
 import pickle
@@ -16,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from models.config import ModelConfig
+from models.fp8 import resolve_fp8_experts
 from models.loader import init_dummy_weights, load_weights
 from moe.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineArgs
 from moe.model_runner import ModelRunner, ModelRunnerOutput
@@ -37,6 +40,7 @@ def _default_dtype(dtype: torch.dtype):
 def build_model(model_cls: type, config: ModelConfig, model_path: str, args: EngineArgs,
                 device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
     """The model of this rank (the process's ParallelState decides the shard)."""
+    config = _with_fp8_experts_choice(model_cls, config, args, device)
     with torch.device(device), _default_dtype(dtype):
         model = model_cls(config)
     if args.load_format == "dummy":
@@ -48,6 +52,20 @@ def build_model(model_cls: type, config: ModelConfig, model_path: str, args: Eng
             if hasattr(module, "kernel_backend"):
                 module.kernel_backend = args.moe_backend
     return model.eval()
+
+
+def _with_fp8_experts_choice(model_cls: type, config: ModelConfig, args: EngineArgs,
+                             device: torch.device) -> ModelConfig:
+    """`config` with `fp8.keep_experts` decided for this device and these arguments (a copy: the
+    engine's own config stays as parsed)."""
+    fp8 = getattr(config, "fp8", None)
+    keep = resolve_fp8_experts(fp8, args.quantization, device, args.moe_backend, args.load_format,
+                               getattr(model_cls, "supports_fp8_experts", False))
+    if fp8 is None or fp8.keep_experts == keep:
+        return config
+    config = copy.copy(config)  # keeps attributes set outside the fields (limit_positions)
+    config.fp8 = dataclasses.replace(fp8, keep_experts=keep)
+    return config
 
 
 def _is_rank_zero() -> bool:
