@@ -160,6 +160,9 @@ class Fp8WeightLoader(ParamLoader):
     def pieces(self):
         return self.pairing.inner.pieces()
 
+    def wants(self, shard_id, expert_id):
+        return self.pairing.inner.wants(shard_id, expert_id)
+
     def ckpt_shape(self, shard_id, expert_id):
         return self.pairing.inner.ckpt_shape(shard_id, expert_id)
 
@@ -194,6 +197,9 @@ class Fp8ScaleLoader(ParamLoader):
 
     def pieces(self):
         return self.pairing.inner.pieces()
+
+    def wants(self, shard_id, expert_id):
+        return self.pairing.inner.wants(shard_id, expert_id)
 
     def ckpt_shape(self, shard_id, expert_id):
         return scale_shape(self.pairing.inner.ckpt_shape(shard_id, expert_id), self.pairing.block)

@@ -122,13 +122,18 @@ def load_weights(model: torch.nn.Module, model_dir: str, progress: bool = True) 
 
 @torch.no_grad()
 def init_dummy_weights(model: torch.nn.Module, seed: int = 0, low: float = -1e-3, high: float = 1e-3) -> None:
-    """Random weights at the real size (load_format='dummy', for benchmarks)."""
+    """Random weights at the real size (load_format='dummy', for benchmarks).
+
+    Router correction biases (DeepSeek-V3) are zeroed: a random bias would outweigh the
+    near-zero router logits of random weights and send every token to the same experts.
+    """
     gen = torch.Generator(device="cpu").manual_seed(seed)
-    for param in model.parameters():
-        if param.is_floating_point():
-            cpu = torch.empty(param.shape, dtype=torch.float32).uniform_(low, high, generator=gen) \
-                if param.device.type == "cpu" else None
-            if cpu is not None:
-                param.data.copy_(cpu)
-            else:  # fill on the device: copying GBs of random numbers from the host is slow
-                param.data.uniform_(low, high)
+    for name, param in model.named_parameters():
+        if not param.is_floating_point():
+            continue
+        if name.endswith("e_score_correction_bias"):
+            param.data.zero_()
+        elif param.device.type == "cpu":
+            param.data.copy_(torch.empty(param.shape, dtype=torch.float32).uniform_(low, high, generator=gen))
+        else:  # fill on the device: copying GBs of random numbers from the host is slow
+            param.data.uniform_(low, high)

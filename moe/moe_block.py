@@ -52,6 +52,10 @@ class ExpertWeightLoader(ParamLoader):
         self.local_ids, self.local_of = local_ids, {g: i for i, g in enumerate(local_ids)}
         self.f0, self.Fl = tp_rank * inter_local, inter_local
 
+    def wants(self, shard_id, expert_id):
+        # A per-expert tensor of another expert-parallel rank's expert is not even read.
+        return expert_id is None or expert_id in self.local_of
+
     def pieces(self):
         shards = ("w1", "w3") if self.kind == "w13" else ("w2",)
         return [(s, e) for e in self.local_ids for s in shards]
