@@ -14,11 +14,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.attention import AttentionMetadata
 from models.config import ModelConfig, hf_get
 from models.fp8 import Fp8BlockConfig, attach_fp8_scales
-from models.layers.decoder import DecoderStack, PreNormDecoderLayer
-from models.layers.embedding import ParallelLMHead
+from models.layers.decoder import DecoderForCausalLM, DecoderStack, PreNormDecoderLayer
 from models.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from models.layers.mla_attention import MLAAttention, MLAConfig
 from models.layers.mlp import SwiGLUMLP
@@ -26,8 +24,7 @@ from models.layers.norm import RMSNorm
 from models.layers.weights import ReplicatedLoader, attach_loader, new_param
 from models.loader import NameRule
 from moe.moe_block import FusedMoE, MoEBlock
-from moe.pipeline import (IntermediateTensors, PPMissingLayer, first_stage, last_stage, skip_other_stage_tensor,
-                          tied_lm_head_rules)
+from moe.pipeline import (skip_other_stage_tensor, tied_lm_head_rules)
 from routing.grouped_topk import grouped_topk
 from routing.router import RouterOutput
 
@@ -162,30 +159,14 @@ def _fp8_params(module_name: str, module: nn.Module) -> list[str]:
     return []
 
 
-class DeepseekV3ForCausalLM(nn.Module):
+class DeepseekV3ForCausalLM(DecoderForCausalLM):
     config_class = DeepseekV3Config
-    supports_pp = True  # builds only its pipeline stage (moe/pipeline.py)
     supports_fp8_experts = True  # routed experts can stay FP8 (models/fp8.resolve_fp8_experts)
 
     def __init__(self, cfg: DeepseekV3Config, attn_mode: str = "auto") -> None:
-        super().__init__()
-        self.config = cfg
-        self.model = DeepseekV3Model(cfg, attn_mode)
-        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size) if last_stage() else PPMissingLayer()
-        if cfg.tie_word_embeddings and first_stage() and last_stage():
-            self.lm_head.weight = self.model.embed_tokens.weight
+        super().__init__(cfg, DeepseekV3Model(cfg, attn_mode))
         if cfg.fp8 is not None:
             attach_fp8_scales(self, cfg.fp8, _fp8_params)
-        self.make_empty_intermediate_tensors = self.model.make_empty_intermediate_tensors
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                intermediate_tensors: IntermediateTensors | None = None):
-        """input_ids, positions [T] -> final hidden states [T, D] (last pipeline stage), or this
-        stage's IntermediateTensors for the next one."""
-        return self.model(input_ids, positions, meta, intermediate_tensors)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head.compute_logits(hidden)
 
     def attention_layers(self) -> list[MLAAttention]:
         return [layer.self_attn for layer in self.model.stage_layers()]

@@ -26,7 +26,7 @@ from torch import nn
 from kernels.attention import AttentionMetadata
 from models.config import ModelConfig, hf_get
 from models.layers.attention import Attention
-from models.layers.decoder import DecoderStack, PreNormDecoderLayer
+from models.layers.decoder import DecoderStack, PreNormDecoderLayer, make_lm_head
 from models.layers.embedding import ParallelLMHead
 from models.layers.linear import QKVParallelLinear, ReplicatedLinear, RowParallelLinear
 from models.layers.mlp import SwiGLUMLP
@@ -34,8 +34,7 @@ from models.layers.norm import RMSNorm
 from models.layers.rotary import get_rope
 from models.loader import NameRule
 from moe.moe_block import ExpertWeightLoader, FusedMoE, MoEBlock
-from moe.pipeline import (IntermediateTensors, PPMissingLayer, first_stage, last_stage, skip_other_stage_tensor,
-                          tied_lm_head_rules)
+from moe.pipeline import (IntermediateTensors, skip_other_stage_tensor, tied_lm_head_rules)
 from routing.llama4_router import llama4_topk
 
 logger = logging.getLogger("moe.models.llama4")
@@ -222,9 +221,7 @@ class Llama4ForCausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         model = Llama4TextModel(cfg)
-        lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size) if last_stage() else PPMissingLayer()
-        if cfg.tie_word_embeddings and first_stage() and last_stage():
-            lm_head.weight = model.embed_tokens.weight
+        lm_head = make_lm_head(cfg.vocab_size, cfg.hidden_size, cfg.tie_word_embeddings, model)
         if cfg.nested_checkpoint:
             self.language_model = _LanguageModel(model, lm_head)
         else:

@@ -12,16 +12,14 @@ from torch import nn
 from kernels.attention import AttentionMetadata
 from models.config import ModelConfig, hf_get
 from models.layers.attention import Attention
-from models.layers.decoder import DecoderStack, PreNormDecoderLayer
-from models.layers.embedding import ParallelLMHead
+from models.layers.decoder import DecoderForCausalLM, DecoderStack, PreNormDecoderLayer
 from models.layers.linear import QKVParallelLinear, ReplicatedLinear, RowParallelLinear
 from models.layers.mlp import SwiGLUMLP
 from models.layers.norm import RMSNorm
 from models.layers.rotary import get_rope
 from models.loader import NameRule
 from moe.moe_block import FusedMoE, MoEBlock
-from moe.pipeline import (IntermediateTensors, PPMissingLayer, first_stage, last_stage, skip_other_stage_tensor,
-                          tied_lm_head_rules)
+from moe.pipeline import (skip_other_stage_tensor, tied_lm_head_rules)
 from routing import softmax_topk
 
 
@@ -97,27 +95,11 @@ class Qwen3MoeModel(DecoderStack):
                          lambda i: Qwen3MoeDecoderLayer(cfg, i))
 
 
-class Qwen3MoeForCausalLM(nn.Module):
+class Qwen3MoeForCausalLM(DecoderForCausalLM):
     config_class = Qwen3MoeConfig
-    supports_pp = True  # builds only its pipeline stage (moe/pipeline.py)
 
     def __init__(self, cfg: Qwen3MoeConfig) -> None:
-        super().__init__()
-        self.config = cfg
-        self.model = Qwen3MoeModel(cfg)
-        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size) if last_stage() else PPMissingLayer()
-        if cfg.tie_word_embeddings and first_stage() and last_stage():
-            self.lm_head.weight = self.model.embed_tokens.weight
-        self.make_empty_intermediate_tensors = self.model.make_empty_intermediate_tensors
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                intermediate_tensors: IntermediateTensors | None = None):
-        """input_ids, positions [T] -> final hidden states [T, D] (last pipeline stage), or this
-        stage's IntermediateTensors for the next one."""
-        return self.model(input_ids, positions, meta, intermediate_tensors)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head.compute_logits(hidden)
+        super().__init__(cfg, Qwen3MoeModel(cfg))
 
     def attention_layers(self) -> list[Attention]:
         m = self.model

@@ -9,7 +9,7 @@ from typing import Callable
 
 from torch import nn
 
-from models.layers.embedding import VocabParallelEmbedding
+from models.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from models.layers.norm import RMSNorm
 from moe.pipeline import (IntermediateTensors, PPMissingLayer, first_stage, last_stage,
                           make_empty_intermediate_tensors_factory, make_layers)
@@ -61,3 +61,33 @@ class DecoderStack(nn.Module):
             return IntermediateTensors({"hidden_states": x, "residual": residual})
         x, _ = self.norm(x, residual)
         return x
+
+
+def make_lm_head(vocab_size: int, hidden_size: int, tie_word_embeddings: bool, stack: DecoderStack) -> nn.Module:
+    """The LM head on the last pipeline stage (a placeholder elsewhere), sharing the embedding's
+    weight when the checkpoint ties them and one stage holds both."""
+    lm_head = ParallelLMHead(vocab_size, hidden_size) if last_stage() else PPMissingLayer()
+    if tie_word_embeddings and first_stage() and last_stage():
+        lm_head.weight = stack.embed_tokens.weight
+    return lm_head
+
+
+class DecoderForCausalLM(nn.Module):
+    """`model` (a DecoderStack) and `lm_head`, named as in Hugging Face checkpoints."""
+
+    supports_pp = True  # builds only its pipeline stage (moe/pipeline.py)
+
+    def __init__(self, cfg, model: DecoderStack) -> None:
+        super().__init__()
+        self.config = cfg
+        self.model = model
+        self.lm_head = make_lm_head(cfg.vocab_size, cfg.hidden_size, cfg.tie_word_embeddings, model)
+        self.make_empty_intermediate_tensors = model.make_empty_intermediate_tensors
+
+    def forward(self, input_ids, positions, meta, intermediate_tensors: IntermediateTensors | None = None):
+        """input_ids, positions [T] -> final hidden states [T, D] (last pipeline stage), or this
+        stage's IntermediateTensors for the next one."""
+        return self.model(input_ids, positions, meta, intermediate_tensors)
+
+    def compute_logits(self, hidden):
+        return self.lm_head.compute_logits(hidden)
