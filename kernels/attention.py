@@ -104,12 +104,20 @@ def paged_attention_torch(q_THd: torch.Tensor, k_TGd: torch.Tensor, v_TGd: torch
     if meta.decode_seqs:
         idx, lens, tables = meta.decode_token_idx, meta.decode_seq_lens, meta.decode_block_tables
         S, nblk = kv_cache_2NSGd.shape[2], tables.shape[1]
-        kv = kv_cache_2NSGd[:, tables]  # [2, B, nblk, S, G, d]
-        kv = kv.reshape(2, kv.shape[1], nblk * S, G, -1).transpose(2, 3)  # [2, B, G, L, d]
-        kpos = torch.arange(nblk * S, device=q_THd.device)[None, :]
-        mask = kpos < lens[:, None]
-        if chunk_size is not None:  # the one query sits at position lens - 1
-            mask &= kpos >= chunk_start(lens[:, None] - 1, chunk_size)
+        if chunk_size is None:
+            first_pos = torch.zeros_like(lens)
+            block_ids = tables  # [B, nblk]
+        else:
+            # Read only the blocks of each query's chunk (the one query sits at lens - 1).
+            first_pos = chunk_start(lens - 1, chunk_size)
+            window = min(-(-chunk_size // S) + 1, nblk)
+            cols = (first_pos // S)[:, None] + torch.arange(window, device=lens.device)[None, :]
+            block_ids = tables.gather(1, cols.clamp(max=nblk - 1))  # clamped columns are masked below
+        W = block_ids.shape[1]
+        kv = kv_cache_2NSGd[:, block_ids]  # [2, B, W, S, G, d]
+        kv = kv.reshape(2, kv.shape[1], W * S, G, -1).transpose(2, 3)  # [2, B, G, W*S, d]
+        kpos = (first_pos // S * S)[:, None] + torch.arange(W * S, device=q_THd.device)[None, :]
+        mask = (kpos < lens[:, None]) & (kpos >= first_pos[:, None])
         q = q_THd[idx][:, :, None, :]  # [B, H, 1, d]
         o = F.scaled_dot_product_attention(q, kv[0].to(q.dtype), kv[1].to(q.dtype),
                                            attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=gqa)
