@@ -80,5 +80,16 @@ class LLM:
     def get_metrics(self) -> list[Metric]:
         return self.llm_engine.get_metrics()
 
+    def shutdown(self) -> None:
+        """Stop the worker processes of a parallel layout now (they also stop when the LLM is
+        garbage-collected or the interpreter exits). Also `with LLM(...) as llm:`."""
+        self.llm_engine.shutdown()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
     def reset_prefix_cache(self) -> None:
         self.llm_engine.scheduler.kv.reset_prefix_cache()

@@ -80,6 +80,20 @@ def test_deleting_the_llm_stops_its_workers(parallel_ckpt):
             os.kill(pid, 0)
 
 
+def test_context_manager_stops_its_workers(parallel_ckpt):
+    with LLM(parallel_ckpt, dtype="float32", device="cpu", tensor_parallel_size=2) as llm:
+        pids = llm.llm_engine.executor.worker_pids
+        out = llm.generate({"prompt_token_ids": [1, 2, 3]}, SamplingParams(max_tokens=2), use_tqdm=False)
+        assert len(out[0].outputs[0].token_ids) == 2
+    deadline = time.monotonic() + 10  # shutdown() returned: the workers are going or gone
+    while _workers() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _workers()
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+
+
 def test_bench_parallel_decode_smoke():
     """benchmarks/bench_parallel_decode.py end to end on tiny shapes (2 CPU processes)."""
     import json
