@@ -35,6 +35,11 @@ class Qwen3MoeConfig(ModelConfig):
 
     @classmethod
     def from_hf(cls, cfg: dict, architecture: str) -> "Qwen3MoeConfig":
+        if cfg.get("use_sliding_window") and cfg.get("sliding_window"):
+            # transformers would then use a sliding-window mask on every layer; running full
+            # attention instead would silently change the outputs.
+            raise ValueError(f"use_sliding_window=True (sliding window {cfg['sliding_window']}) is not supported "
+                             "for Qwen3-MoE yet")
         return cls(
             **cls.common_fields(cfg, architecture),
             num_experts=int(hf_get(cfg, "num_experts", "num_local_experts")),
