@@ -96,6 +96,10 @@ class ModelConfig:
     def common_fields(cls, cfg: dict, architecture: str) -> dict:
         hidden = int(hf_get(cfg, "hidden_size"))
         heads = int(hf_get(cfg, "num_attention_heads"))
+        act = cfg.get("hidden_act", "silu")
+        if act not in ("silu", "swish"):
+            # Every MLP and expert here is SwiGLU: another activation would run as SiLU silently.
+            raise ValueError(f"hidden_act={act!r} is not supported (only 'silu')")
         return dict(
             architecture=architecture,
             model_type=str(cfg.get("model_type", "")),

@@ -103,6 +103,8 @@ def test_config_aliases():
 def test_sliding_window_is_refused_not_ignored():
     base = dict(architectures=["Qwen3MoeForCausalLM"], vocab_size=10, hidden_size=8, num_hidden_layers=1,
                 num_attention_heads=2, num_experts=2, moe_intermediate_size=4, num_experts_per_tok=1)
+    with pytest.raises(ValueError, match="hidden_act='gelu' is not supported"):
+        Qwen3MoeConfig.from_hf({**base, "hidden_act": "gelu"}, "Qwen3MoeForCausalLM")
     with pytest.raises(ValueError, match="use_sliding_window=True"):
         Qwen3MoeConfig.from_hf({**base, "use_sliding_window": True, "sliding_window": 64}, "Qwen3MoeForCausalLM")
     assert Qwen3MoeConfig.from_hf({**base, "use_sliding_window": False, "sliding_window": 64},
