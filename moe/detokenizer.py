@@ -23,8 +23,17 @@ class IncrementalDetokenizer:
         self.skip_special_tokens = skip_special_tokens
         self._stream = DecodeStream(skip_special_tokens=skip_special_tokens) if tokenizer is not None else None
         self._pending: list[int] = []  # tokens not yet visible in the text (a partial character)
-        self.output_text = ""
+        # Text pieces, joined on read: appending to one growing string would copy it every token.
+        self._pieces: list[str] = []
+        self._text: str | None = ""
         self.stop_buffer = max((len(s) for s in stop), default=1) - 1
+
+    @property
+    def output_text(self) -> str:
+        if self._text is None:
+            self._text = "".join(self._pieces)
+            self._pieces = [self._text]
+        return self._text
 
     def update(self, new_token_ids: list[int]) -> str | None:
         """Add tokens; returns the stop string that ended the text, if one did."""
@@ -52,11 +61,17 @@ class IncrementalDetokenizer:
         return self._append(text) if text else None
 
     def _append(self, delta: str) -> str | None:
-        start = max(0, len(self.output_text) - self.stop_buffer)
-        self.output_text += delta
+        self._pieces.append(delta)
+        self._text = None
+        if not self.stop:
+            return None
+        # A stop string can only end in this delta: search it and the few characters before it.
+        text = self.output_text
+        start = max(0, len(text) - len(delta) - self.stop_buffer)
         for s in self.stop:
-            idx = self.output_text.find(s, start)
+            idx = text.find(s, start)
             if idx != -1:
-                self.output_text = self.output_text[:idx + len(s) if self.include_stop else idx]
+                self._text = text[:idx + len(s) if self.include_stop else idx]
+                self._pieces = [self._text]
                 return s
         return None
