@@ -22,7 +22,7 @@ from models.layers.mla_attention import MLAAttention, MLAConfig
 from models.layers.mlp import SwiGLUMLP
 from models.layers.norm import RMSNorm
 from models.layers.weights import ReplicatedLoader, attach_loader, new_param
-from models.loader import NameRule
+from models.loader import GATE_UP_RULES, NameRule
 from moe.moe_block import FusedMoE, MoEBlock
 from moe.pipeline import (skip_other_stage_tensor, tied_lm_head_rules)
 from routing.grouped_topk import grouped_topk
@@ -182,9 +182,7 @@ class DeepseekV3ForCausalLM(DecoderForCausalLM):
         return rules + [
             NameRule("experts.w13_weight", "experts.gate_up_proj", "w13"),
             NameRule("experts.w2_weight", "experts.down_proj", "w2"),
-            NameRule("gate_up_proj", "gate_proj", 0),
-            NameRule("gate_up_proj", "up_proj", 1),
-        ]
+        ] + GATE_UP_RULES
 
     _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 

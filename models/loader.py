@@ -40,6 +40,12 @@ class NameRule:
         return re.compile(r"(?:^|(?<=\.))" + body + r"(?=\.|$)")
 
 
+# Hugging Face's separate projections -> our fused column-parallel layers (every family).
+QKV_RULES = [NameRule("qkv_proj", "q_proj", "q"), NameRule("qkv_proj", "k_proj", "k"),
+             NameRule("qkv_proj", "v_proj", "v")]
+GATE_UP_RULES = [NameRule("gate_up_proj", "gate_proj", 0), NameRule("gate_up_proj", "up_proj", 1)]
+
+
 def map_checkpoint_name(name: str, rules: list[NameRule]) -> tuple[str, Hashable, int | None]:
     """Checkpoint tensor name -> (parameter name, shard id, expert id)."""
     for rule in rules:

@@ -17,7 +17,7 @@ from models.layers.linear import QKVParallelLinear, ReplicatedLinear, RowParalle
 from models.layers.mlp import SwiGLUMLP
 from models.layers.norm import RMSNorm
 from models.layers.rotary import get_rope
-from models.loader import NameRule
+from models.loader import GATE_UP_RULES, QKV_RULES, NameRule
 from moe.moe_block import FusedMoE, MoEBlock
 from moe.pipeline import (skip_other_stage_tensor, tied_lm_head_rules)
 from routing import softmax_topk
@@ -117,12 +117,7 @@ class Qwen3MoeForCausalLM(DecoderForCausalLM):
             NameRule("experts.w2_weight", "experts.{e}.down_proj.weight", "w2"),
             NameRule("experts.w13_weight", "experts.gate_up_proj", "w13"),
             NameRule("experts.w2_weight", "experts.down_proj", "w2"),
-            NameRule("qkv_proj", "q_proj", "q"),
-            NameRule("qkv_proj", "k_proj", "k"),
-            NameRule("qkv_proj", "v_proj", "v"),
-            NameRule("gate_up_proj", "gate_proj", 0),
-            NameRule("gate_up_proj", "up_proj", 1),
-        ]
+        ] + QKV_RULES + GATE_UP_RULES
 
     def ignore_checkpoint_name(self, name: str) -> bool:
         tied = self.config.tie_word_embeddings
