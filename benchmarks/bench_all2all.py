@@ -32,6 +32,7 @@ if __package__ in (None, ""):  # run as a script by torchrun: make the repo impo
     sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from all2all import make_dispatcher  # noqa: E402
+from benchmarks.common import torchrun_process_group  # noqa: E402
 
 DEFAULT_TOKENS = (128, 512, 2048, 4096, 16384)
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -268,14 +269,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> int:
     """CLI entry (`moe bench all2all`); run under torchrun, one process per device."""
     args = parse_args(argv)
-    created = not dist.is_initialized()
-    if created:
-        use_cuda = torch.cuda.is_available()
-        if use_cuda:
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        dist.init_process_group("nccl" if use_cuda else "gloo")
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    try:
+    with torchrun_process_group() as device:
         if args.profile:
             rows, report = profile_bench(args.tokens, args.hidden, args.num_experts, args.top_k,
                                          DTYPES[args.dtype], args.routing[0], args.backends,
@@ -307,9 +301,6 @@ def main(argv=None) -> int:
                 os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
                 with open(args.out, "w") as f:
                     json.dump({"config": cfg, "results": rows}, f, indent=1)
-    finally:
-        if created:
-            dist.destroy_process_group()
     return 0
 
 

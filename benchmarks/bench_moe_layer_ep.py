@@ -45,6 +45,7 @@ if __package__ in (None, ""):  # run as a script by torchrun: make the repo impo
 
 import kernels  # noqa: E402
 from all2all import make_dispatcher  # noqa: E402
+from benchmarks.common import torchrun_process_group  # noqa: E402
 from routing.grouped_topk import grouped_topk  # noqa: E402
 from routing.placement import expert_owner_ranks, local_expert_ids  # noqa: E402
 
@@ -292,17 +293,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> int:
     """Run under torchrun, one process per device (NCCL on GPUs, gloo on the CPU)."""
     args = parse_args(argv)
-    created = not dist.is_initialized()
-    if created:
-        use_cuda = torch.cuda.is_available()
-        if use_cuda:
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        else:
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
-        dist.init_process_group("nccl" if use_cuda else "gloo")
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     failed = False
-    try:
+    with torchrun_process_group() as device:
         t0 = time.perf_counter()
         rows = run_layer_bench(args.tokens, args.hidden, args.num_experts, args.top_k, args.moe_inter,
                                args.n_group, args.topk_group, args.shared_experts, args.routed_scaling_factor,
@@ -326,9 +318,6 @@ def main(argv=None) -> int:
                 os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
                 with open(args.out, "w") as f:
                     json.dump({"config": cfg, "results": rows}, f, indent=1)
-    finally:
-        if created:
-            dist.destroy_process_group()
     return 1 if failed else 0
 
 

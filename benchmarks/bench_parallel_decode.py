@@ -41,13 +41,8 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from anywhere
 
-QWEN3_30B_A3B = {
-    "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "vocab_size": 151936,
-    "hidden_size": 2048, "intermediate_size": 6144, "moe_intermediate_size": 768, "num_hidden_layers": 48,
-    "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128, "num_experts": 128,
-    "num_experts_per_tok": 8, "norm_topk_prob": True, "max_position_embeddings": 4096, "rms_norm_eps": 1e-6,
-    "rope_theta": 1000000.0, "tie_word_embeddings": False, "torch_dtype": "bfloat16", "eos_token_id": 151645,
-}
+from benchmarks.common import QWEN3_30B_A3B  # noqa: E402
+
 SMOKE = {**QWEN3_30B_A3B, "vocab_size": 512, "hidden_size": 64, "intermediate_size": 96,
          "moe_intermediate_size": 32, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
          "num_experts": 8, "num_experts_per_tok": 2, "torch_dtype": "float32"}

@@ -19,30 +19,19 @@ import time
 
 import torch
 
+from benchmarks.common import QWEN3_30B_A3B
+from benchmarks.gpu_models_check import compare_gpu_to_cpu
 from moe import LLM, SamplingParams
 
-QWEN3_30B_A3B = {
-    "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "vocab_size": 151936,
-    "hidden_size": 2048, "intermediate_size": 6144, "moe_intermediate_size": 768, "num_hidden_layers": 48,
-    "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128, "num_experts": 128,
-    "num_experts_per_tok": 8, "norm_topk_prob": True, "max_position_embeddings": 4096, "rms_norm_eps": 1e-6,
-    "rope_theta": 1000000.0, "tie_word_embeddings": False, "torch_dtype": "bfloat16", "eos_token_id": 151645,
-}
 
 
 def parity(results: dict) -> None:
     rng = random.Random(0)
     prompts = [{"prompt_token_ids": [rng.randrange(1, 512) for _ in range(n)]} for n in (1, 7, 16, 33, 100, 5)]
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-    cpu = [o.outputs[0].token_ids for o in LLM("tiny-qwen3-moe", device="cpu").generate(prompts, params, use_tqdm=False)]
-    for backend in ("torch", "triton"):
-        llm = LLM("tiny-qwen3-moe", device="cuda", dtype="float32", moe_backend=backend)
-        gpu = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-        same = sum(a == b for a, b in zip(cpu, gpu))
-        results[f"tiny_parity_{backend}"] = {"identical_sequences": same, "of": len(prompts)}
-        print(f"tiny model, GPU ({backend} experts) vs CPU greedy: {same}/{len(prompts)} sequences identical")
-        del llm
-        torch.cuda.empty_cache()
+    for backend, r in compare_gpu_to_cpu("tiny-qwen3-moe", prompts, params).items():
+        results[f"tiny_parity_{backend}"] = r
+        print(f"tiny model, GPU ({backend} experts) vs CPU greedy: {r['identical']}/{r['of']} sequences identical")
 
 
 def kv_sizing(results: dict) -> None:

@@ -14,7 +14,24 @@ import random
 
 import torch
 
+from models.registry import load_model_config
 from moe import LLM, SamplingParams
+
+
+def compare_gpu_to_cpu(model: str, prompts: list, params: SamplingParams, **llm_kwargs) -> dict[str, dict]:
+    """Greedy tokens on the GPU (fp32; torch and Triton experts) against the CPU's, per backend."""
+    cpu = [o.outputs[0].token_ids for o in
+           LLM(model, device="cpu", dtype="float32", **llm_kwargs).generate(prompts, params, use_tqdm=False)]
+    results = {}
+    for backend in ("torch", "triton"):
+        llm = LLM(model, device="cuda", dtype="float32", moe_backend=backend, gpu_memory_utilization=0.3, **llm_kwargs)
+        gpu = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        results[backend] = {"identical": sum(a == b for a, b in zip(cpu, gpu)), "of": len(prompts),
+                            "first_divergence": [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+                                                 for a, b in zip(cpu, gpu)]}
+        del llm
+        torch.cuda.empty_cache()
+    return results
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -27,22 +44,12 @@ def main(argv: list[str] | None = None) -> int:
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
     for path in args.checkpoints:
         name = os.path.basename(os.path.normpath(path))
-        cpu_llm = LLM(path, device="cpu", dtype="float32", max_model_len=128)
-        vocab = cpu_llm.llm_engine.model_config.vocab_size
+        vocab = load_model_config(path)[1].vocab_size
         rng = random.Random(0)
         prompts = [{"prompt_token_ids": [rng.randrange(1, vocab) for _ in range(n)]} for n in (1, 6, 17, 40)]
-        cpu = [o.outputs[0].token_ids for o in cpu_llm.generate(prompts, params, use_tqdm=False)]
-        for backend in ("torch", "triton"):
-            llm = LLM(path, device="cuda", dtype="float32", max_model_len=128, moe_backend=backend,
-                      gpu_memory_utilization=0.3)
-            gpu = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-            same = sum(a == b for a, b in zip(cpu, gpu))
-            results[f"{name}/{backend}"] = {"identical": same, "of": len(prompts),
-                                            "first_divergence": [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
-                                                                 for a, b in zip(cpu, gpu)]}
-            print(f"{name}: GPU ({backend} experts) vs CPU greedy: {same}/{len(prompts)} identical")
-            del llm
-            torch.cuda.empty_cache()
+        for backend, r in compare_gpu_to_cpu(path, prompts, params, max_model_len=128).items():
+            results[f"{name}/{backend}"] = r
+            print(f"{name}: GPU ({backend} experts) vs CPU greedy: {r['identical']}/{r['of']} identical")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=2)
