@@ -19,6 +19,17 @@ def _workers() -> list:
     return [p for p in multiprocessing.active_children() if p.name.startswith("moe-worker")]
 
 
+def assert_workers_gone(pids: list[int], within_s: float = 10.0) -> None:
+    """No moe worker child is left, and none of `pids` exists, within `within_s` seconds."""
+    deadline = time.monotonic() + within_s
+    while _workers() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _workers()
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+
+
 @pytest.mark.parametrize("kwargs,match", [
     (dict(tensor_parallel_size=3), "tensor_parallel_size=3 does not divide num_attention_heads=4"),
     (dict(pipeline_parallel_size=3), "pipeline_parallel_size=3 does not divide num_hidden_layers=4"),
@@ -57,13 +68,7 @@ def test_killed_worker_is_reported_by_rank(parallel_ckpt):
         llm.generate([{"prompt_token_ids": [1, 2]}], params, use_tqdm=False)
     del llm
     gc.collect()
-    deadline = time.monotonic() + 10
-    while _workers() and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not _workers()
-    for pid in pids:
-        with pytest.raises(ProcessLookupError):
-            os.kill(pid, 0)
+    assert_workers_gone(pids)
 
 
 def test_deleting_the_llm_stops_its_workers(parallel_ckpt):
@@ -71,13 +76,7 @@ def test_deleting_the_llm_stops_its_workers(parallel_ckpt):
     pids = llm.llm_engine.executor.worker_pids
     del llm
     gc.collect()
-    deadline = time.monotonic() + 10
-    while _workers() and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not _workers()
-    for pid in pids:
-        with pytest.raises(ProcessLookupError):
-            os.kill(pid, 0)
+    assert_workers_gone(pids)
 
 
 def test_context_manager_stops_its_workers(parallel_ckpt):
@@ -85,13 +84,7 @@ def test_context_manager_stops_its_workers(parallel_ckpt):
         pids = llm.llm_engine.executor.worker_pids
         out = llm.generate({"prompt_token_ids": [1, 2, 3]}, SamplingParams(max_tokens=2), use_tqdm=False)
         assert len(out[0].outputs[0].token_ids) == 2
-    deadline = time.monotonic() + 10  # shutdown() returned: the workers are going or gone
-    while _workers() and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not _workers()
-    for pid in pids:
-        with pytest.raises(ProcessLookupError):
-            os.kill(pid, 0)
+    assert_workers_gone(pids)  # shutdown() returned: the workers are going or gone
 
 
 def test_bench_parallel_decode_smoke():
