@@ -91,3 +91,33 @@ def hf_teacher_forced_logprobs(model, prompt_ids: list[int], output_ids: list[in
         logits = model(ids).logits[0].float()
     n = len(prompt_ids)
     return logits[n - 1:n - 1 + len(output_ids)].log_softmax(-1)
+
+
+def generate_greedy(model_dir: str, prompt_lengths: list[int], max_tokens: int, seed: int = 1, **llm_kwargs):
+    """Batched greedy generate with logprobs=1 on random prompts of the given lengths (fp32,
+    CPU). Returns (llm, prompts, outputs)."""
+    import random
+
+    from moe import LLM, SamplingParams
+
+    llm = LLM(model_dir, dtype="float32", device="cpu", **llm_kwargs)
+    rng = random.Random(seed)
+    vocab = llm.llm_engine.model_config.vocab_size
+    prompts = [[rng.randrange(1, vocab) for _ in range(n)] for n in prompt_lengths]
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=1, ignore_eos=True)
+    return llm, prompts, llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+
+
+def assert_outputs_match_hf(hf_model, prompts: list[list[int]], outs, max_tokens: int) -> None:
+    """At every step our token is transformers' argmax under teacher forcing (so transformers'
+    greedy run is the same) and our logprob of it matches transformers' within 1e-4."""
+    for prompt, out in zip(prompts, outs):
+        comp = out.outputs[0]
+        assert out.prompt_token_ids == prompt
+        assert len(comp.token_ids) == max_tokens and comp.finish_reason == "length"
+        ref = hf_teacher_forced_logprobs(hf_model, prompt, comp.token_ids)
+        assert comp.token_ids == ref.argmax(-1).tolist(), f"prompt of {len(prompt)} tokens"
+        ours = torch.tensor([comp.logprobs[i][t].logprob for i, t in enumerate(comp.token_ids)])
+        theirs = ref.gather(-1, torch.tensor(comp.token_ids)[:, None])[:, 0]
+        torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=0)
+        assert all(comp.logprobs[i][t].rank == 1 for i, t in enumerate(comp.token_ids))

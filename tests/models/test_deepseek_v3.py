@@ -2,44 +2,25 @@
 block-quantised checkpoints against their dequantised twins; config parsing."""
 from __future__ import annotations
 
-import random
 
 import pytest
 import torch
 
 from models.deepseek_v3 import DeepseekV3Config
-from moe import LLM, SamplingParams
-from tests.factories import hf_teacher_forced_logprobs, load_hf_model
+from tests.factories import assert_outputs_match_hf, generate_greedy, load_hf_model
 from tests.factories_deepseek import DSV3_FP8, YARN, make_deepseek_v3_checkpoint
 
 PROMPT_LENGTHS = [1, 5, 17, 33, 64]
 
 
-def _prompts(vocab: int, seed: int = 1) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(1, vocab) for _ in range(n)] for n in PROMPT_LENGTHS]
-
-
 def _generate(model_dir: str, max_tokens: int, **llm_kwargs):
-    llm = LLM(model_dir, dtype="float32", device="cpu", **llm_kwargs)
-    prompts = _prompts(llm.llm_engine.model_config.vocab_size)
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=1, ignore_eos=True)
-    return llm, prompts, llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return generate_greedy(model_dir, PROMPT_LENGTHS, max_tokens, **llm_kwargs)
 
 
 def assert_matches_hf(model_dir: str, hf_dir: str | None = None, max_tokens: int = 10, **llm_kwargs):
-    """Our greedy tokens are transformers' argmax at every step (teacher forcing) and our
-    logprobs match its within 1e-4. `hf_dir`: the checkpoint transformers loads (default: the same)."""
+    """`hf_dir`: the checkpoint transformers loads (default: the same)."""
     llm, prompts, outs = _generate(model_dir, max_tokens, **llm_kwargs)
-    hf = load_hf_model(hf_dir or model_dir)
-    for prompt, out in zip(prompts, outs):
-        comp = out.outputs[0]
-        assert len(comp.token_ids) == max_tokens and comp.finish_reason == "length"
-        ref = hf_teacher_forced_logprobs(hf, prompt, comp.token_ids)
-        assert comp.token_ids == ref.argmax(-1).tolist()
-        ours = torch.tensor([comp.logprobs[i][t].logprob for i, t in enumerate(comp.token_ids)])
-        theirs = ref.gather(-1, torch.tensor(comp.token_ids)[:, None])[:, 0]
-        torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=0)
+    assert_outputs_match_hf(load_hf_model(hf_dir or model_dir), prompts, outs, max_tokens)
     return llm, outs
 
 

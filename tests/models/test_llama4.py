@@ -9,15 +9,14 @@ from __future__ import annotations
 import json
 import logging
 import os
-import random
 
 import pytest
 import torch
 
 from models.llama4 import Llama4TextConfig
 from models.registry import load_model_config
-from moe import LLM, SamplingParams
-from tests.factories import hf_teacher_forced_logprobs
+from moe import LLM
+from tests.factories import assert_outputs_match_hf, generate_greedy
 from tests.factories_llama4 import LLAMA3_ROPE, LLAMA4_TINY, make_llama4_model, save_llama4_checkpoint
 
 PROMPT_LENGTHS = [1, 8, 13, 20, 33, 40]
@@ -25,19 +24,8 @@ SMALL = dict(block_size=4, max_num_batched_tokens=16, max_num_seqs=4)
 
 
 def assert_matches_hf(hf_model, model_dir: str, max_tokens: int = 12, **llm_kwargs) -> None:
-    llm = LLM(model_dir, dtype="float32", device="cpu", **llm_kwargs)
-    rng = random.Random(1)
-    prompts = [[rng.randrange(1, hf_model.config.vocab_size) for _ in range(n)] for n in PROMPT_LENGTHS]
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=1, ignore_eos=True)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    for prompt, out in zip(prompts, outs):
-        comp = out.outputs[0]
-        assert len(comp.token_ids) == max_tokens and comp.finish_reason == "length"
-        ref = hf_teacher_forced_logprobs(hf_model, prompt, comp.token_ids)
-        assert comp.token_ids == ref.argmax(-1).tolist(), f"prompt of {len(prompt)} tokens"
-        ours = torch.tensor([comp.logprobs[i][t].logprob for i, t in enumerate(comp.token_ids)])
-        theirs = ref.gather(-1, torch.tensor(comp.token_ids)[:, None])[:, 0]
-        torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=0)
+    _, prompts, outs = generate_greedy(model_dir, PROMPT_LENGTHS, max_tokens, **llm_kwargs)
+    assert_outputs_match_hf(hf_model, prompts, outs, max_tokens)
 
 
 @pytest.fixture(scope="module")

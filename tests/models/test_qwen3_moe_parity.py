@@ -1,39 +1,17 @@
 """Qwen3-MoE token for token with Hugging Face transformers, through the whole engine."""
 from __future__ import annotations
 
-import random
 
 import pytest
-import torch
 
-from moe import LLM, SamplingParams
-from tests.factories import hf_teacher_forced_logprobs, load_hf_model, make_qwen3_moe_checkpoint
+from tests.factories import assert_outputs_match_hf, generate_greedy, load_hf_model, make_qwen3_moe_checkpoint
 
 PROMPT_LENGTHS = [1, 5, 17, 33, 64]  # around and across the 16-token block size
 
 
-def _prompts(vocab: int, seed: int = 1) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(1, vocab) for _ in range(n)] for n in PROMPT_LENGTHS]
-
-
 def assert_matches_hf(model_dir: str, max_tokens: int = 12, **llm_kwargs) -> None:
-    llm = LLM(model_dir, dtype="float32", device="cpu", **llm_kwargs)
-    prompts = _prompts(llm.llm_engine.model_config.vocab_size)
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=1, ignore_eos=True)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    hf = load_hf_model(model_dir)
-    for prompt, out in zip(prompts, outs):
-        comp = out.outputs[0]
-        assert out.prompt_token_ids == prompt
-        assert len(comp.token_ids) == max_tokens and comp.finish_reason == "length"
-        ref = hf_teacher_forced_logprobs(hf, prompt, comp.token_ids)
-        # Greedy: at every step our token is transformers' argmax (so its greedy run is the same).
-        assert comp.token_ids == ref.argmax(-1).tolist()
-        ours = torch.tensor([comp.logprobs[i][t].logprob for i, t in enumerate(comp.token_ids)])
-        theirs = ref.gather(-1, torch.tensor(comp.token_ids)[:, None])[:, 0]
-        torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=0)
-        assert all(comp.logprobs[i][t].rank == 1 for i, t in enumerate(comp.token_ids))
+    _, prompts, outs = generate_greedy(model_dir, PROMPT_LENGTHS, max_tokens, **llm_kwargs)
+    assert_outputs_match_hf(load_hf_model(model_dir), prompts, outs, max_tokens)
 
 
 @pytest.mark.parametrize("layout,shards", [("per_expert", 1), ("per_expert", 3), ("fused", 1), ("fused", 2)])
