@@ -9,8 +9,6 @@ BM, so that every BM-row block of the sorted order belongs to exactly one expert
     expert_ids_B   [B] int32  local expert of each block; -1 for experts not on this rank
                               (rows whose expert_map entry is -1) and for unused tail blocks
     num_post_pad_1 [1] int32  number of used rows (a multiple of BM); blocks past it are skipped
-    (with return_real=True also real_rows_1 [1] int32: the used rows of the E real experts, i.e.
-    where the 'elsewhere' bucket starts; the persistent GEMMs iterate over these blocks only)
 
 Rows whose expert lives elsewhere are kept in an extra bucket E with expert id -1, so that the
 down GEMM can write their (zero) output and every flat row is produced exactly once.
@@ -85,7 +83,6 @@ def _align_small_kernel(ids_ptr, emap_ptr, sorted_ptr, expert_ids_ptr, npp_ptr,
     starts = ends - padded
     total = tl.sum(padded, axis=0)
     tl.store(npp_ptr, total)
-    tl.store(npp_ptr + 1, tl.sum(tl.where(bins < E, padded, 0), axis=0))
     cursor = starts
     for start in range(0, numel, CHUNK):
         offs = start + tl.arange(0, CHUNK)
@@ -125,7 +122,6 @@ def _align_prefix_kernel(counts_ptr, npp_ptr, E, BLOCK_M: tl.constexpr, NB: tl.c
     tl.store(counts_ptr + 2 * NB + bins, starts)
     tl.store(counts_ptr + 3 * NB + bins, ends)
     tl.store(npp_ptr, tl.sum(padded, axis=0))
-    tl.store(npp_ptr + 1, tl.sum(tl.where(bins < E, padded, 0), axis=0))
 
 
 @triton.jit
@@ -152,8 +148,7 @@ def _align_scatter_kernel(ids_ptr, emap_ptr, counts_ptr, sorted_ptr, expert_ids_
 
 
 def align_tokens(topk_ids_TK: torch.Tensor, num_experts: int, block_m: int,
-                 expert_map_E: torch.Tensor | None = None, path: str = "auto",
-                 return_real: bool = False):
+                 expert_map_E: torch.Tensor | None = None, path: str = "auto"):
     """Sort (token, slot) rows by local expert and pad each expert to `block_m` rows.
 
     Args:
@@ -162,10 +157,8 @@ def align_tokens(topk_ids_TK: torch.Tensor, num_experts: int, block_m: int,
         block_m: BM, rows per block of the grouped GEMM.
         expert_map_E: optional [E_global] int, global -> local id, -1 = not on this rank.
         path: "small" (one program), "large" (count/prefix/scatter) or "auto".
-        return_real: also return real_rows_1 (see the module docstring).
     Returns:
-        (sorted_ids_P int32, expert_ids_B int32, num_post_pad_1 int32[, real_rows_1 int32]), see
-        the module docstring.
+        (sorted_ids_P int32, expert_ids_B int32, num_post_pad_1 int32), see the module docstring.
     """
     ids = topk_ids_TK.reshape(-1)
     if not ids.is_contiguous():
@@ -178,8 +171,7 @@ def align_tokens(topk_ids_TK: torch.Tensor, num_experts: int, block_m: int,
     NB = _num_bins(num_experts)
     sorted_ids = torch.empty(P, dtype=torch.int32, device=dev)
     expert_ids = torch.empty(B, dtype=torch.int32, device=dev)
-    npp2 = torch.empty(2, dtype=torch.int32, device=dev)  # [used rows, rows of real experts]
-    ret = (npp2[:1], npp2[1:]) if return_real else (npp2[:1],)
+    npp = torch.empty(1, dtype=torch.int32, device=dev)
     has_map = expert_map_E is not None
     emap = expert_map_E if has_map else ids
     blk_chunk = max(1, min(64, 8192 // (NB * 2)))
@@ -187,21 +179,21 @@ def align_tokens(topk_ids_TK: torch.Tensor, num_experts: int, block_m: int,
         path = "small" if numel <= SMALL_ALIGN_MAX_ROWS else "large"
     if path == "small":
         chunk = max(16, min(triton.next_power_of_2(max(numel, 1)), 8192 // NB))
-        _align_small_kernel[(1,)](ids, emap, sorted_ids, expert_ids, npp2, numel, num_experts, B,
+        _align_small_kernel[(1,)](ids, emap, sorted_ids, expert_ids, npp, numel, num_experts, B,
                                   BLOCK_M=block_m, NB=NB, CHUNK=chunk, BLK_CHUNK=blk_chunk,
                                   HAS_MAP=has_map, num_warps=4)
-        return (sorted_ids, expert_ids) + ret
+        return sorted_ids, expert_ids, npp
     chunk = 1024
     counts = torch.zeros(4 * NB, dtype=torch.int32, device=dev)
     n_chunks = triton.cdiv(numel, chunk)
     _align_count_kernel[(n_chunks,)](ids, emap, counts, numel, num_experts, NB=NB, CHUNK=chunk,
                                      HAS_MAP=has_map, num_warps=4)
-    _align_prefix_kernel[(1,)](counts, npp2, num_experts, BLOCK_M=block_m, NB=NB, num_warps=4)
+    _align_prefix_kernel[(1,)](counts, npp, num_experts, BLOCK_M=block_m, NB=NB, num_warps=4)
     grid = (n_chunks + triton.cdiv(B, blk_chunk),)
-    _align_scatter_kernel[grid](ids, emap, counts, sorted_ids, expert_ids, npp2, numel,
+    _align_scatter_kernel[grid](ids, emap, counts, sorted_ids, expert_ids, npp, numel,
                                 num_experts, B, n_chunks, BLOCK_M=block_m, NB=NB, CHUNK=chunk,
                                 BLK_CHUNK=blk_chunk, HAS_MAP=has_map, num_warps=4)
-    return (sorted_ids, expert_ids) + ret
+    return sorted_ids, expert_ids, npp
 
 
 def align_tokens_torch(topk_ids_TK: torch.Tensor, num_experts: int, block_m: int,

@@ -11,9 +11,9 @@ with spaces replaced by '_' (e.g. NVIDIA_H200), dtype one of bf16, fp16, fp32, f
 Contents: {"<M>": {"BLOCK_SIZE_M": .., "BLOCK_SIZE_N": .., "BLOCK_SIZE_K": .., "GROUP_SIZE_M": ..,
 "num_warps": .., "num_stages": .., "down": {...optional overrides for the down GEMM...}}, ...}
 where M is the number of tokens T of the tuned batch; the nearest bucket is used at run time.
-Optional keys: "persistent": true selects the persistent GEMMs with the fused fp32-atomic top-k
-sum (fused._run_persistent; bf16/fp16/fp32 only), "CTAS_PER_SM" (its grid, per GEMM) and, under
-"down", "SPLIT_K" (programs sharing one down tile's F range).
+Optional keys under "down": "ATOMIC_SUM": true (the down GEMM adds its rows into a zeroed fp32
+[T, D] with atomics, fusing the top-k sum) and "SPLIT_K": n > 1 (n programs share one down
+tile's F range; implies ATOMIC_SUM), for decode shapes with too few down tiles to fill the GPU.
 """
 from __future__ import annotations
 
@@ -113,8 +113,5 @@ def split_config(cfg: dict) -> tuple[dict, dict]:
     """(gate_up, down) launch parameters; the down GEMM may override all but BLOCK_SIZE_M."""
     up = {k: cfg[k] for k in CONFIG_KEYS}
     down = dict(up)
-    for k in ("CTAS_PER_SM",):
-        if k in cfg:
-            up[k] = cfg[k]
     down.update({k: v for k, v in cfg.get("down", {}).items() if k != "BLOCK_SIZE_M"})
     return up, down

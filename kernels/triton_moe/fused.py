@@ -7,7 +7,6 @@ number of used blocks stays on the device, so the whole call can be captured in 
 """
 from __future__ import annotations
 
-import functools
 import os
 
 import torch
@@ -15,82 +14,8 @@ import triton
 
 from kernels.triton_moe.align import align_tokens
 from kernels.triton_moe.config import get_config, split_config
-from kernels.triton_moe.gemm import (down_kernel, down_persistent_kernel, gate_up_kernel,
-                                     gate_up_persistent_kernel)
+from kernels.triton_moe.gemm import down_kernel, gate_up_kernel
 from kernels.triton_moe.quant import FP8_DTYPE, per_token_group_quant_fp8
-
-
-_SMEM_BYTES = 227 * 1024
-
-
-@functools.lru_cache(maxsize=None)
-def _num_sms(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-def _programs(dev: torch.device, n_items: int, launch: dict, smem_per_prog: int) -> int:
-    """Persistent grid: programs that fit at once (shared memory bound, or CTAS_PER_SM)."""
-    if dev.type != "cuda":
-        return max(1, min(n_items, 3))  # interpreter: several items per program
-    smem = int(smem_per_prog * 1.15) + 8192  # margin for Triton's layout conversions
-    cps = launch.get("CTAS_PER_SM") or max(1, min(4, _SMEM_BYTES // smem,
-                                                  16 // launch["num_warps"]))
-    return max(1, min(n_items, cps * _num_sms(dev.index or 0)))
-
-
-def use_persistent(cfg: dict) -> bool:
-    """MOE_TRITON_PATH=classic|persistent overrides the config's "persistent" key."""
-    env = os.environ.get("MOE_TRITON_PATH", "auto")
-    if env in ("classic", "persistent"):
-        return env == "persistent"
-    return bool(cfg.get("persistent", False))
-
-
-def _run_persistent(x_TD, w13_EFD, w2_EDF, topk_weights_TK, topk_ids_TK, expert_map_E, cfg):
-    """align -> persistent gate_up (+ zero out32) -> persistent down (fp32 atomic top-k sum,
-    split-K) -> cast; see gemm.py."""
-    T, D = x_TD.shape
-    E, F2, _ = w13_EFD.shape
-    F = F2 // 2
-    K = topk_ids_TK.shape[1]
-    up, down = split_config(cfg)
-    BM = up["BLOCK_SIZE_M"]
-    sorted_ids, expert_ids, _, real = align_tokens(topk_ids_TK, E, BM, expert_map_E,
-                                                   return_real=True)
-    n_mb = expert_ids.numel()
-    dev = x_TD.device
-    topk_w = topk_weights_TK.reshape(-1)
-    if not topk_w.is_contiguous():
-        topk_w = topk_w.contiguous()
-    precision = "ieee" if x_TD.dtype == torch.float32 else "tf32"
-    upcast = x_TD.dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1"
-    esize = x_TD.element_size()
-    h = torch.empty(sorted_ids.numel(), F, dtype=x_TD.dtype, device=dev)
-    out32 = torch.empty(T, D, dtype=torch.float32, device=dev)
-
-    bn, bk = up["BLOCK_SIZE_N"], up["BLOCK_SIZE_K"]
-    n_items = n_mb * triton.cdiv(F, bn)
-    progs = _programs(dev, n_items, up, up["num_stages"] * (BM * bk + 2 * bn * bk) * esize)
-    gate_up_persistent_kernel[(progs,)](
-        x_TD, w13_EFD, h, sorted_ids, expert_ids, real, out32, T * D,
-        F, D, T * K, K,
-        x_TD.stride(0), x_TD.stride(1), *w13_EFD.stride(), h.stride(0), h.stride(1),
-        BLOCK_M=BM, BLOCK_N=bn, BLOCK_K=bk, NUM_PROGS=progs, ZERO_BLOCK=1024,
-        EVEN_K=D % bk == 0, PRECISION=precision, UPCAST=upcast,
-        num_warps=up["num_warps"], num_stages=up["num_stages"])
-
-    bn, bk = down["BLOCK_SIZE_N"], down["BLOCK_SIZE_K"]
-    split = max(1, min(int(down.get("SPLIT_K", 1)), triton.cdiv(F, bk)))
-    n_items = n_mb * triton.cdiv(D, bn) * split
-    progs = _programs(dev, n_items, down, down["num_stages"] * (BM * bk + bn * bk) * esize)
-    down_persistent_kernel[(progs,)](
-        h, w2_EDF, out32, sorted_ids, expert_ids, real, topk_w,
-        D, F, T * K, K,
-        h.stride(0), h.stride(1), *w2_EDF.stride(), out32.stride(0), out32.stride(1),
-        BLOCK_M=BM, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, NUM_PROGS=progs,
-        EVEN_K=F % (bk * split) == 0, PRECISION=precision, UPCAST=upcast,
-        num_warps=down["num_warps"], num_stages=down["num_stages"])
-    return out32 if x_TD.dtype == torch.float32 else out32.to(x_TD.dtype)
 
 
 def _run(x_TD, w13_EFD, w2_EDF, topk_weights_TK, topk_ids_TK, expert_map_E, cfg,
@@ -102,9 +27,6 @@ def _run(x_TD, w13_EFD, w2_EDF, topk_weights_TK, topk_ids_TK, expert_map_E, cfg,
     out_dtype = x_TD.dtype
     if T == 0:
         return x_TD.new_zeros(0, D)
-    if fp8 is None and use_persistent(cfg):
-        return _run_persistent(x_TD, w13_EFD, w2_EDF, topk_weights_TK, topk_ids_TK,
-                               expert_map_E, cfg)
     up, down = split_config(cfg)
     BM = up["BLOCK_SIZE_M"]
     sorted_ids, expert_ids, npp = align_tokens(topk_ids_TK, E, BM, expert_map_E)
@@ -145,18 +67,28 @@ def _run(x_TD, w13_EFD, w2_EDF, topk_weights_TK, topk_ids_TK, expert_map_E, cfg,
         EVEN_K=D % up["BLOCK_SIZE_K"] == 0, PRECISION=precision, UPCAST=upcast,
         num_warps=up["num_warps"], num_stages=up["num_stages"])
 
-    # top-1 writes the output directly; otherwise [T*K, D] then a sum over K in fp32
-    out = torch.empty(T * K, D, dtype=out_dtype, device=dev)
-    grid = (n_mb * triton.cdiv(D, down["BLOCK_SIZE_N"]),)
+    # Plain: top-1 writes the output directly, top-k > 1 writes [T*K, D], then a sum over K.
+    # Atomic (config "ATOMIC_SUM", or "SPLIT_K" > 1): fp32 atomics into a zeroed [T, D], then
+    # one cast; no [T*K, D] round trip, and the F range can be split when there are few tiles.
+    split = max(1, min(int(down.get("SPLIT_K", 1)), triton.cdiv(F, down["BLOCK_SIZE_K"])))
+    atomic = split > 1 or bool(down.get("ATOMIC_SUM", False))
+    if atomic:
+        out = torch.zeros(T, D, dtype=torch.float32, device=dev)
+    else:
+        out = torch.empty(T * K, D, dtype=out_dtype, device=dev)
+    grid = (n_mb * triton.cdiv(D, down["BLOCK_SIZE_N"]), split)
     down_kernel[grid](
         h, w2_EDF, out, sorted_ids, expert_ids, npp, topk_w, h_scale, w2_scale,
-        D, F, T * K, n_mb,
+        D, F, T * K, K, n_mb,
         h.stride(0), h.stride(1), *w2_EDF.stride(), out.stride(0), out.stride(1),
         hs_strides[0], hs_strides[1], *ws2_strides[:3],
         BLOCK_M=BM, BLOCK_N=down["BLOCK_SIZE_N"], BLOCK_K=down["BLOCK_SIZE_K"],
         GROUP_M=down["GROUP_SIZE_M"], GN=GN, GK=GK, USE_FP8=use_fp8,
-        EVEN_K=F % down["BLOCK_SIZE_K"] == 0, PRECISION=precision, UPCAST=upcast,
+        EVEN_K=F % down["BLOCK_SIZE_K"] == 0, SPLIT_K=split, ATOMIC=atomic,
+        PRECISION=precision, UPCAST=upcast,
         num_warps=down["num_warps"], num_stages=down["num_stages"])
+    if atomic:
+        return out.to(out_dtype)  # no copy for fp32
     if K == 1:
         return out
     return out.view(T, K, D).sum(dim=1)  # accumulates in fp32 for half types

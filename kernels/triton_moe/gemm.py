@@ -4,6 +4,8 @@ Legend: T tokens, D hidden, F expert intermediate, K top-k, R = T*K flat rows, P
 
 gate_up:  h_PF[p] = SiLU(x[t] @ gate_e^T) * (x[t] @ up_e^T)   for sorted row p = (t, k) of expert e
 down:     out_RD[r] = w_r * (h_PF[p] @ w2_e^T)                 r = sorted_ids[p], weight in fp32
+  or, ATOMIC: out_TD[t] += w_r * (h_PF[p] @ w2_e^T)           r = (t, k), fp32 atomics: the top-k
+          sum is fused, and the F range may be split over SPLIT_K programs
 
 The gate and up tiles of the same output columns are loaded side by side, so the activation is
 computed in registers and only h (F wide, not 2F) goes to memory; h is written in the sorted,
@@ -113,11 +115,12 @@ def gate_up_kernel(
 def down_kernel(
     h_ptr, w_ptr, out_ptr, sorted_ptr, expert_ids_ptr, npp_ptr, topk_w_ptr,
     hs_ptr, ws_ptr,
-    N, Kd, num_valid, num_m_blocks,
+    N, Kd, num_valid, top_k, num_m_blocks,
     stride_hm, stride_hk, stride_we, stride_wn, stride_wk, stride_om, stride_on,
     stride_hsm, stride_hsk, stride_wse, stride_wsn, stride_wsk,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     GN: tl.constexpr, GK: tl.constexpr, USE_FP8: tl.constexpr, EVEN_K: tl.constexpr,
+    SPLIT_K: tl.constexpr, ATOMIC: tl.constexpr,
     PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):
     pid_m, pid_n = _block_coords(num_m_blocks, N, BLOCK_N, GROUP_M)
@@ -128,21 +131,37 @@ def down_kernel(
     rows = tl.load(sorted_ptr + offs_m)
     rmask = rows < num_valid
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    o_ptrs = out_ptr + rows.to(tl.int64)[:, None] * stride_om + offs_n[None, :] * stride_on
     o_mask = rmask[:, None] & (offs_n < N)[None, :]
+    if ATOMIC:  # out is the zeroed fp32 [T, N]: row r = (t, k) adds into token t
+        o_ptrs = out_ptr + (rows // top_k).to(tl.int64)[:, None] * stride_om \
+            + offs_n[None, :] * stride_on
+    else:
+        o_ptrs = out_ptr + rows.to(tl.int64)[:, None] * stride_om + offs_n[None, :] * stride_on
     if e < 0:
         # rows routed to experts on other ranks contribute zero
-        tl.store(o_ptrs, tl.zeros((BLOCK_M, BLOCK_N), dtype=out_ptr.dtype.element_ty), mask=o_mask)
+        if not ATOMIC:
+            tl.store(o_ptrs, tl.zeros((BLOCK_M, BLOCK_N), dtype=out_ptr.dtype.element_ty),
+                     mask=o_mask)
         return
+    # SPLIT_K programs (grid axis 1) share this tile, each over its own run of k tiles
+    k_tiles = tl.cdiv(Kd, BLOCK_K)
+    k_first = 0
+    k_last = k_tiles
+    if SPLIT_K > 1:
+        k_per = tl.cdiv(k_tiles, SPLIT_K)
+        k_first = tl.program_id(1) * k_per
+        k_last = tl.minimum(k_first + k_per, k_tiles)
+    k0 = k_first * BLOCK_K
     offs_bn = offs_n % N
     offs_k = tl.arange(0, BLOCK_K)
-    a_ptrs = h_ptr + offs_m.to(tl.int64)[:, None] * stride_hm + offs_k[None, :] * stride_hk
-    b_ptrs = w_ptr + e * stride_we + offs_bn[None, :] * stride_wn + offs_k[:, None] * stride_wk
+    a_ptrs = h_ptr + offs_m.to(tl.int64)[:, None] * stride_hm + (k0 + offs_k)[None, :] * stride_hk
+    b_ptrs = w_ptr + e * stride_we + offs_bn[None, :] * stride_wn \
+        + (k0 + offs_k)[:, None] * stride_wk
     if USE_FP8:
         hs_ptrs = hs_ptr + offs_m * stride_hsm
         bs_ptrs = ws_ptr + e * stride_wse + (offs_bn // GN) * stride_wsn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k in range(0, tl.cdiv(Kd, BLOCK_K)):
+    for k in range(k_first, k_last):
         if EVEN_K:
             a = tl.load(a_ptrs)
             b = tl.load(b_ptrs)
@@ -161,139 +180,7 @@ def down_kernel(
         b_ptrs += BLOCK_K * stride_wk
     w = tl.load(topk_w_ptr + rows, mask=rmask, other=0.0).to(tl.float32)
     acc = acc * w[:, None]
-    tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=o_mask)
-
-
-# --- persistent variants (bf16/fp16/fp32; decode sizes) ----------------------------------------
-#
-# A fixed grid of NUM_PROGS programs walks the (block, n-tile[, k-split]) work items of the real
-# experts' blocks only (real_rows from align_tokens(return_real=True), so no program exits early
-# on padding or on the 'elsewhere' bucket), with the k loop and the tile loop flattened into one
-# loop so that the software pipeline keeps streaming weights across tile boundaries instead of
-# refilling at the start of every tile. The down GEMM adds w_r * (h @ w2^T) of row r = (t, k)
-# into out32[t] with fp32 atomics: the top-k sum is fused (no [T*K, D] buffer, no sum launch) and
-# the F dimension may be split over SPLIT_K programs. gate_up zeroes out32 before any down runs.
-
-@triton.jit
-def gate_up_persistent_kernel(
-    x_ptr, w_ptr, h_ptr, sorted_ptr, expert_ids_ptr, real_ptr, zero_ptr, zero_numel,
-    N, Kd, num_valid, top_k,
-    stride_xm, stride_xk, stride_we, stride_wn, stride_wk, stride_hm, stride_hn,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    NUM_PROGS: tl.constexpr, ZERO_BLOCK: tl.constexpr, EVEN_K: tl.constexpr,
-    PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-):
-    pid = tl.program_id(0)
-    for zs in range(pid * ZERO_BLOCK, zero_numel, NUM_PROGS * ZERO_BLOCK):
-        zo = zs + tl.arange(0, ZERO_BLOCK)
-        tl.store(zero_ptr + zo, tl.zeros([ZERO_BLOCK], dtype=tl.float32), mask=zo < zero_numel)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    k_tiles = tl.cdiv(Kd, BLOCK_K)
-    num_tiles = (tl.load(real_ptr) // BLOCK_M) * num_pid_n
-    my_tiles = tl.where(num_tiles > pid, (num_tiles - pid + NUM_PROGS - 1) // NUM_PROGS, 0)
-    tile = pid - NUM_PROGS
-    ki = -1
-    offs_k = tl.arange(0, BLOCK_K)
-    offs_m = tl.arange(0, BLOCK_M)
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_bn = offs_n
-    tok = offs_m.to(tl.int64)
-    rmask = offs_m < 0
-    e = pid.to(tl.int64) * 0
-    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for _ in range(0, my_tiles * k_tiles):
-        ki = tl.where(ki == k_tiles - 1, 0, ki + 1)
-        if ki == 0:
-            tile += NUM_PROGS
-            pid_m = tile // num_pid_n
-            pid_n = tile % num_pid_n
-            e = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
-            offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-            rows = tl.load(sorted_ptr + offs_m)
-            rmask = rows < num_valid
-            tok = (rows // top_k).to(tl.int64)
-            offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-            offs_bn = offs_n % N
-            acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        kk = ki * BLOCK_K + offs_k
-        a_ptrs = x_ptr + tok[:, None] * stride_xm + kk[None, :] * stride_xk
-        g_ptrs = w_ptr + e * stride_we + offs_bn[None, :] * stride_wn + kk[:, None] * stride_wk
-        u_ptrs = g_ptrs + N * stride_wn
-        if EVEN_K:
-            a = tl.load(a_ptrs, mask=rmask[:, None], other=0.0)
-            g = tl.load(g_ptrs)
-            u = tl.load(u_ptrs)
-        else:
-            kmask = kk < Kd
-            a = tl.load(a_ptrs, mask=rmask[:, None] & kmask[None, :], other=0.0)
-            g = tl.load(g_ptrs, mask=kmask[:, None], other=0.0)
-            u = tl.load(u_ptrs, mask=kmask[:, None], other=0.0)
-        acc_g = _dot(a, g, acc_g, PRECISION, UPCAST)
-        acc_u = _dot(a, u, acc_u, PRECISION, UPCAST)
-        if ki == k_tiles - 1:
-            h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
-            h_ptrs = h_ptr + offs_m.to(tl.int64)[:, None] * stride_hm + offs_n[None, :] * stride_hn
-            tl.store(h_ptrs, h.to(h_ptr.dtype.element_ty), mask=(offs_n < N)[None, :])
-
-
-@triton.jit
-def down_persistent_kernel(
-    h_ptr, w_ptr, out_ptr, sorted_ptr, expert_ids_ptr, real_ptr, topk_w_ptr,
-    N, Kd, num_valid, top_k,
-    stride_hm, stride_hk, stride_we, stride_wn, stride_wk, stride_om, stride_on,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-    NUM_PROGS: tl.constexpr, EVEN_K: tl.constexpr,
-    PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-):
-    # out_ptr: fp32 [T, N], zeroed; EVEN_K: Kd is a multiple of BLOCK_K * SPLIT_K
-    pid = tl.program_id(0)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    k_per = tl.cdiv(tl.cdiv(Kd, BLOCK_K), SPLIT_K)
-    num_tiles = (tl.load(real_ptr) // BLOCK_M) * num_pid_n * SPLIT_K
-    my_tiles = tl.where(num_tiles > pid, (num_tiles - pid + NUM_PROGS - 1) // NUM_PROGS, 0)
-    tile = pid - NUM_PROGS
-    ki = -1
-    k0 = pid * 0
-    offs_k = tl.arange(0, BLOCK_K)
-    offs_m = tl.arange(0, BLOCK_M)
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_bn = offs_n
-    rows = offs_m
-    rmask = offs_m < 0
-    e = pid.to(tl.int64) * 0
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for _ in range(0, my_tiles * k_per):
-        ki = tl.where(ki == k_per - 1, 0, ki + 1)
-        if ki == 0:
-            tile += NUM_PROGS
-            split = tile % SPLIT_K
-            mn = tile // SPLIT_K
-            pid_m = mn // num_pid_n
-            pid_n = mn % num_pid_n
-            k0 = split * k_per * BLOCK_K
-            e = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
-            offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-            rows = tl.load(sorted_ptr + offs_m)
-            rmask = rows < num_valid
-            offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-            offs_bn = offs_n % N
-            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        kk = k0 + ki * BLOCK_K + offs_k
-        a_ptrs = h_ptr + offs_m.to(tl.int64)[:, None] * stride_hm + kk[None, :] * stride_hk
-        b_ptrs = w_ptr + e * stride_we + offs_bn[None, :] * stride_wn + kk[:, None] * stride_wk
-        if EVEN_K:
-            a = tl.load(a_ptrs)
-            b = tl.load(b_ptrs)
-        else:
-            kmask = kk < Kd
-            a = tl.load(a_ptrs, mask=kmask[None, :], other=0.0)
-            b = tl.load(b_ptrs, mask=kmask[:, None], other=0.0)
-        acc = _dot(a, b, acc, PRECISION, UPCAST)
-        if ki == k_per - 1:
-            w = tl.load(topk_w_ptr + rows, mask=rmask, other=0.0).to(tl.float32)
-            tok = (rows // top_k).to(tl.int64)
-            o_ptrs = out_ptr + tok[:, None] * stride_om + offs_n[None, :] * stride_on
-            tl.atomic_add(o_ptrs, acc * w[:, None], mask=rmask[:, None] & (offs_n < N)[None, :],
-                          sem="relaxed")
+    if ATOMIC:
+        tl.atomic_add(o_ptrs, acc, mask=o_mask, sem="relaxed")
+    else:
+        tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=o_mask)
