@@ -10,12 +10,13 @@ M <= 1024, CUDA events above; medians. Each row also checks correctness on fresh
     PYTHONPATH=. python benchmarks/bench_kernel.py [--shapes qwen3-30b-a3b ...] [--M 1 8 ...]
         [--out benchmarks/results/kernel_<date>.json]
         [--rows qwen3-30b-a3b:8,64 llama4-scout:1]   (shape:M list pairs, in this order)
-        [--variants persistent] [--sweep-max-m 64] [--no-baselines]
+        [--profile] [--no-baselines] [--no-deepspeed]
 
---variants also times the Triton call with MOE_TRITON_PATH=<variant> (classic / persistent) and
-the shipped tiles; --sweep-max-m times a short list of persistent-path tile configs at M up to
-that value (coordinate search: gate_up tiles first, then down tiles and SPLIT_K); every
-candidate is timed as the whole call, the same way as triton_us.
+--profile adds each row's per-kernel device time (torch.profiler over eager calls), to see
+where the Triton call's time goes (alignment, gate_up, down, sum/cast) and how much of the
+graph-replay time lies between kernels. The deepspeed backend (CUTLASS MoE GEMM of the
+deepspeed-kernels package, kernels/deepspeed_moe.py) is a contender where its library loads;
+its transposed weight copies are made before timing.
 """
 from __future__ import annotations
 
@@ -96,71 +97,34 @@ def _routings(M, E, K, n, seed):
     return out
 
 
-_SWEEP_UP = [(64, 128, 4, 4), (32, 128, 4, 4), (64, 256, 4, 3), (128, 128, 8, 2)]
-_SWEEP_DOWN = [(64, 128, 4, 4, 2), (64, 128, 4, 4, 1), (128, 128, 4, 3, 1), (32, 256, 4, 3, 1),
-               (64, 128, 4, 4, 4), (128, 128, 4, 3, 2)]
+def kernel_breakdown(fns, calls: int = 8) -> dict:
+    """Device µs per call of each kernel name, from torch.profiler over eager calls."""
+    from torch.profiler import ProfilerActivity, profile
+    for f in fns:
+        f()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for i in range(calls):
+            fns[i % len(fns)]()
+        torch.cuda.synchronize()
+    out = {}
+    for ev in prof.key_averages():
+        t = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0)
+        if t > 0:
+            out[ev.key[:60]] = round(t / calls, 2)
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
 
 
-def _with_env(path, fn):
-    import os
-
-    def call():
-        old = os.environ.get("MOE_TRITON_PATH")
-        os.environ["MOE_TRITON_PATH"] = path
-        try:
-            return fn()
-        finally:
-            if old is None:
-                os.environ.pop("MOE_TRITON_PATH", None)
-            else:
-                os.environ["MOE_TRITON_PATH"] = old
-    return call
-
-
-def sweep_persistent(shipped, x, w13, w2, rts, M, reps, ref_inputs):
-    """Coordinate search over persistent-path tiles; returns (best cfg, us, err, all trials)."""
-    from kernels.triton_moe import fused_experts_triton
-    from kernels.triton_moe.tune import time_calls
-    xc, twc, tic, ref = ref_inputs
-    bm = shipped["BLOCK_SIZE_M"]
-
-    def mk(up, dn):
-        c = {"BLOCK_SIZE_M": bm, "BLOCK_SIZE_N": up[0], "BLOCK_SIZE_K": up[1],
-             "GROUP_SIZE_M": 1, "num_warps": up[2], "num_stages": up[3], "persistent": True,
-             "down": {"BLOCK_SIZE_N": dn[0], "BLOCK_SIZE_K": dn[1], "GROUP_SIZE_M": 1,
-                      "num_warps": dn[2], "num_stages": dn[3], "SPLIT_K": dn[4]}}
-        return c
-
-    def t(c):
-        try:
-            us = 1e3 * time_calls([lambda tw=tw, ti=ti: fused_experts_triton(x, w13, w2, tw, ti,
-                                                                              config=c)
-                                   for tw, ti in rts], M, reps=reps)
-            return us, rel_err(fused_experts_triton(xc, w13, w2, twc, tic, config=c), ref)
-        except Exception as e:  # out of resources etc.
-            return float("inf"), f"{type(e).__name__}: {e}"[:120]
-    sd = shipped.get("down", {})
-    ship_up = (shipped["BLOCK_SIZE_N"], shipped["BLOCK_SIZE_K"], shipped["num_warps"],
-               shipped["num_stages"])
-    ship_dn = (sd.get("BLOCK_SIZE_N", ship_up[0]), sd.get("BLOCK_SIZE_K", ship_up[1]),
-               sd.get("num_warps", ship_up[2]), sd.get("num_stages", ship_up[3]), 1)
-    trials = []
-    ups = [ship_up] + [u for u in _SWEEP_UP if u != ship_up]
-    best_up, best = ship_up, (float("inf"), None)
-    for u in ups:
-        c = mk(u, ship_dn)
-        us, err = t(c)
-        trials.append({"cfg": c, "us": us, "err": err})
-        if us < best[0]:
-            best_up, best = u, (us, err)
-    best_cfg = mk(best_up, ship_dn)
-    for d in [dd for dd in _SWEEP_DOWN if dd != ship_dn]:
-        c = mk(best_up, d)
-        us, err = t(c)
-        trials.append({"cfg": c, "us": us, "err": err})
-        if us < best[0]:
-            best_cfg, best = c, (us, err)
-    return best_cfg, best[0], best[1], trials
+def deepspeed_backend(args):
+    """fused_experts_deepspeed if its library loads here (and not --no-deepspeed), else None."""
+    if args.no_deepspeed:
+        return None
+    try:
+        from kernels import deepspeed_moe
+        return deepspeed_moe.fused_experts_deepspeed if deepspeed_moe.available("cuda") else None
+    except Exception as e:  # report, do not stop the bench
+        print(f"deepspeed backend unavailable: {type(e).__name__}: {e}", flush=True)
+        return None
 
 
 def bench_shape(name, Ms, args, rows):
@@ -172,6 +136,7 @@ def bench_shape(name, Ms, args, rows):
     g = torch.Generator(device="cuda").manual_seed(1)
     w13 = torch.randn(E, 2 * F, D, device="cuda", dtype=torch.bfloat16, generator=g) * D ** -0.5
     w2 = torch.randn(E, D, F, device="cuda", dtype=torch.bfloat16, generator=g) * F ** -0.5
+    ds = deepspeed_backend(args)
     fp8 = None
     if name in args.fp8_shapes:
         from kernels.reference_fp8 import quantize_block_fp8
@@ -194,24 +159,22 @@ def bench_shape(name, Ms, args, rows):
             row["triton_us"] = 1e3 * time_calls(
                 [lambda tw=tw, ti=ti: fused_experts_triton(x, w13, w2, tw, ti) for tw, ti in rts],
                 M, reps=args.reps)
-            for v in args.variants:
+            if args.profile:
+                row["triton_kernels_us"] = kernel_breakdown(
+                    [lambda tw=tw, ti=ti: fused_experts_triton(x, w13, w2, tw, ti)
+                     for tw, ti in rts])
+            if ds is not None:
                 try:
-                    row[f"rel_err_{v}"] = _with_env(v, lambda: rel_err(
-                        fused_experts_triton(xc, w13, w2, twc, tic), ref))()
-                    row[f"{v}_us"] = 1e3 * time_calls(
-                        [_with_env(v, lambda tw=tw, ti=ti: fused_experts_triton(x, w13, w2, tw, ti))
-                         for tw, ti in rts], M, reps=args.reps)
+                    row["rel_err_deepspeed"] = rel_err(ds(xc, w13, w2, twc, tic), ref)
+                    dfns = [lambda tw=tw, ti=ti: ds(x, w13, w2, tw, ti) for tw, ti in rts]
+                    try:
+                        row["deepspeed_us"] = 1e3 * time_calls(dfns, M, reps=args.reps)
+                    except RuntimeError:  # not capturable: time it with events
+                        torch.cuda.synchronize()
+                        row["deepspeed_us"] = 1e3 * time_events(dfns, reps=args.reps)
+                        row["deepspeed_timing"] = "events (graph capture failed)"
                 except Exception as e:
-                    row[f"{v}_error"] = f"{type(e).__name__}: {e}"[:200]
-            if M <= args.sweep_max_m and (args.sweep_shapes is None or name in args.sweep_shapes):
-                from kernels.triton_moe.config import get_config
-                shipped = get_config(M, E, F, K, torch.bfloat16)
-                cfg, us, err, trials = sweep_persistent(shipped, x, w13, w2, rts, M, args.reps,
-                                                        (xc, twc, tic, ref))
-                row.update(sweep_best_us=us, sweep_best_err=err, sweep_best_cfg=cfg,
-                           sweep_trials=trials)
-                print(f"  sweep {name} M={M}: best {us:.1f} us (shipped classic "
-                      f"{row['triton_us']:.1f}) {json.dumps(cfg)}", flush=True)
+                    row["deepspeed_error"] = f"{type(e).__name__}: {e}"[:300]
             if hasattr(torch, "_grouped_mm") and not args.no_baselines:
                 try:
                     row["rel_err_grouped_mm"] = rel_err(grouped_mm_experts(xc, w13, w2, twc, tic),
@@ -253,12 +216,10 @@ def bench_shape(name, Ms, args, rows):
             row["floor_over_time"] = row["floor_us"] / row["triton_us"]
             if "vllm_us" in row:
                 row["vllm_over_triton"] = row["vllm_us"] / row["triton_us"]
-            for k in [k for k in row if k.endswith("_us") and k not in
-                      ("triton_us", "floor_us", "vllm_us", "torch_us", "grouped_mm_us")]:
-                if row[k] and row[k] != float("inf"):
-                    row[f"floor_over_{k[:-3]}"] = row["floor_us"] / row[k]
+            if "fp8_us" in row:
+                row["fp8_floor_over_time"] = row["fp8_floor_us"] / row["fp8_us"]
         rows.append(row)
-        print(json.dumps({k: v for k, v in row.items() if k != "sweep_trials"}), flush=True)
+        print(json.dumps(row), flush=True)
         if args.partial_out:
             Path(args.partial_out).write_text(json.dumps({"rows": rows}, indent=1))
         torch.cuda.empty_cache()
@@ -271,13 +232,14 @@ def _fmt(v, f="{:.0f}"):
 
 
 def table(rows) -> str:
-    hdr = ("| shape | M | touched | floor µs | torch µs | _grouped_mm µs | triton µs | floor/time |"
-           " vLLM µs | vLLM/triton | rel err | fp8 µs | fp8 err |")
-    lines = [hdr, "|" + "---|" * 13]
+    hdr = ("| shape | M | touched | floor µs | torch µs | _grouped_mm µs | deepspeed µs | "
+           "triton µs | floor/time | vLLM µs | vLLM/triton | rel err | fp8 µs | fp8 err |")
+    lines = [hdr, "|" + "---|" * 14]
     for r in rows:
         lines.append("| " + " | ".join([
             r["shape"], str(r["M"]), _fmt(r.get("experts_touched"), "{:.0f}"),
             _fmt(r.get("floor_us")), _fmt(r.get("torch_us")), _fmt(r.get("grouped_mm_us")),
+            _fmt(r.get("deepspeed_us")),
             _fmt(r.get("triton_us"), "{:.1f}"), _fmt(r.get("floor_over_time"), "{:.2f}"),
             _fmt(r.get("vllm_us")), _fmt(r.get("vllm_over_triton"), "{:.2f}"),
             _fmt(r.get("rel_err_triton"), "{:.1e}"), _fmt(r.get("fp8_us"), "{:.1f}"),
@@ -297,12 +259,11 @@ def main(argv=None) -> int:
     p.add_argument("--no-ceilings", action="store_true")
     p.add_argument("--rows", nargs="+", default=None,
                    help="shape:M[,M...] pairs, run in this order (overrides --shapes/--M)")
-    p.add_argument("--variants", nargs="*", default=[], choices=["classic", "persistent"])
-    p.add_argument("--sweep-max-m", type=int, default=0,
-                   help="sweep persistent-path tiles at M up to this (0: off)")
-    p.add_argument("--sweep-shapes", nargs="*", default=None, help="shapes to sweep (all)")
+    p.add_argument("--profile", action="store_true",
+                   help="add each row's per-kernel device times (torch.profiler)")
     p.add_argument("--no-baselines", action="store_true",
                    help="skip the torch loop and torch._grouped_mm timings")
+    p.add_argument("--no-deepspeed", action="store_true", help="skip the deepspeed backend")
     stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
     p.add_argument("--out", default=f"benchmarks/results/kernel_{stamp}.json")
     a = p.parse_args(argv)
@@ -333,16 +294,10 @@ def main(argv=None) -> int:
     out.write_text(json.dumps(result, indent=1))
     print(f"\nwrote {out}; {result['device']}; {result.get('ceilings')}")
     print(table(rows))
-    extra = [r for r in rows if any(k in r for k in ("persistent_us", "classic_us",
-                                                     "sweep_best_us"))]
-    if extra:
-        print("\n| shape | M | floor | shipped | classic | persistent (shipped tiles) | "
-              "sweep best | vLLM |")
-        for r in extra:
-            print(f"| {r['shape']} | {r['M']} | {_fmt(r.get('floor_us'))} | "
-                  f"{_fmt(r.get('triton_us'), '{:.1f}')} | {_fmt(r.get('classic_us'), '{:.1f}')} | "
-                  f"{_fmt(r.get('persistent_us'), '{:.1f}')} | "
-                  f"{_fmt(r.get('sweep_best_us'), '{:.1f}')} | {_fmt(r.get('vllm_us'))} |")
+    for r in rows:
+        if "triton_kernels_us" in r:
+            print(f"{r['shape']} M={r['M']}: triton {r['triton_us']:.1f} us (graph); kernels: "
+                  + ", ".join(f"{k} {v}" for k, v in r["triton_kernels_us"].items()))
     return 0
 
 

@@ -17,7 +17,7 @@ from kernels.reference import fused_experts_torch
 FP8_DTYPE = torch.float8_e4m3fn
 DEFAULT_BLOCK_SHAPE = (128, 128)
 
-_BACKENDS = ("torch", "triton")
+_BACKENDS = ("torch", "triton", "deepspeed")
 
 
 def _triton_usable(x: torch.Tensor) -> bool:
@@ -108,7 +108,10 @@ def fused_experts(
         topk_ids: [T, K] expert ids: global ids when `expert_map` is given, else local ids in [0, E).
         expert_map: optional [E_global] int tensor mapping global ids to local ids, -1 meaning the
             expert is not on this rank (that slot contributes zero).
-        backend: "torch", "triton", or None for the best one available on the tensors' device.
+        backend: "torch", "triton", "deepspeed", or None for the best one available on the tensors'
+            device (triton, else torch). "deepspeed" (the CUTLASS grouped GEMM of the optional
+            deepspeed-kernels wheel, fp16/bf16 on CUDA, see kernels/deepspeed_moe.py) is only used
+            when asked for by name, never chosen by None.
         w13_scale, w2_scale: FP8 mode (both or neither). w13/w2 are then float8_e4m3fn and the
             scales fp32 [E, ceil(2F/bn), ceil(D/bk)] and [E, ceil(D/bn), ceil(F/bk)] (the grids
             of the stacked [2F, D] and of [D, F]). "triton" runs the FP8 kernel (activations
@@ -135,4 +138,10 @@ def fused_experts(
                                             topk_ids, expert_map, block)
         from kernels.triton_moe import fused_experts_triton
         return fused_experts_triton(hidden_states, w13, w2, topk_weights, topk_ids, expert_map)
+    if backend == "deepspeed":
+        if block is not None:
+            raise ValueError("backend 'deepspeed' has no FP8 path (deepspeed-kernels' MoE GEMM takes "
+                             "fp16/bf16 weights); use backend 'triton' or 'torch' for FP8 experts")
+        from kernels.deepspeed_moe import fused_experts_deepspeed
+        return fused_experts_deepspeed(hidden_states, w13, w2, topk_weights, topk_ids, expert_map)
     raise ValueError(f"unknown fused_experts backend {backend!r}; choose one of {_BACKENDS} or None")

@@ -33,6 +33,12 @@ _MID = [(64, 128, 4, 3), (128, 64, 4, 3), (64, 64, 4, 4), (128, 128, 8, 2), (128
         (128, 128, 4, 2), (64, 64, 4, 3), (256, 128, 4, 2)]
 _LARGE = [(128, 64, 8, 3), (128, 64, 8, 4), (128, 64, 4, 4), (64, 64, 4, 4), (256, 64, 8, 3),
           (256, 64, 8, 4), (128, 128, 8, 2)]
+# --wide adds these at BLOCK_M 16 (decode): deeper pipelines, wider tiles, 8 warps
+_SMALL_WIDE = [(64, 128, 4, 6), (32, 128, 4, 6), (32, 256, 4, 4), (128, 128, 8, 3),
+               (256, 128, 8, 2), (128, 64, 4, 5), (64, 64, 4, 8), (128, 256, 8, 2),
+               (64, 256, 8, 3), (32, 64, 2, 8), (64, 128, 8, 4), (16, 256, 4, 4)]
+# and, for the down GEMM, (SPLIT_K, ATOMIC_SUM) variants of the first few tiles
+_DOWN_SPLITS = [(1, True), (2, True), (4, True)]
 
 
 def _block_ms(rows_per_expert: float) -> list[int]:
@@ -47,8 +53,10 @@ def _block_ms(rows_per_expert: float) -> list[int]:
     return [128, 64]
 
 
-def _candidates(bm: int, gate_up: bool, fp8: bool):
+def _candidates(bm: int, gate_up: bool, fp8: bool, wide: bool = False):
     base = _SMALL if bm <= 16 else _MID if bm <= 64 else _LARGE
+    if wide and bm <= 16:
+        base = base + _SMALL_WIDE
     out = []
     for bn, bk, w, s in base:
         if fp8:
@@ -61,6 +69,9 @@ def _candidates(bm: int, gate_up: bool, fp8: bool):
                "GROUP_SIZE_M": 1 if bm <= 16 else 8, "num_warps": w, "num_stages": s}
         if cfg not in out:
             out.append(cfg)
+    if wide and not gate_up:  # larger BLOCK_M: the atomic sum only, on the first two tiles
+        splits, n = (_DOWN_SPLITS, 4) if bm <= 16 else (_DOWN_SPLITS[:1], 2)
+        out += [dict(c, SPLIT_K=k, ATOMIC_SUM=a) for c in out[:n] for k, a in splits]
     return out
 
 
@@ -138,7 +149,7 @@ def _time_split(cfg_up, cfg_down, problems, fp8_w, M):
     return time_calls([mk(*p) for p in problems], M, reps=14)
 
 
-def tune_one(E, D, F, K, M, dtype, budget_s, fp8_w=None, prior=None):
+def tune_one(E, D, F, K, M, dtype, budget_s, fp8_w=None, prior=None, wide=False):
     """Best (config, ms) for T=M; `prior` (e.g. the shipped config) is tried first."""
     fp8 = fp8_w is not None
     x, w13, w2, tw, ti = make_problem(E, D, F, K, M, dtype, with_weights=not fp8)
@@ -155,7 +166,7 @@ def tune_one(E, D, F, K, M, dtype, budget_s, fp8_w=None, prior=None):
     if prior is not None and prior["BLOCK_SIZE_M"] not in bms:
         bms = [prior["BLOCK_SIZE_M"]] + bms
     for bm in bms:
-        ups, downs = _candidates(bm, True, fp8), _candidates(bm, False, fp8)
+        ups, downs = _candidates(bm, True, fp8, wide), _candidates(bm, False, fp8, wide)
         if prior is not None and prior["BLOCK_SIZE_M"] == bm:
             p_up, p_down = split_config(prior)
             ups = [p_up] + [c for c in ups if c != p_up]
@@ -192,7 +203,7 @@ def tune_one(E, D, F, K, M, dtype, budget_s, fp8_w=None, prior=None):
 
 
 def tune(E, D, F, K, Ms, dtype_name="bf16", budget_s=120.0, out_dir=CONFIG_DIR,
-         block_shape=None):
+         block_shape=None, wide=False):
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32,
              "fp8_w8a8": torch.bfloat16}[dtype_name]
     fp8_w = None
@@ -215,13 +226,15 @@ def tune(E, D, F, K, Ms, dtype_name="bf16", budget_s=120.0, out_dir=CONFIG_DIR,
         if share <= 0 and results:
             break
         prior = nearest_bucket(priors, M) if priors else None
-        cfg, t = tune_one(E, D, F, K, M, dtype, max(share, 1.0), fp8_w, prior)
+        cfg, t = tune_one(E, D, F, K, M, dtype, max(share, 1.0), fp8_w, prior, wide)
         results[M] = cfg
         torch.cuda.empty_cache()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    merged = dict(priors or {})  # buckets not tuned now keep their current config
+    merged.update(results)
     with open(out / name, "w") as f:
-        json.dump({str(m): c for m, c in sorted(results.items())}, f, indent=2)
+        json.dump({str(m): c for m, c in sorted(merged.items())}, f, indent=2)
     print(f"wrote {out / name}")
     return out / name
 
@@ -237,11 +250,15 @@ def main(argv=None) -> int:
                    help="FP8 weight block (bn bk); default 128 128 for fp8_w8a8")
     p.add_argument("--M", type=int, nargs="+", default=[1, 8, 64, 256, 1024, 4096, 16384])
     p.add_argument("--budget-s", type=float, default=120.0, help="time budget of the search")
-    p.add_argument("--out-dir", default=str(CONFIG_DIR))
+    p.add_argument("--out-dir", default=str(CONFIG_DIR),
+                   help="where to write the file; buckets not in --M keep the configs of the "
+                        "file in use now (MOE_KERNEL_CONFIG_DIR or the shipped one)")
+    p.add_argument("--wide", action="store_true",
+                   help="search more decode (BLOCK_M 16) tiles, and split-K / atomic-sum downs")
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
         p.error("tuning needs a CUDA GPU")
-    tune(a.E, a.D, a.F, a.topk, a.M, a.dtype, a.budget_s, a.out_dir, a.block_shape)
+    tune(a.E, a.D, a.F, a.topk, a.M, a.dtype, a.budget_s, a.out_dir, a.block_shape, a.wide)
     return 0
 
 

@@ -237,6 +237,31 @@ def test_config_nearest_bucket_and_default(tmp_path, monkeypatch, caplog):
     cfgmod.load_configs.cache_clear()
 
 
+def test_tuner_candidates():
+    from kernels.triton_moe.tune import _candidates
+    narrow, wide = _candidates(16, False, False), _candidates(16, False, False, wide=True)
+    assert narrow == wide[:len(narrow)] and len(wide) > len(narrow)
+    assert not any("SPLIT_K" in c for c in narrow)
+    assert {c.get("SPLIT_K") for c in wide} == {None, 1, 2, 4}
+    assert not any("SPLIT_K" in c for c in _candidates(16, True, False, wide=True)), \
+        "gate_up has no split-K (SiLU needs whole sums)"
+    fp8 = _candidates(16, True, True, wide=True)
+    assert all(c["BLOCK_SIZE_K"] == 128 and c["BLOCK_SIZE_N"] == 128 for c in fp8)
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+def test_tuner_writes_merged_file(tmp_path, monkeypatch):
+    from kernels.triton_moe.tune import tune
+    name = cfgmod.config_file_name(4, 32, cfgmod.device_name(), "bf16")
+    (tmp_path / name).write_text(json.dumps({"512": SMALL_CFG}))
+    monkeypatch.setenv("MOE_KERNEL_CONFIG_DIR", str(tmp_path))
+    cfgmod.load_configs.cache_clear()
+    tune(4, 64, 32, 2, [8], "bf16", budget_s=5, out_dir=tmp_path)
+    got = json.loads((tmp_path / name).read_text())
+    assert set(got) == {"8", "512"} and got["512"] == SMALL_CFG
+    cfgmod.load_configs.cache_clear()
+
+
 def test_shipped_configs_are_valid():
     files = sorted(cfgmod.CONFIG_DIR.glob("*.json"))
     for f in files:

@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# One device call that checks and times what the CPU cannot: run from the repo root on the GPU
+# machine, with the stages wanted, in order; logs and results go to $OUT (default ./gpu_out).
+#
+#   bash benchmarks/gpu_run.sh fp8 kernel-tests deepspeed tune bench-short
+#   bash benchmarks/gpu_run.sh parallel-fp8 bench-full          # parallel-fp8 needs 2 GPUs
+#
+# Stages:
+#   fp8           CUDA tests of FP8 expert serving (seam + DeepSeek-V3 FP8 checkpoint)
+#   kernel-tests  the real-shape, split-K and CUDA-graph tests of the Triton kernel, the tuner,
+#                 the deepspeed backend's GPU tests
+#   deepspeed     benchmarks/deepspeed_probe.py (loads .dsk/libdeepspeedft.so.xz if carried)
+#   tune          `moe tune-moe --wide` on the short decode rows -> $OUT/configs
+#   bench-short   the kernel bench on the rows that fall short, with $OUT/configs if present
+#   bench-full    the whole kernel bench (TARGETS.md §1) -> $OUT/kernel.json
+#   parallel-fp8  an FP8 DeepSeek-V3 tiny checkpoint under TP2 and TP2+EP2 vs one GPU and its
+#                 dequantised twin (.gpu_ckpts/deepseek_v3_fp8[_twin])
+set -u
+OUT=${OUT:-gpu_out}
+mkdir -p "$OUT"
+export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH}
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+LOG="$OUT/run.log"
+step() { echo "=== $1 ($(date +%T))" | tee -a "$LOG"; shift; "$@" 2>&1 | tee -a "$LOG" | tail -40; }
+[ -f .dsk/libdeepspeedft.so.xz ] && [ ! -f /tmp/libdeepspeedft.so ] && \
+    xz -dc .dsk/libdeepspeedft.so.xz > /tmp/libdeepspeedft.so
+[ -f /tmp/libdeepspeedft.so ] && export MOE_DEEPSPEED_FT_LIB=/tmp/libdeepspeedft.so
+CFG="$OUT/configs"
+for stage in "$@"; do
+  case $stage in
+    fp8) step fp8 timeout 240 python3 -m pytest -q -p no:cacheprovider \
+           tests/kernels/test_fused_experts_seam.py tests/models/test_deepseek_v3_fp8.py ;;
+    kernel-tests) step kernel-tests timeout 240 python3 -m pytest -q -p no:cacheprovider \
+           tests/kernels/test_triton_moe.py -k "real_shapes or graph or tuner" \
+           tests/kernels/test_deepspeed_backend.py ;;
+    deepspeed) step deepspeed timeout 180 python3 benchmarks/deepspeed_probe.py ;;
+    tune)
+      mkdir -p "$CFG"
+      step tune-qwen3 timeout 200 python3 -m kernels.triton_moe.tune --E 128 --D 2048 --F 768 \
+           --topk 8 --M 8 64 --wide --budget-s 160 --out-dir "$CFG"
+      step tune-llama4 timeout 100 python3 -m kernels.triton_moe.tune --E 16 --D 5120 --F 8192 \
+           --topk 1 --M 1 --wide --budget-s 70 --out-dir "$CFG" ;;
+    bench-short) [ -d "$CFG" ] && export MOE_KERNEL_CONFIG_DIR="$CFG"
+      step bench-short timeout 300 python3 benchmarks/bench_kernel.py --no-ceilings --profile \
+           --no-baselines --rows qwen3-30b-a3b:1,8,64,4096 llama4-scout:1 deepseek-v3:64 \
+           --fp8-shapes --out "$OUT/kernel_short.json" ;;
+    bench-full) [ -d "$CFG" ] && export MOE_KERNEL_CONFIG_DIR="$CFG"
+      step bench-full timeout 560 python3 benchmarks/bench_kernel.py --out "$OUT/kernel.json" ;;
+    parallel-fp8) step parallel-fp8 timeout 300 python3 benchmarks/gpu_parallel_check.py \
+           .gpu_ckpts/deepseek_v3_fp8 --layouts tp2 tp2_ep2 --twin .gpu_ckpts/deepseek_v3_fp8_twin \
+           --out "$OUT/parallel_fp8.json" ;;
+    *) echo "unknown stage $stage" | tee -a "$LOG" ;;
+  esac
+done
