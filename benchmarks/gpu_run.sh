@@ -28,20 +28,20 @@ step() { echo "=== $1 ($(date +%T))" | tee -a "$LOG"; shift; "$@" 2>&1 | tee -a 
 CFG="$OUT/configs"
 for stage in "$@"; do
   case $stage in
-    fp8) step fp8 timeout 240 python3 -m pytest -q -p no:cacheprovider \
+    fp8) step fp8 timeout 150 python3 -m pytest -q -p no:cacheprovider \
            tests/kernels/test_fused_experts_seam.py tests/models/test_deepseek_v3_fp8.py ;;
-    kernel-tests) step kernel-tests timeout 240 python3 -m pytest -q -p no:cacheprovider \
+    kernel-tests) step kernel-tests timeout 150 python3 -m pytest -q -p no:cacheprovider \
            tests/kernels/test_triton_moe.py -k "real_shapes or graph or tuner" \
            tests/kernels/test_deepspeed_backend.py ;;
-    deepspeed) step deepspeed timeout 180 python3 benchmarks/deepspeed_probe.py ;;
+    deepspeed) step deepspeed timeout 120 python3 benchmarks/deepspeed_probe.py ;;
     tune)
       mkdir -p "$CFG"
-      step tune-qwen3 timeout 200 python3 -m kernels.triton_moe.tune --E 128 --D 2048 --F 768 \
-           --topk 8 --M 8 64 --wide --budget-s 160 --out-dir "$CFG"
-      step tune-llama4 timeout 100 python3 -m kernels.triton_moe.tune --E 16 --D 5120 --F 8192 \
-           --topk 1 --M 1 --wide --budget-s 70 --out-dir "$CFG" ;;
+      step tune-qwen3 timeout 170 python3 -m kernels.triton_moe.tune --E 128 --D 2048 --F 768 \
+           --topk 8 --M 8 64 --wide --budget-s 130 --out-dir "$CFG"
+      step tune-llama4 timeout 80 python3 -m kernels.triton_moe.tune --E 16 --D 5120 --F 8192 \
+           --topk 1 --M 1 --wide --budget-s 50 --out-dir "$CFG" ;;
     bench-short) [ -d "$CFG" ] && export MOE_KERNEL_CONFIG_DIR="$CFG"
-      step bench-short timeout 300 python3 benchmarks/bench_kernel.py --no-ceilings --profile \
+      step bench-short timeout 200 python3 benchmarks/bench_kernel.py --no-ceilings --profile \
            --no-baselines --rows qwen3-30b-a3b:1,8,64,4096 llama4-scout:1 deepseek-v3:64 \
            --fp8-shapes --out "$OUT/kernel_short.json" ;;
     bench-full) [ -d "$CFG" ] && export MOE_KERNEL_CONFIG_DIR="$CFG"
