@@ -33,7 +33,10 @@ for stage in "$@"; do
     kernel-tests) step kernel-tests timeout 150 python3 -m pytest -q -p no:cacheprovider \
            tests/kernels/test_triton_moe.py -k "real_shapes or graph or tuner" \
            tests/kernels/test_deepspeed_backend.py ;;
-    deepspeed) step deepspeed timeout 120 python3 benchmarks/deepspeed_probe.py ;;
+    deepspeed)  # the library aborts its process on a C++ error: benches use it once it worked
+      echo "=== deepspeed ($(date +%T))" | tee -a "$LOG"
+      timeout 120 python3 benchmarks/deepspeed_probe.py > /tmp/ds.log 2>&1 && touch /tmp/deepspeed_ok
+      tee -a "$LOG" < /tmp/ds.log | tail -40 ;;
     tune)
       mkdir -p "$CFG"
       step tune-qwen3 timeout 170 python3 -m kernels.triton_moe.tune --E 128 --D 2048 --F 768 \
@@ -42,10 +45,27 @@ for stage in "$@"; do
            --topk 1 --M 1 --wide --budget-s 50 --out-dir "$CFG" ;;
     bench-short) [ -d "$CFG" ] && export MOE_KERNEL_CONFIG_DIR="$CFG"
       step bench-short timeout 200 python3 benchmarks/bench_kernel.py --no-ceilings --profile \
-           --no-baselines --rows qwen3-30b-a3b:1,8,64,4096 llama4-scout:1 deepseek-v3:64 \
+           --no-baselines --no-deepspeed --rows qwen3-30b-a3b:1,8,64,4096 llama4-scout:1 deepseek-v3:64 \
            --fp8-shapes --out "$OUT/kernel_short.json" ;;
     bench-full) [ -d "$CFG" ] && export MOE_KERNEL_CONFIG_DIR="$CFG"
-      step bench-full timeout 560 python3 benchmarks/bench_kernel.py --out "$OUT/kernel.json" ;;
+      DS=--no-deepspeed; [ -f /tmp/deepspeed_ok ] && DS=
+      step bench-full timeout 560 python3 benchmarks/bench_kernel.py $DS --out "$OUT/kernel.json" ;;
+    memcheck) nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv | tee -a "$LOG"
+      step memcheck timeout 120 python3 -c '
+import logging, torch
+logging.basicConfig(level=logging.INFO)
+from moe import LLM
+print("mem_get_info", torch.cuda.mem_get_info())
+for kw in ({}, {"gpu_memory_utilization": 0.5}):
+    try:
+        llm = LLM(".gpu_ckpts/deepseek_v3_fp8", device="cuda", dtype="bfloat16", **kw)
+        print(kw, "ok", llm.llm_engine.scheduler_config if hasattr(llm.llm_engine, "scheduler_config") else "")
+        llm.llm_engine.shutdown()
+    except Exception as e:
+        print(kw, "FAILED", e)
+    print("allocated", torch.cuda.memory_allocated(), "peak", torch.cuda.max_memory_allocated(),
+          "mem_get_info", torch.cuda.mem_get_info())
+' ;;
     parallel-fp8) step parallel-fp8 timeout 300 python3 benchmarks/gpu_parallel_check.py \
            .gpu_ckpts/deepseek_v3_fp8 --layouts tp2 tp2_ep2 --twin .gpu_ckpts/deepseek_v3_fp8_twin \
            --out "$OUT/parallel_fp8.json" ;;

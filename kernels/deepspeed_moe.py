@@ -5,7 +5,8 @@ FasterTransformer's `MoeGemmRunner<T, WeightVariant>` already compiled, with the
 in statically, so nothing is built here: the C++ member functions are called by their mangled names.
 The kernels are Ampere-class CUTLASS 2.x grouped GEMMs (Sm80 MmaMultistage: cp.async + mma.sync, no
 wgmma/TMA) from Oct 2023 (0.0.1.dev1698255861); on sm_90 the runner dispatches the same Sm80 kernels
-(the fatbin holds SASS for sm_80/86/89/90 and PTX for compute_80..90).
+(the fatbin holds SASS for sm_80/86/89/90 and PTX for compute_80..90); its host dispatch refuses
+sm_90 itself, so the runner is told it runs on sm_80 (see _MoeGemmRunner).
 
 FT contract of `moe_gemm(this, A, B, weight_scales, C, ends, total_rows, n, k, num_experts, stream)`
 (DeepSpeed-Kernels moe_gemm_kernels_template.h / moe_cutlass_kernel.h, DeepSpeed v2 moe_gemm.cu):
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import struct
 from typing import Callable
 
 import torch
@@ -108,6 +110,16 @@ class _MoeGemmRunner:
         self._obj = ctypes.create_string_buffer(_OBJECT_BYTES)  # kept alive as long as the runner
         with torch.cuda.device(device_index):
             ctor(ctypes.addressof(self._obj))
+        # The object is {int sm_; int multi_processor_count_;}. Its host dispatch throws "Arch
+        # unsupported for MoE GEMM" for sm_ >= 90 (seen on an H200), although the fatbin holds
+        # sm_90 code of the same Sm80 kernels: record sm_80, the newest arch it dispatches.
+        sm, sms = struct.unpack_from("ii", self._obj)
+        props = torch.cuda.get_device_properties(device_index)
+        if (sm, sms) != (props.major * 10 + props.minor, props.multi_processor_count):
+            raise RuntimeError(f"backend 'deepspeed': unexpected MoeGemmRunner layout (read sm={sm}, "
+                               f"SMs={sms}); refusing to call a library this module does not know")
+        if sm >= 90:
+            struct.pack_into("i", self._obj, 0, 80)
 
     def __call__(self, a_RK, w_EKN, ends_E, out_RN, stream: int) -> None:
         R, K = a_RK.shape
