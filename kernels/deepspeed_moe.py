@@ -5,8 +5,13 @@ FasterTransformer's `MoeGemmRunner<T, WeightVariant>` already compiled, with the
 in statically, so nothing is built here: the C++ member functions are called by their mangled names.
 The kernels are Ampere-class CUTLASS 2.x grouped GEMMs (Sm80 MmaMultistage: cp.async + mma.sync, no
 wgmma/TMA) from Oct 2023 (0.0.1.dev1698255861); on sm_90 the runner dispatches the same Sm80 kernels
-(the fatbin holds SASS for sm_80/86/89/90 and PTX for compute_80..90); its host dispatch refuses
-sm_90 itself, so the runner is told it runs on sm_80 (see _MoeGemmRunner).
+(the fatbin holds SASS for sm_80/86/89/90 and PTX for compute_80..90).
+
+Hopper (cc 9.x) is refused, measured on an H200 (torch 2.11+cu130, driver CUDA 13.0): the library's
+host dispatch throws "[FT Error][MoE][GEMM Dispatch] Arch unsupported for MoE GEMM" for sm_90 (a
+C++ exception: it aborts the process), and with the runner's recorded SM overwritten to 80 the
+calls return without error but write nothing (outputs all zero, NaN from uninitialised rows).
+So the backend runs on cc 8.x only, where its kernels were built to dispatch.
 
 FT contract of `moe_gemm(this, A, B, weight_scales, C, ends, total_rows, n, k, num_experts, stream)`
 (DeepSpeed-Kernels moe_gemm_kernels_template.h / moe_cutlass_kernel.h, DeepSpeed v2 moe_gemm.cu):
@@ -82,12 +87,24 @@ def _library() -> ctypes.CDLL:
     return _libs[path]
 
 
+def _unsupported_arch(cc: tuple[int, int]) -> str | None:
+    """Why the library cannot run on compute capability `cc`, or None if it can."""
+    if cc < (8, 0):
+        return (f"backend 'deepspeed' needs compute capability 8.x (its fatbin holds sm_80..sm_90 "
+                f"code only), this GPU is {cc[0]}.{cc[1]}")
+    if cc >= (9, 0):
+        return (f"backend 'deepspeed' cannot run on compute capability {cc[0]}.{cc[1]}: the "
+                "deepspeed-kernels MoE GEMM dispatch refuses sm_90 ('Arch unsupported for MoE "
+                "GEMM'), and its Sm80 kernels forced onto an H200 write nothing; use 'triton'")
+    return None
+
+
 def available(device: torch.device | str) -> bool:
-    """True when `device` is a CUDA device of compute capability >= 8.0 and the library loads."""
+    """True when `device` is a CUDA device of compute capability 8.x and the library loads."""
     device = torch.device(device)
     if device.type != "cuda" or not torch.cuda.is_available():
         return False
-    if torch.cuda.get_device_capability(device) < (8, 0):
+    if _unsupported_arch(torch.cuda.get_device_capability(device)):
         return False
     try:
         _library()
@@ -110,16 +127,13 @@ class _MoeGemmRunner:
         self._obj = ctypes.create_string_buffer(_OBJECT_BYTES)  # kept alive as long as the runner
         with torch.cuda.device(device_index):
             ctor(ctypes.addressof(self._obj))
-        # The object is {int sm_; int multi_processor_count_;}. Its host dispatch throws "Arch
-        # unsupported for MoE GEMM" for sm_ >= 90 (seen on an H200), although the fatbin holds
-        # sm_90 code of the same Sm80 kernels: record sm_80, the newest arch it dispatches.
+        # The object is {int sm_; int multi_processor_count_;}: check that this is the library
+        # this module was written against before any GEMM call (its errors abort the process).
         sm, sms = struct.unpack_from("ii", self._obj)
         props = torch.cuda.get_device_properties(device_index)
         if (sm, sms) != (props.major * 10 + props.minor, props.multi_processor_count):
             raise RuntimeError(f"backend 'deepspeed': unexpected MoeGemmRunner layout (read sm={sm}, "
                                f"SMs={sms}); refusing to call a library this module does not know")
-        if sm >= 90:
-            struct.pack_into("i", self._obj, 0, 80)
 
     def __call__(self, a_RK, w_EKN, ends_E, out_RN, stream: int) -> None:
         R, K = a_RK.shape
@@ -135,10 +149,9 @@ def _runner(dtype: torch.dtype, device: torch.device) -> _MoeGemmRunner:
                          "instantiates no fp32 MoeGemmRunner")
     index = device.index if device.index is not None else torch.cuda.current_device()
     if (dtype, index) not in _runners:
-        cc = torch.cuda.get_device_capability(index)
-        if cc < (8, 0):
-            raise ValueError(f"backend 'deepspeed' needs compute capability >= 8.0 (its fatbin holds "
-                             f"sm_80..sm_90 code only), cuda:{index} is {cc[0]}.{cc[1]}")
+        reason = _unsupported_arch(torch.cuda.get_device_capability(index))
+        if reason:
+            raise ValueError(f"{reason} (cuda:{index})")
         _runners[dtype, index] = _MoeGemmRunner(_library(), dtype, index)
     return _runners[dtype, index]
 

@@ -201,12 +201,29 @@ def test_fp32_is_refused_with_the_reason():
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 needs_library = pytest.mark.skipif(
     not deepspeed_moe.available("cuda"),
-    reason=f"needs CUDA (cc >= 8.0) and libdeepspeedft.so (pip install deepspeed-kernels or "
+    reason=f"needs CUDA (cc 8.x) and libdeepspeedft.so (pip install deepspeed-kernels or "
            f"{deepspeed_moe.LIB_ENV})")
 
 
 def _rel(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def test_supported_archs():
+    assert deepspeed_moe._unsupported_arch((8, 0)) is None
+    assert deepspeed_moe._unsupported_arch((8, 9)) is None
+    assert "7.5" in deepspeed_moe._unsupported_arch((7, 5))
+    assert "refuses sm_90" in deepspeed_moe._unsupported_arch((9, 0))
+
+
+@pytest.mark.skipif(not (torch.cuda.is_available() and deepspeed_moe.library_path()
+                         and torch.cuda.get_device_capability() >= (9, 0)),
+                    reason="needs a Hopper GPU and libdeepspeedft.so")
+def test_gpu_hopper_is_refused_with_the_reason():
+    x, w13, w2, w, ids = _inputs(3, 64, 32, 4, 2, torch.bfloat16, device="cuda")
+    assert not deepspeed_moe.available("cuda")
+    with pytest.raises(ValueError, match="refuses sm_90"):
+        kernels.fused_experts(x, w13, w2, w, ids, backend="deepspeed")
 
 
 @needs_cuda
