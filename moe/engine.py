@@ -123,6 +123,7 @@ class LLMEngine:
         self.metrics = EngineMetrics(args.model)
         self._parents: dict[str, _Parent] = {}
         self.num_steps = 0
+        self._shut_down = False
         self._child_to_parent: dict[str, str] = {}
         self._last_stats_log = time.monotonic()
         self._totals = {"preemptions": 0, "queries": 0, "hits": 0, "generation": 0}
@@ -196,6 +197,8 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt, params: SamplingParams,
                     processed: ProcessedPrompt | None = None) -> None:
+        if self._shut_down:
+            raise RuntimeError("this engine was shut down (LLM.shutdown): make a new LLM")
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
         if request_id in self._parents:
@@ -234,6 +237,8 @@ class LLMEngine:
 
     # ---- the loop ----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        if self._shut_down:
+            raise RuntimeError("this engine was shut down (LLM.shutdown): make a new LLM")
         self.num_steps += 1
         if isinstance(self.scheduler, DataParallelScheduler):
             sos = self.scheduler.schedule()
@@ -330,4 +335,6 @@ class LLMEngine:
         return self.metrics.snapshot()
 
     def shutdown(self) -> None:
+        """Stop the workers and release the model and the KV cache (GPU memory included)."""
+        self._shut_down = True
         self.executor.shutdown()

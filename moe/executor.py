@@ -70,6 +70,15 @@ class InProcessExecutor(Executor):
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.worker.runner.execute_model(scheduler_output)
 
+    def shutdown(self) -> None:
+        # Drop the model and the KV cache now, not when the LLM is collected: a second LLM in
+        # the same process sizes its KV cache from the GPU memory left free.
+        if self.worker is not None:
+            self.worker.runner.kv_caches = []
+            self.worker = None
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+
 
 def make_executor(model_cls: type, config: ModelConfig, model_path: str, args: EngineArgs,
                   device: torch.device, dtype: torch.dtype, eos_token_ids: tuple[int, ...]) -> Executor:

@@ -208,7 +208,8 @@ def test_ep_holds_only_local_fp8_experts(parallel_state):
 def test_fp8_experts_on_cuda_close_to_dequantised_twin(fp8_ckpt, dtype):
     """Auto mode on CUDA keeps the experts FP8; activations are quantised per 128-group there,
     so the first step's distribution is compared within a tolerance, not token for token."""
-    kw = dict(device="cuda", dtype=dtype, max_tokens=1, logprobs=20)
+    # A small KV cache: by default each LLM takes 90% of the GPU, and three are made here.
+    kw = dict(device="cuda", dtype=dtype, max_tokens=1, logprobs=20, kv_cache_memory_bytes=1 << 28)
     llm, outs = _run(fp8_ckpt[0], **kw)
     assert _expert_params(llm)["model.layers.1.mlp.experts.w13_weight"].dtype == torch.float8_e4m3fn
     _, twin = _run(fp8_ckpt[1], **kw)
@@ -222,5 +223,5 @@ def test_fp8_experts_on_cuda_close_to_dequantised_twin(fp8_ckpt, dtype):
         if best_twin[0] - best_twin[1] > 2 * tol:  # a clear winner must win in FP8 too
             assert ours.token_ids == theirs.token_ids
     # Decoding several steps with FP8 experts stays finite and full length.
-    _, longer = _run(fp8_ckpt[0], device="cuda", dtype=dtype, max_tokens=8)
+    _, longer = _run(fp8_ckpt[0], device="cuda", dtype=dtype, max_tokens=8, kv_cache_memory_bytes=1 << 28)
     assert all(len(o.token_ids) == 8 and torch.isfinite(_chosen_logprobs(o)).all() for o in longer)

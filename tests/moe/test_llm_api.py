@@ -154,3 +154,13 @@ def test_metrics(llm):
 def test_unknown_engine_argument():
     with pytest.raises(TypeError, match="unknown engine argument.*bogus"):
         LLM("tiny-qwen3-moe", bogus=1)
+
+
+def test_shutdown_releases_the_model_and_refuses_new_work(qwen3_ckpt):
+    import weakref
+    with LLM(qwen3_ckpt, dtype="float32", device="cpu") as llm:
+        assert len(llm.generate(["Hello"], greedy(2), use_tqdm=False)[0].outputs[0].token_ids) == 2
+        model = weakref.ref(llm.llm_engine.executor.worker.model)
+    assert model() is None, "shutdown drops the model (and the KV cache with the runner)"
+    with pytest.raises(RuntimeError, match="shut down"):
+        llm.generate(["Hello"], greedy(2), use_tqdm=False)
