@@ -115,6 +115,21 @@ def kernel_breakdown(fns, calls: int = 8) -> dict:
     return dict(sorted(out.items(), key=lambda kv: -kv[1]))
 
 
+def time_alignment_paths(rts, E, F, K, M, reps) -> dict:
+    """µs of align_tokens alone on each path it can take here (the shipped BLOCK_M)."""
+    from kernels.triton_moe.align import SMALL_ALIGN_MAX_ROWS, align_tokens
+    from kernels.triton_moe.config import get_config
+    from kernels.triton_moe.tune import time_calls
+    bm = get_config(M, E, F, K, torch.bfloat16)["BLOCK_SIZE_M"]
+    out = {}
+    for path in ("small", "large"):
+        if path == "small" and M * K > SMALL_ALIGN_MAX_ROWS:
+            continue
+        out[f"align_{path}_us"] = 1e3 * time_calls(
+            [lambda ti=ti: align_tokens(ti, E, bm, path=path) for _, ti in rts], M, reps=reps)
+    return out
+
+
 def deepspeed_backend(args):
     """fused_experts_deepspeed if its library loads here (and not --no-deepspeed), else None."""
     if args.no_deepspeed:
@@ -163,6 +178,7 @@ def bench_shape(name, Ms, args, rows):
                 row["triton_kernels_us"] = kernel_breakdown(
                     [lambda tw=tw, ti=ti: fused_experts_triton(x, w13, w2, tw, ti)
                      for tw, ti in rts])
+                row.update(time_alignment_paths(rts, E, F, K, M, args.reps))
             if ds is not None:
                 try:
                     row["rel_err_deepspeed"] = rel_err(ds(xc, w13, w2, twc, tic), ref)

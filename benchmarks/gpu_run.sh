@@ -31,7 +31,7 @@ for stage in "$@"; do
     fp8) step fp8 timeout 150 python3 -m pytest -q -p no:cacheprovider \
            tests/kernels/test_fused_experts_seam.py tests/models/test_deepseek_v3_fp8.py ;;
     kernel-tests) step kernel-tests timeout 150 python3 -m pytest -q -p no:cacheprovider \
-           tests/kernels/test_triton_moe.py -k "real_shapes or graph or tuner" \
+           tests/kernels/test_triton_moe.py -k "real_shapes or graph or tuner or alignment" \
            tests/kernels/test_deepspeed_backend.py ;;
     deepspeed)  # the library aborts its process on a C++ error: benches use it once it worked
       echo "=== deepspeed ($(date +%T))" | tee -a "$LOG"
@@ -45,11 +45,11 @@ for stage in "$@"; do
            --topk 1 --M 1 --wide --budget-s 50 --out-dir "$CFG" ;;
     bench-short) [ -d "$CFG" ] && export MOE_KERNEL_CONFIG_DIR="$CFG"
       step bench-short timeout 200 python3 benchmarks/bench_kernel.py --no-ceilings --profile \
-           --no-baselines --no-deepspeed --rows qwen3-30b-a3b:1,8,64,4096 llama4-scout:1 deepseek-v3:64 \
+           --no-baselines --no-deepspeed --rows qwen3-30b-a3b:1,8,64,256,4096 llama4-scout:1 deepseek-v3:8,64,256 \
            --fp8-shapes --out "$OUT/kernel_short.json" ;;
     bench-full) [ -d "$CFG" ] && export MOE_KERNEL_CONFIG_DIR="$CFG"
       DS=--no-deepspeed; [ -f /tmp/deepspeed_ok ] && DS=
-      step bench-full timeout 560 python3 benchmarks/bench_kernel.py $DS --out "$OUT/kernel.json" ;;
+      step bench-full timeout 560 python3 benchmarks/bench_kernel.py $DS --profile --out "$OUT/kernel.json" ;;
     memcheck) nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv | tee -a "$LOG"
       step memcheck timeout 120 python3 -c '
 import logging, torch

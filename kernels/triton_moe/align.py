@@ -17,9 +17,9 @@ P and B depend only on shapes (never on the data), so the whole thing is CUDA-gr
     P = R + min(R, E + 1) * (BM - 1),  B = ceil(P / BM)
 (at most min(R, E+1) buckets are non-empty and each wastes at most BM-1 rows).
 
-Two paths: one program for small R (decode: a single launch, stable order within an expert),
-and count -> prefix -> scatter kernels with atomics for large R (order within an expert is then
-arbitrary, which does not change any row's result).
+Two paths: one program for small R (decode: a single launch), and count -> prefix -> scatter
+kernels for large R. Both place rows with atomics, so the order within an expert is arbitrary,
+which does not change any row's result.
 """
 from __future__ import annotations
 
@@ -27,7 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
-SMALL_ALIGN_MAX_ROWS = 1024
+SMALL_ALIGN_MAX_ROWS = 4096  # what the one-program path can take (all rows in registers)
+AUTO_SMALL_ROWS = 1024  # path="auto" takes it up to here
 
 
 def max_padded_rows(num_rows: int, num_experts: int, block_m: int) -> int:
@@ -67,36 +68,35 @@ def _fill_blocks(sorted_ptr, expert_ids_ptr, j, jmask, starts, counts, ends, tot
 
 
 @triton.jit
-def _align_small_kernel(ids_ptr, emap_ptr, sorted_ptr, expert_ids_ptr, npp_ptr,
-                        numel, E, max_blocks,
-                        BLOCK_M: tl.constexpr, NB: tl.constexpr, CHUNK: tl.constexpr,
-                        BLK_CHUNK: tl.constexpr, HAS_MAP: tl.constexpr):
+def _align_small_kernel(ids_ptr, emap_ptr, sorted_ptr, expert_ids_ptr, npp_ptr, cursor_ptr,
+                        numel, E, num_rows_padded, num_blocks,
+                        BLOCK_M: tl.constexpr, NB: tl.constexpr, RP: tl.constexpr,
+                        BP: tl.constexpr, CHUNK: tl.constexpr, HAS_MAP: tl.constexpr):
+    """One program, every row at once (RP >= numel): histogram -> padded prefix -> block experts
+    from a histogram of the buckets' end blocks -> sentinels -> rows scattered by atomics on a
+    cursor per bucket (order within an expert arbitrary)."""
     bins = tl.arange(0, NB)
-    counts = tl.zeros([NB], dtype=tl.int32)
-    for start in range(0, numel, CHUNK):
-        offs = start + tl.arange(0, CHUNK)
-        b = _bucket_of(ids_ptr, emap_ptr, offs, offs < numel, E, NB, HAS_MAP)
-        counts += tl.histogram(b, NB)
-    counts = tl.where(bins <= E, counts, 0)
+    offs = tl.arange(0, RP)
+    m = offs < numel
+    b = _bucket_of(ids_ptr, emap_ptr, offs, m, E, NB, HAS_MAP)
+    counts = tl.where(bins <= E, tl.histogram(b, NB), 0)
     padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     ends = tl.cumsum(padded, axis=0)
-    starts = ends - padded
     total = tl.sum(padded, axis=0)
     tl.store(npp_ptr, total)
-    cursor = starts
-    for start in range(0, numel, CHUNK):
-        offs = start + tl.arange(0, CHUNK)
-        m = offs < numel
-        b = _bucket_of(ids_ptr, emap_ptr, offs, m, E, NB, HAS_MAP)
-        onehot = (b[:, None] == bins[None, :]).to(tl.int32)
-        before = tl.cumsum(onehot, axis=0) - onehot  # earlier rows of the same bucket in chunk
-        pos = tl.sum(onehot * (before + cursor[None, :]), axis=1)
-        tl.store(sorted_ptr + pos, offs, mask=m)
-        cursor += tl.sum(onehot, axis=0)
-    for jb in range(0, max_blocks, BLK_CHUNK):
-        j = jb + tl.arange(0, BLK_CHUNK)
-        _fill_blocks(sorted_ptr, expert_ids_ptr, j, j < max_blocks, starts, counts, ends, total,
-                     E, numel, NB, BLOCK_M)
+    # Block j belongs to the bucket whose block range holds it = the number of buckets that end
+    # at or before block j (empty buckets included); past `total` it is unused (-1).
+    j = tl.arange(0, BP)
+    bidx = tl.cumsum(tl.histogram(ends // BLOCK_M, BP), axis=0)
+    eid = tl.where((bidx < E) & (j * BLOCK_M < total), bidx, -1)
+    tl.store(expert_ids_ptr + j, eid, mask=j < num_blocks)
+    for start in range(0, num_rows_padded, CHUNK):  # sentinels first, real rows over them
+        r = start + tl.arange(0, CHUNK)
+        tl.store(sorted_ptr + r, tl.zeros_like(r) + numel, mask=r < num_rows_padded)
+    tl.store(cursor_ptr + bins, ends - padded)
+    tl.debug_barrier()  # the sentinels and the cursors are visible to every thread
+    pos = tl.atomic_add(cursor_ptr + b, 1, mask=m)
+    tl.store(sorted_ptr + pos, offs, mask=m)
 
 
 @triton.jit
@@ -176,12 +176,16 @@ def align_tokens(topk_ids_TK: torch.Tensor, num_experts: int, block_m: int,
     emap = expert_map_E if has_map else ids
     blk_chunk = max(1, min(64, 8192 // (NB * 2)))
     if path == "auto":
-        path = "small" if numel <= SMALL_ALIGN_MAX_ROWS else "large"
+        path = "small" if numel <= AUTO_SMALL_ROWS else "large"
     if path == "small":
-        chunk = max(16, min(triton.next_power_of_2(max(numel, 1)), 8192 // NB))
-        _align_small_kernel[(1,)](ids, emap, sorted_ids, expert_ids, npp, numel, num_experts, B,
-                                  BLOCK_M=block_m, NB=NB, CHUNK=chunk, BLK_CHUNK=blk_chunk,
-                                  HAS_MAP=has_map, num_warps=4)
+        if numel > SMALL_ALIGN_MAX_ROWS:
+            raise ValueError(f"path='small' takes at most {SMALL_ALIGN_MAX_ROWS} rows, got {numel}")
+        cursor = torch.empty(NB, dtype=torch.int32, device=dev)
+        _align_small_kernel[(1,)](ids, emap, sorted_ids, expert_ids, npp, cursor, numel,
+                                  num_experts, P, B, BLOCK_M=block_m, NB=NB,
+                                  RP=triton.next_power_of_2(max(numel, 16)),
+                                  BP=triton.next_power_of_2(B + 1), CHUNK=4096,
+                                  HAS_MAP=has_map, num_warps=8)
         return sorted_ids, expert_ids, npp
     chunk = 1024
     counts = torch.zeros(4 * NB, dtype=torch.int32, device=dev)

@@ -77,7 +77,8 @@ def check_alignment(ids, E, bm, emap, path):
 @pytest.mark.parametrize("path", ["small", "large"])
 @pytest.mark.parametrize("T,K,E,bm,with_map", [
     (1, 1, 1, 16, False), (1, 8, 16, 16, False), (37, 2, 5, 16, False), (64, 4, 8, 32, False),
-    (300, 2, 3, 16, False), (9, 3, 6, 16, True), (700, 2, 33, 64, True)])
+    (300, 2, 3, 16, False), (9, 3, 6, 16, True), (700, 2, 33, 64, True),
+    (1500, 2, 250, 16, False)])
 def test_alignment_matches_torch(path, T, K, E, bm, with_map):
     g = torch.Generator().manual_seed(T * 31 + E)
     emap = None
