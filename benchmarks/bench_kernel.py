@@ -115,6 +115,18 @@ def kernel_breakdown(fns, calls: int = 8) -> dict:
     return dict(sorted(out.items(), key=lambda kv: -kv[1]))
 
 
+def host_time_us(fn, reps: int) -> float:
+    """Median µs until `fn` returns on the host (its launches), the GPU drained between calls."""
+    ts = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    torch.cuda.synchronize()
+    return 1e6 * sorted(ts)[len(ts) // 2]
+
+
 def time_alignment_paths(rts, E, F, K, M, reps) -> dict:
     """µs of align_tokens alone on each path it can take here (the shipped BLOCK_M)."""
     from kernels.triton_moe.align import SMALL_ALIGN_MAX_ROWS, align_tokens
@@ -179,6 +191,8 @@ def bench_shape(name, Ms, args, rows):
                     [lambda tw=tw, ti=ti: fused_experts_triton(x, w13, w2, tw, ti)
                      for tw, ti in rts])
                 row.update(time_alignment_paths(rts, E, F, K, M, args.reps))
+                row["triton_host_us"] = host_time_us(
+                    lambda: fused_experts_triton(x, w13, w2, *rts[0]), args.reps)
             if ds is not None:
                 try:
                     row["rel_err_deepspeed"] = rel_err(ds(xc, w13, w2, twc, tic), ref)

@@ -43,6 +43,15 @@ for stage in "$@"; do
            --topk 8 --M 8 64 --wide --budget-s 130 --out-dir "$CFG"
       step tune-llama4 timeout 80 python3 -m kernels.triton_moe.tune --E 16 --D 5120 --F 8192 \
            --topk 1 --M 1 --wide --budget-s 50 --out-dir "$CFG" ;;
+    tune-prefill)  # qwen3 prefill buckets, with the atomic top-k sum among the downs
+      mkdir -p "$CFG"
+      step tune-prefill timeout 200 python3 -m kernels.triton_moe.tune --E 128 --D 2048 --F 768 \
+           --topk 8 --M 4096 16384 --wide --budget-s 150 --out-dir "$CFG"
+      cp "$CFG"/E=128* "$OUT/cfg_qwen3.json" ;;
+    bench-prefill) [ -d "$CFG" ] && export MOE_KERNEL_CONFIG_DIR="$CFG"
+      step bench-prefill timeout 200 python3 benchmarks/bench_kernel.py --no-ceilings --profile \
+           --no-baselines --no-deepspeed --rows qwen3-30b-a3b:4096,16384 llama4-scout:1 \
+           --fp8-shapes --out "$OUT/kernel_prefill.json" ;;
     bench-short) [ -d "$CFG" ] && export MOE_KERNEL_CONFIG_DIR="$CFG"
       step bench-short timeout 200 python3 benchmarks/bench_kernel.py --no-ceilings --profile \
            --no-baselines --no-deepspeed --rows qwen3-30b-a3b:1,8,64,256,4096 llama4-scout:1 deepseek-v3:8,64,256 \
