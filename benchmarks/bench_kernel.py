@@ -129,14 +129,12 @@ def host_time_us(fn, reps: int) -> float:
 
 def time_alignment_paths(rts, E, F, K, M, reps) -> dict:
     """µs of align_tokens alone on each path it can take here (the shipped BLOCK_M)."""
-    from kernels.triton_moe.align import SMALL_ALIGN_MAX_ROWS, align_tokens
+    from kernels.triton_moe.align import align_tokens
     from kernels.triton_moe.config import get_config
     from kernels.triton_moe.tune import time_calls
     bm = get_config(M, E, F, K, torch.bfloat16)["BLOCK_SIZE_M"]
     out = {}
     for path in ("small", "large"):
-        if path == "small" and M * K > SMALL_ALIGN_MAX_ROWS:
-            continue
         out[f"align_{path}_us"] = 1e3 * time_calls(
             [lambda ti=ti: align_tokens(ti, E, bm, path=path) for _, ti in rts], M, reps=reps)
     return out
