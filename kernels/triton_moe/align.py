@@ -28,9 +28,12 @@ import triton
 import triton.language as tl
 
 SMALL_CHUNK_ROWS = 4096  # rows the one-program path holds at a time
-# path="auto" takes the one-program path up to here: one launch instead of four matters more
-# than its longer run (each launch costs ~70 µs of host time on the H200 VMs measured).
-AUTO_SMALL_ROWS = 65536
+# path="auto" (measured on an H200, BENCHMARKS.md §1): inside a CUDA graph only GPU time counts,
+# and the one program is the faster up to ~4096 rows (8192: 29 µs against 11); called eagerly,
+# each launch costs ~70 µs of host time on the VMs measured, so one launch instead of four wins
+# up to 65536 rows (32768: a tie; 16384: 103 µs against 204).
+AUTO_SMALL_ROWS_GRAPH = 4096
+AUTO_SMALL_ROWS_EAGER = 65536
 
 
 def max_padded_rows(num_rows: int, num_experts: int, block_m: int) -> int:
@@ -154,6 +157,13 @@ def _align_scatter_kernel(ids_ptr, emap_ptr, counts_ptr, sorted_ptr, expert_ids_
                      E, numel, NB, BLOCK_M)
 
 
+def auto_path(num_rows: int, num_blocks: int, capturing: bool) -> str:
+    """The alignment path for `num_rows` rows: see AUTO_SMALL_ROWS_GRAPH / _EAGER."""
+    limit = AUTO_SMALL_ROWS_GRAPH if capturing else AUTO_SMALL_ROWS_EAGER
+    # the one program also holds a histogram over every block
+    return "small" if num_rows <= limit and num_blocks < 16384 else "large"
+
+
 def align_tokens(topk_ids_TK: torch.Tensor, num_experts: int, block_m: int,
                  expert_map_E: torch.Tensor | None = None, path: str = "auto"):
     """Sort (token, slot) rows by local expert and pad each expert to `block_m` rows.
@@ -183,7 +193,7 @@ def align_tokens(topk_ids_TK: torch.Tensor, num_experts: int, block_m: int,
     emap = expert_map_E if has_map else ids
     blk_chunk = max(1, min(64, 8192 // (NB * 2)))
     if path == "auto":
-        path = "small" if numel <= AUTO_SMALL_ROWS and B < 16384 else "large"
+        path = auto_path(numel, B, ids.is_cuda and torch.cuda.is_current_stream_capturing())
     if path == "small":
         cursor = torch.empty(NB, dtype=torch.int32, device=dev)
         _align_small_kernel[(1,)](ids, emap, sorted_ids, expert_ids, npp, cursor, numel,

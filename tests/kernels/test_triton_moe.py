@@ -95,6 +95,15 @@ def test_alignment_matches_torch(path, T, K, E, bm, with_map, monkeypatch):
     check_alignment(ids.to(DEV), E, bm, emap, path)
 
 
+def test_alignment_auto_path():
+    from kernels.triton_moe.align import auto_path
+    assert auto_path(512, 160, capturing=True) == auto_path(512, 160, capturing=False) == "small"
+    assert auto_path(8192, 1000, capturing=True) == "large"  # graphs: GPU time only
+    assert auto_path(8192, 1000, capturing=False) == "small"  # eager: fewer launches
+    assert auto_path(131072, 9000, capturing=False) == "large"
+    assert auto_path(60000, 20000, capturing=False) == "large"  # too many blocks for one program
+
+
 # --- the expert layer -----------------------------------------------------------------------
 
 @needs_triton_device
