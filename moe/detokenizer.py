@@ -1,8 +1,11 @@
 """Incremental detokenisation with stop strings.
 
-Each token goes through the tokenizers library's DecodeStream (one call into Rust per token),
-which holds back a multi-byte character cut across tokens until it is whole. The text equals
-a full decode of the output tokens.
+With stop strings, each token goes through the tokenizers library's DecodeStream as it comes
+(one call into Rust per token), which holds back a multi-byte character cut across tokens until
+it is whole, and the stop strings are searched in the new text. Without stop strings nothing
+needs the text before it is read: the tokens are only collected, and a read at the end makes the
+text with one full decode (a read mid-generation streams the tokens instead). Either way the text
+equals a full decode of the output tokens.
 """
 from __future__ import annotations
 
@@ -27,9 +30,21 @@ class IncrementalDetokenizer:
         self._pieces: list[str] = []
         self._text: str | None = ""
         self.stop_buffer = max((len(s) for s in stop), default=1) - 1
+        self._unread: list[int] = []  # no stop strings: tokens not decoded yet
+        self._streamed = False  # some token went through the stream
+        self._finished = False
 
     @property
     def output_text(self) -> str:
+        if self._unread:
+            if self._finished and not self._streamed:
+                self._pieces = [self.tokenizer.decode(self._unread, self.skip_special_tokens)]
+            else:
+                self._feed(self._unread)
+                if self._finished:
+                    self._flush_pending()
+            self._unread = []
+            self._text = None
         if self._text is None:
             self._text = "".join(self._pieces)
             self._pieces = [self._text]
@@ -39,7 +54,14 @@ class IncrementalDetokenizer:
         """Add tokens; returns the stop string that ended the text, if one did."""
         if self.tokenizer is None:
             return None
-        for token in new_token_ids:
+        if not self.stop:
+            self._unread.extend(new_token_ids)
+            return None
+        return self._feed(new_token_ids)
+
+    def _feed(self, token_ids: list[int]) -> str | None:
+        self._streamed = True
+        for token in token_ids:
             chunk = self._stream.step(self.tokenizer.backend, token)
             if chunk is None:
                 self._pending.append(token)
@@ -54,6 +76,12 @@ class IncrementalDetokenizer:
     def flush(self) -> str | None:
         """At the end of generation, emit what was held back (a final incomplete character
         decodes to U+FFFD, as a full decode of the tokens would show it)."""
+        self._finished = True
+        if self._unread:
+            return None  # decoded when read
+        return self._flush_pending()
+
+    def _flush_pending(self) -> str | None:
         if self.tokenizer is None or not self._pending:
             return None
         text = self.tokenizer.decode(self._pending, self.skip_special_tokens)

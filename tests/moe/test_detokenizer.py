@@ -54,3 +54,27 @@ def test_stop_string_truncates(tokenizer):
         if detok.update([t]):
             break
     assert detok.output_text == "The quick brown"
+
+
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+def test_text_read_at_the_end_equals_text_read_along_the_way(tokenizer, skip_special_tokens):
+    """Without stop strings the text is made by one decode when read at the end; read during
+    generation, the tokens go through the stream: both equal a full decode, on random ids (cut
+    characters, special tokens, U+FFFD included)."""
+    import random
+    rng = random.Random(0)
+    vocab = tokenizer.backend.get_vocab_size()
+    for _ in range(300):
+        ids = [rng.randrange(vocab) for _ in range(rng.randrange(1, 30))]
+        at_end = IncrementalDetokenizer(tokenizer, [], [], False, skip_special_tokens)
+        along = IncrementalDetokenizer(tokenizer, [], [], False, skip_special_tokens)
+        cut = rng.randrange(len(ids) + 1)
+        at_end.update(ids[:cut])
+        at_end.update(ids[cut:])
+        for t in ids:
+            along.update([t])
+            along.output_text  # a mid-generation read streams what came so far
+        at_end.flush()
+        along.flush()
+        want = tokenizer.decode(ids, skip_special_tokens)
+        assert at_end.output_text == want and along.output_text == want
