@@ -13,6 +13,7 @@ appends exactly the tokens the driver drew, whatever the sampling parameters.
 """
 from __future__ import annotations
 
+import itertools
 import logging
 from dataclasses import dataclass, field
 
@@ -137,9 +138,9 @@ class ModelRunner:
         np.cumsum(n, out=qsl[1:])
         seq_lens = computed + n
         input_ids: list[int] = []
-        for i, s in enumerate(states):
+        for s, k in zip(states, n.tolist()):  # Python ints: numpy scalars index slowly
             c = s.num_computed_tokens
-            input_ids.extend(s.token_ids[c:c + n[i]])
+            input_ids.extend(s.token_ids[c:c + k])
         row = np.repeat(np.arange(len(states)), n)
         positions = np.arange(qsl[-1]) - qsl[:-1][row] + computed[row]
         decode = np.nonzero(n == 1)[0]
@@ -151,7 +152,8 @@ class ModelRunner:
         if len(metas) > 1:
             meta.group_metas = metas
         # Rows that reach the end of their known tokens produce a next token.
-        sample_rows = [i for i, s in enumerate(states) if seq_lens[i] == len(s.token_ids)]
+        known = np.fromiter((len(s.token_ids) for s in states), dtype=np.int64, count=len(states))
+        sample_rows = np.nonzero(seq_lens == known)[0].tolist()
         return (req_ids, states, torch.tensor(input_ids, dtype=torch.long, device=self.device),
                 torch.from_numpy(positions).to(self.device), meta, qsl, sample_rows)
 
@@ -159,9 +161,11 @@ class ModelRunner:
                         layout: dict) -> AttentionMetadata:
         """Block tables and slot mapping of one KV-cache group; the batch layout is shared."""
         dev, bs = self.device, self.block_size
-        tables = np.zeros((len(block_ids), max(len(b) for b in block_ids)), dtype=np.int64)
-        for i, ids in enumerate(block_ids):
-            tables[i, :len(ids)] = ids
+        lens = np.fromiter(map(len, block_ids), dtype=np.int64, count=len(block_ids))
+        tables = np.zeros((len(block_ids), int(lens.max())), dtype=np.int64)
+        # one vectorised fill: row i's first lens[i] entries, in row order
+        tables[np.arange(tables.shape[1]) < lens[:, None]] = np.fromiter(
+            itertools.chain.from_iterable(block_ids), dtype=np.int64, count=int(lens.sum()))
         slots = tables[row, positions // bs] * bs + positions % bs
         meta = AttentionMetadata(block_tables_BM=torch.from_numpy(tables).to(dev),
                                  slot_mapping_T=torch.from_numpy(slots).to(dev), **layout)
@@ -266,7 +270,7 @@ class ModelRunner:
         out = ModelRunnerOutput()
         if not sample_rows or hidden is None:
             return out
-        idx = torch.tensor([qsl[i + 1] - 1 for i in sample_rows], device=self.device)
+        idx = torch.from_numpy(qsl[np.asarray(sample_rows) + 1] - 1).to(self.device)
         logits = self.model.compute_logits(hidden[idx])  # a TP collective: every TP rank of the stage
         if not self.is_driver:
             return out
