@@ -7,8 +7,10 @@
 #
 # Stages:
 #   fp8           CUDA tests of FP8 expert serving (seam + DeepSeek-V3 FP8 checkpoint)
-#   kernel-tests  the real-shape, split-K and CUDA-graph tests of the Triton kernel, the tuner,
-#                 the deepspeed backend's GPU tests
+#   kernel-tests  every test of the Triton kernel and of the deepspeed backend on the GPU
+#                 (8 pytest-xdist workers: each test compiles its own kernels)
+#   models        each model family's greedy tokens on the GPU (torch and Triton experts) equal
+#                 the CPU's (.gpu_ckpts/{qwen3_moe,deepseek_v3,llama4_mm})
 #   deepspeed     benchmarks/deepspeed_probe.py (loads .dsk/libdeepspeedft.so.xz if carried)
 #   tune          `moe tune-moe --wide` on the short decode rows -> $OUT/configs
 #   bench-short   the kernel bench on the rows that fall short, with $OUT/configs if present
@@ -30,9 +32,10 @@ for stage in "$@"; do
   case $stage in
     fp8) step fp8 timeout 150 python3 -m pytest -q -p no:cacheprovider \
            tests/kernels/test_fused_experts_seam.py tests/models/test_deepseek_v3_fp8.py ;;
-    kernel-tests) step kernel-tests timeout 150 python3 -m pytest -q -p no:cacheprovider \
-           tests/kernels/test_triton_moe.py -k "real_shapes or graph or tuner or alignment" \
-           tests/kernels/test_deepspeed_backend.py ;;
+    kernel-tests) step kernel-tests timeout 240 python3 -m pytest -q -p no:cacheprovider -n 8 \
+           tests/kernels/test_triton_moe.py tests/kernels/test_deepspeed_backend.py ;;
+    models) step models timeout 200 python3 benchmarks/gpu_models_check.py .gpu_ckpts/qwen3_moe \
+           .gpu_ckpts/deepseek_v3 .gpu_ckpts/llama4_mm --out "$OUT/models_gpu.json" ;;
     deepspeed)  # the library aborts its process on a C++ error: benches use it once it worked
       echo "=== deepspeed ($(date +%T))" | tee -a "$LOG"
       timeout 120 python3 benchmarks/deepspeed_probe.py > /tmp/ds.log 2>&1 && touch /tmp/deepspeed_ok
