@@ -18,8 +18,8 @@ P and B depend only on shapes (never on the data), so the whole thing is CUDA-gr
 (at most min(R, E+1) buckets are non-empty and each wastes at most BM-1 rows).
 
 Two paths: one program (a single launch: decode and moderate prefill), and count -> prefix ->
-scatter kernels for very large R. Both place rows with atomics, so the order within an expert is arbitrary,
-which does not change any row's result.
+scatter kernels for very large R (auto_path chooses). Both place rows with atomics, so the order
+within an expert is arbitrary, which does not change any row's result.
 """
 from __future__ import annotations
 
