@@ -46,38 +46,13 @@ for stage in "$@"; do
            --topk 8 --M 8 64 --wide --budget-s 130 --out-dir "$CFG"
       step tune-llama4 timeout 80 python3 -m kernels.triton_moe.tune --E 16 --D 5120 --F 8192 \
            --topk 1 --M 1 --wide --budget-s 50 --out-dir "$CFG" ;;
-    tune-prefill)  # qwen3 prefill buckets, with the atomic top-k sum among the downs
-      mkdir -p "$CFG"
-      step tune-prefill timeout 200 python3 -m kernels.triton_moe.tune --E 128 --D 2048 --F 768 \
-           --topk 8 --M 4096 16384 --wide --budget-s 150 --out-dir "$CFG"
-      cp "$CFG"/E=128* "$OUT/cfg_qwen3.json" ;;
-    bench-prefill) [ -d "$CFG" ] && export MOE_KERNEL_CONFIG_DIR="$CFG"
-      step bench-prefill timeout 200 python3 benchmarks/bench_kernel.py --no-ceilings --profile \
-           --no-baselines --no-deepspeed --rows qwen3-30b-a3b:4096,16384 llama4-scout:1 \
-           --fp8-shapes --out "$OUT/kernel_prefill.json" ;;
     bench-short) [ -d "$CFG" ] && export MOE_KERNEL_CONFIG_DIR="$CFG"
       step bench-short timeout 200 python3 benchmarks/bench_kernel.py --no-ceilings --profile \
-           --no-baselines --no-deepspeed --rows qwen3-30b-a3b:1,8,64,256,4096 llama4-scout:1 deepseek-v3:8,64,256 \
-           --fp8-shapes --out "$OUT/kernel_short.json" ;;
+           --no-baselines --no-deepspeed --fp8-shapes \
+           --rows qwen3-30b-a3b:1,8,64,256,4096 llama4-scout:1 deepseek-v3:8,64,256 --out "$OUT/kernel_short.json" ;;
     bench-full) [ -d "$CFG" ] && export MOE_KERNEL_CONFIG_DIR="$CFG"
       DS=--no-deepspeed; [ -f /tmp/deepspeed_ok ] && DS=
       step bench-full timeout 560 python3 benchmarks/bench_kernel.py $DS --profile --out "$OUT/kernel.json" ;;
-    memcheck) nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv | tee -a "$LOG"
-      step memcheck timeout 120 python3 -c '
-import logging, torch
-logging.basicConfig(level=logging.INFO)
-from moe import LLM
-print("mem_get_info", torch.cuda.mem_get_info())
-for kw in ({}, {"gpu_memory_utilization": 0.5}):
-    try:
-        llm = LLM(".gpu_ckpts/deepseek_v3_fp8", device="cuda", dtype="bfloat16", **kw)
-        print(kw, "ok", llm.llm_engine.scheduler_config if hasattr(llm.llm_engine, "scheduler_config") else "")
-        llm.llm_engine.shutdown()
-    except Exception as e:
-        print(kw, "FAILED", e)
-    print("allocated", torch.cuda.memory_allocated(), "peak", torch.cuda.max_memory_allocated(),
-          "mem_get_info", torch.cuda.mem_get_info())
-' ;;
     parallel-fp8) step parallel-fp8 timeout 300 python3 benchmarks/gpu_parallel_check.py \
            .gpu_ckpts/deepseek_v3_fp8 --layouts tp2 tp2_ep2 --twin .gpu_ckpts/deepseek_v3_fp8_twin \
            --out "$OUT/parallel_fp8.json" ;;
