@@ -10,7 +10,8 @@ down:     out_RD[r] = w_r * (h_PF[p] @ w2_e^T)                 r = sorted_ids[p]
 The gate and up tiles of the same output columns are loaded side by side, so the activation is
 computed in registers and only h (F wide, not 2F) goes to memory; h is written in the sorted,
 padded order, so the down GEMM reads its A operand contiguously. Blocks whose expert is -1 are
-skipped by gate_up and written as zeros by down, so every flat row is produced exactly once.
+skipped by gate_up and written as zeros by down (ATOMIC: skipped, the output starts at zero),
+so every flat row is produced exactly once.
 
 FP8 (USE_FP8): weights e4m3 with block scales [E, ceil(N/GN), ceil(Kd/GK)] (dequant = q * s),
 activations e4m3 with per-(row, GK-group) scales; BLOCK_K must equal GK. gate_up then quantises
