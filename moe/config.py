@@ -59,7 +59,10 @@ class EngineArgs:
     moe_backend: str | None = None
     quantization: str | None = None
     trust_remote_code: bool = False  # accepted for vLLM compatibility; nothing remote is ever run
+    # On CUDA, decode-only steps replay CUDA graphs captured at start-up for these batch sizes
+    # (None: 1, 2, 4, 8, 16, ... up to max_num_seqs); enforce_eager=True captures none.
     enforce_eager: bool = False
+    cudagraph_capture_sizes: list[int] | None = None
 
     def resolve_device(self) -> torch.device:
         if self.device == "auto":
@@ -105,6 +108,10 @@ class EngineArgs:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if self.cudagraph_capture_sizes is not None and (
+                not self.cudagraph_capture_sizes or min(self.cudagraph_capture_sizes) < 1):
+            raise ValueError(f"cudagraph_capture_sizes must be a non-empty list of positive batch sizes, "
+                             f"got {self.cudagraph_capture_sizes}")
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
@@ -115,6 +122,8 @@ class EngineArgs:
                 parser.add_argument(flag, required=True, help="checkpoint folder, or 'tiny-qwen3-moe'")
             elif f.type in ("bool", bool):
                 parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)
+            elif str(f.type).startswith("list[int]"):
+                parser.add_argument(flag, type=int, nargs="+", default=f.default)
             else:
                 kind = int if "int" in str(f.type) else float if "float" in str(f.type) else str
                 parser.add_argument(flag, type=kind, default=f.default)

@@ -21,9 +21,12 @@ import numpy as np
 import torch
 
 from kernels.attention import AttentionMetadata
+from models.layers.attention import use_triton_attention
+from moe.cuda_graphs import DecodeGraphs, default_capture_sizes
 from moe.distributed import get_parallel_state, pp_recv, pp_send
 from moe.sampler import SamplingBatch, sample
 from moe.sampling_params import SamplingParams
+from moe.step_buffers import StepBuffers
 from scheduler import KVCacheGroup, SchedulerOutput
 
 logger = logging.getLogger("moe.runner")
@@ -60,9 +63,29 @@ def _derived_seed(seed: int, output_index: int) -> int:
     return hash((seed, output_index)) & ((1 << 63) - 1)
 
 
+@dataclass
+class StepBatch:
+    """One step's batch on the host: the layout every path derives its tensors from."""
+    req_ids: list[str]
+    states: list[RequestState]
+    num_tokens_B: np.ndarray       # new tokens per sequence
+    query_start_loc: np.ndarray    # [B+1]
+    seq_lens_B: np.ndarray         # context after this step
+    input_ids_T: np.ndarray
+    positions_T: np.ndarray
+    row_T: np.ndarray              # sequence of each token
+    tables: list[np.ndarray]       # per KV-cache group [B, m]
+    sample_rows: list[int]         # sequences that produce a token this step
+
+    @property
+    def decode_only(self) -> bool:
+        return len(self.input_ids_T) == len(self.req_ids)
+
+
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, device: torch.device, block_size: int,
-                 eos_token_ids: tuple[int, ...], vocab_size: int) -> None:
+                 eos_token_ids: tuple[int, ...], vocab_size: int, enforce_eager: bool = True,
+                 cudagraph_capture_sizes: list[int] | None = None) -> None:
         self.model = model
         self.device = device
         self.block_size = block_size
@@ -77,6 +100,22 @@ class ModelRunner:
         # replicas); its KV write goes to one extra block that the scheduler never hands out.
         self.reserve_dummy_block = ps.needs_dummy_batches
         self.dummy_blocks: list[int] | None = None  # per KV-cache group
+        # The GPU path: step inputs through reused pinned/device buffers, Triton attention, and
+        # CUDA graphs for decode-only steps (not across pipeline stages, nor with a token
+        # dispatcher, whose count exchange syncs with the host).
+        self.gpu_inputs = use_triton_attention(torch.empty(0, device=device))
+        graphs_ok = self.gpu_inputs and ps.pp_size == 1 and not (ps.enable_expert_parallel and ps.ep_size > 1)
+        if self.gpu_inputs and not enforce_eager and not graphs_ok:
+            logger.info("CUDA graphs are off for pipeline or expert parallelism: steps run eagerly")
+        self.use_cuda_graphs = graphs_ok and not enforce_eager
+        self.cudagraph_capture_sizes = cudagraph_capture_sizes
+        self.limits: tuple[int, int, int] | None = None  # max_num_seqs, max_model_len, max_num_batched_tokens
+        self.buffers: StepBuffers | None = None
+        self.graphs: DecodeGraphs | None = None
+
+    def configure(self, max_num_seqs: int, max_model_len: int, max_num_batched_tokens: int) -> None:
+        """The engine's limits, which size the step buffers and the CUDA graphs."""
+        self.limits = (max_num_seqs, max_model_len, max_num_batched_tokens)
 
     # ---- KV cache ----------------------------------------------------------------------
     def kv_cache_bytes_per_block(self) -> int:
@@ -98,6 +137,7 @@ class ModelRunner:
         keys = [g.chunk_size for g in groups]
         self.kv_caches = []
         self.num_kv_groups = len(groups)
+        self.graphs = None  # captured over the previous cache tensors
         # The dummy batch writes to one extra block per group, never handed out by the scheduler.
         self.dummy_blocks = [g.num_blocks for g in groups] if self.reserve_dummy_block and groups[0].num_blocks \
             else None
@@ -109,6 +149,44 @@ class ModelRunner:
                                 dtype=self.kv_dtype, device=self.device)
             attn.kv_cache = cache
             self.kv_caches.append(cache)
+        if self.gpu_inputs and self.limits is not None:
+            max_num_seqs, max_model_len, max_tokens = self.limits
+            sizes = self._capture_sizes()
+            # The profiling forward packs the token budget into sequences of max_model_len.
+            max_seqs = max(max_num_seqs, max(sizes, default=1), -(-max_tokens // max_model_len))
+            self.buffers = StepBuffers(self.device, max(max_tokens, max_seqs), max_seqs,
+                                       -(-max_model_len // self.block_size) + 1, len(groups))
+
+    def _capture_sizes(self) -> list[int]:
+        if not self.use_cuda_graphs or self.limits is None:
+            return []
+        return self.cudagraph_capture_sizes or default_capture_sizes(self.limits[0])
+
+    def capture_cuda_graphs(self) -> None:
+        """Capture the decode forwards (after the KV cache is allocated; every rank of a
+        tensor-parallel group captures the same sizes in the same order)."""
+        sizes = self._capture_sizes()
+        if not sizes or self.buffers is None or not self.kv_caches:
+            return
+        self.graphs = DecodeGraphs(sizes)
+        self.graphs.capture(self._padding_forward, self.device)
+
+    @torch.inference_mode()
+    def _padding_forward(self, b: int) -> torch.Tensor:
+        """The model on b padding decode rows read from the step buffers (what a graph captures)."""
+        buf = self.buffers
+        buf.begin()
+        buf.host("input_ids", b)[:] = 0
+        buf.host("positions", b)[:] = 0
+        buf.host("query_start_loc", b + 1)[:] = np.arange(b + 1)
+        buf.host("seq_lens", b)[:] = 0
+        sizes = {"input_ids": b, "positions": b, "query_start_loc": b + 1, "seq_lens": b}
+        for g in range(self.num_kv_groups):
+            buf.host(f"slots{g}", b)[:] = -1
+            sizes[f"slots{g}"] = b
+        buf.upload(sizes)
+        meta = self._device_metadata(b, b, 1, list(range(b + 1)), [1] * b, decode_only=True)
+        return self._forward(buf.device("input_ids", b), buf.device("positions", b), meta)
 
     def kv_cache_chunk_sizes(self) -> list[int | None]:
         """Per attention layer of this rank: its chunked-local window, or None."""
@@ -129,68 +207,120 @@ class ModelRunner:
                 state.block_ids[group].extend(ids)
             state.num_computed_tokens = num_computed
 
-    def _prepare(self, so: SchedulerOutput):
+    def _batch(self, so: SchedulerOutput) -> StepBatch:
         req_ids = list(so.num_scheduled_tokens)
         states = [self.requests[r] for r in req_ids]
-        n = np.fromiter((so.num_scheduled_tokens[r] for r in req_ids), dtype=np.int64, count=len(req_ids))
+        n = np.fromiter(so.num_scheduled_tokens.values(), dtype=np.int64, count=len(req_ids))
         computed = np.fromiter((s.num_computed_tokens for s in states), dtype=np.int64, count=len(states))
         qsl = np.zeros(len(req_ids) + 1, dtype=np.int64)
         np.cumsum(n, out=qsl[1:])
         seq_lens = computed + n
-        input_ids: list[int] = []
-        for s, k in zip(states, n.tolist()):  # Python ints: numpy scalars index slowly
-            c = s.num_computed_tokens
-            input_ids.extend(s.token_ids[c:c + k])
-        row = np.repeat(np.arange(len(states)), n)
-        positions = np.arange(qsl[-1]) - qsl[:-1][row] + computed[row]
-        decode = np.nonzero(n == 1)[0]
-        layout = dict(query_start_loc=qsl.tolist(), seq_lens=seq_lens.tolist(), decode_seqs=decode.tolist(),
-                      prefill_seqs=np.nonzero(n != 1)[0].tolist())
-        metas = [self._group_metadata([s.block_ids[g] for s in states], row, positions, qsl, seq_lens, decode, layout)
-                 for g in range(len(states[0].block_ids))]
-        meta = metas[0]
-        if len(metas) > 1:
-            meta.group_metas = metas
+        T = int(qsl[-1])
+        if T == len(states):  # decode-only: each sequence's newest token
+            input_ids = np.fromiter((s.token_ids[s.num_computed_tokens] for s in states), dtype=np.int64, count=T)
+            row, positions = np.arange(T), computed
+        else:
+            ids: list[int] = []
+            for s, k in zip(states, n.tolist()):  # Python ints: numpy scalars index slowly
+                c = s.num_computed_tokens
+                ids.extend(s.token_ids[c:c + k])
+            input_ids = np.asarray(ids, dtype=np.int64)
+            row = np.repeat(np.arange(len(states)), n)
+            positions = np.arange(T) - qsl[:-1][row] + computed[row]
+        tables = [self._table([s.block_ids[g] for s in states]) for g in range(len(states[0].block_ids))]
         # Rows that reach the end of their known tokens produce a next token.
         known = np.fromiter((len(s.token_ids) for s in states), dtype=np.int64, count=len(states))
         sample_rows = np.nonzero(seq_lens == known)[0].tolist()
-        return (req_ids, states, torch.tensor(input_ids, dtype=torch.long, device=self.device),
-                torch.from_numpy(positions).to(self.device), meta, qsl, sample_rows)
+        return StepBatch(req_ids, states, n, qsl, seq_lens, input_ids, positions, row, tables, sample_rows)
 
-    def _group_metadata(self, block_ids: list[list[int]], row, positions, qsl, seq_lens, decode,
-                        layout: dict) -> AttentionMetadata:
-        """Block tables and slot mapping of one KV-cache group; the batch layout is shared."""
-        dev, bs = self.device, self.block_size
+    @staticmethod
+    def _table(block_ids: list[list[int]]) -> np.ndarray:
         lens = np.fromiter(map(len, block_ids), dtype=np.int64, count=len(block_ids))
         tables = np.zeros((len(block_ids), int(lens.max())), dtype=np.int64)
         # one vectorised fill: row i's first lens[i] entries, in row order
         tables[np.arange(tables.shape[1]) < lens[:, None]] = np.fromiter(
             itertools.chain.from_iterable(block_ids), dtype=np.int64, count=int(lens.sum()))
-        slots = tables[row, positions // bs] * bs + positions % bs
-        meta = AttentionMetadata(block_tables_BM=torch.from_numpy(tables).to(dev),
-                                 slot_mapping_T=torch.from_numpy(slots).to(dev), **layout)
-        if len(decode):
-            nblk = -(-int(seq_lens[decode].max()) // bs)
-            meta.decode_token_idx = torch.from_numpy(qsl[decode]).to(dev)
-            meta.decode_seq_lens = torch.from_numpy(seq_lens[decode]).to(dev)
-            meta.decode_block_tables = torch.from_numpy(np.ascontiguousarray(tables[decode, :nblk])).to(dev)
-        return meta
+        return tables
+
+    def _slots(self, table: np.ndarray, batch: StepBatch) -> np.ndarray:
+        bs = self.block_size
+        return table[batch.row_T, batch.positions_T // bs] * bs + batch.positions_T % bs
+
+    def _host_metadata(self, batch: StepBatch) -> AttentionMetadata:
+        """Metadata for the torch reference path: fresh device tensors (CPU runs)."""
+        dev, qsl, seq_lens = self.device, batch.query_start_loc, batch.seq_lens_B
+        decode = np.nonzero(batch.num_tokens_B == 1)[0]
+        layout = dict(query_start_loc=qsl.tolist(), seq_lens=seq_lens.tolist(), decode_seqs=decode.tolist(),
+                      prefill_seqs=np.nonzero(batch.num_tokens_B != 1)[0].tolist())
+        metas = []
+        for table in batch.tables:
+            meta = AttentionMetadata(block_tables_BM=torch.from_numpy(table).to(dev),
+                                     slot_mapping_T=torch.from_numpy(self._slots(table, batch)).to(dev), **layout)
+            if len(decode):
+                nblk = -(-int(seq_lens[decode].max()) // self.block_size)
+                meta.decode_token_idx = torch.from_numpy(qsl[decode]).to(dev)
+                meta.decode_seq_lens = torch.from_numpy(seq_lens[decode]).to(dev)
+                meta.decode_block_tables = torch.from_numpy(np.ascontiguousarray(table[decode, :nblk])).to(dev)
+            metas.append(meta)
+        if self.gpu_inputs:  # a GPU step that does not fit the buffers: device fields too
+            for meta in metas:
+                meta.query_start_loc_t = torch.from_numpy(qsl).to(dev, torch.int32)
+                meta.seq_lens_t = torch.from_numpy(seq_lens).to(dev, torch.int32)
+                meta.max_query_len, meta.decode_only = int(batch.num_tokens_B.max()), batch.decode_only
+        return _grouped(metas)
+
+    def _upload(self, batch: StepBatch, padded: int | None = None) -> AttentionMetadata:
+        """Write the batch into the step buffers (decode rows padded to `padded`), upload it,
+        and return metadata over the device views."""
+        buf = self.buffers
+        T, B = len(batch.input_ids_T), len(batch.req_ids)
+        t, b = (padded, padded) if padded else (T, B)
+        buf.begin()
+        sizes = {"input_ids": t, "positions": t, "query_start_loc": b + 1, "seq_lens": b}
+        _fill(buf.host("input_ids", t), batch.input_ids_T, 0)
+        _fill(buf.host("positions", t), batch.positions_T, 0)
+        qsl = buf.host("query_start_loc", b + 1)
+        qsl[:B + 1] = batch.query_start_loc
+        qsl[B + 1:] = T + np.arange(1, b - B + 1)  # padding rows: one query each
+        _fill(buf.host("seq_lens", b), batch.seq_lens_B, 0)
+        for g, table in enumerate(batch.tables):
+            _fill(buf.host(f"slots{g}", t), self._slots(table, batch), -1)
+            sizes[f"slots{g}"] = t
+            buf.upload_tables(g, table)
+        buf.upload(sizes)
+        return self._device_metadata(t, b, int(batch.num_tokens_B.max()), batch.query_start_loc.tolist(),
+                                     batch.seq_lens_B.tolist(), batch.decode_only)
+
+    def _device_metadata(self, t: int, b: int, max_query_len: int, qsl: list[int], seq_lens: list[int],
+                         decode_only: bool) -> AttentionMetadata:
+        buf = self.buffers
+        qsl_t, seq_lens_t = buf.device("query_start_loc", b + 1), buf.device("seq_lens", b)
+        decode = [i for i in range(len(seq_lens)) if qsl[i + 1] - qsl[i] == 1]
+        prefill = [] if decode_only else [i for i in range(len(seq_lens)) if qsl[i + 1] - qsl[i] != 1]
+        metas = [AttentionMetadata(qsl, seq_lens, buf.tables[g][:b], buf.device(f"slots{g}", t), decode, prefill,
+                                   query_start_loc_t=qsl_t, seq_lens_t=seq_lens_t, max_query_len=max_query_len,
+                                   decode_only=decode_only)
+                 for g in range(self.num_kv_groups)]
+        return _grouped(metas)
 
     def _sampling_batch(self, states: list[RequestState]) -> SamplingBatch:
         dev = self.device
         params = [s.params for s in states]
-        temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=dev)
+        all_greedy = all(p.is_greedy for p in params)
         top_k = [p.top_k for p in params]
         top_p = [p.top_p for p in params]
         min_p = [p.min_p for p in params]
         batch = SamplingBatch(
-            temperature_B=temperature,
-            top_k_B=torch.tensor(top_k, device=dev) if any(top_k) else None,
-            top_p_B=torch.tensor(top_p, dtype=torch.float32, device=dev) if any(x < 1 for x in top_p) else None,
-            min_p_B=torch.tensor(min_p, dtype=torch.float32, device=dev) if any(min_p) else None,
-            seeds=[None if p.seed is None else _derived_seed(p.seed, len(s.token_ids) - s.num_prompt_tokens)
-                   for p, s in zip(params, states)],
-            all_greedy=all(p.is_greedy for p in params),
+            temperature_B=None if all_greedy else torch.tensor([p.temperature for p in params], dtype=torch.float32,
+                                                               device=dev),
+            top_k_B=torch.tensor(top_k, device=dev) if not all_greedy and any(top_k) else None,
+            top_p_B=torch.tensor(top_p, dtype=torch.float32, device=dev)
+            if not all_greedy and any(x < 1 for x in top_p) else None,
+            min_p_B=torch.tensor(min_p, dtype=torch.float32, device=dev) if not all_greedy and any(min_p) else None,
+            seeds=None if all_greedy else
+            [None if p.seed is None else _derived_seed(p.seed, len(s.token_ids) - s.num_prompt_tokens)
+             for p, s in zip(params, states)],
+            all_greedy=all_greedy,
             max_num_logprobs=max((p.logprobs for p in params if p.logprobs is not None), default=-1),
         )
         if any(p.repetition_penalty != 1 or p.frequency_penalty or p.presence_penalty for p in params):
@@ -207,7 +337,7 @@ class ModelRunner:
             batch.presence_penalty_B = torch.tensor([p.presence_penalty for p in params], device=dev)
         banned = []
         for i, (p, s) in enumerate(zip(params, states)):
-            if len(s.token_ids) - s.num_prompt_tokens < p.min_tokens:
+            if p.min_tokens and len(s.token_ids) - s.num_prompt_tokens < p.min_tokens:
                 stops = ([] if p.ignore_eos else self.eos_token_ids) + list(p.stop_token_ids)
                 if stops:
                     banned.append((i, stops))
@@ -236,25 +366,31 @@ class ModelRunner:
         pp_send(out)
         return None
 
+    def _run_batch(self, batch: StepBatch):
+        """Hidden states of the batch's tokens (None off the last pipeline stage): a CUDA-graph
+        replay for a decode-only step within the captured sizes, else an eager forward."""
+        T, B = len(batch.input_ids_T), len(batch.req_ids)
+        if self.buffers is None or not self.buffers.fits(T, B, max(t.shape[1] for t in batch.tables)):
+            meta = self._host_metadata(batch)
+            return self._forward(torch.from_numpy(batch.input_ids_T).to(self.device),
+                                 torch.from_numpy(batch.positions_T).to(self.device), meta)
+        padded = self.graphs.padded_size(B) if self.graphs is not None and batch.decode_only else None
+        meta = self._upload(batch, padded)
+        if padded is not None:
+            return self.graphs.replay(padded)[:B]
+        return self._forward(self.buffers.device("input_ids", T), self.buffers.device("positions", T), meta)
+
     @torch.inference_mode()
     def execute_dummy(self) -> None:
         """One token at position 0 written to the reserved block: runs every collective of a
         forward (MoE dispatch/combine, TP, PP) without touching any request's state."""
         if self.dummy_blocks is None:
             raise RuntimeError("a dummy batch needs the reserved KV blocks (allocate_kv_cache first)")
-        dev = self.device
-        metas = []
-        for block in self.dummy_blocks:
-            table = torch.tensor([[block]], dtype=torch.int64, device=dev)
-            metas.append(AttentionMetadata(
-                query_start_loc=[0, 1], seq_lens=[1], block_tables_BM=table,
-                slot_mapping_T=torch.tensor([block * self.block_size], dtype=torch.int64, device=dev),
-                decode_seqs=[0], prefill_seqs=[], decode_token_idx=torch.zeros(1, dtype=torch.int64, device=dev),
-                decode_seq_lens=torch.ones(1, dtype=torch.int64, device=dev), decode_block_tables=table))
-        meta = metas[0]
-        if len(metas) > 1:
-            meta.group_metas = metas
-        self._forward(torch.zeros(1, dtype=torch.long, device=dev), torch.zeros(1, dtype=torch.long, device=dev), meta)
+        one = np.ones(1, dtype=np.int64)
+        zero = np.zeros(1, dtype=np.int64)
+        batch = StepBatch(["dummy"], [], one, np.array([0, 1]), one, zero, zero, zero,
+                          [np.array([[b]], dtype=np.int64) for b in self.dummy_blocks], [])
+        self._run_batch(batch)
 
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput, dummy: bool = False) -> ModelRunnerOutput:
@@ -265,15 +401,20 @@ class ModelRunner:
             if dummy:
                 self.execute_dummy()
             return ModelRunnerOutput()
-        req_ids, states, input_ids, positions, meta, qsl, sample_rows = self._prepare(so)
-        hidden = self._forward(input_ids, positions, meta)
+        batch = self._batch(so)
+        hidden = self._run_batch(batch)
         out = ModelRunnerOutput()
+        sample_rows = batch.sample_rows
         if not sample_rows or hidden is None:
             return out
-        idx = torch.from_numpy(qsl[np.asarray(sample_rows) + 1] - 1).to(self.device)
-        logits = self.model.compute_logits(hidden[idx])  # a TP collective: every TP rank of the stage
+        if len(sample_rows) == hidden.shape[0]:  # every token samples (decode-only)
+            last = hidden
+        else:
+            last = hidden[torch.from_numpy(batch.query_start_loc[np.asarray(sample_rows) + 1] - 1).to(self.device)]
+        logits = self.model.compute_logits(last)  # a TP collective: every TP rank of the stage
         if not self.is_driver:
             return out
+        states = batch.states
         sample_states = [states[i] for i in sample_rows]
         result = sample(logits, self._sampling_batch(sample_states))
         sampled = result.sampled_B.tolist()
@@ -283,6 +424,7 @@ class ModelRunner:
             ranks = result.sampled_rank_B.tolist()
             top_ids = result.logprob_ids_BK.tolist() if result.logprob_ids_BK is not None else None
             top_vals = result.logprob_vals_BK.tolist() if result.logprob_vals_BK is not None else None
+        req_ids = batch.req_ids
         for j, i in enumerate(sample_rows):
             req_id, state = req_ids[i], states[i]
             state.token_ids.append(sampled[j])
@@ -293,3 +435,18 @@ class ModelRunner:
                                                       top_ids[j][:k] if top_ids else [],
                                                       top_vals[j][:k] if top_vals else [])]
         return out
+
+
+def _fill(dst: np.ndarray, values: np.ndarray, pad: int) -> None:
+    """dst = values followed by `pad` up to dst's length."""
+    n = len(values)
+    dst[:n] = values
+    dst[n:] = pad
+
+
+def _grouped(metas: list[AttentionMetadata]) -> AttentionMetadata:
+    """Group 0's metadata, carrying every group's when there are several."""
+    meta = metas[0]
+    if len(metas) > 1:
+        meta.group_metas = metas
+    return meta

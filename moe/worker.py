@@ -91,11 +91,13 @@ class Worker:
         torch.manual_seed(spec.args.seed)
         self.model = build_model(spec.model_cls, spec.config, spec.model_path, spec.args, device, spec.dtype)
         self.runner = ModelRunner(self.model, device, spec.args.block_size, spec.eos_token_ids,
-                                  spec.config.vocab_size)
+                                  spec.config.vocab_size, enforce_eager=spec.args.enforce_eager,
+                                  cudagraph_capture_sizes=spec.args.cudagraph_capture_sizes)
 
     # ---- KV cache ----------------------------------------------------------------------
     def determine_num_blocks(self, max_num_seqs: int, max_model_len: int, max_num_batched_tokens: int) -> int:
         """KV blocks this rank can hold (the executor takes the minimum over ranks)."""
+        self.runner.configure(max_num_seqs, max_model_len, max_num_batched_tokens)
         per_block = max(self.runner.kv_cache_bytes_per_block(), 1)
         args = self.args
         if args.num_gpu_blocks_override is not None:
@@ -131,7 +133,10 @@ class Worker:
         return max(int(available // per_block), 0)
 
     def initialize_cache(self, groups: list[KVCacheGroup]) -> None:
+        """Allocate the KV cache, then capture the decode CUDA graphs over it (collective under
+        tensor parallelism: every rank captures the same sizes)."""
         self.runner.allocate_kv_cache(groups)
+        self.runner.capture_cuda_graphs()
 
     # ---- steps -------------------------------------------------------------------------
     def execute(self, so: SchedulerOutput, prev_sampled: dict[str, list[int]] | None = None,

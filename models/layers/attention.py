@@ -1,11 +1,30 @@
 """The attention layer: writes this step's K/V into the paged cache, then attends through
-the block tables. The cache tensor is bound by the model runner after it is allocated."""
+the block tables. The cache tensor is bound by the model runner after it is allocated.
+
+On CUDA the Triton kernels run (kernels/triton_attention): one launch for the KV write and one
+for the whole batch's attention (the split-KV decode kernel on decode-only steps, the only ones
+captured in CUDA graphs, else the varlen prefill kernel, which also serves the decode rows of a
+mixed batch). Elsewhere the pure-torch reference runs.
+"""
 from __future__ import annotations
 
 import torch
 from torch import nn
 
 from kernels.attention import AttentionMetadata, paged_attention_torch, write_kv_cache
+
+try:  # Triton is absent on some platforms; the torch reference then serves every device.
+    from kernels.triton_attention.decode import paged_attention_decode_triton
+    from kernels.triton_attention.kv_cache import write_kv_cache_triton
+    from kernels.triton_attention.prefill import paged_attention_prefill_triton
+    HAVE_TRITON_ATTENTION = True
+except ImportError:
+    HAVE_TRITON_ATTENTION = False
+
+
+def use_triton_attention(x: torch.Tensor) -> bool:
+    """Whether the Triton kernels serve tensors on x's device (CUDA with Triton importable)."""
+    return HAVE_TRITON_ATTENTION and x.is_cuda
 
 
 class Attention(nn.Module):
@@ -32,6 +51,17 @@ class Attention(nn.Module):
         if self.kv_cache is None:
             raise RuntimeError("attention ran before the model runner bound a KV cache")
         meta = meta.for_group(self.kv_group)
-        write_kv_cache(k, v, self.kv_cache, meta.slot_mapping_T)
-        out = paged_attention_torch(q, k, v, self.kv_cache, meta, self.scale, self.chunk_size)
+        if use_triton_attention(q) and meta.seq_lens_t is not None:
+            out = self._forward_triton(q, k, v, meta)
+        else:
+            write_kv_cache(k, v, self.kv_cache, meta.slot_mapping_T)
+            out = paged_attention_torch(q, k, v, self.kv_cache, meta, self.scale, self.chunk_size)
         return out.reshape(T, self.num_heads * self.head_dim)
+
+    def _forward_triton(self, q, k, v, meta: AttentionMetadata) -> torch.Tensor:
+        write_kv_cache_triton(k, v, self.kv_cache, meta.slot_mapping_T)
+        if meta.decode_only:
+            return paged_attention_decode_triton(q, self.kv_cache, meta.block_tables_BM, meta.seq_lens_t,
+                                                 self.scale, self.chunk_size)
+        return paged_attention_prefill_triton(q, self.kv_cache, meta.block_tables_BM, meta.query_start_loc_t,
+                                              meta.seq_lens_t, meta.max_query_len, self.scale, self.chunk_size)

@@ -1,0 +1,228 @@
+"""The engine on one GPU, checked and timed in one call.
+
+    python benchmarks/gpu_engine_bench.py parity qwen3 --out results.json
+
+Stages:
+  parity   each tiny checkpoint (benchmarks/make_gpu_checkpoints.py) and the built-in tiny model:
+           greedy tokens on the GPU (fp32), eager and with CUDA graphs, equal the CPU's; prompts
+           that span blocks, share prefixes (prefix-cache hits) and are split by chunked prefill.
+  qwen3    a Qwen3-30B-A3B-shaped model with dummy bf16 weights through `LLM.generate`:
+           decode step at 256 running requests, batch-1 and batch-32 TPOT, offline throughput
+           at (1000 prompts, 1024 in, 256 out) and (256, 2048, 512); each against its floor.
+  eager    the decode step at 256 again with enforce_eager=True (what the graphs buy).
+
+Floors (one H200): prefill FLOPs / 700 TFLOP/s + per decode step (bytes of the weights the step
+touches + KV bytes it reads) / 4.8 TB/s. A step of B tokens touches each layer's expert e with
+probability 1 - (1 - K/E)^B (uniform routing, as the dummy weights give).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import tempfile
+import time
+
+import torch
+
+from benchmarks.common import QWEN3_30B_A3B
+from moe import LLM, SamplingParams
+
+HBM_BYTES_PER_S = 4.8e12
+BF16_FLOP_PER_S = 700e12
+
+
+# ---- parity -------------------------------------------------------------------------------
+def _parity_prompts(vocab: int) -> list[dict]:
+    rng = random.Random(0)
+    shared = [rng.randrange(1, vocab) for _ in range(40)]
+    prompts = [[rng.randrange(1, vocab) for _ in range(n)] for n in (1, 5, 16, 17, 33, 100, 150)]
+    prompts += [shared + [rng.randrange(1, vocab) for _ in range(n)] for n in (3, 20)]  # prefix-cache hits
+    return [{"prompt_token_ids": p} for p in prompts]
+
+
+def parity(results: dict, checkpoints: list[str]) -> None:
+    from models.registry import load_model_config
+
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    for model in ["tiny-qwen3-moe"] + checkpoints:
+        name = os.path.basename(os.path.normpath(model))
+        vocab = 512 if model == "tiny-qwen3-moe" else load_model_config(model)[1].vocab_size
+        prompts = _parity_prompts(vocab)
+        common = dict(dtype="float32", max_model_len=256, max_num_batched_tokens=64, max_num_seqs=8)
+        with LLM(model, device="cpu", **common) as llm:
+            cpu = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        for mode, eager in (("eager", True), ("graphs", False)):
+            with LLM(model, device="cuda", gpu_memory_utilization=0.2, enforce_eager=eager, **common) as llm:
+                graphs = llm.llm_engine.executor.runner.graphs
+                gpu = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+            same = sum(a == b for a, b in zip(cpu, gpu)) if len(cpu) == len(gpu) else 0
+            results[f"parity/{name}/{mode}"] = {
+                "identical": same, "of": len(prompts), "graphs_captured": 0 if graphs is None else len(graphs.graphs),
+                "first_divergence": [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+                                     for a, b in zip(cpu, gpu)]}
+            print(f"parity {name} {mode}: {same}/{len(prompts)} identical to the CPU "
+                  f"(graphs captured: {results[f'parity/{name}/{mode}']['graphs_captured']})", flush=True)
+            torch.cuda.empty_cache()
+
+
+# ---- floors -------------------------------------------------------------------------------
+def _shape(cfg: dict) -> dict:
+    D, L, H, G, d = (cfg["hidden_size"], cfg["num_hidden_layers"], cfg["num_attention_heads"],
+                     cfg["num_key_value_heads"], cfg["head_dim"])
+    E, K, F, V = cfg["num_experts"], cfg["num_experts_per_tok"], cfg["moe_intermediate_size"], cfg["vocab_size"]
+    attn = D * (H + 2 * G) * d + H * d * D  # qkv + o
+    return dict(D=D, L=L, H=H, G=G, d=d, E=E, K=K, F=F, V=V, attn=attn, expert=3 * D * F, router=D * E)
+
+
+def decode_step_floor_s(cfg: dict, batch: int, mean_context: float, elem: int = 2) -> float:
+    s = _shape(cfg)
+    touched = s["E"] * (1 - (1 - s["K"] / s["E"]) ** batch)
+    weights = s["L"] * (s["attn"] + s["router"] + touched * s["expert"]) + 2 * s["V"] * s["D"]
+    kv = batch * mean_context * s["L"] * 2 * s["G"] * s["d"]
+    return (weights + kv) * elem / HBM_BYTES_PER_S
+
+
+def prefill_floor_s(cfg: dict, num_prompts: int, input_len: int) -> float:
+    s = _shape(cfg)
+    per_token = 2 * s["L"] * (s["attn"] + s["router"] + s["K"] * s["expert"])
+    attention = 2 * 2 * s["L"] * s["H"] * s["d"] * input_len * input_len / 2  # causal QK^T and PV, per prompt
+    lm_head = 2 * s["V"] * s["D"]  # one logits row per prompt
+    return num_prompts * (input_len * per_token + attention + lm_head) / BF16_FLOP_PER_S
+
+
+def run_floor_s(cfg: dict, num_prompts: int, input_len: int, output_len: int, max_num_seqs: int) -> float:
+    """Prefill at full rate plus decode in full batches of max_num_seqs (the ideal schedule)."""
+    total = prefill_floor_s(cfg, num_prompts, input_len)
+    left = num_prompts
+    while left > 0:
+        batch = min(left, max_num_seqs)
+        total += output_len * decode_step_floor_s(cfg, batch, input_len + output_len / 2)
+        left -= batch
+    return total
+
+
+# ---- the Qwen3-30B-A3B shape ----------------------------------------------------------------
+def _dummy_model(max_model_len: int) -> str:
+    path = tempfile.mkdtemp()
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump({**QWEN3_30B_A3B, "max_position_embeddings": max(max_model_len, 4096)}, f)
+    return path
+
+
+def _prompts(n: int, length: int, seed: int = 0) -> list[dict]:
+    rng = random.Random(seed)
+    return [{"prompt_token_ids": [rng.randrange(1, 150000) for _ in range(length)]} for _ in range(n)]
+
+
+def decode_step(llm: LLM, num_requests: int, prompt_len: int, out_len: int) -> dict:
+    """Median time of the decode-only steps of num_requests requests, timed around engine.step."""
+    engine = llm.llm_engine
+    params = SamplingParams(temperature=0.0, max_tokens=out_len, ignore_eos=True)
+    for i, p in enumerate(_prompts(num_requests, prompt_len, seed=1)):
+        engine.add_request(f"d{i}", p, params)
+    times = []
+    while engine.has_unfinished_requests():
+        s = engine.scheduler
+        decode_only = not s.waiting and all(r.num_computed_tokens == r.num_tokens - 1 for r in s.running) \
+            and len(s.running) == num_requests
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        engine.step()
+        torch.cuda.synchronize()
+        if decode_only:
+            times.append(time.perf_counter() - t)
+    times.sort()
+    median = times[len(times) // 2]
+    floor = decode_step_floor_s(QWEN3_30B_A3B, num_requests, prompt_len + out_len / 2)
+    return {"num_requests": num_requests, "prompt_len": prompt_len, "steps_timed": len(times),
+            "median_step_ms": median * 1e3, "floor_ms": floor * 1e3, "time_over_floor": median / floor}
+
+
+def tpot(llm: LLM, batch: int, input_len: int, output_len: int) -> dict:
+    """Time per output token: (generate N tokens - generate 1 token) / (N - 1), best of 3."""
+    prompts = _prompts(batch, input_len, seed=2)
+
+    def timed(n: int) -> float:
+        best = float("inf")
+        for _ in range(3):
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True), use_tqdm=False)
+            torch.cuda.synchronize()
+            best = min(best, time.perf_counter() - t)
+        return best
+
+    t1, tn = timed(1), timed(output_len)
+    per_token = (tn - t1) / (output_len - 1)
+    floor = decode_step_floor_s(QWEN3_30B_A3B, batch, input_len + output_len / 2)
+    return {"batch": batch, "input_len": input_len, "output_len": output_len, "tpot_ms": per_token * 1e3,
+            "floor_ms": floor * 1e3, "time_over_floor": per_token / floor, "ttft_s": t1}
+
+
+def throughput(llm: LLM, num_prompts: int, input_len: int, output_len: int, max_num_seqs: int) -> dict:
+    prompts = _prompts(num_prompts, input_len, seed=3)
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    torch.cuda.synchronize()
+    elapsed = time.perf_counter() - t
+    generated = sum(len(o.outputs[0].token_ids) for o in outs)
+    floor = run_floor_s(QWEN3_30B_A3B, num_prompts, input_len, output_len, max_num_seqs)
+    return {"num_prompts": num_prompts, "input_len": input_len, "output_len": output_len, "elapsed_s": elapsed,
+            "output_tok_s": generated / elapsed, "total_tok_s": (generated + num_prompts * input_len) / elapsed,
+            "floor_s": floor, "floor_over_time": floor / elapsed}
+
+
+def qwen3(results: dict, eager: bool, runs: list[str]) -> None:
+    max_model_len = 4096
+    t0 = time.perf_counter()
+    llm = LLM(_dummy_model(max_model_len), device="cuda", load_format="dummy", max_model_len=max_model_len,
+              max_num_seqs=256, max_num_batched_tokens=8192, enable_prefix_caching=False, enforce_eager=eager)
+    tag = "eager" if eager else "graphs"
+    results[f"qwen3/{tag}/start_s"] = time.perf_counter() - t0
+    print(f"Qwen3-30B-A3B shape ({tag}) ready in {results[f'qwen3/{tag}/start_s']:.1f} s", flush=True)
+    jobs = {
+        "decode256": lambda: decode_step(llm, 256, 512, 32),
+        "tpot1": lambda: tpot(llm, 1, 512, 64),
+        "tpot32": lambda: tpot(llm, 32, 512, 64),
+        "tput_256x2048x512": lambda: throughput(llm, 256, 2048, 512, 256),
+        "tput_1000x1024x256": lambda: throughput(llm, 1000, 1024, 256, 256),
+    }
+    for name in runs:
+        r = jobs[name]()
+        results[f"qwen3/{tag}/{name}"] = r
+        print(f"qwen3 {tag} {name}: {json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in r.items()})}",
+              flush=True)
+    llm.shutdown()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("stages", nargs="+", choices=["parity", "qwen3", "eager"])
+    parser.add_argument("--checkpoints", nargs="*", default=[".gpu_ckpts/qwen3_moe", ".gpu_ckpts/deepseek_v3",
+                                                             ".gpu_ckpts/llama4_mm"])
+    parser.add_argument("--runs", nargs="*", default=["decode256", "tpot1", "tpot32", "tput_256x2048x512",
+                                                      "tput_1000x1024x256"])
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args(argv)
+    results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
+    try:
+        for stage in args.stages:
+            if stage == "parity":
+                parity(results, args.checkpoints)
+            elif stage == "qwen3":
+                qwen3(results, eager=False, runs=args.runs)
+            else:
+                qwen3(results, eager=True, runs=["decode256"])
+    finally:
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(results, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,66 @@
+"""Pinned host and device buffers for one step's integer inputs, allocated once at the largest
+step and reused: each step writes numpy views of the host side, then one asynchronous copy per
+input moves the used prefix to the device. CUDA graphs capture views of the same device buffers,
+so a replay reads whatever the last upload put there.
+
+Inputs (all int64): input_ids [T], positions [T], query_start_loc [B+1], seq_lens [B] and, per
+KV-cache group g, slots{g} [T]. Block tables live apart, one device tensor [max_seqs, M] per
+group (M = the most blocks a sequence can have, so a CUDA graph's view keeps its shape whatever
+the step's longest sequence); a step copies only its [B, m] corner (m = its longest table).
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+
+class StepBuffers:
+    def __init__(self, device: torch.device, max_tokens: int, max_seqs: int, max_blocks: int,
+                 num_groups: int) -> None:
+        self.device, self.max_tokens, self.max_seqs, self.max_blocks = device, max_tokens, max_seqs, max_blocks
+        sizes = {"input_ids": max_tokens, "positions": max_tokens, "query_start_loc": max_seqs + 1,
+                 "seq_lens": max_seqs}
+        for g in range(num_groups):
+            sizes[f"slots{g}"] = max_tokens
+        self._offsets, total = {}, 0
+        for name, n in sizes.items():
+            self._offsets[name] = total
+            total += n
+        pin = device.type == "cuda"
+        self._host = torch.zeros(total, dtype=torch.int64, pin_memory=pin)
+        self._host_np = self._host.numpy()
+        self._dev = torch.zeros(total, dtype=torch.int64, device=device)
+        self.tables = [torch.zeros(max_seqs, max_blocks, dtype=torch.int64, device=device) for _ in range(num_groups)]
+        # The last upload's copies read the pinned memory asynchronously: the host waits for
+        # them before writing it again.
+        self._uploaded = torch.cuda.Event() if pin else None
+
+    def fits(self, num_tokens: int, num_seqs: int, num_blocks: int) -> bool:
+        return num_tokens <= self.max_tokens and num_seqs <= self.max_seqs and num_blocks <= self.max_blocks
+
+    def begin(self) -> None:
+        """Call before writing host views: waits until the previous upload has read them."""
+        if self._uploaded is not None:
+            self._uploaded.synchronize()
+
+    def host(self, name: str, n: int) -> np.ndarray:
+        o = self._offsets[name]
+        return self._host_np[o:o + n]
+
+    def device(self, name: str, n: int) -> torch.Tensor:
+        o = self._offsets[name]
+        return self._dev[o:o + n]
+
+    def upload_tables(self, group: int, tables_Bm: np.ndarray) -> None:
+        """Block tables [B, m] of one group into the corner of its device tensor (a small copy
+        from pageable memory, staged by torch before it returns)."""
+        B, m = tables_Bm.shape
+        self.tables[group][:B, :m].copy_(torch.from_numpy(tables_Bm), non_blocking=True)
+
+    def upload(self, sizes: dict[str, int]) -> None:
+        """Copy the first sizes[name] entries of each named input to the device (asynchronously)."""
+        for name, n in sizes.items():
+            o = self._offsets[name]
+            self._dev[o:o + n].copy_(self._host[o:o + n], non_blocking=True)
+        if self._uploaded is not None:
+            self._uploaded.record()
