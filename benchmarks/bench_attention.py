@@ -1,0 +1,162 @@
+"""Triton paged attention at Qwen3-30B-A3B attention shapes (H=32, G=4, d=128, bf16, block 16) on
+one GPU, against torch SDPA on the same K/V gathered contiguous beforehand (gather not timed) and
+against hardware floors (KV bytes at 4.8 TB/s for decode, causal FLOPs at 700 TFLOP/s for prefill).
+
+    python benchmarks/bench_attention.py --out results/attention_h200.json [--sweep]
+
+Decode is timed as CUDA-graph replays (as the model runner runs it); all timings are
+triton.testing.do_bench medians. --sweep also times a few prefill tile configs / decode splits.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+H, G, D, S = 32, 4, 128, 16
+HBM_BPS = 4.8e12
+PEAK_FLOPS = 700e12
+DECODE_BATCHES = (1, 32, 256)
+DECODE_CONTEXTS = (512, 2048, 8192)
+PREFILLS = ((8, 1024), (1, 8192))  # (sequences, new tokens each), no cached context
+
+
+def paged_cache(torch, lens, seed=0):
+    """Random bf16 cache holding the given context lengths in shuffled blocks.
+    Returns (cache [2, N, S, G, d], block tables [B, max_blocks] int32)."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    nblk = [-(-L // S) for L in lens]
+    N = sum(nblk)
+    cache = torch.randn(2, N, S, G, D, device="cuda", dtype=torch.bfloat16, generator=gen)
+    perm = torch.randperm(N, device="cuda", generator=gen).to(torch.int32)
+    tables = torch.zeros(len(lens), max(nblk), dtype=torch.int32, device="cuda")
+    start = 0
+    for b, n in enumerate(nblk):
+        tables[b, :n] = perm[start:start + n]
+        start += n
+    return cache, tables
+
+
+def gathered_kv(torch, cache, tables, lens):
+    """Contiguous K, V [B, G, L, d] of equal-length sequences (for SDPA)."""
+    L = lens[0]
+    kv = cache[:, tables.long()]  # [2, B, nblk, S, G, d]
+    kv = kv.reshape(2, len(lens), -1, G, D)[:, :, :L].transpose(2, 3).contiguous()
+    return kv[0], kv[1]
+
+
+def graph_time(torch, do_bench, fn):
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return do_bench(graph.replay, warmup=25, rep=100, return_mode="median") * 1e-3
+
+
+def bench_decode(torch, do_bench, F, decode, B, L, num_splits=None):
+    cache, tables = paged_cache(torch, [L] * B, seed=B * L)
+    lens = torch.full((B,), L, dtype=torch.int32, device="cuda")
+    q = torch.randn(B, H, D, device="cuda", dtype=torch.bfloat16)
+    out = torch.empty_like(q)
+    scale = D ** -0.5
+    t_triton = graph_time(torch, do_bench,
+                          lambda: decode(q, cache, tables, lens, scale, out_BHd=out, num_splits=num_splits))
+    k, v = gathered_kv(torch, cache, tables, [L] * B)
+    q4 = q[:, :, None, :]
+    try:
+        t_sdpa = graph_time(torch, do_bench,
+                            lambda: F.scaled_dot_product_attention(q4, k, v, scale=scale, enable_gqa=True))
+    except RuntimeError:  # a backend that cannot be captured: time it eagerly
+        torch.cuda.synchronize()
+        t_sdpa = do_bench(lambda: F.scaled_dot_product_attention(q4, k, v, scale=scale, enable_gqa=True),
+                          warmup=25, rep=100, return_mode="median") * 1e-3
+    ref = F.scaled_dot_product_attention(q4, k, v, scale=scale, enable_gqa=True)[:, :, 0]
+    err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+    floor = 2 * B * L * G * D * 2 / HBM_BPS
+    return {"kind": "decode", "B": B, "context": L, "num_splits": num_splits, "triton_us": t_triton * 1e6,
+            "sdpa_us": t_sdpa * 1e6, "floor_us": floor * 1e6, "pct_of_floor": 100 * floor / t_triton,
+            "rel_err_vs_sdpa": err}
+
+
+def bench_prefill(torch, do_bench, F, prefill, nseq, n, config=None):
+    cache, tables = paged_cache(torch, [n] * nseq, seed=nseq * n)
+    T = nseq * n
+    q = torch.randn(T, H, D, device="cuda", dtype=torch.bfloat16)
+    qsl = torch.arange(0, T + 1, n, dtype=torch.int32, device="cuda")
+    lens = torch.full((nseq,), n, dtype=torch.int32, device="cuda")
+    out = torch.empty_like(q)
+    scale = D ** -0.5
+    t_triton = do_bench(lambda: prefill(q, cache, tables, qsl, lens, n, scale, out_THd=out, config=config),
+                        warmup=10, rep=50, return_mode="median") * 1e-3
+    k, v = gathered_kv(torch, cache, tables, [n] * nseq)
+    qs = q.view(nseq, n, H, D).transpose(1, 2)  # [nseq, H, n, d]
+
+    def sdpa():
+        return [F.scaled_dot_product_attention(qs[i:i + 1], k[i:i + 1], v[i:i + 1], is_causal=True,
+                                               scale=scale, enable_gqa=True) for i in range(nseq)]
+    t_sdpa = do_bench(sdpa, warmup=10, rep=50, return_mode="median") * 1e-3
+    ref = torch.cat(sdpa()).transpose(1, 2).reshape(T, H, D)
+    err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+    flops = 4 * H * D * nseq * n * (n + 1) / 2  # QK^T and PV over the causal triangle
+    floor = flops / PEAK_FLOPS
+    return {"kind": "prefill", "seqs": nseq, "new_tokens": n, "config": config, "triton_us": t_triton * 1e6,
+            "sdpa_us": t_sdpa * 1e6, "floor_us": floor * 1e6, "pct_of_floor": 100 * floor / t_triton,
+            "triton_tflops": flops / t_triton / 1e12, "rel_err_vs_sdpa": err}
+
+
+SWEEP_PREFILL = [{"BLOCK_M": m, "BLOCK_N": n, "num_warps": w, "num_stages": s}
+                 for m, n, w, s in ((64, 64, 4, 2), (128, 64, 8, 2), (128, 64, 4, 3), (128, 128, 8, 2),
+                                    (64, 128, 4, 2), (128, 32, 4, 3))]
+SWEEP_SPLITS = (1, 2, 4, 8, 16, 32)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default=None, help="write the results as JSON here")
+    parser.add_argument("--sweep", action="store_true", help="also time prefill tile configs / decode splits")
+    args = parser.parse_args()
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repo root, for `kernels`
+
+    import torch
+    import torch.nn.functional as F
+    from triton.testing import do_bench
+
+    from kernels.triton_attention.decode import paged_attention_decode_triton
+    from kernels.triton_attention.prefill import paged_attention_prefill_triton
+
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_attention.py needs a GPU")
+    torch.manual_seed(0)
+    rows = []
+    for B in DECODE_BATCHES:
+        for L in DECODE_CONTEXTS:
+            rows.append(bench_decode(torch, do_bench, F, paged_attention_decode_triton, B, L))
+            if args.sweep and B * L <= 32 * 8192:
+                rows += [bench_decode(torch, do_bench, F, paged_attention_decode_triton, B, L, p)
+                         for p in SWEEP_SPLITS]
+            torch.cuda.empty_cache()
+    for nseq, n in PREFILLS:
+        rows.append(bench_prefill(torch, do_bench, F, paged_attention_prefill_triton, nseq, n))
+        if args.sweep:
+            rows += [bench_prefill(torch, do_bench, F, paged_attention_prefill_triton, nseq, n, c)
+                     for c in SWEEP_PREFILL]
+    print(f"{'case':<34}{'triton us':>11}{'sdpa us':>11}{'floor us':>10}{'% floor':>9}{'rel err':>10}")
+    for r in rows:
+        if r["kind"] == "decode":
+            name = f"decode B={r['B']} L={r['context']} splits={r['num_splits']}"
+        else:
+            cfg = "" if r["config"] is None else " " + "/".join(str(v) for v in r["config"].values())
+            name = f"prefill {r['seqs']}x{r['new_tokens']}{cfg}"
+        print(f"{name:<34}{r['triton_us']:>11.1f}{r['sdpa_us']:>11.1f}{r['floor_us']:>10.1f}"
+              f"{r['pct_of_floor']:>9.1f}{r['rel_err_vs_sdpa']:>10.2e}")
+    if args.out:
+        meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                "shape": {"H": H, "G": G, "d": D, "block": S, "dtype": "bf16"}}
+        with open(args.out, "w") as f:
+            json.dump({"meta": meta, "results": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

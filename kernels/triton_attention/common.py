@@ -1,0 +1,117 @@
+"""Pieces shared by the paged-attention kernels: one online-softmax step over a key tile read
+through the block table, input checks and launch constants.
+
+Legend: T query tokens, B sequences, H query heads, G KV heads, d head dim, N cache blocks,
+S block size, M rows of a query tile (query x head pairs), BLOCK_N keys of a key tile.
+KV cache per layer: kv_cache_2NSGd = [2 (k, v), N, S, G, d], contiguous; the key at position p
+of sequence b sits in block block_tables[b, p // S] at offset p % S.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+# Running max before any key is seen: finite so that a row whose keys are all masked so far
+# gives exp2(-inf - NEG_BIG) = 0 instead of NaN from (-inf) - (-inf).
+NEG_BIG = -1.0e30
+
+
+@triton.jit
+def _dot(a, b, acc, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    if UPCAST:  # the CPU interpreter computes bf16 dots wrongly (triton 3.9); fp32 is exact there
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    return tl.dot(a, b, acc, input_precision=PRECISION)
+
+
+@triton.jit
+def attend_key_tile(acc, m_i, l_i, q, kv_ptr, bt_row_ptr, stride_btm, kv_head, v_offset,
+                    stride_blk, stride_tok, k0, qpos, row_lo, k_end, scale_log2, dd,
+                    S: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+                    D_PAD: tl.constexpr, MASKED: tl.constexpr, USE_LO: tl.constexpr,
+                    PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """One flash-attention step of the query rows `q` [M, D_PAD] over keys k0 .. k0+BLOCK_N-1.
+
+    MASKED: keys >= k_end are not read, and row r sees key j only if j <= qpos[r] (and, with
+    USE_LO, j >= row_lo[r]: the chunked-local window). Without MASKED every key is valid for
+    every row (the caller guarantees it), so no mask is built.
+    Scores are in log2 units (scale_log2 = scale * log2(e)), the state is fp32.
+    """
+    kpos = k0 + tl.arange(0, BLOCK_N)
+    if MASKED:
+        k_ok = kpos < k_end
+        blk = tl.load(bt_row_ptr + (kpos // S) * stride_btm, mask=k_ok, other=0).to(tl.int64)
+    else:
+        blk = tl.load(bt_row_ptr + (kpos // S) * stride_btm).to(tl.int64)
+    # Each key row is d contiguous elements of one cache slot.
+    row_off = blk * stride_blk + (kpos % S).to(tl.int64) * stride_tok + kv_head * HEAD_DIM
+    ptrs = kv_ptr + row_off[:, None] + dd[None, :]
+    if MASKED:
+        ld_mask = k_ok[:, None] & (dd[None, :] < HEAD_DIM)
+        k = tl.load(ptrs, mask=ld_mask, other=0.0)
+        v = tl.load(ptrs + v_offset, mask=ld_mask, other=0.0)
+    elif D_PAD != HEAD_DIM:
+        ld_mask = dd[None, :] < HEAD_DIM
+        k = tl.load(ptrs, mask=ld_mask, other=0.0)
+        v = tl.load(ptrs + v_offset, mask=ld_mask, other=0.0)
+    else:
+        k = tl.load(ptrs)
+        v = tl.load(ptrs + v_offset)
+    k = k.to(q.dtype)
+    v = v.to(q.dtype)
+
+    qk = _dot(q, tl.trans(k), tl.zeros([q.shape[0], BLOCK_N], dtype=tl.float32), PRECISION, UPCAST)
+    qk = qk * scale_log2
+    if MASKED:
+        allowed = (kpos[None, :] <= qpos[:, None]) & k_ok[None, :]
+        if USE_LO:
+            allowed = allowed & (kpos[None, :] >= row_lo[:, None])
+        qk = tl.where(allowed, qk, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(qk - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = _dot(p.to(v.dtype), v, acc * alpha[:, None], PRECISION, UPCAST)
+    return acc, m_new, l_i
+
+
+def dot_flags(dtype: torch.dtype) -> tuple[str, bool]:
+    """(input_precision, upcast): exact fp32 dots for fp32 inputs; fp32 dots under the interpreter
+    for half types (its bf16 dot is wrong)."""
+    precision = "ieee" if dtype == torch.float32 else "tf32"
+    upcast = dtype != torch.float32 and os.environ.get("TRITON_INTERPRET") == "1"
+    return precision, upcast
+
+
+def head_dim_pad(d: int) -> int:
+    """Head dim rounded up to a power of two, at least 16 (tl.dot's smallest K)."""
+    return max(16, triton.next_power_of_2(d))
+
+
+def check_cache(kv_cache_2NSGd: torch.Tensor, d: int, name: str = "kv_cache_2NSGd") -> tuple[int, int]:
+    """Validates the cache layout; returns (S, G)."""
+    if kv_cache_2NSGd.dim() != 5 or kv_cache_2NSGd.shape[0] != 2:
+        raise ValueError(f"{name} must be [2, N, S, G, d], got {tuple(kv_cache_2NSGd.shape)}")
+    if not kv_cache_2NSGd.is_contiguous():
+        raise ValueError(f"{name} must be contiguous")
+    if kv_cache_2NSGd.shape[4] != d:
+        raise ValueError(f"{name} head dim {kv_cache_2NSGd.shape[4]} != query head dim {d}")
+    return kv_cache_2NSGd.shape[2], kv_cache_2NSGd.shape[3]
+
+
+def check_block_tables(block_tables_BM: torch.Tensor, B: int) -> None:
+    if block_tables_BM.dim() != 2 or block_tables_BM.shape[0] != B:
+        raise ValueError(f"block_tables_BM must be [B={B}, max_blocks], got {tuple(block_tables_BM.shape)}")
+    if block_tables_BM.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"block_tables_BM must be int32 or int64, got {block_tables_BM.dtype}")
+
+
+def heads_per_program(H: int, G: int, cap: int) -> int:
+    """Query heads of one KV group served together: the largest divisor of H // G <= cap."""
+    if H % G:
+        raise ValueError(f"query heads {H} must be a multiple of KV heads {G}")
+    hg = H // G
+    return max(h for h in range(1, min(hg, cap) + 1) if hg % h == 0)

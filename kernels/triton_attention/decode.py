@@ -1,0 +1,176 @@
+"""Split-KV paged decode attention (flash-decoding), CUDA-graph capturable.
+Reference: the decode branch of kernels.attention.paged_attention_torch.
+
+Legend: B sequences (one query each), H query heads, G KV heads, HG = H // G, d head dim,
+N cache blocks, S block size, P splits of the context.
+
+Row b of q is sequence b's newest token at position seq_lens[b] - 1; it sees keys
+chunk_start(seq_lens[b] - 1) .. seq_lens[b] - 1. Program (b, g, s) takes the s-th of P equal
+parts of that range (whole key tiles), loads each K/V tile once for all HG query heads of KV
+head g (one tl.dot of the [HG padded to >= 16, d] query group), and writes its normalised
+partial output and log2-sum-exp; a second kernel merges the P parts. With P = 1 the first
+kernel writes the output directly. The grid and P depend only on shapes, never on values, and
+parts past a sequence's end contribute nothing (lse = -inf), so a captured graph replays for any
+seq_lens; rows with seq_lens 0 (padding) get zeros.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.triton_attention.common import (
+    LOG2E,
+    NEG_BIG,
+    attend_key_tile,
+    check_block_tables,
+    check_cache,
+    dot_flags,
+    head_dim_pad,
+)
+
+NUM_SMS_H200 = 132
+
+
+@triton.jit
+def _decode_split_kernel(q_ptr, kv_ptr, bt_ptr, seq_lens_ptr, o_ptr, part_o_ptr, part_lse_ptr,
+                         stride_qb, stride_qh, stride_ob, stride_oh, stride_btb, stride_btm,
+                         v_offset, stride_blk, stride_tok, scale_log2, chunk_size,
+                         HG: tl.constexpr, HG_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+                         D_PAD: tl.constexpr, BLOCK_N: tl.constexpr, S: tl.constexpr,
+                         NUM_SPLITS: tl.constexpr, USE_CHUNK: tl.constexpr,
+                         PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    b = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    L = tl.load(seq_lens_ptr + b)
+    if USE_CHUNK:
+        k_lo = (tl.maximum(L - 1, 0) // chunk_size) * chunk_size
+    else:
+        k_lo = L * 0
+    # This split's keys: whole tiles, so every split but the last few has the same work.
+    tiles = tl.cdiv(L - k_lo, BLOCK_N)
+    per_split = tl.cdiv(tiles, NUM_SPLITS) * BLOCK_N
+    k_begin = k_lo + split * per_split
+    k_end = tl.minimum(k_begin + per_split, L)
+
+    r = tl.arange(0, HG_PAD)
+    head = kv_head * HG + r
+    row_ok = r < HG
+    dd = tl.arange(0, D_PAD)
+    d_ok = dd < HEAD_DIM
+    q_off = b.to(tl.int64) * stride_qb + head * stride_qh
+    q = tl.load(q_ptr + q_off[:, None] + dd[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    qpos = r * 0 + (L - 1)
+
+    bt_row_ptr = bt_ptr + b.to(tl.int64) * stride_btb
+    acc = tl.zeros([HG_PAD, D_PAD], dtype=tl.float32)
+    m_i = tl.full([HG_PAD], NEG_BIG, dtype=tl.float32)
+    l_i = tl.zeros([HG_PAD], dtype=tl.float32)
+    for k0 in range(k_begin, k_end, BLOCK_N):
+        acc, m_i, l_i = attend_key_tile(acc, m_i, l_i, q, kv_ptr, bt_row_ptr, stride_btm, kv_head, v_offset,
+                                        stride_blk, stride_tok, k0, qpos, qpos, k_end, scale_log2, dd,
+                                        S, BLOCK_N, HEAD_DIM, D_PAD, True, False, PRECISION, UPCAST)
+    empty = l_i == 0.0
+    out = acc / tl.where(empty, 1.0, l_i)[:, None]  # an empty split leaves acc = 0
+    if NUM_SPLITS == 1:
+        o_off = b.to(tl.int64) * stride_ob + head * stride_oh
+        tl.store(o_ptr + o_off[:, None] + dd[None, :], out.to(o_ptr.dtype.element_ty),
+                 mask=row_ok[:, None] & d_ok[None, :])
+    else:
+        # part_o: [B, H, P, D_PAD] fp32, part_lse: [B, H, P] fp32 (log2 units)
+        part = (b.to(tl.int64) * (HG * tl.num_programs(1)) + head) * NUM_SPLITS + split
+        tl.store(part_o_ptr + part[:, None] * D_PAD + dd[None, :], out, mask=row_ok[:, None])
+        lse = tl.where(empty, float("-inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i)))
+        tl.store(part_lse_ptr + part, lse, mask=row_ok)
+
+
+@triton.jit
+def _decode_merge_kernel(part_o_ptr, part_lse_ptr, o_ptr, stride_ob, stride_oh, H,
+                         HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+                         NUM_SPLITS: tl.constexpr, P_PAD: tl.constexpr):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    s = tl.arange(0, P_PAD)
+    dd = tl.arange(0, D_PAD)
+    base = (b.to(tl.int64) * H + h) * NUM_SPLITS
+    lse = tl.load(part_lse_ptr + base + s, mask=s < NUM_SPLITS, other=float("-inf"))
+    m = tl.max(lse, 0)
+    m = tl.where(m == float("-inf"), 0.0, m)  # every part empty (seq_lens 0): weights all 0
+    w = tl.exp2(lse - m)
+    parts = tl.load(part_o_ptr + (base + s)[:, None] * D_PAD + dd[None, :],
+                    mask=(s[:, None] < NUM_SPLITS), other=0.0)
+    total = tl.sum(w, 0)
+    out = tl.sum(parts * w[:, None], 0) / tl.where(total == 0.0, 1.0, total)
+    tl.store(o_ptr + b.to(tl.int64) * stride_ob + h * stride_oh + dd, out.to(o_ptr.dtype.element_ty),
+             mask=dd < HEAD_DIM)
+
+
+def default_num_splits(B: int, G: int, max_keys: int, block_n: int) -> int:
+    """Enough splits for about two programs per SM, but at least 4 key tiles per split."""
+    want = triton.cdiv(2 * NUM_SMS_H200, max(B * G, 1))
+    most = max(1, triton.cdiv(max_keys, 4 * block_n))
+    return max(1, min(want, most, 64))
+
+
+def paged_attention_decode_triton(q_BHd: torch.Tensor, kv_cache_2NSGd: torch.Tensor,
+                                  block_tables_BM: torch.Tensor, seq_lens_B: torch.Tensor, scale: float,
+                                  chunk_size: int | None = None, out_BHd: torch.Tensor | None = None,
+                                  num_splits: int | None = None, block_n: int | None = None) -> torch.Tensor:
+    """One query per sequence over its paged context; returns out_BHd [B, H, d] in q's dtype.
+
+    q_BHd: [B, H, d] fp32/fp16/bf16, any strides with a unit stride along d.
+    kv_cache_2NSGd: contiguous [2, N, S, G, d]; block_tables_BM: [B, max_blocks] int32/int64;
+    seq_lens_B: [B] int32 (0 = padded row: zeros out, nothing read).
+    num_splits: None = chosen from B * G and max_blocks (static shapes only).
+    block_n: keys per tile (power of two >= 16); None = 64 for d <= 128 (tests use 16).
+    """
+    if q_BHd.dim() != 3 or q_BHd.stride(2) != 1:
+        raise ValueError(f"q_BHd must be [B, H, d] with unit stride along d, got {tuple(q_BHd.shape)}")
+    B, H, d = q_BHd.shape
+    S, G = check_cache(kv_cache_2NSGd, d)
+    check_block_tables(block_tables_BM, B)
+    if seq_lens_B.shape != (B,):
+        raise ValueError(f"seq_lens_B must be [B={B}], got {tuple(seq_lens_B.shape)}")
+    if H % G:
+        raise ValueError(f"query heads {H} must be a multiple of KV heads {G}")
+    if chunk_size is not None and chunk_size <= 0:
+        raise ValueError(f"chunk_size must be positive or None, got {chunk_size}")
+    if out_BHd is None:
+        out_BHd = torch.empty_like(q_BHd)
+    elif out_BHd.shape != q_BHd.shape or out_BHd.stride(2) != 1:
+        raise ValueError(f"out_BHd must be [B, H, d] = {tuple(q_BHd.shape)} with unit stride along d")
+    if B == 0:
+        return out_BHd
+    d_pad = head_dim_pad(d)
+    if block_n is None:
+        block_n = 64 if d_pad <= 128 else 32
+    max_keys = block_tables_BM.shape[1] * S
+    if chunk_size is not None:
+        max_keys = min(max_keys, chunk_size)
+    if num_splits is None:
+        num_splits = default_num_splits(B, G, max_keys, block_n)
+    if num_splits < 1:
+        raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+    hg = H // G
+    precision, upcast = dot_flags(q_BHd.dtype)
+    N = kv_cache_2NSGd.shape[1]
+    if num_splits > 1:
+        part_o = torch.empty(B, H, num_splits, d_pad, dtype=torch.float32, device=q_BHd.device)
+        part_lse = torch.empty(B, H, num_splits, dtype=torch.float32, device=q_BHd.device)
+    else:
+        part_o = part_lse = out_BHd  # unused
+    _decode_split_kernel[(B, G, num_splits)](
+        q_BHd, kv_cache_2NSGd, block_tables_BM, seq_lens_B, out_BHd, part_o, part_lse,
+        q_BHd.stride(0), q_BHd.stride(1), out_BHd.stride(0), out_BHd.stride(1),
+        block_tables_BM.stride(0), block_tables_BM.stride(1),
+        N * S * G * d, S * G * d, G * d, scale * LOG2E, chunk_size or 1,
+        HG=hg, HG_PAD=max(16, triton.next_power_of_2(hg)), HEAD_DIM=d, D_PAD=d_pad, BLOCK_N=block_n, S=S,
+        NUM_SPLITS=num_splits, USE_CHUNK=chunk_size is not None, PRECISION=precision, UPCAST=upcast,
+        num_warps=4, num_stages=3)
+    if num_splits > 1:
+        _decode_merge_kernel[(B, H)](
+            part_o, part_lse, out_BHd, out_BHd.stride(0), out_BHd.stride(1), H,
+            HEAD_DIM=d, D_PAD=d_pad, NUM_SPLITS=num_splits, P_PAD=triton.next_power_of_2(num_splits),
+            num_warps=4)
+    return out_BHd

@@ -1,0 +1,155 @@
+"""Variable-length paged attention over a whole batch in one launch (prefill, chunked prefill,
+prefix-cache hits, and decode rows of a mixed batch). Reference: kernels.attention.paged_attention_torch.
+
+Legend: T query tokens, B sequences, H query heads, G KV heads, d head dim, N cache blocks,
+S block size, M rows of a query tile, n_b queries and L_b context tokens of sequence b.
+
+Sequence b owns query rows query_start_loc[b] .. query_start_loc[b+1]-1; query i sits at position
+L_b - n_b + i and sees keys chunk_start(pos) .. pos, all read from the cache through the block
+table (the new tokens' K/V are written there first). A program handles one sequence, one tile of
+queries and HPP query heads of one KV group: its M = QPT * HPP rows are (query, head) pairs, so a
+K/V tile is loaded once for all those heads, and a decode row (n_b = 1) still fills HPP rows.
+Key tiles entirely visible to every row of the tile run without masks; only the last few
+(the causal diagonal, chunk edges) are masked.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.triton_attention.common import (
+    LOG2E,
+    NEG_BIG,
+    attend_key_tile,
+    check_block_tables,
+    check_cache,
+    dot_flags,
+    head_dim_pad,
+    heads_per_program,
+)
+
+
+@triton.jit
+def _prefill_kernel(q_ptr, kv_ptr, bt_ptr, qsl_ptr, seq_lens_ptr, o_ptr,
+                    stride_qt, stride_qh, stride_ot, stride_oh, stride_btb, stride_btm,
+                    v_offset, stride_blk, stride_tok, scale_log2, chunk_size,
+                    HG: tl.constexpr, HPP: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, S: tl.constexpr,
+                    USE_CHUNK: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    QPT: tl.constexpr = BLOCK_M // HPP  # queries per tile
+    pid_m = tl.program_id(0)
+    pid_h = tl.program_id(1)
+    b = tl.program_id(2)
+    q_begin = tl.load(qsl_ptr + b)
+    n = tl.load(qsl_ptr + b + 1) - q_begin
+    L = tl.load(seq_lens_ptr + b)
+    m0 = pid_m * QPT
+    if m0 >= n:  # the grid covers the longest sequence of the batch
+        return
+    h0 = pid_h * HPP
+    kv_head = h0 // HG
+    r = tl.arange(0, BLOCK_M)
+    qi = m0 + r // HPP
+    head = h0 + r % HPP
+    row_ok = (r < QPT * HPP) & (qi < n)
+    qpos = L - n + qi
+    dd = tl.arange(0, D_PAD)
+    q_off = (q_begin + qi).to(tl.int64) * stride_qt + head * stride_qh
+    q = tl.load(q_ptr + q_off[:, None] + dd[None, :],
+                mask=row_ok[:, None] & (dd[None, :] < HEAD_DIM), other=0.0)
+
+    q_first = L - n + m0
+    q_last = tl.minimum(q_first + QPT - 1, L - 1)
+    if USE_CHUNK:
+        row_lo = (qpos // chunk_size) * chunk_size
+        k_lo = (q_first // chunk_size) * chunk_size  # keys before the earliest row's chunk: never read
+        same_chunk = k_lo == (q_last // chunk_size) * chunk_size
+    else:
+        row_lo = qpos * 0
+        k_lo = q_first * 0
+        same_chunk = True
+    # Keys k_lo .. q_first are visible to every row when all rows share one chunk.
+    if same_chunk:
+        k_free = k_lo + ((q_first + 1 - k_lo) // BLOCK_N) * BLOCK_N
+    else:
+        k_free = k_lo
+
+    bt_row_ptr = bt_ptr + b.to(tl.int64) * stride_btb
+    acc = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], NEG_BIG, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    for k0 in range(k_lo, k_free, BLOCK_N):
+        acc, m_i, l_i = attend_key_tile(acc, m_i, l_i, q, kv_ptr, bt_row_ptr, stride_btm, kv_head, v_offset,
+                                        stride_blk, stride_tok, k0, qpos, row_lo, L, scale_log2, dd,
+                                        S, BLOCK_N, HEAD_DIM, D_PAD, False, USE_CHUNK, PRECISION, UPCAST)
+    for k0 in range(k_free, q_last + 1, BLOCK_N):
+        acc, m_i, l_i = attend_key_tile(acc, m_i, l_i, q, kv_ptr, bt_row_ptr, stride_btm, kv_head, v_offset,
+                                        stride_blk, stride_tok, k0, qpos, row_lo, L, scale_log2, dd,
+                                        S, BLOCK_N, HEAD_DIM, D_PAD, True, USE_CHUNK, PRECISION, UPCAST)
+    l_i = tl.where(l_i == 0.0, 1.0, l_i)  # rows past the sequence saw nothing; never stored
+    out = acc / l_i[:, None]
+    o_off = (q_begin + qi).to(tl.int64) * stride_ot + head * stride_oh
+    tl.store(o_ptr + o_off[:, None] + dd[None, :], out.to(o_ptr.dtype.element_ty),
+             mask=row_ok[:, None] & (dd[None, :] < HEAD_DIM))
+
+
+def _launch_config(max_query_len: int, hpp: int, d_pad: int) -> dict:
+    """Tile sizes for Hopper: M rows up to 128 (fewer when the batch's queries cannot fill them,
+    e.g. decode rows), 64 keys per tile for d <= 128."""
+    rows = max_query_len * hpp
+    block_m = 16 if rows <= 16 else 32 if rows <= 32 else 64 if rows <= 64 or d_pad > 128 else 128
+    block_m = max(block_m, triton.next_power_of_2(hpp))
+    block_n = 64 if d_pad <= 128 else 32
+    num_warps = 8 if block_m >= 128 else 4
+    return {"BLOCK_M": block_m, "BLOCK_N": block_n, "num_warps": num_warps, "num_stages": 2}
+
+
+def paged_attention_prefill_triton(q_THd: torch.Tensor, kv_cache_2NSGd: torch.Tensor,
+                                   block_tables_BM: torch.Tensor, query_start_loc_B1: torch.Tensor,
+                                   seq_lens_B: torch.Tensor, max_query_len: int, scale: float,
+                                   chunk_size: int | None = None, out_THd: torch.Tensor | None = None,
+                                   config: dict | None = None) -> torch.Tensor:
+    """Causal (optionally chunked-local) GQA attention of each sequence's queries over its cached
+    context; returns out_THd [T, H, d] in q's dtype.
+
+    q_THd: [T, H, d] fp32/fp16/bf16, any strides with a unit stride along d.
+    kv_cache_2NSGd: contiguous [2, N, S, G, d]; K/V are cast to q's dtype on load.
+    block_tables_BM: [B, max_blocks] int32/int64. query_start_loc_B1: [B+1] int32, seq_lens_B: [B]
+    int32 (device). max_query_len: host int >= every sequence's query count (sizes the grid).
+    config: optional override of BLOCK_M / BLOCK_N / num_warps / num_stages (tuning).
+    """
+    if q_THd.dim() != 3 or q_THd.stride(2) != 1:
+        raise ValueError(f"q_THd must be [T, H, d] with unit stride along d, got {tuple(q_THd.shape)}")
+    T, H, d = q_THd.shape
+    S, G = check_cache(kv_cache_2NSGd, d)
+    B = seq_lens_B.shape[0]
+    check_block_tables(block_tables_BM, B)
+    if query_start_loc_B1.shape != (B + 1,):
+        raise ValueError(f"query_start_loc_B1 must be [B+1={B + 1}], got {tuple(query_start_loc_B1.shape)}")
+    if chunk_size is not None and chunk_size <= 0:
+        raise ValueError(f"chunk_size must be positive or None, got {chunk_size}")
+    if out_THd is None:
+        out_THd = torch.empty_like(q_THd)
+    elif out_THd.shape != q_THd.shape or out_THd.stride(2) != 1:
+        raise ValueError(f"out_THd must be [T, H, d] = {tuple(q_THd.shape)} with unit stride along d")
+    if T == 0 or B == 0 or max_query_len <= 0:
+        return out_THd
+    d_pad = head_dim_pad(d)
+    hpp = heads_per_program(H, G, cap=16)
+    cfg = _launch_config(max_query_len, hpp, d_pad) if config is None else config
+    qpt = cfg["BLOCK_M"] // hpp
+    if qpt < 1:
+        raise ValueError(f"BLOCK_M {cfg['BLOCK_M']} smaller than the {hpp} heads per program")
+    precision, upcast = dot_flags(q_THd.dtype)
+    N = kv_cache_2NSGd.shape[1]
+    grid = (triton.cdiv(max_query_len, qpt), H // hpp, B)
+    _prefill_kernel[grid](
+        q_THd, kv_cache_2NSGd, block_tables_BM, query_start_loc_B1, seq_lens_B, out_THd,
+        q_THd.stride(0), q_THd.stride(1), out_THd.stride(0), out_THd.stride(1),
+        block_tables_BM.stride(0), block_tables_BM.stride(1),
+        N * S * G * d, S * G * d, G * d, scale * LOG2E, chunk_size or 1,
+        HG=H // G, HPP=hpp, HEAD_DIM=d, D_PAD=d_pad, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], S=S,
+        USE_CHUNK=chunk_size is not None, PRECISION=precision, UPCAST=upcast,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    return out_THd
