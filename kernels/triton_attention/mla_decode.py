@@ -51,7 +51,7 @@ def _write_latent_kernel(src_ptr, cache_ptr, slot_ptr, C, stride_st, stride_cn, 
     mask = offs < C
     row = tl.load(src_ptr + t.to(tl.int64) * stride_st + offs, mask=mask)
     dst = cache_ptr + (slot // S) * stride_cn + (slot % S) * stride_cs + offs
-    tl.store(dst, row.to(cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(dst, row, mask=mask)
 
 
 def write_latent_cache_triton(latent_TC: torch.Tensor, cache_NSC: torch.Tensor, slot_mapping_T: torch.Tensor) -> None:
@@ -65,6 +65,8 @@ def write_latent_cache_triton(latent_TC: torch.Tensor, cache_NSC: torch.Tensor, 
     T, C = latent_TC.shape
     if T == 0:
         return
+    # torch's cast (round to nearest even), identical to the reference's; the kernel only copies
+    latent_TC = latent_TC.to(cache_NSC.dtype)
     _write_latent_kernel[(T,)](latent_TC, cache_NSC, slot_mapping_T, C, latent_TC.stride(0),
                                cache_NSC.stride(0), cache_NSC.stride(1), S=cache_NSC.shape[1],
                                BLOCK_C=_pow2(C))

@@ -40,8 +40,8 @@ def _varlen_fwd_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr, cu_q_ptr, cu_k_ptr,
     E, Dv, qk_scale,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EA: tl.constexpr, EB: tl.constexpr, DV_PAD: tl.constexpr,
-    PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EA: tl.constexpr, EB: tl.constexpr, HAS_B: tl.constexpr,
+    DV_PAD: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):
     m_tile = tl.program_id(0)
     b = tl.program_id(1)
@@ -65,7 +65,7 @@ def _varlen_fwd_kernel(
 
     q_rows = q_ptr + (q0 + offs_m)[:, None] * stride_qt + h * stride_qh
     qa = tl.load(q_rows + offs_a[None, :], mask=m_mask[:, None] & a_mask[None, :], other=0.0)
-    if EB > 0:
+    if HAS_B:
         qb = tl.load(q_rows + EA + offs_b[None, :], mask=m_mask[:, None] & b_mask[None, :], other=0.0)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -80,7 +80,7 @@ def _varlen_fwd_kernel(
         k_rows = k_ptr + (k0 + offs_n)[:, None] * stride_kt + h * stride_kh
         ka = tl.load(k_rows + offs_a[None, :], mask=n_mask[:, None] & a_mask[None, :], other=0.0).to(qa.dtype)
         s = _dot(qa, tl.trans(ka), tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), PRECISION, UPCAST)
-        if EB > 0:
+        if HAS_B:
             kb = tl.load(k_rows + EA + offs_b[None, :], mask=n_mask[:, None] & b_mask[None, :], other=0.0)
             s = _dot(qb, tl.trans(kb.to(qa.dtype)), s, PRECISION, UPCAST)
         s = s * qk_scale
@@ -102,10 +102,11 @@ def _varlen_fwd_kernel(
 
 def _split_head_dim(E: int) -> tuple[int, int]:
     """(EA, EB): EA the largest power of two <= E (at least 16), EB the rest padded to a power
-    of two (0 when nothing is left)."""
+    of two (0 when nothing is left; the kernel then gets a dummy EB and HAS_B False)."""
     ea = max(16, 1 << (E.bit_length() - 1))
     rest = E - ea
     return ea, (max(16, triton.next_power_of_2(rest)) if rest > 0 else 0)
+
 
 
 def varlen_attention_triton(q_THE: torch.Tensor, k_LHE: torch.Tensor, v_LHDv: torch.Tensor,
@@ -143,7 +144,7 @@ def varlen_attention_triton(q_THE: torch.Tensor, k_LHE: torch.Tensor, v_LHDv: to
         q_THE, k_LHE, v_LHDv, out_THDv, cu_seqlens_q_B1, cu_seqlens_k_B1, E, Dv, scale * _LOG2E,
         q_THE.stride(0), q_THE.stride(1), k_LHE.stride(0), k_LHE.stride(1), v_LHDv.stride(0), v_LHDv.stride(1),
         out_THDv.stride(0), out_THDv.stride(1),
-        BLOCK_M=block_m, BLOCK_N=block_n, EA=EA, EB=EB, DV_PAD=DV_PAD,
+        BLOCK_M=block_m, BLOCK_N=block_n, EA=EA, EB=max(EB, 16), HAS_B=EB > 0, DV_PAD=DV_PAD,
         PRECISION="ieee" if q_THE.dtype == torch.float32 else "tf32", UPCAST=upcast,
         num_warps=4 if block_m <= 32 else 8, num_stages=2)
     return out_THDv
