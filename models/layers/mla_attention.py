@@ -6,6 +6,12 @@ K/V from kv_b_proj), decode in the absorbed form (queries projected into latent 
 kv_b_proj's K rows, output latent projected with its V rows); both forms give the same result
 (`mode` forces one of them, for tests).
 
+Two paths with the same result: the torch reference (kernels/mla_attention.py) on the CPU or
+with a forced `mode`, and on CUDA (mode "auto") the Triton kernels (kernels/triton_attention):
+decode rows absorbed through the split-KV `mla_decode_triton` (graph-capturable on a
+decode-only step), prefill rows expanded with one context gather, one kv_b_proj linear and one
+`varlen_attention_triton` call for all of them.
+
 Heads are split across TP ranks (q_b_proj / q_proj and kv_b_proj column-parallel, o_proj
 row-parallel); the down projections and the cache row are replicated.
 
@@ -16,7 +22,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from kernels.attention import AttentionMetadata
@@ -98,6 +106,10 @@ class MLAAttention(nn.Module):
         latent_TC = torch.cat((latent, k_pe[:, 0]), dim=-1)
         if self.kv_cache is None:
             raise RuntimeError("attention ran before the model runner bound a KV cache")
+        if self.mode == "auto" and use_triton_path(x):
+            from kernels.triton_attention.mla_decode import write_latent_cache_triton
+            write_latent_cache_triton(latent_TC, self.kv_cache, meta.slot_mapping_T)
+            return self.o_proj(self._attend_triton(q_nope, q_pe, meta).reshape(T, H * Dv))
         write_latent_cache(latent_TC, self.kv_cache, meta.slot_mapping_T)
 
         if self.mode == "expanded":
@@ -121,6 +133,82 @@ class MLAAttention(nn.Module):
                                self.scale, out_THR)
             out_THDv[rows] = torch.einsum("thr,hvr->thv", out_THR[rows], w_uv)
         return self.o_proj(out_THDv.reshape(T, H * Dv))
+
+    # ---- GPU path (Triton) --------------------------------------------------------------------
+    def _attend_triton(self, q_nope: torch.Tensor, q_pe: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """Attention output [T, H, Dv]; the new latent rows are already in the cache."""
+        if meta.decode_only and meta.seq_lens_t is not None:
+            # Every row is a decode row, row b = sequence b (padded rows: seq_len 0 -> zeros);
+            # device tensors only, so this runs inside a CUDA graph.
+            return self._decode_triton(q_nope, q_pe, meta.seq_lens_t, meta.block_tables_BM)
+        T, H, Dv = q_nope.shape[0], q_nope.shape[1], self.cfg.v_head_dim
+        out_THDv = q_nope.new_empty(T, H, Dv)
+        if meta.prefill_seqs:
+            self._prefill_triton(q_nope, q_pe, meta, out_THDv)
+        if meta.decode_seqs:
+            idx = meta.decode_token_idx
+            out_THDv[idx] = self._decode_triton(q_nope[idx], q_pe[idx], meta.decode_seq_lens,
+                                                meta.decode_block_tables)
+        return out_THDv
+
+    def _decode_triton(self, q_nope_BHD: torch.Tensor, q_pe_BHP: torch.Tensor, seq_lens_B: torch.Tensor,
+                       block_tables_BM: torch.Tensor) -> torch.Tensor:
+        """Absorbed form: q_nope @ W_UK, latent attention over the cache rows, then @ W_UV^T."""
+        from kernels.triton_attention.mla_decode import mla_decode_triton
+        w_uk, w_uv = self._kv_b_parts()  # [H, Dn, R], [H, Dv, R]
+        q_lat_HBR = torch.bmm(q_nope_BHD.transpose(0, 1), w_uk)
+        q_BHC = torch.cat((q_lat_HBR.transpose(0, 1), q_pe_BHP), dim=-1)
+        out_BHR = mla_decode_triton(q_BHC, self.kv_cache, block_tables_BM, seq_lens_B, self.scale,
+                                    self.cfg.kv_lora_rank)
+        return torch.bmm(out_BHR.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)  # [B, H, Dv]
+
+    def _prefill_triton(self, q_nope: torch.Tensor, q_pe: torch.Tensor, meta: AttentionMetadata,
+                        out_THDv: torch.Tensor) -> None:
+        """Expanded form for all prefill sequences at once (eager only: host lists are read).
+
+        The context rows of every prefill sequence (cached and new, all in the cache by now)
+        are gathered with one index, expanded to per-head K/V with one kv_b_proj linear, and
+        attended with one varlen call; the outputs go to the sequences' rows of out_THDv."""
+        from kernels.triton_attention.varlen import varlen_attention_triton
+        c, dev = self.cfg, q_nope.device
+        Dn, Dv, R = c.qk_nope_head_dim, c.v_head_dim, c.kv_lora_rank
+        H = q_nope.shape[1]
+        seqs = np.asarray(meta.prefill_seqs, dtype=np.int64)
+        qsl = np.asarray(meta.query_start_loc, dtype=np.int64)
+        n = qsl[seqs + 1] - qsl[seqs]
+        ctx_len = np.asarray(meta.seq_lens, dtype=np.int64)[seqs]
+        rows = torch.from_numpy(_ragged_aranges(qsl[seqs], n)).to(dev)
+        # context position p of sequence b lives at slot table[b, p // S] * S + p % S
+        S = self.kv_cache.shape[1]
+        pos = torch.from_numpy(_ragged_aranges(np.zeros_like(ctx_len), ctx_len)).to(dev)
+        seq_of = torch.from_numpy(np.repeat(seqs, ctx_len)).to(dev)
+        slots = meta.block_tables_BM[seq_of, pos // S].long() * S + pos % S
+        ctx_LC = self.kv_cache.flatten(0, 1)[slots].to(q_nope.dtype)
+        L = ctx_LC.shape[0]
+        k_nope, v_LHDv = F.linear(ctx_LC[:, :R], self.kv_b_proj.weight).view(L, H, Dn + Dv).split([Dn, Dv], dim=-1)
+        k_LHE = torch.cat((k_nope, ctx_LC[:, None, R:].expand(L, H, ctx_LC.shape[1] - R)), dim=-1)
+        q_THE = torch.cat((q_nope[rows], q_pe[rows]), dim=-1)
+        cu_q = torch.from_numpy(np.concatenate(([0], np.cumsum(n))).astype(np.int32)).to(dev)
+        cu_k = torch.from_numpy(np.concatenate(([0], np.cumsum(ctx_len))).astype(np.int32)).to(dev)
+        out_THDv[rows] = varlen_attention_triton(q_THE, k_LHE, v_LHDv, cu_q, cu_k, int(n.max()), self.scale)
+
+
+def use_triton_path(x: torch.Tensor) -> bool:
+    """Whether the layer runs the Triton kernels (mode "auto" only): CUDA tensors and Triton
+    importable. Tests monkeypatch this to run the GPU path on the CPU under TRITON_INTERPRET=1."""
+    if not x.is_cuda:
+        return False
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _ragged_aranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """Concatenation of arange(starts[i], starts[i] + lengths[i]) over i, int64."""
+    offsets = np.repeat(np.cumsum(lengths) - lengths, lengths)
+    return np.arange(int(lengths.sum()), dtype=np.int64) - offsets + np.repeat(starts, lengths)
 
 
 def _rows(meta: AttentionMetadata, prefill_seqs: list[int], with_decode: bool, device) -> torch.Tensor:
