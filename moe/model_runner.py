@@ -288,8 +288,17 @@ class ModelRunner:
             sizes[f"slots{g}"] = t
             buf.upload_tables(g, table)
         buf.upload(sizes)
-        return self._device_metadata(t, b, int(batch.num_tokens_B.max()), batch.query_start_loc.tolist(),
+        meta = self._device_metadata(t, b, int(batch.num_tokens_B.max()), batch.query_start_loc.tolist(),
                                      batch.seq_lens_B.tolist(), batch.decode_only)
+        if not batch.decode_only and meta.decode_seqs:  # a mixed batch: its decode rows for MLA's absorbed path
+            decode = np.asarray(meta.decode_seqs)
+            dev = self.device
+            for g, m in enumerate(meta.group_metas or [meta]):
+                nblk = -(-int(batch.seq_lens_B[decode].max()) // self.block_size)
+                m.decode_token_idx = torch.from_numpy(batch.query_start_loc[decode]).to(dev)
+                m.decode_seq_lens = torch.from_numpy(batch.seq_lens_B[decode]).to(dev)
+                m.decode_block_tables = torch.from_numpy(np.ascontiguousarray(batch.tables[g][decode, :nblk])).to(dev)
+        return meta
 
     def _device_metadata(self, t: int, b: int, max_query_len: int, qsl: list[int], seq_lens: list[int],
                          decode_only: bool) -> AttentionMetadata:
