@@ -15,6 +15,10 @@
 #   tune          `moe tune-moe --wide` on the short decode rows -> $OUT/configs
 #   bench-short   the kernel bench on the rows that fall short, with $OUT/configs if present
 #   bench-full    the whole kernel bench (TARGETS.md §1) -> $OUT/kernel.json
+#   attn-tests    the Triton attention and MLA kernel tests on the GPU
+#   bench-attn    benchmarks/bench_attention.py -> $OUT/attention.json
+#   engine-parity benchmarks/gpu_engine_bench.py parity (GPU eager and CUDA graphs vs CPU tokens)
+#   engine-qwen3  benchmarks/gpu_engine_bench.py qwen3 eager -> $OUT/engine.json (RUNS= picks runs)
 #   parallel-fp8  an FP8 DeepSeek-V3 tiny checkpoint under TP2 and TP2+EP2 vs one GPU and its
 #                 dequantised twin (.gpu_ckpts/deepseek_v3_fp8[_twin])
 set -u
@@ -53,6 +57,13 @@ for stage in "$@"; do
     bench-full) [ -d "$CFG" ] && export MOE_KERNEL_CONFIG_DIR="$CFG"
       DS=--no-deepspeed; [ -f /tmp/deepspeed_ok ] && DS=
       step bench-full timeout 560 python3 benchmarks/bench_kernel.py $DS --profile --out "$OUT/kernel.json" ;;
+    attn-tests) step attn-tests timeout 300 python3 -m pytest -q -p no:cacheprovider -n 4 -x \
+           tests/kernels/test_triton_attention.py tests/kernels/test_triton_mla.py ;;
+    bench-attn) step bench-attn timeout 200 python3 benchmarks/bench_attention.py --out "$OUT/attention.json" ;;
+    engine-parity) step engine-parity timeout 300 python3 benchmarks/gpu_engine_bench.py parity \
+           --out "$OUT/engine_parity.json" ;;
+    engine-qwen3) step engine-qwen3 timeout 560 python3 benchmarks/gpu_engine_bench.py qwen3 ${EAGER:-} \
+           ${RUNS:+--runs $RUNS} --out "$OUT/engine.json" ;;
     parallel-fp8) step parallel-fp8 timeout 300 python3 benchmarks/gpu_parallel_check.py \
            .gpu_ckpts/deepseek_v3_fp8 --layouts tp2 tp2_ep2 --twin .gpu_ckpts/deepseek_v3_fp8_twin \
            --out "$OUT/parallel_fp8.json" ;;
