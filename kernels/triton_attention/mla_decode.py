@@ -143,15 +143,15 @@ def _mla_merge_kernel(part_out_ptr, part_lse_ptr, out_ptr, H, R, stride_ob, stri
     bh = tl.program_id(0).to(tl.int64)
     offs_s = tl.arange(0, NS_PAD)
     offs_r = tl.arange(0, R_PAD)
-    s_mask = offs_s < NUM_SPLITS
-    lse = tl.load(part_lse_ptr + bh * NUM_SPLITS + offs_s, mask=s_mask, other=float("-inf"))
+    lse = tl.load(part_lse_ptr + bh * NUM_SPLITS + offs_s, mask=offs_s < NUM_SPLITS, other=float("-inf"))
     m = tl.max(lse, axis=0)
     m = tl.where(m > float("-inf"), m, 0.0)  # no split with keys (seq_len 0): all weights 0
-    w = tl.where(lse > float("-inf"), tl.exp2(lse - m), 0.0)
-    denom = tl.sum(w, axis=0)
-    part = tl.load(part_out_ptr + (bh * NUM_SPLITS + offs_s[:, None]) * R_PAD + offs_r[None, :],
-                   mask=s_mask[:, None], other=0.0)
-    o = tl.sum(w[:, None] * part, axis=0) / tl.where(denom > 0, denom, 1.0)
+    denom = tl.sum(tl.exp2(lse - m), axis=0)
+    o = tl.zeros([R_PAD], dtype=tl.float32)
+    for s in range(NUM_SPLITS):  # one [R] row at a time: a [NS, R] tile would not fit registers
+        w = tl.exp2(tl.load(part_lse_ptr + bh * NUM_SPLITS + s) - m)
+        o += w * tl.load(part_out_ptr + (bh * NUM_SPLITS + s) * R_PAD + offs_r)
+    o = o / tl.where(denom > 0, denom, 1.0)
     b, h = bh // H, bh % H
     tl.store(out_ptr + b * stride_ob + h * stride_oh + offs_r, o.to(out_ptr.dtype.element_ty), mask=offs_r < R)
 
