@@ -107,7 +107,7 @@ class ModelRunner:
         graphs_ok = self.gpu_inputs and ps.pp_size == 1 and not (ps.enable_expert_parallel and ps.ep_size > 1)
         if self.gpu_inputs and not enforce_eager and not graphs_ok:
             logger.info("CUDA graphs are off for pipeline or expert parallelism: steps run eagerly")
-        self.use_cuda_graphs = graphs_ok and not enforce_eager
+        self.use_cuda_graphs = graphs_ok and not enforce_eager and device.type == "cuda"
         self.cudagraph_capture_sizes = cudagraph_capture_sizes
         self.limits: tuple[int, int, int] | None = None  # max_num_seqs, max_model_len, max_num_batched_tokens
         self.buffers: StepBuffers | None = None
@@ -176,17 +176,17 @@ class ModelRunner:
         """The model on b padding decode rows read from the step buffers (what a graph captures)."""
         buf = self.buffers
         buf.begin()
-        buf.host("input_ids", b)[:] = 0
-        buf.host("positions", b)[:] = 0
-        buf.host("query_start_loc", b + 1)[:] = np.arange(b + 1)
-        buf.host("seq_lens", b)[:] = 0
+        buf.host_view("input_ids", b)[:] = 0
+        buf.host_view("positions", b)[:] = 0
+        buf.host_view("query_start_loc", b + 1)[:] = np.arange(b + 1)
+        buf.host_view("seq_lens", b)[:] = 0
         sizes = {"input_ids": b, "positions": b, "query_start_loc": b + 1, "seq_lens": b}
         for g in range(self.num_kv_groups):
-            buf.host(f"slots{g}", b)[:] = -1
+            buf.host_view(f"slots{g}", b)[:] = -1
             sizes[f"slots{g}"] = b
         buf.upload(sizes)
         meta = self._device_metadata(b, b, 1, list(range(b + 1)), [1] * b, decode_only=True)
-        return self._forward(buf.device("input_ids", b), buf.device("positions", b), meta)
+        return self._forward(buf.dev_view("input_ids", b), buf.dev_view("positions", b), meta)
 
     def kv_cache_chunk_sizes(self) -> list[int | None]:
         """Per attention layer of this rank: its chunked-local window, or None."""
@@ -277,14 +277,14 @@ class ModelRunner:
         t, b = (padded, padded) if padded else (T, B)
         buf.begin()
         sizes = {"input_ids": t, "positions": t, "query_start_loc": b + 1, "seq_lens": b}
-        _fill(buf.host("input_ids", t), batch.input_ids_T, 0)
-        _fill(buf.host("positions", t), batch.positions_T, 0)
-        qsl = buf.host("query_start_loc", b + 1)
+        _fill(buf.host_view("input_ids", t), batch.input_ids_T, 0)
+        _fill(buf.host_view("positions", t), batch.positions_T, 0)
+        qsl = buf.host_view("query_start_loc", b + 1)
         qsl[:B + 1] = batch.query_start_loc
         qsl[B + 1:] = T + np.arange(1, b - B + 1)  # padding rows: one query each
-        _fill(buf.host("seq_lens", b), batch.seq_lens_B, 0)
+        _fill(buf.host_view("seq_lens", b), batch.seq_lens_B, 0)
         for g, table in enumerate(batch.tables):
-            _fill(buf.host(f"slots{g}", t), self._slots(table, batch), -1)
+            _fill(buf.host_view(f"slots{g}", t), self._slots(table, batch), -1)
             sizes[f"slots{g}"] = t
             buf.upload_tables(g, table)
         buf.upload(sizes)
@@ -303,10 +303,10 @@ class ModelRunner:
     def _device_metadata(self, t: int, b: int, max_query_len: int, qsl: list[int], seq_lens: list[int],
                          decode_only: bool) -> AttentionMetadata:
         buf = self.buffers
-        qsl_t, seq_lens_t = buf.device("query_start_loc", b + 1), buf.device("seq_lens", b)
+        qsl_t, seq_lens_t = buf.dev_view("query_start_loc", b + 1), buf.dev_view("seq_lens", b)
         decode = [i for i in range(len(seq_lens)) if qsl[i + 1] - qsl[i] == 1]
         prefill = [] if decode_only else [i for i in range(len(seq_lens)) if qsl[i + 1] - qsl[i] != 1]
-        metas = [AttentionMetadata(qsl, seq_lens, buf.tables[g][:b], buf.device(f"slots{g}", t), decode, prefill,
+        metas = [AttentionMetadata(qsl, seq_lens, buf.tables[g][:b], buf.dev_view(f"slots{g}", t), decode, prefill,
                                    query_start_loc_t=qsl_t, seq_lens_t=seq_lens_t, max_query_len=max_query_len,
                                    decode_only=decode_only)
                  for g in range(self.num_kv_groups)]
@@ -387,7 +387,7 @@ class ModelRunner:
         meta = self._upload(batch, padded)
         if padded is not None:
             return self.graphs.replay(padded)[:B]
-        return self._forward(self.buffers.device("input_ids", T), self.buffers.device("positions", T), meta)
+        return self._forward(self.buffers.dev_view("input_ids", T), self.buffers.dev_view("positions", T), meta)
 
     @torch.inference_mode()
     def execute_dummy(self) -> None:

@@ -43,11 +43,11 @@ class StepBuffers:
         if self._uploaded is not None:
             self._uploaded.synchronize()
 
-    def host(self, name: str, n: int) -> np.ndarray:
+    def host_view(self, name: str, n: int) -> np.ndarray:
         o = self._offsets[name]
         return self._host_np[o:o + n]
 
-    def device(self, name: str, n: int) -> torch.Tensor:
+    def dev_view(self, name: str, n: int) -> torch.Tensor:
         o = self._offsets[name]
         return self._dev[o:o + n]
 

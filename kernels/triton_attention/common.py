@@ -17,7 +17,7 @@ import triton.language as tl
 LOG2E = 1.4426950408889634
 # Running max before any key is seen: finite so that a row whose keys are all masked so far
 # gives exp2(-inf - NEG_BIG) = 0 instead of NaN from (-inf) - (-inf).
-NEG_BIG = -1.0e30
+NEG_BIG = tl.constexpr(-1.0e30)
 
 
 @triton.jit

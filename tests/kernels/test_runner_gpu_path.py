@@ -1,0 +1,55 @@
+"""The runner's GPU input path (step buffers, device metadata, Triton attention for GQA,
+chunked-local and MLA layers) forced on the CPU under TRITON_INTERPRET=1: greedy tokens equal
+the torch reference path's for each model family, through chunked prefill, prefix-cache hits
+and mixed prefill + decode batches. (CUDA graphs need a GPU: benchmarks/gpu_engine_bench.py.)"""
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+import torch
+
+import models.layers.attention as attention_layer
+import models.layers.mla_attention as mla_layer
+import moe.model_runner as model_runner
+from moe import LLM, SamplingParams
+from tests.factories import make_qwen3_moe_checkpoint
+from tests.factories_deepseek import make_deepseek_v3_checkpoint
+from tests.factories_llama4 import make_llama4_model, save_llama4_checkpoint
+
+pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" or torch.cuda.is_available(),
+                                reason="forces the GPU path on the CPU through the Triton interpreter")
+
+FAMILIES = {
+    "qwen3_moe": lambda p: make_qwen3_moe_checkpoint(p),
+    "deepseek_v3": lambda p: make_deepseek_v3_checkpoint(p),
+    "llama4": lambda p: save_llama4_checkpoint(make_llama4_model(), p),  # chunk of 8: boundaries inside prompts
+}
+
+
+def _generate(path: str, prompts: list[dict]) -> tuple[list[list[int]], model_runner.ModelRunner]:
+    params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+    with LLM(path, device="cpu", dtype="float32", max_model_len=64, max_num_batched_tokens=16, max_num_seqs=4,
+             block_size=4) as llm:
+        runner = llm.llm_engine.executor.runner
+        return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)], runner
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_gpu_input_path_matches_reference(family, tmp_path, monkeypatch):
+    path = FAMILIES[family](str(tmp_path / family))
+    rng = random.Random(0)
+    shared = [rng.randrange(1, 500) for _ in range(9)]
+    prompts = [{"prompt_token_ids": p} for p in
+               ([rng.randrange(1, 500)], [rng.randrange(1, 500) for _ in range(13)], shared + [7, 8], shared + [9])]
+    reference, runner = _generate(path, prompts)
+    assert runner.buffers is None and len(reference) == len(prompts)
+
+    always = lambda x: True  # noqa: E731
+    monkeypatch.setattr(attention_layer, "use_triton_attention", always)
+    monkeypatch.setattr(model_runner, "use_triton_attention", always)
+    monkeypatch.setattr(mla_layer, "use_triton_path", always)
+    forced, runner = _generate(path, prompts)
+    assert runner.buffers is not None  # the step buffers served the steps
+    assert forced == reference
