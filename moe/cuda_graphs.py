@@ -45,13 +45,16 @@ class DecodeGraphs:
         i = bisect.bisect_left(self.sizes, num_seqs)
         return self.sizes[i] if i < len(self.sizes) and self.graphs else None
 
-    def capture(self, forward: Callable[[int], torch.Tensor], device: torch.device) -> None:
-        """forward(b) runs the model on b padded decode rows and returns its output tensor.
-        Largest first, all sharing one memory pool (smaller graphs reuse the larger's blocks)."""
+    def capture(self, prepare: Callable[[int], None], forward: Callable[[int], torch.Tensor],
+                device: torch.device) -> None:
+        """prepare(b) uploads b padding decode rows (outside the capture: host work); forward(b)
+        runs the model on them and returns its output tensor. Largest first, all sharing one
+        memory pool (smaller graphs reuse the larger's blocks)."""
         torch.cuda.synchronize(device)
         start, free_before = time.perf_counter(), torch.cuda.mem_get_info(device)[0]
         pool = torch.cuda.graph_pool_handle()
         for b in reversed(self.sizes):
+            prepare(b)
             forward(b)  # warm-up: compiles this size's kernels, initialises collectives
             torch.cuda.synchronize(device)
             graph = torch.cuda.CUDAGraph()

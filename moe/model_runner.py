@@ -169,11 +169,10 @@ class ModelRunner:
         if not sizes or self.buffers is None or not self.kv_caches:
             return
         self.graphs = DecodeGraphs(sizes)
-        self.graphs.capture(self._padding_forward, self.device)
+        self.graphs.capture(self._upload_padding, self._graph_forward, self.device)
 
-    @torch.inference_mode()
-    def _padding_forward(self, b: int) -> torch.Tensor:
-        """The model on b padding decode rows read from the step buffers (what a graph captures)."""
+    def _upload_padding(self, b: int) -> None:
+        """b padding decode rows into the step buffers (what a graph is captured over)."""
         buf = self.buffers
         buf.begin()
         buf.host_view("input_ids", b)[:] = 0
@@ -185,6 +184,11 @@ class ModelRunner:
             buf.host_view(f"slots{g}", b)[:] = -1
             sizes[f"slots{g}"] = b
         buf.upload(sizes)
+
+    @torch.inference_mode()
+    def _graph_forward(self, b: int) -> torch.Tensor:
+        """The model on b decode rows read from the step buffers (what a graph captures)."""
+        buf = self.buffers
         meta = self._device_metadata(b, b, 1, list(range(b + 1)), [1] * b, decode_only=True)
         return self._forward(buf.dev_view("input_ids", b), buf.dev_view("positions", b), meta)
 
