@@ -43,7 +43,7 @@ class StepRecovery:
         self.proven.update(batch)
         for req_id in batch:
             self._failed_steps.pop(req_id, None)
-        if self.held and batch:
+        if self.held:
             self._release(self.held[:1])
 
     def on_failure(self, so: SchedulerOutput, exc: BaseException) -> list[str]:
