@@ -12,6 +12,19 @@ from typing import Any
 
 _MISSING = object()
 
+# Integer fields of the supported families' config.json (top level or text_config): checked before
+# parsing, so a bad value is reported by name rather than as `invalid literal for int()`.
+_POSITIVE_INT_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                        "num_key_value_heads", "head_dim", "max_position_embeddings", "moe_intermediate_size",
+                        "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "kv_lora_rank", "n_group",
+                        "topk_group", "moe_layer_freq", "decoder_sparse_step", "intermediate_size_mlp",
+                        "attention_chunk_size", "interleave_moe_layer_step", "no_rope_layer_interval")
+_NON_NEGATIVE_INT_FIELDS = ("intermediate_size", "num_experts", "num_local_experts", "n_routed_experts",
+                            "n_shared_experts", "num_experts_per_tok", "first_k_dense_replace", "q_lora_rank")
+# torch_dtype values a checkpoint may declare: the engine computes in these (FP8 checkpoints declare
+# their compute dtype and carry `quantization_config`).
+SUPPORTED_TORCH_DTYPES = ("float32", "float16", "bfloat16", "float", "half")
+
 
 def hf_get(cfg: dict, *keys: str, default: Any = _MISSING) -> Any:
     """The first of `keys` present in `cfg` (HF renamed several fields across releases)."""
@@ -22,6 +35,45 @@ def hf_get(cfg: dict, *keys: str, default: Any = _MISSING) -> Any:
         raise ValueError(f"config.json lacks the field {keys[0]!r}" +
                          (f" (also looked for {', '.join(map(repr, keys[1:]))})" if len(keys) > 1 else ""))
     return default
+
+
+def check_field_types(cfg: dict) -> None:
+    """Integer sizes are integers (an integral float such as 4096.0 passes) and in range, and
+    torch_dtype is one the engine computes in; raises naming the field."""
+    sections = [("", cfg)] + ([("text_config.", cfg["text_config"])] if isinstance(cfg.get("text_config"), dict)
+                              else [])
+    for prefix, section in sections:
+        for key, low in [(k, 1) for k in _POSITIVE_INT_FIELDS] + [(k, 0) for k in _NON_NEGATIVE_INT_FIELDS]:
+            value = section.get(key)
+            if value is None:
+                continue
+            integral = isinstance(value, int) or (isinstance(value, float) and value.is_integer())
+            if isinstance(value, bool) or not integral:
+                raise ValueError(f"field {prefix}{key}={value!r} must be an integer")
+            if value < low:
+                raise ValueError(f"field {prefix}{key}={value!r} must be {'positive' if low else '>= 0'}")
+        dtype = section.get("torch_dtype", section.get("dtype"))
+        if dtype is not None and str(dtype).replace("torch.", "") not in SUPPORTED_TORCH_DTYPES:
+            raise ValueError(f"field {prefix}torch_dtype={dtype!r} is not supported: the weights must be "
+                             f"floating point ({', '.join(SUPPORTED_TORCH_DTYPES[:3])}; FP8 checkpoints declare "
+                             "their compute dtype and a quantization_config)")
+
+
+def check_moe_fields(experts_field: str, num_experts: int, top_k: int, n_group: int = 1,
+                     topk_group: int = 1) -> None:
+    """The MoE routing fields agree: 1 <= top-k <= experts, groups divide the experts,
+    topk_group <= n_group and the chosen groups hold at least top-k experts."""
+    if num_experts == 0:
+        return  # a dense model
+    if not 1 <= top_k <= num_experts:
+        raise ValueError(f"field num_experts_per_tok={top_k} must be between 1 and {experts_field}={num_experts}")
+    if num_experts % n_group:
+        raise ValueError(f"field n_group={n_group} does not divide {experts_field}={num_experts}")
+    if not 1 <= topk_group <= n_group:
+        raise ValueError(f"field topk_group={topk_group} must be between 1 and n_group={n_group}")
+    if top_k > topk_group * (num_experts // n_group):
+        raise ValueError(f"field num_experts_per_tok={top_k} exceeds the {topk_group * (num_experts // n_group)} "
+                         f"experts of the topk_group={topk_group} groups a token may use")
 
 
 @dataclass
@@ -134,6 +186,13 @@ def read_hf_config(model_dir: str) -> dict:
         raise OSError(f"{model_dir!r} has no config.json")
     try:
         with open(path) as f:
-            return json.load(f)
-    except json.JSONDecodeError as e:
+            cfg = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ValueError(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(cfg, dict):
+        raise ValueError(f"{path} must hold a JSON object, got {type(cfg).__name__}")
+    try:
+        check_field_types(cfg)
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from None
+    return cfg

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models.config import ModelConfig, hf_get
+from models.config import ModelConfig, check_moe_fields, hf_get
 from models.fp8 import Fp8BlockConfig, attach_fp8_scales
 from models.layers.decoder import DecoderForCausalLM, DecoderStack, PreNormDecoderLayer
 from models.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
@@ -63,7 +63,7 @@ class DeepseekV3Config(ModelConfig):
         scoring = str(cfg.get("scoring_func", "sigmoid") or "sigmoid")
         if scoring not in ("sigmoid", "softmax"):
             raise ValueError(f"scoring_func={scoring!r} is not supported (sigmoid, softmax)")
-        return cls(
+        config = cls(
             **common,
             q_lora_rank=int(q_lora) if q_lora else None,
             kv_lora_rank=int(hf_get(cfg, "kv_lora_rank")),
@@ -85,6 +85,9 @@ class DeepseekV3Config(ModelConfig):
             attention_bias=bool(cfg.get("attention_bias", False)),
             fp8=Fp8BlockConfig.from_hf(cfg),
         )
+        check_moe_fields("n_routed_experts", config.n_routed_experts, config.num_experts_per_tok, config.n_group,
+                         config.topk_group)
+        return config
 
     def is_moe_layer(self, layer_idx: int) -> bool:
         return (self.n_routed_experts > 0 and layer_idx >= self.first_k_dense_replace

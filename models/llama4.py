@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from kernels.attention import AttentionMetadata
-from models.config import ModelConfig, hf_get
+from models.config import ModelConfig, check_moe_fields, hf_get
 from models.layers.attention import Attention
 from models.layers.decoder import DecoderStack, PreNormDecoderLayer, make_lm_head
 from models.layers.embedding import ParallelLMHead
@@ -91,7 +91,7 @@ class Llama4TextConfig(ModelConfig):
         if moe_layers is None:
             step = int(cfg.get("interleave_moe_layer_step", 1) or 1)
             moe_layers = list(range(step - 1, n, step))
-        return cls(
+        config = cls(
             **common,
             num_local_experts=int(hf_get(cfg, "num_local_experts", "num_experts")),
             num_experts_per_tok=int(cfg.get("num_experts_per_tok", 1) or 1),
@@ -108,6 +108,8 @@ class Llama4TextConfig(ModelConfig):
             attention_bias=bool(cfg.get("attention_bias", False)),
             nested_checkpoint=nested,
         )
+        check_moe_fields("num_local_experts", config.num_local_experts, config.num_experts_per_tok)
+        return config
 
     def uses_rope(self, layer_idx: int) -> bool:
         return bool(self.no_rope_layers[layer_idx])

@@ -80,11 +80,32 @@ def checkpoint_files(model_dir: str) -> list[str]:
     return [os.path.join(model_dir, f) for f in files]
 
 
+class CheckpointFileError(ValueError):
+    """A safetensors file that cannot be read (truncated, corrupt), named by its path."""
+
+
+def _open_safetensors(path: str):
+    try:
+        return safe_open(path, framework="pt", device="cpu")
+    except Exception as e:  # safetensors raises its own error type, without the file's name
+        raise CheckpointFileError(f"cannot read the safetensors file {path} ({e}): is it truncated or "
+                                  "corrupt? Download it again") from None
+
+
+def read_tensor(path: str, f, name: str) -> torch.Tensor:
+    """One tensor's data; a read error names the file and the tensor."""
+    try:
+        return f.get_tensor(name)
+    except Exception as e:
+        raise CheckpointFileError(f"cannot read tensor {name!r} of the safetensors file {path} ({e}): is the "
+                                  "file truncated or corrupt? Download it again") from None
+
+
 def iterate_checkpoint(model_dir: str, progress: bool = True) -> Iterator[tuple[str, str, "safe_open"]]:
     """Yields (file, tensor name, open handle) over every tensor of every shard."""
     files = checkpoint_files(model_dir)
     for path in tqdm(files, desc="Loading safetensors checkpoint shards", disable=not progress or len(files) < 2):
-        with safe_open(path, framework="pt", device="cpu") as f:
+        with _open_safetensors(path) as f:
             for name in f.keys():
                 yield path, name, f
 
@@ -106,6 +127,10 @@ def load_weights(model: torch.nn.Module, model_dir: str, progress: bool = True) 
         if param is None:
             raise ValueError(f"unexpected tensor {name!r} in {os.path.basename(path)}: the "
                              f"{type(model).__name__} model has no parameter for it")
+        num_experts = getattr(param.param_loader, "E", None)  # expert loaders know the global count
+        if expert is not None and num_experts is not None and expert >= num_experts:
+            raise ValueError(f"unexpected tensor {name!r} in {os.path.basename(path)}: expert {expert} is beyond "
+                             f"the model's {num_experts} experts (config.json says {num_experts})")
         want = param.param_loader.ckpt_shape(shard, expert)
         shape = tuple(f.get_slice(name).get_shape())  # the header only: no data read yet
         if shape != tuple(want):
@@ -113,7 +138,11 @@ def load_weights(model: torch.nn.Module, model_dir: str, progress: bool = True) 
                              f"but the model expects {_fmt(want)}")
         if not param.param_loader.wants(shard, expert):
             continue
-        tensor = f.get_tensor(name)
+        tensor = read_tensor(path, f, name)
+        if param.is_floating_point() and not tensor.is_floating_point():
+            raise ValueError(f"tensor {name!r} in {os.path.basename(path)} has dtype {tensor.dtype}, but the "
+                             f"model expects floating-point weights ({param.dtype}); integer-quantised "
+                             "checkpoints are not supported")
         loaded[pname].update(param.param_loader.load(param, tensor.to(param.dtype), shard, expert))
     missing = []
     for pname, param in params.items():

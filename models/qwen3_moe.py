@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from kernels.attention import AttentionMetadata
-from models.config import ModelConfig, hf_get
+from models.config import ModelConfig, check_moe_fields, hf_get
 from models.layers.attention import Attention
 from models.layers.decoder import DecoderForCausalLM, DecoderStack, PreNormDecoderLayer
 from models.layers.linear import QKVParallelLinear, ReplicatedLinear, RowParallelLinear
@@ -40,7 +40,7 @@ class Qwen3MoeConfig(ModelConfig):
             # attention instead would silently change the outputs.
             raise ValueError(f"use_sliding_window=True (sliding window {cfg['sliding_window']}) is not supported "
                              "for Qwen3-MoE yet")
-        return cls(
+        config = cls(
             **cls.common_fields(cfg, architecture),
             num_experts=int(hf_get(cfg, "num_experts", "num_local_experts")),
             num_experts_per_tok=int(hf_get(cfg, "num_experts_per_tok")),
@@ -50,6 +50,8 @@ class Qwen3MoeConfig(ModelConfig):
             mlp_only_layers=[int(i) for i in cfg.get("mlp_only_layers") or []],
             attention_bias=bool(cfg.get("attention_bias", False)),
         )
+        check_moe_fields("num_experts", config.num_experts, config.num_experts_per_tok)
+        return config
 
     def is_moe_layer(self, layer_idx: int) -> bool:
         return (layer_idx not in self.mlp_only_layers and self.num_experts > 0

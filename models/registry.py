@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import importlib
+import os
 
 from models.config import ModelConfig, read_hf_config
 
@@ -37,7 +38,10 @@ def resolve_architecture(hf_config: dict) -> type:
 
 def load_model_config(model_dir: str) -> tuple[type, ModelConfig]:
     """(model class, typed config) for a checkpoint folder."""
-    raw = read_hf_config(model_dir)
+    raw = read_hf_config(model_dir)  # checks the field types
     cls = resolve_architecture(raw)
     arch = next(a for a in raw["architectures"] if a in _ARCHITECTURES)
-    return cls, cls.config_class.from_hf(raw, arch)
+    try:
+        return cls, cls.config_class.from_hf(raw, arch)
+    except (ValueError, TypeError) as e:  # name the file: the message names the field
+        raise ValueError(f"{os.path.join(model_dir, 'config.json')}: {e}") from None

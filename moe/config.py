@@ -3,11 +3,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import logging
 from dataclasses import dataclass
 
 import torch
 
 from models.fp8 import QUANTIZATION_CHOICES as QUANTIZATIONS  # None (auto) | "fp8" | "none"
+
+logger = logging.getLogger("moe.config")
 
 DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
           "float16": torch.float16, "half": torch.float16}
@@ -17,6 +20,8 @@ ALL2ALL_BACKENDS = ("auto", "allgather_reducescatter", "all_to_all")
 EXPERT_PLACEMENT_STRATEGIES = ("linear", "round_robin")
 # None: in-process for one rank, "mp" (spawned workers) for more, "external_launcher" under torchrun.
 DISTRIBUTED_EXECUTOR_BACKENDS = (None, "uni", "mp", "external_launcher")
+# The expert-layer backends of kernels/fused_moe.py; None picks the best one for the device.
+MOE_BACKENDS = (None, "torch", "triton", "deepspeed")
 
 
 @dataclass
@@ -59,6 +64,7 @@ class EngineArgs:
     moe_backend: str | None = None
     quantization: str | None = None
     trust_remote_code: bool = False  # accepted for vLLM compatibility; nothing remote is ever run
+    max_logprobs: int = 20           # the largest SamplingParams.logprobs accepted (-1: the vocabulary)
     # On CUDA, decode-only steps replay CUDA graphs captured at start-up for these batch sizes
     # (None: 1, 2, 4, 8, 16, ... up to max_num_seqs); enforce_eager=True captures none.
     enforce_eager: bool = False
@@ -112,6 +118,15 @@ class EngineArgs:
                 not self.cudagraph_capture_sizes or min(self.cudagraph_capture_sizes) < 1):
             raise ValueError(f"cudagraph_capture_sizes must be a non-empty list of positive batch sizes, "
                              f"got {self.cudagraph_capture_sizes}")
+        if self.moe_backend not in MOE_BACKENDS:
+            raise ValueError(f"moe_backend must be one of {MOE_BACKENDS} (None: the best for the device), "
+                             f"got {self.moe_backend!r}")
+        if isinstance(self.max_logprobs, bool) or not isinstance(self.max_logprobs, int) or self.max_logprobs < -1:
+            raise ValueError(f"max_logprobs must be an integer >= 0, or -1 for the whole vocabulary, "
+                             f"got {self.max_logprobs!r}")
+        if self.trust_remote_code:
+            logger.warning("trust_remote_code=True is accepted for vLLM compatibility, but no remote code runs: "
+                           "the engine only serves its built-in architectures")
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:

@@ -3,6 +3,7 @@ output processing (detokenisation, stop strings, logprobs, n>1 grouping, metrics
 from __future__ import annotations
 
 import logging
+import numbers
 import time
 from dataclasses import dataclass, field
 
@@ -11,17 +12,23 @@ from models.tiny import TINY_MODELS, ensure_tiny_model
 from moe.config import EngineArgs
 from moe.detokenizer import IncrementalDetokenizer
 from moe.data_parallel import DataParallelScheduler
-from moe.executor import Executor, make_executor
+from moe.executor import Executor, InProcessExecutor, make_executor
 from moe.metrics import EngineMetrics, Metric
+from moe.parallel_executor import exit_if_reimported_by_spawn
 from moe.model_runner import TokenLogprobs
 from moe.outputs import CompletionOutput, Logprob, RequestOutput
 from moe.sampling_params import SamplingParams
+from moe.step_recovery import StepRecovery
 from moe.tokenizer import Tokenizer, eos_token_ids, load_tokenizer
 from scheduler import plan_groups, Request, RequestStatus, Scheduler, SchedulerConfig
 
 logger = logging.getLogger("moe.engine")
 
 _STATS_INTERVAL_S = 5.0
+
+
+def _is_token_id(value) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 def resolve_model_path(model: str) -> str:
@@ -54,6 +61,7 @@ class _Parent:
     children: dict[str, _Child]
     num_cached_tokens: int = 0
     arrival_time: float = field(default_factory=time.monotonic)
+    error: str | None = None   # set when a failed step finished the request
 
     @property
     def finished(self) -> bool:
@@ -64,11 +72,12 @@ class _Parent:
                                  c.logprobs, c.finish_reason, c.stop_reason)
                 for c in sorted(self.children.values(), key=lambda c: c.index)]
         return RequestOutput(self.request_id, self.prompt.prompt, self.prompt.prompt_token_ids, outs,
-                             self.finished, num_cached_tokens=self.num_cached_tokens)
+                             self.finished, num_cached_tokens=self.num_cached_tokens, error=self.error)
 
 
 class LLMEngine:
     def __init__(self, args: EngineArgs) -> None:
+        exit_if_reimported_by_spawn()
         args.validate()
         self.args = args
         self.model_path = resolve_model_path(args.model)
@@ -94,10 +103,7 @@ class LLMEngine:
                                                 self.dtype, self.eos_token_ids)
         num_blocks = self.executor.determine_num_blocks(args.max_num_seqs, self.max_model_len,
                                                         self.max_num_batched_tokens)
-        if num_blocks <= 0:
-            raise ValueError("no memory is left for the KV cache after the weights and the activation peak; "
-                             "increase gpu_memory_utilization (other processes' use of the GPU counts against "
-                             "it), lower max_num_batched_tokens, or set num_gpu_blocks_override")
+        self._check_kv_cache_size(num_blocks)
         tokens = num_blocks * args.block_size
         logger.info("KV cache: %d blocks of %d tokens (%d tokens); maximum concurrency for %d tokens per "
                     "request: %.2fx", num_blocks, args.block_size, tokens, self.max_model_len,
@@ -107,8 +113,8 @@ class LLMEngine:
                              self.max_num_batched_tokens)
         if len(groups) > 1:
             logger.info("KV cache groups: %s", ", ".join(
-                f"{'full attention' if g.chunk_size is None else f'chunked-local {g.chunk_size}'}: {g.num_blocks} blocks"
-                for g in groups))
+                f"{'full attention' if g.chunk_size is None else f'chunked-local {g.chunk_size}'}: "
+                f"{g.num_blocks} blocks" for g in groups))
             if args.enable_prefix_caching:
                 logger.info("Prefix caching is off: chunked-local layers release their blocks behind each chunk")
         # One scheduler (engine core) per data-parallel replica, each over its own KV cache.
@@ -120,6 +126,12 @@ class LLMEngine:
             for _ in range(args.data_parallel_size)]
         self.scheduler = self.schedulers[0] if len(self.schedulers) == 1 else DataParallelScheduler(self.schedulers)
         self.executor.initialize_cache(groups)
+        # Failed steps are undone and isolated where the executor can go on after one (in-process);
+        # a failed worker process closes a multi-process executor, which then reports that.
+        self.recovery = StepRecovery(self.scheduler) \
+            if isinstance(self.executor, InProcessExecutor) and isinstance(self.scheduler, Scheduler) else None
+        self.max_logprobs = self.model_config.vocab_size if args.max_logprobs == -1 else args.max_logprobs
+        self._warned_max_tokens_cap = False
         self.metrics = EngineMetrics(args.model)
         self._parents: dict[str, _Parent] = {}
         self.num_steps = 0
@@ -128,6 +140,28 @@ class LLMEngine:
         self._last_stats_log = time.monotonic()
         self._totals = {"preemptions": 0, "queries": 0, "hits": 0, "generation": 0}
         self._last_logged_generation = 0
+
+    def _check_kv_cache_size(self, num_blocks: int) -> None:
+        """Enough KV blocks for one request of max_model_len, with advice for the device in use."""
+        args = self.args
+        if args.num_gpu_blocks_override is not None:
+            knobs = "raise num_gpu_blocks_override"
+        elif self.device.type == "cpu":
+            size = args.kv_cache_memory_bytes if args.kv_cache_memory_bytes is not None else "1 GiB by default"
+            knobs = (f"on the CPU the KV cache is sized by kv_cache_memory_bytes (now {size}): raise it, "
+                     "or set num_gpu_blocks_override")
+        elif args.kv_cache_memory_bytes is not None:
+            knobs = f"raise kv_cache_memory_bytes (now {args.kv_cache_memory_bytes}) or set num_gpu_blocks_override"
+        else:
+            knobs = ("increase gpu_memory_utilization (other processes' use of the GPU counts against it), lower "
+                     "max_num_batched_tokens, or set kv_cache_memory_bytes / num_gpu_blocks_override")
+        if num_blocks <= 0:
+            raise ValueError(f"no memory is left for the KV cache (0 blocks) on {self.device.type}: {knobs}")
+        if num_blocks * args.block_size < self.max_model_len:
+            raise ValueError(f"the KV cache on {self.device.type} holds {num_blocks} blocks x {args.block_size} "
+                             f"tokens = {num_blocks * args.block_size} tokens, fewer than max_model_len="
+                             f"{self.max_model_len}, so a request of that length could never run; {knobs}, "
+                             "or lower max_model_len")
 
     @staticmethod
     def _validate_parallel(args: EngineArgs, cfg, model_cls: type | None = None) -> None:
@@ -168,9 +202,9 @@ class LLMEngine:
             text = prompt
         elif isinstance(prompt, dict) and "prompt_token_ids" in prompt:
             ids = prompt["prompt_token_ids"]
-            if not isinstance(ids, (list, tuple)) or not all(isinstance(t, int) for t in ids):
-                raise ValueError("prompt_token_ids must be a list of integers")
-            return self._check_tokens(ProcessedPrompt(prompt.get("prompt"), list(ids)))
+            if not isinstance(ids, (list, tuple)) or not all(_is_token_id(t) for t in ids):
+                raise ValueError("prompt_token_ids must be a list of integers (not bools)")
+            return self._check_tokens(ProcessedPrompt(prompt.get("prompt"), [int(t) for t in ids]))
         elif isinstance(prompt, dict) and "prompt" in prompt:
             text = prompt["prompt"]
         else:
@@ -178,6 +212,11 @@ class LLMEngine:
                              f"got {type(prompt).__name__}")
         if not isinstance(text, str):
             raise ValueError(f"a text prompt must be a string, got {type(text).__name__}")
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise ValueError(f"the prompt is not valid Unicode text: {e.reason} at position {e.start} "
+                             f"({text[e.start:e.end]!r})") from None
         if self.tokenizer is None:
             raise ValueError("this model folder has no tokenizer.json: pass {'prompt_token_ids': [...]} "
                              "or tokenizer=<folder with tokenizer.json>")
@@ -195,17 +234,42 @@ class LLMEngine:
                              f"max_model_len={self.max_model_len}")
         return p
 
+    def check_params(self, params: SamplingParams) -> None:
+        """The checks of SamplingParams that need the model: raised before anything is queued."""
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+        vocab = self.model_config.vocab_size
+        if params.logprobs is not None and params.logprobs > min(self.max_logprobs, vocab):
+            which = f"max_logprobs={self.max_logprobs}" if self.max_logprobs <= vocab else f"vocab_size={vocab}"
+            raise ValueError(f"invalid sampling parameter logprobs={params.logprobs}: at most {which} "
+                             "(the engine argument max_logprobs raises the limit, up to the vocabulary size)")
+        bad = [t for t in params.stop_token_ids if t >= vocab]
+        if bad:
+            raise ValueError(f"invalid sampling parameter stop_token_ids: token id {bad[0]} is out of vocabulary "
+                             f"(vocab_size={vocab})")
+
+    def _max_tokens(self, request_id: str, params: SamplingParams, prompt_len: int) -> int:
+        room = self.max_model_len - prompt_len
+        if params.max_tokens is None:
+            return max(room, 1)
+        if params.max_tokens > room:
+            level = logging.DEBUG if self._warned_max_tokens_cap else logging.WARNING
+            logger.log(level, "request %s: max_tokens=%d is capped to %d, what max_model_len=%d leaves after its "
+                       "%d prompt tokens%s", request_id, params.max_tokens, max(room, 1), self.max_model_len,
+                       prompt_len, "" if self._warned_max_tokens_cap else " (further cappings are logged at DEBUG)")
+            self._warned_max_tokens_cap = True
+            return max(room, 1)
+        return params.max_tokens
+
     def add_request(self, request_id: str, prompt, params: SamplingParams,
                     processed: ProcessedPrompt | None = None) -> None:
         if self._shut_down:
             raise RuntimeError("this engine was shut down (LLM.shutdown): make a new LLM")
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
-        if request_id in self._parents:
+        self.check_params(params)
+        if request_id in self._parents or request_id in self._child_to_parent:
             raise ValueError(f"request id {request_id!r} is already in use")
         p = processed or self.process_prompt(prompt)
-        max_tokens = self.max_model_len - len(p.prompt_token_ids) if params.max_tokens is None else params.max_tokens
-        max_tokens = max(max_tokens, 1)
+        max_tokens = self._max_tokens(request_id, params, len(p.prompt_token_ids))
         children = {}
         for i in range(params.n):
             child_id = request_id if params.n == 1 else f"{i}_{request_id}"
@@ -223,17 +287,24 @@ class LLMEngine:
                 child.params.ignore_eos, child.params.min_tokens, child.params))
 
     def abort_request(self, request_id: str | list[str]) -> None:
+        """Abort requests by id; the id of one sequence of an n > 1 request aborts the whole
+        request. Unknown ids (e.g. requests that already finished) are ignored, as in vLLM."""
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
         for rid in ids:
-            parent = self._parents.pop(rid, None)
+            parent = self._parents.pop(self._child_to_parent.get(rid, rid), None)
             if parent is None:
                 continue
             for child_id in parent.children:
                 self._child_to_parent.pop(child_id, None)
-            self.scheduler.finish_requests(list(parent.children), RequestStatus.FINISHED_ABORTED)
+            self._finish_in_scheduler(list(parent.children), RequestStatus.FINISHED_ABORTED)
+
+    def _finish_in_scheduler(self, child_ids: list[str], status: RequestStatus) -> None:
+        if self.recovery is not None:
+            self.recovery.forget(child_ids)
+        self.scheduler.finish_requests(child_ids, status)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.scheduler.has_unfinished_requests() or bool(self.recovery and self.recovery.num_held)
 
     # ---- the loop ----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -245,7 +316,12 @@ class LLMEngine:
             core_outputs = self.scheduler.update_from_output(sos, self.executor.execute_models(sos))
         else:
             so = self.scheduler.schedule()
-            runner_out = self.executor.execute_model(so)
+            try:
+                runner_out = self.executor.execute_model(so)
+            except Exception as exc:
+                return self._recover_from_failed_step(so, exc)
+            if self.recovery is not None:
+                self.recovery.on_success(so)
             core_outputs = self.scheduler.update_from_output(so, runner_out.sampled, runner_out.logprobs)
         self._count_step(core_outputs)
         finished: list[RequestOutput] = []
@@ -260,11 +336,37 @@ class LLMEngine:
             self._process_tokens(co, child, len(parent.prompt.prompt_token_ids))
             if child.finish_reason is not None:
                 self._child_to_parent.pop(co.req_id, None)
+                if self.recovery is not None:
+                    self.recovery.forget([co.req_id])
                 self.metrics.request_success.inc()
                 if parent.finished:
                     finished.append(parent.to_output())
                     del self._parents[parent_id]
         self._maybe_log_stats()
+        return finished
+
+    def _recover_from_failed_step(self, so, exc: Exception) -> list[RequestOutput]:
+        """Undo the failed step and finish the requests it can be blamed on with an error; the
+        others go on (moe/step_recovery.py). Re-raised when the executor cannot go on."""
+        if self.recovery is None or not so.num_scheduled_tokens:
+            raise exc
+        culprits = self.recovery.on_failure(so, exc)
+        error = f"{type(exc).__name__}: {exc}"
+        logger.error("a step of %d request(s) failed (%s); %s", len(so.num_scheduled_tokens), error,
+                     f"finishing request(s) {culprits} with an error" if culprits else
+                     "running the suspects one at a time to find the cause", exc_info=exc)
+        finished = []
+        for parent_id in dict.fromkeys(self._child_to_parent.get(c, c) for c in culprits):
+            parent = self._parents.pop(parent_id, None)
+            if parent is None:
+                continue
+            unfinished = [cid for cid, c in parent.children.items() if c.finish_reason is None]
+            for cid in unfinished:
+                parent.children[cid].finish_reason = "error"
+                self._child_to_parent.pop(cid, None)
+            self._finish_in_scheduler(unfinished, RequestStatus.FINISHED_ABORTED)
+            parent.error = error
+            finished.append(parent.to_output())
         return finished
 
     def _process_tokens(self, co, child: _Child, num_prompt_tokens: int) -> None:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import itertools
+import threading
 import time
 from typing import Any, Sequence
 
@@ -9,6 +10,7 @@ from tqdm.auto import tqdm
 
 from moe.config import EngineArgs
 from moe.engine import LLMEngine
+from moe.errors import RequestFailed
 from moe.metrics import Metric
 from moe.outputs import RequestOutput
 from moe.sampling_params import SamplingParams
@@ -20,6 +22,10 @@ class LLM:
     Arguments carry vLLM's names (see `EngineArgs`): model, tokenizer, dtype, seed, max_model_len,
     block_size, max_num_seqs, max_num_batched_tokens, gpu_memory_utilization,
     num_gpu_blocks_override, enable_prefix_caching, load_format, disable_log_stats, device, ...
+
+    Threads: `generate` may be called from several threads at once. The calls share the engine:
+    each adds its requests, and whichever caller holds the engine lock runs the next step for
+    all of them (one merged batch), so each caller gets exactly its own outputs.
     """
 
     def __init__(self, model: str, **kwargs: Any) -> None:
@@ -29,6 +35,9 @@ class LLM:
             raise TypeError(f"unknown engine argument(s) {', '.join(unknown)}; valid: {', '.join(sorted(valid))}")
         self.llm_engine = LLMEngine(EngineArgs(model=model, **kwargs))
         self._counter = itertools.count()
+        # Guards the engine (adding, stepping, aborting) and the outputs finished for any caller.
+        self._lock = threading.Lock()
+        self._done: dict[str, RequestOutput] = {}
 
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
@@ -37,45 +46,74 @@ class LLM:
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """Generate for one prompt or a list; returns one RequestOutput per prompt, in input order.
 
-        A prompt is a string, {"prompt": str} or {"prompt_token_ids": [int, ...]}.
+        A prompt is a string, {"prompt": str} or {"prompt_token_ids": [int, ...]}. sampling_params
+        is one SamplingParams for every prompt or a list of them, one per prompt (not a dict: pass
+        SamplingParams(**d)). A prompt whose request fails in a step raises `RequestFailed`.
         """
         engine = self.llm_engine
+        if prompts is None:
+            raise ValueError("prompts is None: pass a string, a prompt dict, or a list of them")
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         prompts = list(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
+        if isinstance(sampling_params, dict):
+            raise TypeError(f"sampling_params must be a SamplingParams or a list of them, got a dict "
+                            f"{sampling_params!r}: pass SamplingParams(**params)")
         params = [sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams) \
             else list(sampling_params)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
-        # Validate every prompt before queueing any, so one bad prompt leaves nothing behind.
+        # Validate every prompt and parameter set before queueing any: one bad input leaves nothing behind.
+        for sp in params:
+            engine.check_params(sp)
         processed = [engine.process_prompt(p) for p in prompts]
-        ids = [str(next(self._counter)) for _ in prompts]
+        with self._lock:
+            ids = [str(next(self._counter)) for _ in prompts]
         try:
-            for rid, prompt, p, sp in zip(ids, prompts, processed, params):
-                engine.add_request(rid, prompt, sp, processed=p)
-            return self._run(ids, use_tqdm)
+            with self._lock:
+                for rid, prompt, p, sp in zip(ids, prompts, processed, params):
+                    engine.add_request(rid, prompt, sp, processed=p)
+            outs = self._run(ids, use_tqdm)
         except BaseException:
-            engine.abort_request(ids)
+            with self._lock:
+                engine.abort_request(ids)
+                for rid in ids:
+                    self._done.pop(rid, None)
             raise
+        failed = next((o for o in outs if o.error is not None), None)
+        if failed is not None:
+            raise RequestFailed(failed.request_id, failed.error)
+        return outs
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        """Step the engine until every request of `ids` is done. Any caller's step serves every
+        caller's requests; outputs of other callers are left in `_done` for them."""
         engine = self.llm_engine
-        done: dict[str, RequestOutput] = {}
+        mine: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(ids), desc="Processed prompts", dynamic_ncols=True, disable=not use_tqdm,
                    postfix="est. speed input: 0.00 toks/s, output: 0.00 toks/s")
         start, n_in, n_out = time.perf_counter(), 0, 0
-        while len(done) < len(ids) and engine.has_unfinished_requests():
-            for out in engine.step():
-                done[out.request_id] = out
+        while len(mine) < len(ids):
+            with self._lock:
+                if not any(i in self._done for i in ids):
+                    if not engine.has_unfinished_requests():
+                        missing = [i for i in ids if i not in mine]
+                        raise RuntimeError(f"the engine has no unfinished request, but request(s) {missing} "
+                                           "never finished (aborted by another caller?)")
+                    for out in engine.step():
+                        self._done[out.request_id] = out
+                new = [self._done.pop(i) for i in ids if i in self._done]
+            for out in new:
+                mine[out.request_id] = out
                 n_in += len(out.prompt_token_ids)
                 n_out += sum(len(o.token_ids) for o in out.outputs)
-                elapsed = time.perf_counter() - start
+                elapsed = max(time.perf_counter() - start, 1e-9)
                 bar.postfix = f"est. speed input: {n_in / elapsed:.2f} toks/s, output: {n_out / elapsed:.2f} toks/s"
                 bar.update(1)
         bar.close()
-        return [done[i] for i in ids]
+        return [mine[i] for i in ids]
 
     def get_metrics(self) -> list[Metric]:
         return self.llm_engine.get_metrics()
@@ -92,4 +130,5 @@ class LLM:
         self.shutdown()
 
     def reset_prefix_cache(self) -> None:
-        self.llm_engine.scheduler.kv.reset_prefix_cache()
+        with self._lock:
+            self.llm_engine.scheduler.kv.reset_prefix_cache()

@@ -22,7 +22,7 @@ class CompletionOutput:
     token_ids: list[int]
     cumulative_logprob: float | None = None
     logprobs: SampleLogprobs | None = None
-    finish_reason: str | None = None  # "stop", "length" or "abort"
+    finish_reason: str | None = None  # "stop", "length", "abort" or "error" (a failed step)
     stop_reason: int | str | None = None
 
     def finished(self) -> bool:
@@ -39,3 +39,4 @@ class RequestOutput:
     prompt_logprobs: list | None = None
     num_cached_tokens: int = 0
     metrics: dict = field(default_factory=dict)
+    error: str | None = None  # why the engine finished it with finish_reason "error"

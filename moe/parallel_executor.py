@@ -9,8 +9,13 @@ sampled last step, and waits for every rank's reply.
 
 Faults: the driver waits on the pipes *and* the process sentinels with a deadline, so a worker
 that dies is reported within moments ("worker rank 1 (pid ...) died ..."), a worker that raises
-is reported with its traceback, and a step that outlives MOE_STEP_TIMEOUT_S (default 900 s)
-fails naming the ranks that did not answer. Workers are daemon processes, each also exits when
+is reported with its traceback, and a step that outlives MOE_STEP_TIMEOUT_S (default 300 s, as
+vLLM's execute-model timeout; CUDA-graph capture and the model load run under
+MOE_WORKER_START_TIMEOUT_S, default 900 s) fails naming the rank that did not answer: on Linux
+the state of each silent worker is read from /proc, so a stopped (SIGSTOP) or still computing
+rank is told apart from its peers that wait for it in a collective. A script without an
+`if __name__ == "__main__":` guard is reported as such (spawn re-imports the main module, and the
+workers would build an LLM of their own). Workers are daemon processes, each also exits when
 its driver disappears (pipe EOF, parent watch); a weakref finalizer (which also runs at
 interpreter exit) stops them when the LLM is deleted. After a fault the executor is closed and
 every later call raises the same error.
@@ -31,10 +36,12 @@ loudly). Every rank returns the same outputs. Two nodes of 8 GPUs, TP=8 x PP=2:
 from __future__ import annotations
 
 import logging
+import multiprocessing
 import multiprocessing.connection as mp_connection
 import os
 import pickle
 import socket
+import sys
 import time
 import weakref
 import zlib
@@ -53,6 +60,52 @@ from moe.worker import Worker, WorkerSpec, worker_main
 from scheduler import KVCacheGroup, SchedulerOutput
 
 logger = logging.getLogger("moe.executor")
+
+
+DEFAULT_STEP_TIMEOUT_S = 300.0
+DEFAULT_START_TIMEOUT_S = 900.0
+# The exit code of a worker that found itself building an LLM while spawn re-imported the main module.
+EXIT_NO_MAIN_GUARD = 87
+_NO_MAIN_GUARD = (
+    "the script that makes the LLM has no `if __name__ == \"__main__\":` guard. A parallel layout starts its "
+    "workers with multiprocessing's spawn, which re-imports the main module in every worker, so the worker "
+    "ran the script's top level and built an LLM of its own. Put the code that makes and uses the LLM under "
+    "`if __name__ == \"__main__\":`")
+
+
+def exit_if_reimported_by_spawn() -> None:
+    """Called when an LLM engine is made: in a process that spawn is still starting (it is
+    re-importing the main module), making one is the missing-main-guard mistake; say so and exit
+    with EXIT_NO_MAIN_GUARD, which the driver recognises."""
+    if getattr(multiprocessing.current_process(), "_inheriting", False):
+        sys.stderr.write(f"moe-runtime: {multiprocessing.current_process().name}: {_NO_MAIN_GUARD}\n")
+        sys.stderr.flush()
+        raise SystemExit(EXIT_NO_MAIN_GUARD)
+
+
+def _process_state(pid: int) -> str | None:
+    """The one-letter state of a process from /proc (R running, S sleeping, T stopped, ...), or None."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None
+
+
+def describe_silent_ranks(pids: dict[int, int]) -> str:
+    """Which of the silent ranks (rank -> pid) hold the others up: stopped ones first, else the
+    ones still computing; the rest are waiting for them (in a collective)."""
+    states = {r: _process_state(pid) for r, pid in pids.items()}
+    stopped = sorted(r for r, s in states.items() if s in ("T", "t"))
+    busy = sorted(r for r, s in states.items() if s == "R")
+    culprits, why = (stopped, "is stopped (SIGSTOP or a debugger)") if stopped else \
+        (busy, "is still computing") if busy else ([], "")
+    if not culprits:
+        return f"worker rank(s) {sorted(pids)} did not answer"
+    names = ", ".join(f"rank {r} (pid {pids[r]})" for r in culprits)
+    others = sorted(set(pids) - set(culprits))
+    waiting = f"; rank(s) {others} are waiting, likely for it in a collective" if others else ""
+    return f"worker {names} did not answer: it {why}{waiting}"
 
 
 def launched_by_torchrun() -> bool:
@@ -117,8 +170,8 @@ class MultiprocExecutor(Executor):
         if device.type == "cuda" and world > torch.cuda.device_count():
             raise ValueError(f"tensor_parallel_size x pipeline_parallel_size x data_parallel_size = {world} "
                              f"processes need {world} GPUs on this node, but torch sees {torch.cuda.device_count()}")
-        self.step_timeout_s = float(os.environ.get("MOE_STEP_TIMEOUT_S", "900"))
-        start_timeout_s = float(os.environ.get("MOE_WORKER_START_TIMEOUT_S", "900"))
+        self.step_timeout_s = float(os.environ.get("MOE_STEP_TIMEOUT_S", DEFAULT_STEP_TIMEOUT_S))
+        start_timeout_s = float(os.environ.get("MOE_WORKER_START_TIMEOUT_S", DEFAULT_START_TIMEOUT_S))
         spec = WorkerSpec(model_cls, config, model_path, args, device.type, dtype, tuple(eos_token_ids))
         ctx = mp.get_context("spawn")
         init_method = f"tcp://127.0.0.1:{_free_port()}"
@@ -173,8 +226,9 @@ class MultiprocExecutor(Executor):
             left = deadline - time.monotonic()
             ready = mp_connection.wait(list(pending) + list(sentinels), timeout=max(left, 0.0)) if left > 0 else []
             if not ready:
-                self._fail(f"worker rank(s) {sorted(pending.values())} did not answer within {timeout_s:.0f} s "
-                           f"while {what} the model (MOE_STEP_TIMEOUT_S / MOE_COLLECTIVE_TIMEOUT_S)")
+                silent = describe_silent_ranks({r: self.procs[r].pid for r in pending.values()})
+                self._fail(f"{silent} within {timeout_s:g} s while {what} the model (the limit is "
+                           f"{'MOE_WORKER_START_TIMEOUT_S' if what == 'starting' else 'MOE_STEP_TIMEOUT_S'})")
             for obj in ready:
                 if obj in pending:
                     r = pending[obj]
@@ -197,6 +251,8 @@ class MultiprocExecutor(Executor):
     def _dead(self, rank: int, what: str) -> None:
         proc = self.procs[rank]
         proc.join(1.0)
+        if proc.exitcode == EXIT_NO_MAIN_GUARD:
+            self._fail(f"worker rank {rank} (pid {proc.pid}) exited at start: {_NO_MAIN_GUARD}")
         self._fail(f"worker rank {rank} (pid {proc.pid}) died while {what} the model "
                    f"(exit code {proc.exitcode})")
 

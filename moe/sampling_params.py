@@ -1,9 +1,25 @@
-"""SamplingParams with vLLM's names, defaults and validation."""
+"""SamplingParams with vLLM's names, defaults and validation.
+
+Every value is checked when the object is made (type, range, finiteness), so a bad value fails
+here with its name rather than inside a step. Checks that need the model (token ids within the
+vocabulary, `logprobs` against `max_logprobs`) run when the engine adds the request.
+"""
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass, field
 
 _EPS = 1e-5
+
+
+def _is_int(value) -> bool:
+    """An integer that is not a bool (True is an int in Python, never a count or a token id)."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
 @dataclass
@@ -16,7 +32,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
-    seed: int | None = None
+    seed: int | None = None   # None or -1: unseeded
     max_tokens: int | None = 16   # None: up to max_model_len
     min_tokens: int = 0
     stop: str | list[str] | None = None
@@ -32,23 +48,48 @@ class SamplingParams:
     stop_list: list[str] = field(default_factory=list, init=False, repr=False)
 
     def __post_init__(self) -> None:
+        if self.seed == -1 and _is_int(self.seed):
+            self.seed = None  # vLLM: -1 means unseeded
         self._validate()
         if self.top_k == -1:
             self.top_k = 0
         self.stop_list = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        self.stop_token_ids = list(self.stop_token_ids or [])
+        self.stop_token_ids = [int(t) for t in self.stop_token_ids or []]
 
     def _validate(self) -> None:
         def bad(name: str, why: str):
             raise ValueError(f"invalid sampling parameter {name}={getattr(self, name)!r}: {why}")
 
-        if not isinstance(self.n, int) or self.n < 1:
+        # Types first: every later comparison may then assume a finite number.
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+                     "repetition_penalty"):
+            value = getattr(self, name)
+            if not _is_number(value):
+                bad(name, f"must be a number, got {type(value).__name__}")
+            if not math.isfinite(value):
+                bad(name, "must be a finite number")
+        for name in ("n", "top_k", "min_tokens"):
+            if not _is_int(getattr(self, name)):
+                bad(name, f"must be an integer, got {type(getattr(self, name)).__name__}")
+        for name in ("max_tokens", "logprobs", "seed"):
+            value = getattr(self, name)
+            if value is not None and not _is_int(value):
+                bad(name, f"must be an integer or None, got {type(value).__name__}")
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens",
+                     "spaces_between_special_tokens", "detokenize"):
+            if not isinstance(getattr(self, name), bool):
+                bad(name, "must be True or False")
+
+        if self.n < 1:
             bad("n", "must be an integer >= 1")
         if self.temperature < 0:
             bad("temperature", "must be >= 0")
+        if self.n > 1 and self.is_greedy:
+            bad("n", f"must be 1 with greedy sampling (temperature={self.temperature}): the {self.n} outputs "
+                     "would be identical; set temperature > 0 for distinct samples")
         if not 0 < self.top_p <= 1:
             bad("top_p", "must be in (0, 1]")
-        if not isinstance(self.top_k, int) or self.top_k < -1:
+        if self.top_k < -1:
             bad("top_k", "must be -1 or 0 (disabled) or a positive integer")
         if not 0 <= self.min_p <= 1:
             bad("min_p", "must be in [0, 1]")
@@ -58,23 +99,30 @@ class SamplingParams:
             bad("frequency_penalty", "must be in [-2, 2]")
         if not self.repetition_penalty > 0:
             bad("repetition_penalty", "must be > 0")
-        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
+        if self.max_tokens is not None and self.max_tokens < 1:
             bad("max_tokens", "must be an integer >= 1")
-        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+        if self.min_tokens < 0:
             bad("min_tokens", "must be an integer >= 0")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             bad("min_tokens", f"must be <= max_tokens={self.max_tokens}")
-        if self.logprobs is not None and (not isinstance(self.logprobs, int) or self.logprobs < 0):
+        if self.logprobs is not None and self.logprobs < 0:
             bad("logprobs", "must be a non-negative integer")
         if self.prompt_logprobs is not None:
             bad("prompt_logprobs", "is not supported yet")
-        if self.seed is not None and not isinstance(self.seed, int):
-            bad("seed", "must be an integer")
-        if self.stop is not None and not isinstance(self.stop, (str, list, tuple)):
-            bad("stop", "must be a string or a list of strings")
-        if any(s == "" for s in ([self.stop] if isinstance(self.stop, str) else (self.stop or []))):
-            bad("stop", "must not contain empty strings")
-        if self.stop_token_ids is not None and not all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids):
+        if self.seed is not None and self.seed < 0:
+            bad("seed", "must be a non-negative integer, or -1 / None for unseeded")
+        self._validate_stops(bad)
+
+    def _validate_stops(self, bad) -> None:
+        stop = self.stop
+        if stop is not None:
+            if not isinstance(stop, (str, list, tuple)) or (
+                    not isinstance(stop, str) and not all(isinstance(s, str) for s in stop)):
+                bad("stop", "must be a string or a list of strings")
+            if any(s == "" for s in ([stop] if isinstance(stop, str) else stop)):
+                bad("stop", "must not contain empty strings")
+        ids = self.stop_token_ids
+        if ids is not None and (not isinstance(ids, (list, tuple)) or not all(_is_int(t) and t >= 0 for t in ids)):
             bad("stop_token_ids", "must be a list of non-negative integers")
 
     @property

@@ -11,8 +11,14 @@ from tokenizers import Tokenizer as _HFTokenizer
 def _read_json(path: str) -> dict:
     if not os.path.isfile(path):
         return {}
-    with open(path) as f:
-        return json.load(f)
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path} is not valid JSON ({e}): is it truncated? Download it again") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} must hold a JSON object, got {type(data).__name__}")
+    return data
 
 
 def _as_list(value) -> list[int]:
@@ -27,7 +33,11 @@ class Tokenizer:
         if not os.path.isfile(file):
             raise OSError(f"no tokenizer.json at {path!r}")
         self.path = os.path.dirname(file)
-        self._tk = _HFTokenizer.from_file(file)
+        try:
+            self._tk = _HFTokenizer.from_file(file)
+        except Exception as e:  # the tokenizers library's message does not name the file
+            raise ValueError(f"cannot load the tokenizer {file} ({e}): is it truncated or corrupt? "
+                             "Download it again") from None
         config = _read_json(os.path.join(self.path, "tokenizer_config.json"))
         eos = config.get("eos_token")
         if isinstance(eos, dict):
