@@ -10,6 +10,8 @@ Stages:
            decode step at 256 running requests, batch-1 and batch-32 TPOT, offline throughput
            at (1000 prompts, 1024 in, 256 out) and (256, 2048, 512); each against its floor.
   eager    the decode step at 256 again with enforce_eager=True (what the graphs buy).
+  profile  where a decode step's time goes at 256 and at 1 running requests: host time of each
+           engine part, GPU time of one graph replay, and the top kernels of an eager step.
 
 Floors (one H200): prefill FLOPs / 700 TFLOP/s + per decode step (bytes of the weights the step
 touches + KV bytes it reads) / 4.8 TB/s. A step of B tokens touches each layer's expert e with
@@ -176,6 +178,60 @@ def throughput(llm: LLM, num_prompts: int, input_len: int, output_len: int, max_
             "floor_s": floor, "floor_over_time": floor / elapsed}
 
 
+def _wrap_timer(obj, name: str, key: str, timers: dict) -> None:
+    fn = getattr(obj, name)
+
+    def timed(*args, **kwargs):
+        t = time.perf_counter()
+        out = fn(*args, **kwargs)
+        timers.setdefault(key, []).append(time.perf_counter() - t)
+        return out
+    setattr(obj, name, timed)
+
+
+def profile_decode(llm: LLM, num_requests: int, prompt_len: int = 512, steps: int = 12) -> dict:
+    """Host time per engine part over decode-only steps, GPU time of the graph replay alone, and
+    the top CUDA kernels of one eager decode step."""
+    engine = llm.llm_engine
+    runner = engine.executor.runner
+    params = SamplingParams(temperature=0.0, max_tokens=steps + 8, ignore_eos=True)
+    for i, p in enumerate(_prompts(num_requests, prompt_len, seed=4)):
+        engine.add_request(f"p{i}", p, params)
+    while engine.scheduler.waiting or any(r.num_computed_tokens < r.num_tokens - 1 for r in engine.scheduler.running):
+        engine.step()
+    timers: dict[str, list[float]] = {}
+    for obj, name, key in ((engine.scheduler, "schedule", "schedule"), (engine.scheduler, "update_from_output", "update"),
+                           (runner, "_update_states", "runner_states"), (runner, "_batch", "runner_batch"),
+                           (runner, "_run_batch", "forward_launch"), (runner, "_sampling_batch", "sampling_batch"),
+                           (engine.executor, "execute_model", "execute_model"), (engine, "step", "engine_step")):
+        _wrap_timer(obj, name, key, timers)
+    for _ in range(steps):
+        engine.step()
+    out = {k: 1e3 * sorted(v)[len(v) // 2] for k, v in timers.items()}
+    b = runner.graphs.padded_size(num_requests) if runner.graphs is not None else None
+    if b is not None:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        runner.graphs.replay(b)
+        start.record()
+        for _ in range(10):
+            runner.graphs.replay(b)
+        end.record()
+        torch.cuda.synchronize()
+        out["graph_replay_gpu"] = start.elapsed_time(end) / 10
+    graphs, runner.graphs = runner.graphs, None  # one eager step under the profiler
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                            torch.profiler.ProfilerActivity.CUDA]) as prof:
+        engine.step()
+        torch.cuda.synchronize()
+    runner.graphs = graphs
+    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=60)
+    print(table, flush=True)
+    out["top_kernels"] = table
+    while engine.has_unfinished_requests():
+        engine.step()
+    return {k: round(v, 3) if isinstance(v, float) else v for k, v in out.items()}
+
+
 def qwen3(results: dict, eager: bool, runs: list[str]) -> None:
     max_model_len = 4096
     t0 = time.perf_counter()
@@ -190,12 +246,14 @@ def qwen3(results: dict, eager: bool, runs: list[str]) -> None:
         "tpot32": lambda: tpot(llm, 32, 512, 64),
         "tput_256x2048x512": lambda: throughput(llm, 256, 2048, 512, 256),
         "tput_1000x1024x256": lambda: throughput(llm, 1000, 1024, 256, 256),
+        "profile256": lambda: profile_decode(llm, 256),
+        "profile1": lambda: profile_decode(llm, 1),
     }
     for name in runs:
         r = jobs[name]()
         results[f"qwen3/{tag}/{name}"] = r
-        print(f"qwen3 {tag} {name}: {json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in r.items()})}",
-              flush=True)
+        shown = {k: round(v, 3) if isinstance(v, float) else v for k, v in r.items() if k != "top_kernels"}
+        print(f"qwen3 {tag} {name}: {json.dumps(shown)}", flush=True)
     llm.shutdown()
 
 
