@@ -203,6 +203,7 @@ def profile_decode(llm: LLM, num_requests: int, prompt_len: int = 512, steps: in
     for obj, name, key in ((engine.scheduler, "schedule", "schedule"), (engine.scheduler, "update_from_output", "update"),
                            (runner, "_update_states", "runner_states"), (runner, "_batch", "runner_batch"),
                            (runner, "_run_batch", "forward_launch"), (runner, "_sampling_batch", "sampling_batch"),
+                           (runner, "_upload", "upload"),
                            (engine.executor, "execute_model", "execute_model"), (engine, "step", "engine_step")):
         _wrap_timer(obj, name, key, timers)
     for _ in range(steps):
@@ -210,6 +211,10 @@ def profile_decode(llm: LLM, num_requests: int, prompt_len: int = 512, steps: in
     out = {k: 1e3 * sorted(v)[len(v) // 2] for k, v in timers.items()}
     b = runner.graphs.padded_size(num_requests) if runner.graphs is not None else None
     if b is not None:
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        runner.graphs.replay(b)
+        out["graph_launch_host"] = 1e3 * (time.perf_counter() - t)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         runner.graphs.replay(b)
         start.record()
@@ -232,6 +237,37 @@ def profile_decode(llm: LLM, num_requests: int, prompt_len: int = 512, steps: in
     return {k: round(v, 3) if isinstance(v, float) else v for k, v in out.items()}
 
 
+def profile_prefill(llm: LLM, num_prompts: int = 16, prompt_len: int = 512) -> dict:
+    """One prefill step of num_prompts x prompt_len tokens: wall time and its top kernels."""
+    engine = llm.llm_engine
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    for warm in (True, False):
+        for i, p in enumerate(_prompts(num_prompts, prompt_len, seed=5 + warm)):
+            engine.add_request(f"f{warm}{i}", p, params)
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) if not warm else \
+                _null_context() as prof:
+            engine.step()
+            torch.cuda.synchronize()
+        elapsed = time.perf_counter() - t
+        while engine.has_unfinished_requests():
+            engine.step()
+    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=60)
+    print(table, flush=True)
+    floor = prefill_floor_s(QWEN3_30B_A3B, num_prompts, prompt_len)
+    return {"tokens": num_prompts * prompt_len, "step_ms": elapsed * 1e3, "floor_ms": floor * 1e3,
+            "floor_over_time": floor / elapsed, "top_kernels": table}
+
+
+class _null_context:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
 def qwen3(results: dict, eager: bool, runs: list[str]) -> None:
     max_model_len = 4096
     t0 = time.perf_counter()
@@ -248,6 +284,7 @@ def qwen3(results: dict, eager: bool, runs: list[str]) -> None:
         "tput_1000x1024x256": lambda: throughput(llm, 1000, 1024, 256, 256),
         "profile256": lambda: profile_decode(llm, 256),
         "profile1": lambda: profile_decode(llm, 1),
+        "prefill8192": lambda: profile_prefill(llm),
     }
     for name in runs:
         r = jobs[name]()
