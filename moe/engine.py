@@ -107,8 +107,8 @@ class LLMEngine:
                              self.max_num_batched_tokens)
         if len(groups) > 1:
             logger.info("KV cache groups: %s", ", ".join(
-                f"{'full attention' if g.chunk_size is None else f'chunked-local {g.chunk_size}'}: {g.num_blocks} blocks"
-                for g in groups))
+                f"{'full attention' if g.chunk_size is None else f'chunked-local {g.chunk_size}'}: "
+                f"{g.num_blocks} blocks" for g in groups))
             if args.enable_prefix_caching:
                 logger.info("Prefix caching is off: chunked-local layers release their blocks behind each chunk")
         # One scheduler (engine core) per data-parallel replica, each over its own KV cache.
