@@ -14,7 +14,7 @@
 #   deepspeed     benchmarks/deepspeed_probe.py (loads .dsk/libdeepspeedft.so.xz if carried)
 #   tune          `moe tune-moe --wide` on the short decode rows -> $OUT/configs
 #   bench-short   the kernel bench on the rows that fall short, with $OUT/configs if present
-#   bench-full    the whole kernel bench (TARGETS.md §1) -> $OUT/kernel.json
+#   bench-full    the whole kernel bench (moe bench kernel; vLLM beside ours if benchmarks/vllm_kernel/ is carried) -> $OUT/kernel.json
 #   parallel-fp8  an FP8 DeepSeek-V3 tiny checkpoint under TP2 and TP2+EP2 vs one GPU and its
 #                 dequantised twin (.gpu_ckpts/deepseek_v3_fp8[_twin])
 set -u
@@ -47,12 +47,12 @@ for stage in "$@"; do
       step tune-llama4 timeout 80 python3 -m kernels.triton_moe.tune --E 16 --D 5120 --F 8192 \
            --topk 1 --M 1 --wide --budget-s 50 --out-dir "$CFG" ;;
     bench-short) [ -d "$CFG" ] && export MOE_KERNEL_CONFIG_DIR="$CFG"
-      step bench-short timeout 200 python3 benchmarks/bench_kernel.py --no-ceilings --profile \
+      step bench-short timeout 200 python3 -m moe.bench.kernel --no-ceilings --profile \
            --no-baselines --no-deepspeed --fp8-shapes \
            --rows qwen3-30b-a3b:1,8,64,256,4096 llama4-scout:1 deepseek-v3:8,64,256 --out "$OUT/kernel_short.json" ;;
     bench-full) [ -d "$CFG" ] && export MOE_KERNEL_CONFIG_DIR="$CFG"
       DS=--no-deepspeed; [ -f /tmp/deepspeed_ok ] && DS=
-      step bench-full timeout 560 python3 benchmarks/bench_kernel.py $DS --profile --out "$OUT/kernel.json" ;;
+      step bench-full timeout 560 python3 -m moe.bench.kernel $DS --profile --out "$OUT/kernel.json" ;;
     parallel-fp8) step parallel-fp8 timeout 300 python3 benchmarks/gpu_parallel_check.py \
            .gpu_ckpts/deepseek_v3_fp8 --layouts tp2 tp2_ep2 --twin .gpu_ckpts/deepseek_v3_fp8_twin \
            --out "$OUT/parallel_fp8.json" ;;

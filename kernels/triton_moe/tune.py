@@ -133,7 +133,7 @@ def time_events(fns, reps: int = 10) -> float:
 
 
 def time_calls(fns, M: int, reps: int = 20) -> float:
-    """CUDA-graph replay for M <= 1024 (as TARGETS.md times it), events above."""
+    """CUDA-graph replay for M <= 1024 (small calls are launch-bound when eager), events above."""
     return time_graph(fns, reps) if M <= 1024 else time_events(fns, max(5, reps // 2))
 
 
