@@ -10,10 +10,10 @@ The `auto` rule (bytes per rank, the quantity that dominates at the sizes that m
     of k distinct experts among E, E/P per rank:  m = P * (1 - C(E - E/P, k) / C(E, k)).
   * pick "all_to_all" when m / P <= AUTO_A2A_MAX_BYTES_RATIO, else "allgather_reducescatter".
     The margin pays for what all-to-all adds (the permutation, index_add_, smaller messages):
-    TARGETS.md §2 measured that at m/P ~ 1 (EP=2, top-8 of 256) it can only tie all-gather.
+    at m/P ~ 1 (EP=2, top-8 of 256) it can at best tie all-gather (BENCHMARKS.md §2).
 Examples: EP=2, top-8/256 -> m/P 0.996 -> all-gather; EP=8, top-8/256 -> 0.66 -> all-to-all;
 EP=2, top-1 (Llama-4) -> 0.5 -> all-to-all. The threshold is to be recalibrated with
-benchmarks/bench_all2all.py on the target GPUs.
+`moe bench all2all` (moe/bench/all2all.py) on the target GPUs.
 """
 from __future__ import annotations
 

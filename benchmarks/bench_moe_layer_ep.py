@@ -45,7 +45,7 @@ if __package__ in (None, ""):  # run as a script by torchrun: make the repo impo
 
 import kernels  # noqa: E402
 from all2all import make_dispatcher  # noqa: E402
-from benchmarks.common import torchrun_process_group  # noqa: E402
+from moe.bench.common import torchrun_process_group  # noqa: E402
 from routing.grouped_topk import grouped_topk  # noqa: E402
 from routing.placement import expert_owner_ranks, local_expert_ids  # noqa: E402
 

@@ -170,7 +170,8 @@ def bench() -> None:
 def main() -> int:
     try:
         path = prepare_library()
-        print(f"library: {path}" + (f" ({os.path.getsize(path) / 2**20:.0f} MiB)" if path and os.path.isfile(path) else ""))
+        size = f" ({os.path.getsize(path) / 2**20:.0f} MiB)" if path and os.path.isfile(path) else ""
+        print(f"library: {path}{size}")
         if path and os.path.isfile(path):
             list_archs(path)
     except Exception:

@@ -28,7 +28,7 @@ import time
 
 import torch
 
-from benchmarks.common import QWEN3_30B_A3B
+from moe.bench.common import QWEN3_30B_A3B
 from moe import LLM, SamplingParams
 
 HBM_BYTES_PER_S = 4.8e12

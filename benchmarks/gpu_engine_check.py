@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from benchmarks.common import QWEN3_30B_A3B
+from moe.bench.common import QWEN3_30B_A3B
 from benchmarks.gpu_models_check import compare_gpu_to_cpu
 from moe import LLM, SamplingParams
 

@@ -14,7 +14,7 @@
 #   deepspeed     benchmarks/deepspeed_probe.py (loads .dsk/libdeepspeedft.so.xz if carried)
 #   tune          `moe tune-moe --wide` on the short decode rows -> $OUT/configs
 #   bench-short   the kernel bench on the rows that fall short, with $OUT/configs if present
-#   bench-full    the whole kernel bench (TARGETS.md §1) -> $OUT/kernel.json
+#   bench-full    the whole kernel bench (moe bench kernel; vLLM beside ours if benchmarks/vllm_kernel/ is carried) -> $OUT/kernel.json
 #   attn-tests    the Triton attention and MLA kernel tests on the GPU
 #   bench-attn    benchmarks/bench_attention.py -> $OUT/attention.json
 #   engine-parity benchmarks/gpu_engine_bench.py parity (GPU eager and CUDA graphs vs CPU tokens)
@@ -51,12 +51,12 @@ for stage in "$@"; do
       step tune-llama4 timeout 80 python3 -m kernels.triton_moe.tune --E 16 --D 5120 --F 8192 \
            --topk 1 --M 1 --wide --budget-s 50 --out-dir "$CFG" ;;
     bench-short) [ -d "$CFG" ] && export MOE_KERNEL_CONFIG_DIR="$CFG"
-      step bench-short timeout 200 python3 benchmarks/bench_kernel.py --no-ceilings --profile \
+      step bench-short timeout 200 python3 -m moe.bench.kernel --no-ceilings --profile \
            --no-baselines --no-deepspeed --fp8-shapes \
            --rows qwen3-30b-a3b:1,8,64,256,4096 llama4-scout:1 deepseek-v3:8,64,256 --out "$OUT/kernel_short.json" ;;
     bench-full) [ -d "$CFG" ] && export MOE_KERNEL_CONFIG_DIR="$CFG"
       DS=--no-deepspeed; [ -f /tmp/deepspeed_ok ] && DS=
-      step bench-full timeout 560 python3 benchmarks/bench_kernel.py $DS --profile --out "$OUT/kernel.json" ;;
+      step bench-full timeout 560 python3 -m moe.bench.kernel $DS --profile --out "$OUT/kernel.json" ;;
     attn-tests) step attn-tests timeout 300 python3 -m pytest -q -p no:cacheprovider -n 4 -x \
            tests/kernels/test_triton_attention.py tests/kernels/test_triton_mla.py ;;
     bench-attn) step bench-attn timeout 200 python3 benchmarks/bench_attention.py --out "$OUT/attention.json" ;;

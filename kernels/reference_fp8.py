@@ -75,7 +75,6 @@ def fused_experts_fp8_actquant_torch(x_TD, w13_fp8, w2_fp8, w13_scale, w2_scale,
     For small test shapes only (the weights are dequantised to fp32).
     """
     T, D = x_TD.shape
-    K = topk_ids_TK.shape[1]
     w13 = dequantize_block_fp8(w13_fp8, w13_scale, block_shape)
     w2 = dequantize_block_fp8(w2_fp8, w2_scale, block_shape)
     F = w2.shape[2]

@@ -23,7 +23,7 @@ from models.layers.mlp import SwiGLUMLP
 from models.layers.norm import RMSNorm
 from models.layers.weights import ReplicatedLoader, attach_loader, new_param
 from models.loader import GATE_UP_RULES, NameRule
-from moe.moe_block import FusedMoE, MoEBlock
+from moe.moe_block import FusedMoE, MoEBlock, MoEParallelConfig
 from moe.pipeline import (skip_other_stage_tensor, tied_lm_head_rules)
 from routing.grouped_topk import grouped_topk
 from routing.router import RouterOutput
@@ -130,14 +130,15 @@ def _fp8_experts_block(cfg: DeepseekV3Config, layer_idx: int) -> tuple[int, int]
 
 
 class DeepseekV3DecoderLayer(PreNormDecoderLayer):
-    def __init__(self, cfg: DeepseekV3Config, layer_idx: int, attn_mode: str = "auto") -> None:
+    def __init__(self, cfg: DeepseekV3Config, layer_idx: int, attn_mode: str = "auto",
+                 moe_parallel: MoEParallelConfig | None = None) -> None:
         super().__init__()
         self.self_attn = MLAAttention(cfg.mla(), attn_mode)
         if cfg.is_moe_layer(layer_idx):
             gate = DeepseekV3Gate(cfg)
             shared = (SwiGLUMLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts)
                       if cfg.n_shared_experts else None)
-            experts = FusedMoE(cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size,
+            experts = FusedMoE(cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size, moe_parallel,
                                fp8_block=_fp8_experts_block(cfg, layer_idx))
             self.mlp = MoEBlock(gate=gate, router_fn=gate.route, experts=experts, shared_experts=shared)
         else:
@@ -146,9 +147,11 @@ class DeepseekV3DecoderLayer(PreNormDecoderLayer):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 class DeepseekV3Model(DecoderStack):
-    def __init__(self, cfg: DeepseekV3Config, attn_mode: str = "auto") -> None:
+    def __init__(self, cfg: DeepseekV3Config, attn_mode: str = "auto",
+                 moe_parallel: MoEParallelConfig | None = None) -> None:
+        moe_parallel = moe_parallel or MoEParallelConfig.from_parallel_state()
         super().__init__(cfg.vocab_size, cfg.hidden_size, cfg.num_hidden_layers, cfg.rms_norm_eps,
-                         lambda i: DeepseekV3DecoderLayer(cfg, i, attn_mode))
+                         lambda i: DeepseekV3DecoderLayer(cfg, i, attn_mode, moe_parallel))
 
 
 def _fp8_params(module_name: str, module: nn.Module) -> list[str]:
@@ -166,8 +169,9 @@ class DeepseekV3ForCausalLM(DecoderForCausalLM):
     config_class = DeepseekV3Config
     supports_fp8_experts = True  # routed experts can stay FP8 (models/fp8.resolve_fp8_experts)
 
-    def __init__(self, cfg: DeepseekV3Config, attn_mode: str = "auto") -> None:
-        super().__init__(cfg, DeepseekV3Model(cfg, attn_mode))
+    def __init__(self, cfg: DeepseekV3Config, attn_mode: str = "auto",
+                 moe_parallel: MoEParallelConfig | None = None) -> None:
+        super().__init__(cfg, DeepseekV3Model(cfg, attn_mode, moe_parallel))
         if cfg.fp8 is not None:
             attach_fp8_scales(self, cfg.fp8, _fp8_params)
 

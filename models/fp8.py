@@ -25,6 +25,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+import kernels
 from models.layers.weights import ParamLoader, attach_loader, new_param
 
 logger = logging.getLogger("moe.fp8")
@@ -94,8 +95,8 @@ def resolve_fp8_experts(fp8: Fp8BlockConfig | None, quantization: str | None, de
     if fp8.block != (128, 128):
         logger.info("FP8 block %s is not 128x128: routed experts are dequantised at load", fp8.block)
         return False
-    from kernels import available_backends
-    if device.type != "cuda" or "triton" not in available_backends(device) or moe_backend not in (None, "triton"):
+    triton_ok = device.type == "cuda" and "triton" in kernels.available_backends(device)
+    if not triton_ok or moe_backend not in (None, "triton"):
         logger.info("FP8 checkpoint: routed experts are dequantised at load (FP8 experts need CUDA and "
                     "the Triton backend; device=%s, moe_backend=%s)", device, moe_backend)
         return False

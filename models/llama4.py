@@ -33,7 +33,7 @@ from models.layers.mlp import SwiGLUMLP
 from models.layers.norm import RMSNorm
 from models.layers.rotary import get_rope
 from models.loader import GATE_UP_RULES, QKV_RULES, NameRule
-from moe.moe_block import ExpertWeightLoader, FusedMoE, MoEBlock
+from moe.moe_block import ExpertWeightLoader, FusedMoE, MoEBlock, MoEParallelConfig
 from moe.pipeline import (IntermediateTensors, skip_other_stage_tensor, tied_lm_head_rules)
 from routing.llama4_router import llama4_topk
 
@@ -176,14 +176,15 @@ class Llama4Attention(nn.Module):
 class Llama4DecoderLayer(PreNormDecoderLayer):
     ffn_name = "feed_forward"  # the checkpoint's name
 
-    def __init__(self, cfg: Llama4TextConfig, layer_idx: int, rotary_emb: nn.Module) -> None:
+    def __init__(self, cfg: Llama4TextConfig, layer_idx: int, rotary_emb: nn.Module,
+                 moe_parallel: MoEParallelConfig | None = None) -> None:
         super().__init__()
         self.self_attn = Llama4Attention(cfg, layer_idx, rotary_emb)
         if cfg.is_moe_layer(layer_idx):
             self.feed_forward = MoEBlock(
                 gate=ReplicatedLinear(cfg.hidden_size, cfg.num_local_experts),
                 router_fn=functools.partial(llama4_topk, top_k=cfg.num_experts_per_tok),
-                experts=FusedMoE(cfg.num_local_experts, cfg.hidden_size, cfg.intermediate_size),
+                experts=FusedMoE(cfg.num_local_experts, cfg.hidden_size, cfg.intermediate_size, moe_parallel),
                 shared_experts=SwiGLUMLP(cfg.hidden_size, cfg.intermediate_size),
                 apply_router_weight_on_input=True,  # expert_e(sigmoid(l_e) * x)
             )
@@ -195,13 +196,14 @@ class Llama4DecoderLayer(PreNormDecoderLayer):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 class Llama4TextModel(DecoderStack):
-    def __init__(self, cfg: Llama4TextConfig) -> None:
+    def __init__(self, cfg: Llama4TextConfig, moe_parallel: MoEParallelConfig | None = None) -> None:
+        moe_parallel = moe_parallel or MoEParallelConfig.from_parallel_state()
         # One RoPE table for every RoPE layer. Interleaved (complex-pair) RoPE, as transformers'
         # apply_rotary_emb (view_as_complex).
         rotary = get_rope(cfg.head_dim, cfg.rope_max_position, cfg.rope, is_neox_style=False) \
             if any(cfg.uses_rope(i) for i in range(cfg.num_hidden_layers)) else None
         super().__init__(cfg.vocab_size, cfg.hidden_size, cfg.num_hidden_layers, cfg.rms_norm_eps,
-                         lambda i: Llama4DecoderLayer(cfg, i, rotary))
+                         lambda i: Llama4DecoderLayer(cfg, i, rotary, moe_parallel))
 
 
 class _LanguageModel(nn.Module):
@@ -219,10 +221,10 @@ class Llama4ForCausalLM(nn.Module):
     config_class = Llama4TextConfig
     supports_pp = True  # builds only its pipeline stage (moe/pipeline.py)
 
-    def __init__(self, cfg: Llama4TextConfig) -> None:
+    def __init__(self, cfg: Llama4TextConfig, moe_parallel: MoEParallelConfig | None = None) -> None:
         super().__init__()
         self.config = cfg
-        model = Llama4TextModel(cfg)
+        model = Llama4TextModel(cfg, moe_parallel)
         lm_head = make_lm_head(cfg.vocab_size, cfg.hidden_size, cfg.tie_word_embeddings, model)
         if cfg.nested_checkpoint:
             self.language_model = _LanguageModel(model, lm_head)

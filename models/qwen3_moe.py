@@ -18,7 +18,7 @@ from models.layers.mlp import SwiGLUMLP
 from models.layers.norm import RMSNorm
 from models.layers.rotary import get_rope
 from models.loader import GATE_UP_RULES, QKV_RULES, NameRule
-from moe.moe_block import FusedMoE, MoEBlock
+from moe.moe_block import FusedMoE, MoEBlock, MoEParallelConfig
 from moe.pipeline import (skip_other_stage_tensor, tied_lm_head_rules)
 from routing import softmax_topk
 
@@ -81,7 +81,7 @@ class Qwen3MoeAttention(nn.Module):
 
 
 class Qwen3MoeDecoderLayer(PreNormDecoderLayer):
-    def __init__(self, cfg: Qwen3MoeConfig, layer_idx: int) -> None:
+    def __init__(self, cfg: Qwen3MoeConfig, layer_idx: int, moe_parallel: MoEParallelConfig | None = None) -> None:
         super().__init__()
         self.self_attn = Qwen3MoeAttention(cfg)
         if cfg.is_moe_layer(layer_idx):
@@ -89,7 +89,7 @@ class Qwen3MoeDecoderLayer(PreNormDecoderLayer):
                 gate=ReplicatedLinear(cfg.hidden_size, cfg.num_experts),
                 router_fn=functools.partial(softmax_topk, top_k=cfg.num_experts_per_tok,
                                             renormalize=cfg.norm_topk_prob),
-                experts=FusedMoE(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size),
+                experts=FusedMoE(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, moe_parallel),
             )
         else:
             self.mlp = SwiGLUMLP(cfg.hidden_size, cfg.intermediate_size)
@@ -97,16 +97,17 @@ class Qwen3MoeDecoderLayer(PreNormDecoderLayer):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 class Qwen3MoeModel(DecoderStack):
-    def __init__(self, cfg: Qwen3MoeConfig) -> None:
+    def __init__(self, cfg: Qwen3MoeConfig, moe_parallel: MoEParallelConfig | None = None) -> None:
+        moe_parallel = moe_parallel or MoEParallelConfig.from_parallel_state()
         super().__init__(cfg.vocab_size, cfg.hidden_size, cfg.num_hidden_layers, cfg.rms_norm_eps,
-                         lambda i: Qwen3MoeDecoderLayer(cfg, i))
+                         lambda i: Qwen3MoeDecoderLayer(cfg, i, moe_parallel))
 
 
 class Qwen3MoeForCausalLM(DecoderForCausalLM):
     config_class = Qwen3MoeConfig
 
-    def __init__(self, cfg: Qwen3MoeConfig) -> None:
-        super().__init__(cfg, Qwen3MoeModel(cfg))
+    def __init__(self, cfg: Qwen3MoeConfig, moe_parallel: MoEParallelConfig | None = None) -> None:
+        super().__init__(cfg, Qwen3MoeModel(cfg, moe_parallel))
 
     def attention_layers(self) -> list[Attention]:
         m = self.model

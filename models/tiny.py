@@ -1,7 +1,7 @@
 """The built-in tiny checkpoint `tiny-qwen3-moe`: a real Hugging Face-format folder (config.json,
 model.safetensors, tokenizer.json) with seeded random weights, made on first use.
 
-Its shape is the CPU benchmark model of TARGETS.md §3: hidden 256, 4 layers, 8 heads (4 KV,
+Its shape is the CPU benchmark model of BENCHMARKS.md §4: hidden 256, 4 layers, 8 heads (4 KV,
 head_dim 32), 16 experts top-4, moe_intermediate 128, vocabulary 512.
 """
 from __future__ import annotations
@@ -14,6 +14,9 @@ import tempfile
 
 import torch
 from safetensors.torch import save_file
+
+from models.loader import checkpoint_name_for
+from models.registry import resolve_architecture
 
 logger = logging.getLogger("moe.tiny")
 
@@ -75,8 +78,6 @@ def build_tokenizer(vocab_size: int):
 def random_checkpoint_tensors(model_cls, config, seed: int = 0) -> dict[str, torch.Tensor]:
     """Hugging Face-named tensors for every piece of every parameter of `model_cls(config)`,
     drawn from a seeded generator (norm weights near 1, the rest N(0, 0.05²))."""
-    from models.loader import checkpoint_name_for
-
     gen = torch.Generator().manual_seed(seed)
     with torch.device("meta"):
         model = model_cls(config)
@@ -100,8 +101,6 @@ def ensure_tiny_model(name: str) -> str:
     path = os.path.join(cache_dir(), name)
     if os.path.isfile(os.path.join(path, "model.safetensors")):
         return path
-    from models.registry import resolve_architecture
-
     logger.info("Creating the built-in model %s in %s", name, path)
     os.makedirs(cache_dir(), exist_ok=True)
     tmp = tempfile.mkdtemp(dir=cache_dir(), prefix=f".{name}-")

@@ -1,5 +1,4 @@
-"""The `moe` command: `moe generate` now; serving, benchmarks and the kernel tuner join it as
-subcommands."""
+"""The `moe` command: `moe generate`, `moe bench NAME` and `moe tune-moe`."""
 from __future__ import annotations
 
 import argparse
@@ -11,49 +10,90 @@ from moe.config import EngineArgs
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-tokens", type=int, default=32)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--max-tokens", type=int, default=32, help="tokens to generate per prompt")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
+    p.add_argument("--top-k", type=int, default=0, help="0 = all tokens")
+    p.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min_p x the top probability")
     p.add_argument("--sampling-seed", type=int, default=None, help="per-request seed")
     p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
-    p.add_argument("--ignore-eos", action="store_true")
-    p.add_argument("--n", type=int, default=1)
-    p.add_argument("--logprobs", type=int, default=None)
+    p.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
+    p.add_argument("--n", type=int, default=1, help="completions per prompt")
+    p.add_argument("--logprobs", type=int, default=None, help="log-probabilities of this many top tokens per step")
+
+
+def _show_defaults(p: argparse.ArgumentParser) -> None:
+    """ArgumentDefaultsHelpFormatter only annotates flags that have a help text: give the others one."""
+    for action in p._actions:
+        if action.help is None and action.default not in (None, argparse.SUPPRESS):
+            action.help = "(default: %(default)s)"
+
+
+def _parse_prompt_token_ids(values: list[str] | None) -> list[dict]:
+    prompts = []
+    for s in values or []:
+        try:
+            ids = json.loads(s)
+        except json.JSONDecodeError:
+            ids = None
+        if not isinstance(ids, list) or not ids or not all(isinstance(t, int) and not isinstance(t, bool)
+                                                            for t in ids):
+            raise ValueError(f"--prompt-token-ids expects a non-empty JSON list of integers, e.g. '[1, 5, 9]'; "
+                             f"got {s!r}")
+        prompts.append({"prompt_token_ids": ids})
+    return prompts
+
+
+def _output_json(out, with_logprobs: bool) -> dict:
+    outputs = []
+    for o in out.outputs:
+        d = {"text": o.text, "token_ids": o.token_ids, "finish_reason": o.finish_reason}
+        if with_logprobs:
+            d["cumulative_logprob"] = o.cumulative_logprob
+            # one {token id: logprob} per generated token (JSON keys are strings)
+            d["logprobs"] = None if o.logprobs is None else [
+                {str(t): lp.logprob for t, lp in step.items()} for step in o.logprobs]
+        outputs.append(d)
+    return {"prompt": out.prompt, "prompt_token_ids": out.prompt_token_ids, "outputs": outputs}
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from moe import LLM, SamplingParams
+    # Everything the user typed is checked before the model loads (which can take minutes).
+    from moe.sampling_params import SamplingParams
 
-    engine_args = EngineArgs.from_cli_args(args)
-    llm = LLM(**vars(engine_args))
     params = SamplingParams(n=args.n, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             min_p=args.min_p, seed=args.sampling_seed, max_tokens=args.max_tokens,
                             stop=args.stop, ignore_eos=args.ignore_eos, logprobs=args.logprobs)
-    prompts = list(args.prompts)
-    if args.prompt_token_ids:
-        prompts += [{"prompt_token_ids": json.loads(s)} for s in args.prompt_token_ids]
+    prompts = list(args.prompts) + _parse_prompt_token_ids(args.prompt_token_ids)
     if not prompts:
-        print("moe generate: give at least one prompt", file=sys.stderr)
-        return 2
-    for out in llm.generate(prompts, params, use_tqdm=not args.json):
-        if args.json:
-            print(json.dumps({"prompt": out.prompt, "prompt_token_ids": out.prompt_token_ids,
-                              "outputs": [{"text": o.text, "token_ids": o.token_ids, "finish_reason": o.finish_reason}
-                                          for o in out.outputs]}))
-        else:
-            for o in out.outputs:
-                print(f"Prompt: {out.prompt!r}\nGenerated: {o.text!r}  [{len(o.token_ids)} tokens, {o.finish_reason}]")
+        raise ValueError("give at least one prompt (text arguments or --prompt-token-ids '[1, 5, 9]')")
+    engine_args = EngineArgs.from_cli_args(args)
+
+    from moe.llm import LLM
+
+    llm = LLM(**vars(engine_args))
+    try:
+        for out in llm.generate(prompts, params, use_tqdm=not args.json):
+            if args.json:
+                print(json.dumps(_output_json(out, args.logprobs is not None)))
+            else:
+                for o in out.outputs:
+                    print(f"Prompt: {out.prompt!r}\nGenerated: {o.text!r}  [{len(o.token_ids)} tokens, "
+                          f"{o.finish_reason}]")
+    finally:
+        llm.shutdown()
     return 0
 
 
-# `moe bench NAME` -> the benchmark module whose main(argv) it runs.
+# `moe bench NAME` -> (module whose main(argv) it runs, one line for `moe bench --help`).
 BENCHMARKS = {
-    "kernel": "benchmarks.bench_kernel",         # expert layer vs references (GPU)
-    "all2all": "benchmarks.bench_all2all",       # token dispatch (under torchrun)
-    "scheduler": "benchmarks.bench_scheduler",   # scheduler alone (CPU)
-    "throughput": "benchmarks.bench_engine_cpu",  # end-to-end generate (CPU workload of TARGETS §3)
+    "throughput": ("moe.bench.throughput", "offline throughput of LLM.generate (vLLM's flags; CPU-sized defaults)"),
+    "latency": ("moe.bench.latency", "latency of one batch, average and percentiles (vLLM's flags)"),
+    "scheduler": ("moe.bench.scheduler", "the scheduler alone, per step (CPU)"),
+    "kernel": ("moe.bench.kernel", "the expert kernel against references and vLLM's kernel (needs a CUDA GPU)"),
+    "all2all": ("moe.bench.all2all", "token dispatch + combine (run under torchrun: torchrun --nproc-per-node=N "
+                                     "-m moe.bench.all2all)"),
+    "engine-cpu": ("moe.bench.engine_cpu", "engine overhead per step beside the model forward (CPU)"),
 }
 
 
@@ -65,22 +105,30 @@ def _run_module_main(module: str, argv: list[str]) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="moe", description="moe-runtime: Mixture-of-Experts inference")
-    sub = parser.add_subparsers(dest="command", required=True)
-    gen = sub.add_parser("generate", help="generate text for prompts given on the command line")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    gen = sub.add_parser("generate", help="generate text for prompts given on the command line",
+                         description="Generate text for prompts given on the command line.",
+                         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     gen.add_argument("prompts", nargs="*", help="text prompts")
     gen.add_argument("--prompt-token-ids", action="append", default=None,
                      help="a JSON list of token ids, e.g. '[1, 5, 9]' (repeatable)")
-    gen.add_argument("--json", action="store_true", help="print one JSON object per prompt")
+    gen.add_argument("--json", action="store_true",
+                     help="print one JSON object per prompt (with logprobs when --logprobs is given)")
     EngineArgs.add_cli_args(gen)
     _add_sampling_args(gen)
+    _show_defaults(gen)
     gen.set_defaults(func=_generate)
 
-    bench = sub.add_parser("bench", help="run a benchmark (its own flags follow the name; see --help)",
-                           add_help=False)
-    bench.add_argument("name", choices=sorted(BENCHMARKS))
-    bench.set_defaults(func=lambda a: _run_module_main(BENCHMARKS[a.name], a.rest))
-    tune = sub.add_parser("tune-moe", help="tune the Triton expert kernel on this GPU and write a config file",
-                          add_help=False)
+    bench = sub.add_parser("bench", help="run a benchmark: moe bench NAME [its flags] (moe bench NAME --help)",
+                           description="Run a benchmark; its own flags follow its name "
+                                       "(moe bench NAME --help lists them).")
+    names = bench.add_subparsers(dest="bench_name", required=True, metavar="NAME")
+    for name, (module, summary) in BENCHMARKS.items():
+        # add_help=False: --help and every flag go to the benchmark's own parser (prog "moe bench NAME")
+        b = names.add_parser(name, help=summary, add_help=False)
+        b.set_defaults(func=lambda a, module=module: _run_module_main(module, a.rest))
+    tune = sub.add_parser("tune-moe", add_help=False,
+                          help="tune the Triton expert kernel on this GPU and write a config file (needs a CUDA GPU)")
     tune.set_defaults(func=lambda a: _run_module_main("kernels.triton_moe.tune", a.rest))
     return parser
 
@@ -88,7 +136,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s")
     args, rest = build_parser().parse_known_args(argv)
-    if args.command == "generate" and rest:
+    if args.func is _generate and rest:
         build_parser().error(f"unrecognized arguments: {' '.join(rest)}")
     args.rest = rest
     try:

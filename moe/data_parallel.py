@@ -51,9 +51,6 @@ class DataParallelScheduler:
         self.schedulers[d].add_request(request)
         self._owner[request.request_id] = d
 
-    def replica_of(self, request_id: str) -> int | None:
-        return self._owner.get(request_id)
-
     def finish_requests(self, request_ids, status: RequestStatus) -> None:
         if isinstance(request_ids, str):
             request_ids = [request_ids]

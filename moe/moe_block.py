@@ -1,9 +1,11 @@
 """The one MoE block every model uses: router -> (dispatch) -> routed experts -> (combine),
 plus optional shared experts.
 
-Experts are sharded one of two ways: expert-parallel (each EP rank holds E/ep whole experts,
-`expert_map` marks the others -1) or, without EP, tensor-parallel along the intermediate dim
-(every rank holds every expert's F/tp slice and the outputs are summed over the TP group).
+Experts are sharded one of two ways: expert-parallel (each EP rank holds E/ep whole experts;
+the dispatcher's expert map marks the others -1) or, without EP, tensor-parallel along the
+intermediate dim (every rank holds every expert's F/tp slice and the outputs are summed over the
+TP group). Which one, and with which dispatcher and expert backend, is a `MoEParallelConfig`
+the block receives at construction (built once per model from the process's parallel state).
 
 Expert-parallel forward (EP group = the DP x TP ranks of a pipeline stage): the TP ranks of a
 replica hold the same tokens, so each takes its 1/tp share of the rows (sequence split), then
@@ -25,7 +27,8 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Callable
+from dataclasses import dataclass, field
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -33,12 +36,42 @@ from torch import nn
 import kernels
 from models.layers.weights import ParamLoader, attach_loader, new_param
 from all2all import Dispatcher, make_dispatcher
-from moe.distributed import get_parallel_state, tp_all_gather_rows, tp_all_reduce, tp_row_chunk
-from routing import RouterOutput, make_expert_map
+from moe.distributed import ParallelState, get_parallel_state, tp_all_gather_rows, tp_all_reduce, tp_row_chunk
+from routing import RouterOutput
 from routing.placement import local_expert_ids
 
 logger = logging.getLogger("moe.moe_block")
 _FALLBACKS_LOGGED: set[tuple[int, int, tuple[int, int]]] = set()
+
+
+@dataclass(frozen=True)
+class MoEParallelConfig:
+    """The parallel layout of the MoE blocks of one model, fixed at construction.
+
+    use_ep: experts split over the EP group (ep_size whole-expert shards, tokens dispatched);
+    otherwise every rank holds each expert's F/tp_size slice and the TP group sums the outputs.
+    kernel_backend: the expert GEMM backend (kernels.fused_experts' `backend`; None = auto).
+    ep_group: the EP process group (None at ep_size 1); not part of equality.
+    """
+    tp_size: int = 1
+    tp_rank: int = 0
+    ep_size: int = 1
+    ep_rank: int = 0
+    use_ep: bool = False
+    all2all_backend: str = "auto"
+    expert_placement_strategy: str = "linear"
+    kernel_backend: str | None = None
+    ep_group: Any = field(default=None, compare=False, repr=False)
+
+    @classmethod
+    def from_parallel_state(cls, kernel_backend: str | None = None,
+                            state: ParallelState | None = None) -> MoEParallelConfig:
+        """The layout of this process (moe.distributed's state unless `state` is given)."""
+        ps = state if state is not None else get_parallel_state()
+        use_ep = ps.enable_expert_parallel and ps.ep_size > 1
+        return cls(tp_size=ps.tp_size, tp_rank=ps.tp_rank, ep_size=ps.ep_size, ep_rank=ps.ep_rank, use_ep=use_ep,
+                   all2all_backend=ps.all2all_backend, expert_placement_strategy=ps.expert_placement_strategy,
+                   kernel_backend=kernel_backend, ep_group=ps.ep_group if use_ep else None)
 
 
 class ExpertWeightLoader(ParamLoader):
@@ -138,6 +171,9 @@ def fp8_experts_aligned(inter_local: int, inter: int, block: tuple[int, int]) ->
 class FusedMoE(nn.Module):
     """The routed experts of one layer: w13_weight [E_local, 2F_local, D], w2_weight [E_local, D, F_local].
 
+    `parallel`: the layout (see MoEParallelConfig); None = this process's parallel state with the
+    automatic expert backend (a model passes the one config it built for all its layers).
+
     `top_k` (optional) feeds all2all_backend="auto"; without it the rule uses the routing's K
     at the first forward (every rank sees the same K, so every rank picks the same backend).
 
@@ -149,27 +185,25 @@ class FusedMoE(nn.Module):
     """
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int,
-                 kernel_backend: str | None = None, top_k: int | None = None,
+                 parallel: MoEParallelConfig | None = None, top_k: int | None = None,
                  fp8_block: tuple[int, int] | None = None) -> None:
         super().__init__()
-        ps = get_parallel_state()
+        pc = parallel if parallel is not None else MoEParallelConfig.from_parallel_state()
+        self.parallel = pc
         self.num_experts = num_experts
-        self.kernel_backend = kernel_backend
+        self.kernel_backend = pc.kernel_backend
         self.top_k = top_k
         self.dispatcher: Dispatcher | None = None
-        self.use_ep = ps.enable_expert_parallel and ps.ep_size > 1
+        self.use_ep = pc.use_ep
         if self.use_ep:
-            strategy = ps.expert_placement_strategy
-            self.expert_map = make_expert_map(num_experts, ps.ep_size, ps.ep_rank, strategy)
-            local_ids = local_expert_ids(num_experts, ps.ep_size, ps.ep_rank, strategy)
+            local_ids = local_expert_ids(num_experts, pc.ep_size, pc.ep_rank, pc.expert_placement_strategy)
             f_local, tp_rank, self.reduce_over_tp = intermediate_size, 0, False
         else:
-            self.expert_map = None
             local_ids = list(range(num_experts))
-            if intermediate_size % ps.tp_size:
+            if intermediate_size % pc.tp_size:
                 raise ValueError(f"moe_intermediate_size={intermediate_size} is not divisible by "
-                                 f"tensor_parallel_size={ps.tp_size}")
-            f_local, tp_rank, self.reduce_over_tp = intermediate_size // ps.tp_size, ps.tp_rank, ps.tp_size > 1
+                                 f"tensor_parallel_size={pc.tp_size}")
+            f_local, tp_rank, self.reduce_over_tp = intermediate_size // pc.tp_size, pc.tp_rank, pc.tp_size > 1
         E = len(local_ids)
         if fp8_block is not None:
             fp8_block = tuple(fp8_block)
@@ -200,16 +234,15 @@ class FusedMoE(nn.Module):
 
     def _get_dispatcher(self, top_k: int) -> Dispatcher:
         if self.dispatcher is None:
-            ps = get_parallel_state()
-            self.dispatcher = make_dispatcher(ps.all2all_backend, ps.ep_group, self.num_experts,
-                                              ps.expert_placement_strategy, top_k=self.top_k or top_k)
+            pc = self.parallel
+            self.dispatcher = make_dispatcher(pc.all2all_backend, pc.ep_group, self.num_experts,
+                                              pc.expert_placement_strategy, top_k=self.top_k or top_k)
         return self.dispatcher
 
     def forward(self, x_TD: torch.Tensor, routing: RouterOutput) -> torch.Tensor:
         if self.use_ep:
             return self._forward_ep(x_TD, routing)
-        expert_map = None if self.expert_map is None else self.expert_map.to(x_TD.device)
-        y_TD = self._experts(x_TD, routing.topk_weights_TK, routing.topk_ids_TK, expert_map)
+        y_TD = self._experts(x_TD, routing.topk_weights_TK, routing.topk_ids_TK, None)
         return tp_all_reduce(y_TD) if self.reduce_over_tp else y_TD
 
     def _forward_ep(self, x_TD: torch.Tensor, routing: RouterOutput) -> torch.Tensor:

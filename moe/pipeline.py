@@ -35,6 +35,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from models.loader import NameRule
 from moe.distributed import get_parallel_state
 
 
@@ -105,8 +106,6 @@ def tied_lm_head_rules(tie_word_embeddings: bool, embed_name: str = "model.embed
                        head_name: str = "lm_head"):
     """Loader name rules that fill a tied lm_head from the embedding tensor on a last stage that
     does not hold the embedding (pp_size > 1); empty otherwise."""
-    from models.loader import NameRule
-
     ps = get_parallel_state()
     if tie_word_embeddings and ps.pp_size > 1 and ps.is_last_pp_rank:
         return [NameRule(head_name, embed_name)]

@@ -22,6 +22,7 @@ from models.fp8 import resolve_fp8_experts
 from models.loader import init_dummy_weights, load_weights
 from moe.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineArgs
 from moe.model_runner import ModelRunner, ModelRunnerOutput
+from moe.moe_block import MoEParallelConfig
 from scheduler import KVCacheGroup, SchedulerOutput
 
 logger = logging.getLogger("moe.worker")
@@ -41,16 +42,13 @@ def build_model(model_cls: type, config: ModelConfig, model_path: str, args: Eng
                 device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
     """The model of this rank (the process's ParallelState decides the shard)."""
     config = _with_fp8_experts_choice(model_cls, config, args, device)
+    moe_parallel = MoEParallelConfig.from_parallel_state(kernel_backend=args.moe_backend)
     with torch.device(device), _default_dtype(dtype):
-        model = model_cls(config)
+        model = model_cls(config, moe_parallel=moe_parallel)
     if args.load_format == "dummy":
         init_dummy_weights(model, seed=args.seed)
     else:
         load_weights(model, model_path, progress=_is_rank_zero())
-    if args.moe_backend is not None:
-        for module in model.modules():
-            if hasattr(module, "kernel_backend"):
-                module.kernel_backend = args.moe_backend
     return model.eval()
 
 

@@ -84,17 +84,6 @@ class Request:
         return len(self.all_token_ids)
 
     @property
-    def num_output_tokens(self) -> int:
-        return len(self.all_token_ids) - self.num_prompt_tokens
-
-    @property
-    def output_token_ids(self) -> list[int]:
-        return self.all_token_ids[self.num_prompt_tokens:]
-
-    def append_output_token(self, token_id: int) -> None:
-        self.all_token_ids.append(token_id)
-
-    @property
     def is_finished(self) -> bool:
         return self.status.is_finished
 

@@ -1,4 +1,5 @@
-"""Tuner for the expert GEMM launch configs: `python -m kernels.triton_moe.tune` / `moe tune-moe`.
+"""Tuner for the expert GEMM launch configs (needs a CUDA GPU): `python -m kernels.triton_moe.tune` /
+`moe tune-moe`.
 
 For each token count M it tries a few BLOCK_M values (picked from the rows per expert), and for
 each of them times the gate_up and the down GEMM separately over a short list of Hopper-sensible
@@ -19,7 +20,6 @@ import time
 from pathlib import Path
 
 import torch
-import triton
 
 from kernels.triton_moe.config import (CONFIG_DIR, config_file_name, device_name, load_configs,
                                       nearest_bucket, split_config)
@@ -133,7 +133,7 @@ def time_events(fns, reps: int = 10) -> float:
 
 
 def time_calls(fns, M: int, reps: int = 20) -> float:
-    """CUDA-graph replay for M <= 1024 (as TARGETS.md times it), events above."""
+    """CUDA-graph replay for M <= 1024 (small calls are launch-bound when eager), events above."""
     return time_graph(fns, reps) if M <= 1024 else time_events(fns, max(5, reps // 2))
 
 

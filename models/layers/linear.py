@@ -47,7 +47,8 @@ class ColumnParallelLinear(nn.Module):
         self._init_params(in_features, offset, shards, bias)
 
     def _init_params(self, in_features: int, out_local: int, shards: dict, bias: bool) -> None:
-        self.weight = attach_loader(new_param(out_local, in_features), ShardedLoader((out_local, in_features), 0, shards))
+        self.weight = attach_loader(new_param(out_local, in_features),
+                                    ShardedLoader((out_local, in_features), 0, shards))
         self.bias = attach_loader(new_param(out_local), ShardedLoader((out_local,), 0, shards)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -1,8 +1,8 @@
-"""Smoke test of benchmarks/bench_all2all.py: its core on 2 gloo ranks at tiny sizes, no torchrun."""
+"""Smoke test of moe/bench/all2all.py (`moe bench all2all`): its core on 2 gloo ranks at tiny sizes, no torchrun."""
 from __future__ import annotations
 
 from tests.all2all.a2a_harness import run_ranks
-from benchmarks.bench_all2all import format_table, parse_args, run_bench
+from moe.bench.all2all import format_table, main, parse_args, run_bench
 
 TOKENS = (0, 3, 16)
 
@@ -28,7 +28,19 @@ def test_bench_core_on_two_gloo_ranks():
     assert "all_to_all/bare" in table and len(table.splitlines()) == 2 + 2 * len(TOKENS)
 
 
-def test_cli_defaults_are_the_targets_shapes():
-    args = parse_args([])
+def test_cli_defaults_are_deepseek_v3_shapes_on_gpus_and_small_on_the_cpu():
+    args = parse_args([], cuda=True)
     assert args.tokens == [128, 512, 2048, 4096, 16384]
     assert (args.hidden, args.num_experts, args.top_k, args.dtype) == (7168, 256, 8, "bf16")
+    args = parse_args([], cuda=False)
+    assert args.tokens == [8, 32] and (args.hidden, args.num_experts, args.top_k, args.dtype) == (64, 16, 4, "fp32")
+    args = parse_args(["--hidden", "128", "--tokens", "4"], cuda=False)  # a flag given wins
+    assert args.hidden == 128 and args.tokens == [4]
+
+
+def test_without_torchrun_says_to_use_torchrun(monkeypatch, capsys):
+    for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR"):
+        monkeypatch.delenv(k, raising=False)
+    assert main(["--iters", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "torchrun --nproc-per-node=2 -m moe.bench.all2all --iters 1" in err

@@ -174,7 +174,8 @@ def test_missing_library_names_the_fix(monkeypatch):
     with pytest.raises(RuntimeError, match=r"not found: `pip install deepspeed-kernels`.*MOE_DEEPSPEED_FT_LIB"):
         deepspeed_moe._library()
     monkeypatch.setenv(deepspeed_moe.LIB_ENV, "/nonexistent/libdeepspeedft.so")
-    with pytest.raises(RuntimeError, match=r"cannot load /nonexistent/libdeepspeedft.so.*pip install deepspeed-kernels"):
+    with pytest.raises(RuntimeError,
+                       match=r"cannot load /nonexistent/libdeepspeedft.so.*pip install deepspeed-kernels"):
         deepspeed_moe._library()
     assert not deepspeed_moe.available("cpu") and not deepspeed_moe.available("cuda")
 

@@ -42,7 +42,7 @@ def test_all_absorbed_or_all_expanded_match_hf(yarn_lora_ckpt, mode, monkeypatch
     """Default: prefill expanded, decode absorbed. Either form alone gives the same model."""
     from models.deepseek_v3 import DeepseekV3ForCausalLM
 
-    monkeypatch.setattr(DeepseekV3ForCausalLM.__init__, "__defaults__", (mode,))
+    monkeypatch.setattr(DeepseekV3ForCausalLM.__init__, "__defaults__", (mode, None))  # attn_mode, moe_parallel
     llm, _ = assert_matches_hf(yarn_lora_ckpt, max_tokens=4)
     assert {layer.self_attn.mode for layer in llm.llm_engine.executor.model.model.layers} == {mode}
 

@@ -19,8 +19,8 @@ CONFIGS = {
 def _prompts():
     rng = random.Random(3)
     shared = [rng.randrange(1, 500) for _ in range(34)]
-    return [{"prompt_token_ids": shared[:rng.choice([16, 34])] + [rng.randrange(1, 500) for _ in range(rng.randint(1, 20))]}
-            for _ in range(8)]
+    return [{"prompt_token_ids": shared[:rng.choice([16, 34])]
+             + [rng.randrange(1, 500) for _ in range(rng.randint(1, 20))]} for _ in range(8)]
 
 
 def _params():

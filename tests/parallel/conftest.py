@@ -54,6 +54,9 @@ def reference(parallel_ckpt):
 
 
 def assert_same_as_reference(got, reference) -> None:
+    # lengths first: zip stops at the shorter list, and an empty output would compare equal
+    assert len(reference) > 0 and len(got) == len(reference), (len(got), len(reference))
     for (tokens, lps), (ref_tokens, ref_lps) in zip(got, reference):
-        assert tokens == ref_tokens
+        assert tokens == ref_tokens and len(tokens) > 0
+        assert len(lps) == len(ref_lps) > 0
         assert max(abs(a - b) for a, b in zip(lps, ref_lps)) < 1e-4

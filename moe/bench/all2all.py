@@ -2,16 +2,19 @@
 
 Legend: T tokens per rank, D hidden, E experts, K top-k, S rows sent, R rows received, P ranks.
 
-    torchrun --nproc-per-node=2 benchmarks/bench_all2all.py --out results/a2a.json   # NCCL, GPU
-    torchrun --nproc-per-node=2 benchmarks/bench_all2all.py --tokens 8 32 --hidden 64 \
-        --num-experts 16 --top-k 4 --dtype fp32 --iters 5                            # gloo, CPU
+    torchrun --nproc-per-node=2 -m moe.bench.all2all --out a2a.json   # NCCL, GPU: DeepSeek-V3 shapes
+    torchrun --nproc-per-node=2 -m moe.bench.all2all                  # gloo, CPU: small shapes
+
+Defaults depend on the device: on GPUs the DeepSeek-V3 shapes (hidden 7168, 256 experts, top-8,
+bf16, 128..16384 tokens per rank); on the CPU small ones (hidden 64, 16 experts, top-4, fp32,
+8 and 32 tokens) that finish in seconds. Every flag overrides its default.
 
 For each tokens-per-rank and routing, times (median over iterations, then the max over ranks,
 as the slowest rank gates the layer) of dispatch + combine for each dispatcher, the experts
 replaced by the identity so only communication and its bookkeeping are measured, and of
 "bare": two all_to_all_single calls (there and back) moving exactly the x bytes of the
-all_to_all dispatcher's splits into preallocated buffers, the floor TARGETS.md §2 compares to.
-Routing: "random" (uniform top-K of E, TARGETS.md §2) and "group_limited" (DeepSeek-V3-like:
+all_to_all dispatcher's splits into preallocated buffers, the floor of the exchange.
+Routing: "random" (uniform top-K of E) and "group_limited" (DeepSeek-V3-like:
 E split into n_group groups, the best topk_group groups by the sum of their top-2 scores, then
 top-K inside them; with linear placement and n_group == P each group is one rank's experts).
 """
@@ -27,14 +30,12 @@ import time
 import torch
 import torch.distributed as dist
 
-if __package__ in (None, ""):  # run as a script by torchrun: make the repo importable
-    # Appended, so PYTHONPATH comes first (lets `--profile` time another copy of all2all/).
-    sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from all2all import make_dispatcher
+from moe.bench.common import torchrun_process_group
 
-from all2all import make_dispatcher  # noqa: E402
-from benchmarks.common import torchrun_process_group  # noqa: E402
-
-DEFAULT_TOKENS = (128, 512, 2048, 4096, 16384)
+# (GPU, CPU) defaults of the shape flags
+DEFAULTS = {"tokens": ([128, 512, 2048, 4096, 16384], [8, 32]), "hidden": (7168, 64), "num_experts": (256, 16),
+            "top_k": (8, 4), "dtype": ("bf16", "fp32"), "n_group": (8, 4), "topk_group": (4, 2), "iters": (20, 5)}
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
@@ -94,14 +95,14 @@ def run_bench(tokens=(8, 32), hidden: int = 64, num_experts: int = 16, top_k: in
               dtype: torch.dtype = torch.float32, routings=("random",),
               backends=("allgather_reducescatter", "all_to_all"), placement: str = "linear",
               n_group: int = 8, topk_group: int = 4, iters: int = 5, warmup: int = 2,
-              seed: int = 0, group=None, device=None) -> list[dict]:
+              seed: int = 0, group=None, device=None, progress: bool = False) -> list[dict]:
     """The benchmark on an initialised process group; every rank calls it, every rank gets rows.
 
     Returns one dict per (tokens_per_rank, routing, impl): impl in `backends` + ["bare"],
     median_us (max over ranks), rows_sent / rows_recv of this rank for the all_to_all splits.
     """
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    P, rank = dist.get_world_size(group), dist.get_rank(group)
+    rank = dist.get_rank(group)
     dispatchers = {b: make_dispatcher(b, group, num_experts, placement, top_k=top_k) for b in backends}
     a2a = dispatchers.get("all_to_all") or make_dispatcher("all_to_all", group, num_experts, placement)
     rows = []
@@ -134,13 +135,15 @@ def run_bench(tokens=(8, 32), hidden: int = 64, num_experts: int = 16, top_k: in
                          "host_us": _max_over_ranks(host, device, group)})
             for row in rows[-len(dispatchers) - 1:]:
                 row.update(rows_sent=sum(h.send_splits), rows_recv=sum(h.recv_splits))
+            if progress and rank == 0:
+                print(f"  tokens/rank {T}, {routing}: done", flush=True)
     return rows
 
 
 def _bench_steps(T: int, routing: str, hidden: int, num_experts: int, top_k: int, dtype,
                  backends, placement: str, n_group: int, topk_group: int, seed: int, group, device):
     """(name, step) for each backend and "bare" at one size, inputs made and warmed once."""
-    P, rank = dist.get_world_size(group), dist.get_rank(group)
+    rank = dist.get_rank(group)
     g = torch.Generator().manual_seed(seed * 1000003 + rank)
     weights_TK, ids_TK = make_routing(routing, T, num_experts, top_k, n_group, topk_group, g, device)
     x_TD = torch.randn(T, hidden, generator=g).to(device=device, dtype=dtype)
@@ -242,20 +245,22 @@ def format_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="moe bench all2all", description=__doc__.split("\n")[0])
-    p.add_argument("--tokens", type=int, nargs="+", default=list(DEFAULT_TOKENS), help="tokens per rank")
-    p.add_argument("--hidden", type=int, default=7168)
-    p.add_argument("--num-experts", type=int, default=256)
-    p.add_argument("--top-k", type=int, default=8)
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+def parse_args(argv=None, cuda: bool | None = None) -> argparse.Namespace:
+    """Flags; shape flags left out take the GPU or CPU default (`cuda`: default torch.cuda.is_available())."""
+    p = argparse.ArgumentParser(prog="moe bench all2all", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tokens", type=int, nargs="+", help="tokens per rank")
+    p.add_argument("--hidden", type=int)
+    p.add_argument("--num-experts", type=int)
+    p.add_argument("--top-k", type=int)
+    p.add_argument("--dtype", choices=sorted(DTYPES))
     p.add_argument("--routing", nargs="+", choices=["random", "group_limited"], default=["random", "group_limited"])
     p.add_argument("--backends", nargs="+", default=["allgather_reducescatter", "all_to_all"],
                    choices=["allgather_reducescatter", "all_to_all", "auto"])
     p.add_argument("--placement", choices=["linear", "round_robin"], default="linear")
-    p.add_argument("--n-group", type=int, default=8, help="expert groups of group_limited routing")
-    p.add_argument("--topk-group", type=int, default=4, help="groups kept per token (group_limited)")
-    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--n-group", type=int, help="expert groups of group_limited routing")
+    p.add_argument("--topk-group", type=int, help="groups kept per token (group_limited)")
+    p.add_argument("--iters", type=int)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", help="write the raw rows and the configuration as JSON here (rank 0)")
@@ -263,12 +268,26 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="instead of timing: torch.profiler over --iters steps per backend and size "
                         "(first --routing only); prints a summary, full tables to --profile-out")
     p.add_argument("--profile-out", help="full profiler tables (rank 0), default: stdout")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    which = 0 if (torch.cuda.is_available() if cuda is None else cuda) else 1
+    for name, values in DEFAULTS.items():
+        if getattr(args, name) is None:
+            setattr(args, name, values[which])
+    return args
+
+
+def under_torchrun() -> bool:
+    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR"))
 
 
 def main(argv=None) -> int:
     """CLI entry (`moe bench all2all`); run under torchrun, one process per device."""
     args = parse_args(argv)
+    if not under_torchrun():
+        print("moe bench all2all: run it under torchrun, one process per device, e.g.\n"
+              "    torchrun --nproc-per-node=2 -m moe.bench.all2all " + " ".join(argv or sys.argv[1:]),
+              file=sys.stderr)
+        return 2
     with torchrun_process_group() as device:
         if args.profile:
             rows, report = profile_bench(args.tokens, args.hidden, args.num_experts, args.top_k,
@@ -289,7 +308,7 @@ def main(argv=None) -> int:
             return 0
         rows = run_bench(args.tokens, args.hidden, args.num_experts, args.top_k, DTYPES[args.dtype],
                          args.routing, args.backends, args.placement, args.n_group, args.topk_group,
-                         args.iters, args.warmup, args.seed, device=device)
+                         args.iters, args.warmup, args.seed, device=device, progress=True)
         if dist.get_rank() == 0:
             cfg = {k: v for k, v in vars(args).items() if k != "out"}
             cfg.update(world_size=dist.get_world_size(), backend=str(dist.get_backend()),

@@ -1,13 +1,15 @@
-"""Expert-layer benchmark reproducing TARGETS.md §1 (`moe bench kernel`, or run this file).
+"""Expert-layer benchmark (`moe bench kernel`; needs a CUDA GPU).
 
 Shapes: qwen3-30b-a3b, deepseek-v3, llama4-scout; M in 1..16384. Contenders: the Triton kernel
-(alignment included), the torch reference (per-expert loop), torch._grouped_mm with its torch
-sort/gather/scatter, and FP8 block-quantised rows for deepseek-v3. CUDA-graph replay for
+(alignment included), vLLM's fused_moe_kernel with vLLM's H200 configs in the same run (when
+benchmarks/fetch_vllm_kernel.py has fetched it, see moe/bench/vllm_kernel.py), the torch
+reference (per-expert loop), torch._grouped_mm with its torch sort/gather/scatter, and FP8
+block-quantised rows for deepseek-v3. CUDA-graph replay for
 M <= 1024, CUDA events above; medians. Each row also checks correctness on fresh random inputs
 (‖out − ref‖/‖ref‖ in fp32) and reports floor/time, the floor being the larger of
 (bytes of the experts touched + activations) / 4.8 TB/s and FLOPs / 700 TFLOP/s.
 
-    PYTHONPATH=. python benchmarks/bench_kernel.py [--shapes qwen3-30b-a3b ...] [--M 1 8 ...]
+    moe bench kernel [--shapes qwen3-30b-a3b ...] [--M 1 8 ...]
         [--out benchmarks/results/kernel_<date>.json]
         [--rows qwen3-30b-a3b:8,64 llama4-scout:1]   (shape:M list pairs, in this order)
         [--profile] [--no-baselines] [--no-deepspeed]
@@ -16,7 +18,8 @@ M <= 1024, CUDA events above; medians. Each row also checks correctness on fresh
 where the Triton call's time goes (alignment, gate_up, down, sum/cast) and how much of the
 graph-replay time lies between kernels. The deepspeed backend (CUTLASS MoE GEMM of the
 deepspeed-kernels package, kernels/deepspeed_moe.py) is a contender where its library loads;
-its transposed weight copies are made before timing.
+its transposed weight copies are made before timing. vLLM's row is a tie with ours when the
+two times differ by less than --tie-band (default 5%, the run-to-run spread of these timings).
 """
 from __future__ import annotations
 
@@ -29,18 +32,14 @@ from pathlib import Path
 
 import torch
 
+from moe.bench.vllm_kernel import load_vllm_experts
+
 SHAPES = {  # name: (E, D, F, top-k)
     "qwen3-30b-a3b": (128, 2048, 768, 8),
     "deepseek-v3": (256, 7168, 2048, 8),
     "llama4-scout": (16, 5120, 8192, 1),
 }
 MS = [1, 8, 64, 256, 1024, 4096, 16384]
-# vLLM 0.32 fused_moe_kernel on one H200 (TARGETS.md §1), microseconds
-VLLM_US = {
-    "qwen3-30b-a3b": [36, 130, 293, 320, 419, 1007, 3450],
-    "deepseek-v3": [195, 1136, 4334, 5187, 6182, 9451, 27907],
-    "llama4-scout": [77, 433, 941, 990, 1190, 2744, 9496],
-}
 HBM_BPS, PEAK_FLOPS = 4.8e12, 700e12
 N_ROUTINGS = 4  # distinct routings replayed in turn, so experts are not found warm in L2
 
@@ -50,7 +49,7 @@ def ceilings() -> dict:
     a = torch.empty(2 * 1024 ** 3, dtype=torch.uint8, device="cuda")
     b = torch.empty_like(a)
     t_copy = time_events([lambda: b.copy_(a)], reps=10)
-    del a, b
+    a = b = None  # free 4 GiB before the matmul
     x = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     y = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     t_mm = time_events([lambda: x @ y], reps=10)
@@ -191,6 +190,14 @@ def bench_shape(name, Ms, args, rows):
                 row.update(time_alignment_paths(rts, E, F, K, M, args.reps))
                 row["triton_host_us"] = host_time_us(
                     lambda: fused_experts_triton(x, w13, w2, *rts[0]), args.reps)
+            if args.vllm is not None:
+                try:
+                    row["rel_err_vllm"] = rel_err(args.vllm(xc, w13, w2, twc, tic), ref)
+                    row["vllm_config"] = args.vllm.config(M, E, F, K)[1]
+                    row["vllm_us"] = 1e3 * time_calls(
+                        [lambda tw=tw, ti=ti: args.vllm(x, w13, w2, tw, ti) for tw, ti in rts], M, reps=args.reps)
+                except Exception as e:  # report, do not stop the bench
+                    row["vllm_error"] = f"{type(e).__name__}: {e}"[:300]
             if ds is not None:
                 try:
                     row["rel_err_deepspeed"] = rel_err(ds(xc, w13, w2, twc, tic), ref)
@@ -238,12 +245,12 @@ def bench_shape(name, Ms, args, rows):
                 del ref8, out8
         except Exception as e:
             row["error"] = f"{type(e).__name__}: {e}"[:300]
-        if name in VLLM_US and M in MS:
-            row["vllm_us"] = VLLM_US[name][MS.index(M)]
         if "triton_us" in row:
             row["floor_over_time"] = row["floor_us"] / row["triton_us"]
             if "vllm_us" in row:
-                row["vllm_over_triton"] = row["vllm_us"] / row["triton_us"]
+                row["vllm_over_triton"] = ratio = row["vllm_us"] / row["triton_us"]
+                row["vllm_vs_triton"] = "tie" if abs(ratio - 1) < args.tie_band else \
+                    "triton faster" if ratio > 1 else "vllm faster"
             if "fp8_us" in row:
                 row["fp8_floor_over_time"] = row["fp8_floor_us"] / row["fp8_us"]
         rows.append(row)
@@ -251,7 +258,7 @@ def bench_shape(name, Ms, args, rows):
         if args.partial_out:
             Path(args.partial_out).write_text(json.dumps({"rows": rows}, indent=1))
         torch.cuda.empty_cache()
-    del w13, w2, fp8
+    w13 = w2 = fp8 = None
     torch.cuda.empty_cache()
 
 
@@ -292,17 +299,24 @@ def main(argv=None) -> int:
     p.add_argument("--no-baselines", action="store_true",
                    help="skip the torch loop and torch._grouped_mm timings")
     p.add_argument("--no-deepspeed", action="store_true", help="skip the deepspeed backend")
+    p.add_argument("--no-vllm", action="store_true", help="skip vLLM's kernel even when it was fetched")
+    p.add_argument("--tie-band", type=float, default=0.05,
+                   help="vLLM and ours tie when their times differ by less than this fraction")
     stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
     p.add_argument("--out", default=f"benchmarks/results/kernel_{stamp}.json")
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
-        print("bench kernel needs a CUDA GPU", file=sys.stderr)
+        print("moe bench kernel needs a CUDA GPU (none is visible here)", file=sys.stderr)
         return 2
     t0 = time.time()
     result = {"device": torch.cuda.get_device_name(), "date": stamp,
               "torch": torch.__version__, "argv": sys.argv if argv is None else argv}
     import triton
     result["triton"] = triton.__version__
+    a.vllm = None if a.no_vllm else load_vllm_experts()
+    result["vllm"] = a.vllm.version if a.vllm is not None else \
+        "not fetched (python benchmarks/fetch_vllm_kernel.py)" if not a.no_vllm else "skipped"
+    print(f"vLLM kernel: {result['vllm']}", flush=True)
     if not a.no_ceilings:
         result["ceilings"] = ceilings()
         print(json.dumps(result["ceilings"]), flush=True)

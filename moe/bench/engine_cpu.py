@@ -1,9 +1,9 @@
-"""End-to-end CPU throughput on the workload of TARGETS.md §3 (the built-in tiny model's shape):
-64 prompts x 128 random token ids, 64 greedy output tokens each, float32, no prefix caching,
-best of 3 `generate` calls. Also reports the engine overhead per step (everything outside the
-model forward).
+"""End-to-end CPU throughput with the engine overhead split out (`moe bench engine-cpu`): the
+built-in tiny model, 64 prompts x 128 random token ids, 64 greedy output tokens each, float32,
+no prefix caching, best of 3 `generate` calls; reports the engine overhead per step (everything
+outside the model forward). `moe bench throughput` is the vLLM-compatible measure.
 
-    python benchmarks/bench_engine_cpu.py [--out benchmarks/results/engine_cpu.json]
+    moe bench engine-cpu [--out benchmarks/results/engine_cpu.json]
 """
 from __future__ import annotations
 
@@ -19,7 +19,8 @@ from moe import LLM, SamplingParams
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = argparse.ArgumentParser(prog="moe bench engine-cpu", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="tiny-qwen3-moe")
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--input-len", type=int, default=128)

@@ -1,7 +1,7 @@
 """CPU benchmark of the scheduler alone: schedule() + update_from_output() per decode step
 with N running requests, with and without prefix caching.
 
-    python benchmarks/bench_scheduler.py [--out benchmarks/results/scheduler.json]
+    moe bench scheduler [--out benchmarks/results/scheduler.json]
 """
 from __future__ import annotations
 
@@ -43,7 +43,7 @@ def bench(num_running: int, caching: bool, steps: int = 200, prompt_len: int = 5
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = argparse.ArgumentParser(prog="moe bench scheduler", description=__doc__)
     parser.add_argument("--out", default=None)
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--num-running", type=int, nargs="+", default=[256, 1024])

@@ -1,0 +1,74 @@
+"""`moe bench throughput` and `moe bench latency` on the CPU: the function API and the command
+line, with the built-in tiny model and with a folder holding only config.json (dummy weights)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from models.tiny import TINY_QWEN3_MOE_CONFIG
+from moe.bench import latency, throughput
+
+ENGINE = {"model": "tiny-qwen3-moe", "device": "cpu", "dtype": "float32", "max_num_seqs": 4}
+
+
+@pytest.fixture
+def cache_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("MOE_CACHE_DIR", str(tmp_path / "cache"))
+    return tmp_path
+
+
+def test_run_throughput_counts_every_token(cache_dir):
+    r = throughput.run_throughput(ENGINE, input_len=5, output_len=3, num_prompts=6, seed=1)
+    assert r["num_requests"] == 6
+    assert r["total_prompt_tokens"] == 6 * 5 and r["total_output_tokens"] == 6 * 3  # ignore_eos: exact
+    assert r["total_num_tokens"] == 6 * 8
+    assert r["elapsed_time"] > 0
+    assert r["requests_per_second"] == pytest.approx(6 / r["elapsed_time"])
+    assert r["tokens_per_second"] == pytest.approx(48 / r["elapsed_time"])
+    assert r["output_tokens_per_second"] == pytest.approx(18 / r["elapsed_time"])
+
+
+def test_throughput_command_line_on_a_config_only_folder(cache_dir, capsys):
+    folder = cache_dir / "shape-only"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(TINY_QWEN3_MOE_CONFIG))
+    out = cache_dir / "r.json"
+    rc = throughput.main(["--model", str(folder), "--load-format", "dummy", "--device", "cpu", "--num-prompts", "3",
+                          "--input-len", "4", "--output-len", "2", "--max-num-seqs", "2", "--output-json", str(out),
+                          "--disable-tqdm"])
+    assert rc == 0
+    line = capsys.readouterr().out.splitlines()[0]
+    assert line.startswith("Throughput: ") and "requests/s" in line and "total tokens/s" in line \
+        and line.endswith("output tokens/s")
+    r = json.loads(out.read_text())
+    assert (r["num_requests"], r["total_output_tokens"], r["total_num_tokens"]) == (3, 6, 18)
+    assert r["engine_kwargs"]["load_format"] == "dummy" and r["engine_kwargs"]["max_num_seqs"] == 2
+
+
+def test_run_latency_times_every_iteration(cache_dir):
+    r = latency.run_latency(ENGINE, batch_size=2, input_len=4, output_len=3, num_iters=3, num_iters_warmup=1)
+    assert len(r["latencies"]) == 3 and all(t > 0 for t in r["latencies"])
+    assert r["avg_latency"] == pytest.approx(sum(r["latencies"]) / 3)
+    assert list(r["percentiles"]) == ["10", "25", "50", "75", "90", "99"]
+    assert min(r["latencies"]) <= r["percentiles"]["10"] <= r["percentiles"]["99"] <= max(r["latencies"])
+    assert r["output_tokens_per_iter"] == [2 * 3] * 3
+
+
+def test_latency_command_line(cache_dir, capsys):
+    out = cache_dir / "lat.json"
+    rc = latency.main(["--device", "cpu", "--batch-size", "2", "--input-len", "3", "--output-len", "2",
+                       "--num-iters", "2", "--num-iters-warmup", "0", "--output-json", str(out), "--disable-tqdm"])
+    assert rc == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("Avg latency: ") and lines[0].endswith(" seconds")
+    assert [ln.split("%")[0] for ln in lines[1:]] == ["10", "25", "50", "75", "90", "99"]
+    r = json.loads(out.read_text())
+    assert len(r["latencies"]) == 2 and set(r) >= {"avg_latency", "latencies", "percentiles"}
+
+
+def test_bad_workload_is_refused_before_the_engine_starts():
+    with pytest.raises(ValueError, match="num_iters"):
+        latency.run_latency({"model": "/nonexistent"}, 1, 1, 1, num_iters=0, num_iters_warmup=0)
+    with pytest.raises(ValueError, match="output_len"):
+        throughput.run_throughput({"model": "/nonexistent"}, 1, 0, 1)
