@@ -200,7 +200,8 @@ def profile_decode(llm: LLM, num_requests: int, prompt_len: int = 512, steps: in
     while engine.scheduler.waiting or any(r.num_computed_tokens < r.num_tokens - 1 for r in engine.scheduler.running):
         engine.step()
     timers: dict[str, list[float]] = {}
-    for obj, name, key in ((engine.scheduler, "schedule", "schedule"), (engine.scheduler, "update_from_output", "update"),
+    for obj, name, key in ((engine.scheduler, "schedule", "schedule"),
+                           (engine.scheduler, "update_from_output", "update"),
                            (runner, "_update_states", "runner_states"), (runner, "_batch", "runner_batch"),
                            (runner, "_run_batch", "forward_launch"), (runner, "_sampling_batch", "sampling_batch"),
                            (runner, "_upload", "upload"),

@@ -28,12 +28,12 @@ import triton
 import triton.language as tl
 
 SMALL_CHUNK_ROWS = 4096  # rows the one-program path holds at a time
-# path="auto" (measured on an H200, BENCHMARKS.md §1): inside a CUDA graph only GPU time counts,
-# and the one program is the faster up to ~4096 rows (8192: 29 µs against 11); called eagerly,
-# each launch costs ~70 µs of host time on the VMs measured, so one launch instead of four wins
-# up to 65536 rows (32768: a tie; 16384: 103 µs against 204).
-AUTO_SMALL_ROWS_GRAPH = 4096
-AUTO_SMALL_ROWS_EAGER = 65536
+# path="auto" (measured on an H200, BENCHMARKS.md §1 and §3): the one program is the faster in
+# GPU time up to ~4096 rows (8192: 29 µs against 11). Called eagerly from an idle GPU the one
+# launch instead of four looked better up to 65536 rows, but inside the engine the launches
+# queue behind the GPU's work and only GPU time counts: a prefill step of 8192 tokens x top-8
+# (65536 rows) spent 262 µs per layer aligning on the one program.
+AUTO_SMALL_ROWS = 4096
 
 
 def max_padded_rows(num_rows: int, num_experts: int, block_m: int) -> int:
@@ -157,11 +157,10 @@ def _align_scatter_kernel(ids_ptr, emap_ptr, counts_ptr, sorted_ptr, expert_ids_
                      E, numel, NB, BLOCK_M)
 
 
-def auto_path(num_rows: int, num_blocks: int, capturing: bool) -> str:
-    """The alignment path for `num_rows` rows: see AUTO_SMALL_ROWS_GRAPH / _EAGER."""
-    limit = AUTO_SMALL_ROWS_GRAPH if capturing else AUTO_SMALL_ROWS_EAGER
+def auto_path(num_rows: int, num_blocks: int) -> str:
+    """The alignment path for `num_rows` rows: see AUTO_SMALL_ROWS."""
     # the one program also holds a histogram over every block
-    return "small" if num_rows <= limit and num_blocks < 16384 else "large"
+    return "small" if num_rows <= AUTO_SMALL_ROWS and num_blocks < 16384 else "large"
 
 
 def align_tokens(topk_ids_TK: torch.Tensor, num_experts: int, block_m: int,
@@ -193,7 +192,7 @@ def align_tokens(topk_ids_TK: torch.Tensor, num_experts: int, block_m: int,
     emap = expert_map_E if has_map else ids
     blk_chunk = max(1, min(64, 8192 // (NB * 2)))
     if path == "auto":
-        path = auto_path(numel, B, ids.is_cuda and torch.cuda.is_current_stream_capturing())
+        path = auto_path(numel, B)
     if path == "small":
         cursor = torch.empty(NB, dtype=torch.int32, device=dev)
         _align_small_kernel[(1,)](ids, emap, sorted_ids, expert_ids, npp, cursor, numel,
