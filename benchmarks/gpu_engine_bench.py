@@ -10,12 +10,18 @@ Stages:
            decode step at 256 running requests, batch-1 and batch-32 TPOT, offline throughput
            at (1000 prompts, 1024 in, 256 out) and (256, 2048, 512); each against its floor.
   eager    the decode step at 256 again with enforce_eager=True (what the graphs buy).
+  families a DeepSeek-V3 shape cut to 4 layers (1 dense + 3 MoE; bf16 experts) and a Llama-4
+           Scout shape cut to 8 layers (dummy bf16 weights): decode step at 64 and 256 running
+           requests and an offline throughput run, each against its floor.
   profile  where a decode step's time goes at 256 and at 1 running requests: host time of each
            engine part, GPU time of one graph replay, and the top kernels of an eager step.
 
-Floors (one H200): prefill FLOPs / 700 TFLOP/s + per decode step (bytes of the weights the step
-touches + KV bytes it reads) / 4.8 TB/s. A step of B tokens touches each layer's expert e with
-probability 1 - (1 - K/E)^B (uniform routing, as the dummy weights give).
+Floors (one H200), read off the built model: prefill FLOPs / 700 TFLOP/s + per decode step (bytes
+of the weights the step touches + KV bytes it reads) / 4.8 TB/s. A step of B tokens touches each
+layer's expert e with probability 1 - (1 - K/E)^B (uniform routing, as the dummy weights give);
+the embedding table is not read (one row per token). Prefill FLOPs: 2 x (dense parameters + K/E x
+expert parameters) per token, plus causal attention (QK and PV over half the prompt on average),
+plus one lm_head row per prompt.
 """
 from __future__ import annotations
 
@@ -70,39 +76,54 @@ def parity(results: dict, checkpoints: list[str]) -> None:
 
 
 # ---- floors -------------------------------------------------------------------------------
-def _shape(cfg: dict) -> dict:
-    D, L, H, G, d = (cfg["hidden_size"], cfg["num_hidden_layers"], cfg["num_attention_heads"],
-                     cfg["num_key_value_heads"], cfg["head_dim"])
-    E, K, F, V = cfg["num_experts"], cfg["num_experts_per_tok"], cfg["moe_intermediate_size"], cfg["vocab_size"]
-    attn = D * (H + 2 * G) * d + H * d * D  # qkv + o
-    return dict(D=D, L=L, H=H, G=G, d=d, E=E, K=K, F=F, V=V, attn=attn, expert=3 * D * F, router=D * E)
+class Costs:
+    """Bytes and FLOPs of a built model, for its floors."""
 
+    def __init__(self, llm: LLM) -> None:
+        from models.layers.attention import Attention
+        from models.layers.mla_attention import MLAAttention
+        from moe.moe_block import FusedMoE
 
-def decode_step_floor_s(cfg: dict, batch: int, mean_context: float, elem: int = 2) -> float:
-    s = _shape(cfg)
-    touched = s["E"] * (1 - (1 - s["K"] / s["E"]) ** batch)
-    weights = s["L"] * (s["attn"] + s["router"] + touched * s["expert"]) + 2 * s["V"] * s["D"]
-    kv = batch * mean_context * s["L"] * 2 * s["G"] * s["d"]
-    return (weights + kv) * elem / HBM_BYTES_PER_S
+        runner = llm.llm_engine.executor.runner
+        model, cfg = runner.model, llm.llm_engine.model_config
+        self.top_k = cfg.num_experts_per_tok
+        params = dict(model.named_parameters())
+        embed = sum(p.numel() * p.element_size() for n, p in params.items() if "embed_tokens" in n)
+        self.expert_layers = [(m.num_experts, sum(p.numel() * p.element_size() for p in m.parameters()),
+                               sum(p.numel() for p in m.parameters()))
+                              for m in model.modules() if isinstance(m, FusedMoE)]
+        expert_bytes = sum(b for _, b, _ in self.expert_layers)
+        self.dense_bytes = sum(p.numel() * p.element_size() for p in params.values()) - expert_bytes - embed
+        embed_numel = embed // next(p.element_size() for n, p in params.items() if "embed_tokens" in n)
+        self.dense_params = sum(p.numel() for p in params.values()) - sum(n for _, _, n in self.expert_layers) \
+            - embed_numel
+        self.active_expert_params = sum(n * self.top_k / E for E, _, n in self.expert_layers)
+        self.kv_bytes_per_token = runner.kv_cache_bytes_per_block() / runner.block_size
+        # attention FLOPs per (query, key) pair over all layers: 2 x (qk dim + v dim) x heads
+        self.attn_flops_per_pair = sum(
+            2 * m.num_heads * 2 * m.head_dim if isinstance(m, Attention) else
+            2 * m.num_local_heads * (m.qk_head_dim + m.cfg.v_head_dim)
+            for m in model.modules() if isinstance(m, (Attention, MLAAttention)))
+        self.lm_head_params = cfg.vocab_size * cfg.hidden_size
 
+    def decode_step_s(self, batch: int, mean_context: float) -> float:
+        touched = sum(b * (1 - (1 - self.top_k / E) ** batch) for E, b, _ in self.expert_layers)
+        return (self.dense_bytes + touched + batch * mean_context * self.kv_bytes_per_token) / HBM_BYTES_PER_S
 
-def prefill_floor_s(cfg: dict, num_prompts: int, input_len: int) -> float:
-    s = _shape(cfg)
-    per_token = 2 * s["L"] * (s["attn"] + s["router"] + s["K"] * s["expert"])
-    attention = 2 * 2 * s["L"] * s["H"] * s["d"] * input_len * input_len / 2  # causal QK^T and PV, per prompt
-    lm_head = 2 * s["V"] * s["D"]  # one logits row per prompt
-    return num_prompts * (input_len * per_token + attention + lm_head) / BF16_FLOP_PER_S
+    def prefill_s(self, num_prompts: int, input_len: int) -> float:
+        per_token = 2 * (self.dense_params + self.active_expert_params)
+        attention = self.attn_flops_per_pair * input_len * input_len / 2
+        return num_prompts * (input_len * per_token + attention + 2 * self.lm_head_params) / BF16_FLOP_PER_S
 
-
-def run_floor_s(cfg: dict, num_prompts: int, input_len: int, output_len: int, max_num_seqs: int) -> float:
-    """Prefill at full rate plus decode in full batches of max_num_seqs (the ideal schedule)."""
-    total = prefill_floor_s(cfg, num_prompts, input_len)
-    left = num_prompts
-    while left > 0:
-        batch = min(left, max_num_seqs)
-        total += output_len * decode_step_floor_s(cfg, batch, input_len + output_len / 2)
-        left -= batch
-    return total
+    def run_s(self, num_prompts: int, input_len: int, output_len: int, max_num_seqs: int) -> float:
+        """Prefill at full rate plus decode in full batches of max_num_seqs (the ideal schedule)."""
+        total = self.prefill_s(num_prompts, input_len)
+        left = num_prompts
+        while left > 0:
+            batch = min(left, max_num_seqs)
+            total += output_len * self.decode_step_s(batch, input_len + output_len / 2)
+            left -= batch
+        return total
 
 
 # ---- the Qwen3-30B-A3B shape ----------------------------------------------------------------
@@ -137,7 +158,7 @@ def decode_step(llm: LLM, num_requests: int, prompt_len: int, out_len: int) -> d
             times.append(time.perf_counter() - t)
     times.sort()
     median = times[len(times) // 2]
-    floor = decode_step_floor_s(QWEN3_30B_A3B, num_requests, prompt_len + out_len / 2)
+    floor = Costs(llm).decode_step_s(num_requests, prompt_len + out_len / 2)
     return {"num_requests": num_requests, "prompt_len": prompt_len, "steps_timed": len(times),
             "median_step_ms": median * 1e3, "floor_ms": floor * 1e3, "time_over_floor": median / floor}
 
@@ -158,7 +179,7 @@ def tpot(llm: LLM, batch: int, input_len: int, output_len: int) -> dict:
 
     t1, tn = timed(1), timed(output_len)
     per_token = (tn - t1) / (output_len - 1)
-    floor = decode_step_floor_s(QWEN3_30B_A3B, batch, input_len + output_len / 2)
+    floor = Costs(llm).decode_step_s(batch, input_len + output_len / 2)
     return {"batch": batch, "input_len": input_len, "output_len": output_len, "tpot_ms": per_token * 1e3,
             "floor_ms": floor * 1e3, "time_over_floor": per_token / floor, "ttft_s": t1}
 
@@ -172,7 +193,7 @@ def throughput(llm: LLM, num_prompts: int, input_len: int, output_len: int, max_
     torch.cuda.synchronize()
     elapsed = time.perf_counter() - t
     generated = sum(len(o.outputs[0].token_ids) for o in outs)
-    floor = run_floor_s(QWEN3_30B_A3B, num_prompts, input_len, output_len, max_num_seqs)
+    floor = Costs(llm).run_s(num_prompts, input_len, output_len, max_num_seqs)
     return {"num_prompts": num_prompts, "input_len": input_len, "output_len": output_len, "elapsed_s": elapsed,
             "output_tok_s": generated / elapsed, "total_tok_s": (generated + num_prompts * input_len) / elapsed,
             "floor_s": floor, "floor_over_time": floor / elapsed}
@@ -256,7 +277,7 @@ def profile_prefill(llm: LLM, num_prompts: int = 16, prompt_len: int = 512) -> d
             engine.step()
     table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=60)
     print(table, flush=True)
-    floor = prefill_floor_s(QWEN3_30B_A3B, num_prompts, prompt_len)
+    floor = Costs(llm).prefill_s(num_prompts, prompt_len)
     return {"tokens": num_prompts * prompt_len, "step_ms": elapsed * 1e3, "floor_ms": floor * 1e3,
             "floor_over_time": floor / elapsed, "top_kernels": table}
 
@@ -295,9 +316,51 @@ def qwen3(results: dict, eager: bool, runs: list[str]) -> None:
     llm.shutdown()
 
 
+DEEPSEEK_V3_CUT = {
+    "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "vocab_size": 129280,
+    "hidden_size": 7168, "intermediate_size": 18432, "moe_intermediate_size": 2048, "num_hidden_layers": 4,
+    "num_attention_heads": 128, "num_key_value_heads": 128, "n_shared_experts": 1, "n_routed_experts": 256,
+    "routed_scaling_factor": 2.5, "kv_lora_rank": 512, "q_lora_rank": 1536, "qk_rope_head_dim": 64,
+    "v_head_dim": 128, "qk_nope_head_dim": 128, "topk_method": "noaux_tc", "n_group": 8, "topk_group": 4,
+    "num_experts_per_tok": 8, "moe_layer_freq": 1, "first_k_dense_replace": 1, "norm_topk_prob": True,
+    "scoring_func": "sigmoid", "hidden_act": "silu", "max_position_embeddings": 4096, "rms_norm_eps": 1e-6,
+    "rope_theta": 10000, "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0,
+                                          "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096,
+                                          "type": "yarn"},
+    "attention_bias": False, "tie_word_embeddings": False, "torch_dtype": "bfloat16", "eos_token_id": 1,
+}
+LLAMA4_SCOUT_CUT = {
+    "architectures": ["Llama4ForCausalLM"], "model_type": "llama4_text", "vocab_size": 202048,
+    "hidden_size": 5120, "intermediate_size": 8192, "intermediate_size_mlp": 16384, "num_hidden_layers": 8,
+    "num_attention_heads": 40, "num_key_value_heads": 8, "head_dim": 128, "num_local_experts": 16,
+    "num_experts_per_tok": 1, "interleave_moe_layer_step": 1, "no_rope_layers": [1, 1, 1, 0] * 2,
+    "attention_chunk_size": 8192, "attn_temperature_tuning": True, "floor_scale": 8192, "attn_scale": 0.1,
+    "use_qk_norm": True, "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
+    "tie_word_embeddings": False, "torch_dtype": "bfloat16", "eos_token_id": 200008,
+}
+
+
+def families(results: dict) -> None:
+    for name, cfg in (("deepseek-v3-4L", DEEPSEEK_V3_CUT), ("llama4-scout-8L", LLAMA4_SCOUT_CUT)):
+        path = tempfile.mkdtemp()
+        with open(os.path.join(path, "config.json"), "w") as f:
+            json.dump(cfg, f)
+        t0 = time.perf_counter()
+        with LLM(path, device="cuda", load_format="dummy", max_model_len=4096, max_num_seqs=256,
+                 max_num_batched_tokens=8192, enable_prefix_caching=False) as llm:
+            results[f"{name}/start_s"] = time.perf_counter() - t0
+            for key, job in (("decode64", lambda: decode_step(llm, 64, 512, 16)),
+                             ("decode256", lambda: decode_step(llm, 256, 512, 16)),
+                             ("tput_256x1024x128", lambda: throughput(llm, 256, 1024, 128, 256))):
+                r = results[f"{name}/{key}"] = job()
+                shown = {k: round(v, 3) if isinstance(v, float) else v for k, v in r.items()}
+                print(f"{name} {key}: {json.dumps(shown)}", flush=True)
+        torch.cuda.empty_cache()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("stages", nargs="+", choices=["parity", "qwen3", "eager"])
+    parser.add_argument("stages", nargs="+", choices=["parity", "qwen3", "eager", "families"])
     parser.add_argument("--checkpoints", nargs="*", default=[".gpu_ckpts/qwen3_moe", ".gpu_ckpts/deepseek_v3",
                                                              ".gpu_ckpts/llama4_mm"])
     parser.add_argument("--runs", nargs="*", default=["decode256", "tpot1", "tpot32", "tput_256x2048x512",
@@ -311,6 +374,8 @@ def main(argv: list[str] | None = None) -> int:
                 parity(results, args.checkpoints)
             elif stage == "qwen3":
                 qwen3(results, eager=False, runs=args.runs)
+            elif stage == "families":
+                families(results)
             else:
                 qwen3(results, eager=True, runs=["decode256"])
     finally:
