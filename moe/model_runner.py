@@ -13,7 +13,6 @@ appends exactly the tokens the driver drew, whatever the sampling parameters.
 """
 from __future__ import annotations
 
-import itertools
 import logging
 from dataclasses import dataclass, field
 
@@ -22,6 +21,7 @@ import torch
 
 from kernels.attention import AttentionMetadata
 from models.layers.attention import use_triton_attention
+from moe.block_tables import BlockTables
 from moe.cuda_graphs import DecodeGraphs, default_capture_sizes
 from moe.distributed import get_parallel_state, pp_recv, pp_send
 from moe.sampler import SamplingBatch, sample
@@ -37,7 +37,7 @@ class RequestState:
     token_ids: list[int]
     num_prompt_tokens: int
     params: SamplingParams
-    block_ids: list[list[int]]  # one list per KV-cache group
+    row: int  # its row of the runner's BlockTables
     num_computed_tokens: int
 
 
@@ -92,6 +92,7 @@ class ModelRunner:
         self.eos_token_ids = list(eos_token_ids)
         self.vocab_size = vocab_size
         self.requests: dict[str, RequestState] = {}
+        self.block_tables: BlockTables | None = None  # made with the KV cache (its group count)
         self.kv_caches: list[torch.Tensor] = []
         ps = get_parallel_state()
         self.is_driver = ps.is_driver
@@ -137,6 +138,8 @@ class ModelRunner:
         keys = [g.chunk_size for g in groups]
         self.kv_caches = []
         self.num_kv_groups = len(groups)
+        self.requests.clear()  # their blocks belonged to the previous cache
+        self.block_tables = BlockTables(len(groups))
         self.graphs = None  # captured over the previous cache tensors
         # The dummy batch writes to one extra block per group, never handed out by the scheduler.
         self.dummy_blocks = [g.num_blocks for g in groups] if self.reserve_dummy_block and groups[0].num_blocks \
@@ -198,17 +201,20 @@ class ModelRunner:
 
     # ---- one step ----------------------------------------------------------------------
     def _update_states(self, so: SchedulerOutput) -> None:
+        tables = self.block_tables
         for req_id in so.finished_req_ids | so.preempted_req_ids:
-            self.requests.pop(req_id, None)
+            state = self.requests.pop(req_id, None)
+            if state is not None:
+                tables.remove(state.row)
         for new in so.scheduled_new_reqs:
             self.requests[new.req_id] = RequestState(list(new.token_ids), new.num_prompt_tokens,
-                                                     new.sampling_params, [list(g) for g in new.block_ids],
+                                                     new.sampling_params, tables.add(new.block_ids),
                                                      new.num_computed_tokens)
         cached = so.scheduled_cached_reqs
         for req_id, new_blocks, num_computed in zip(cached.req_ids, cached.new_block_ids, cached.num_computed_tokens):
             state = self.requests[req_id]
             for group, ids in enumerate(new_blocks):  # () when no group added a block
-                state.block_ids[group].extend(ids)
+                tables.extend(state.row, group, ids)
             state.num_computed_tokens = num_computed
 
     def _batch(self, so: SchedulerOutput) -> StepBatch:
@@ -231,20 +237,12 @@ class ModelRunner:
             input_ids = np.asarray(ids, dtype=np.int64)
             row = np.repeat(np.arange(len(states)), n)
             positions = np.arange(T) - qsl[:-1][row] + computed[row]
-        tables = [self._table([s.block_ids[g] for s in states]) for g in range(len(states[0].block_ids))]
+        rows = np.fromiter((s.row for s in states), dtype=np.int64, count=len(states))
+        tables = [self.block_tables.gather(g, rows) for g in range(self.block_tables.num_groups)]
         # Rows that reach the end of their known tokens produce a next token.
         known = np.fromiter((len(s.token_ids) for s in states), dtype=np.int64, count=len(states))
         sample_rows = np.nonzero(seq_lens == known)[0].tolist()
         return StepBatch(req_ids, states, n, qsl, seq_lens, input_ids, positions, row, tables, sample_rows)
-
-    @staticmethod
-    def _table(block_ids: list[list[int]]) -> np.ndarray:
-        lens = np.fromiter(map(len, block_ids), dtype=np.int64, count=len(block_ids))
-        tables = np.zeros((len(block_ids), int(lens.max())), dtype=np.int64)
-        # one vectorised fill: row i's first lens[i] entries, in row order
-        tables[np.arange(tables.shape[1]) < lens[:, None]] = np.fromiter(
-            itertools.chain.from_iterable(block_ids), dtype=np.int64, count=int(lens.sum()))
-        return tables
 
     def _slots(self, table: np.ndarray, batch: StepBatch) -> np.ndarray:
         bs = self.block_size
