@@ -306,8 +306,11 @@ class ModelRunner:
                          decode_only: bool) -> AttentionMetadata:
         buf = self.buffers
         qsl_t, seq_lens_t = buf.dev_view("query_start_loc", b + 1), buf.dev_view("seq_lens", b)
-        decode = [i for i in range(len(seq_lens)) if qsl[i + 1] - qsl[i] == 1]
-        prefill = [] if decode_only else [i for i in range(len(seq_lens)) if qsl[i + 1] - qsl[i] != 1]
+        if decode_only:
+            decode, prefill = list(range(len(seq_lens))), []
+        else:
+            decode = [i for i in range(len(seq_lens)) if qsl[i + 1] - qsl[i] == 1]
+            prefill = [i for i in range(len(seq_lens)) if qsl[i + 1] - qsl[i] != 1]
         metas = [AttentionMetadata(qsl, seq_lens, buf.tables[g][:b], buf.dev_view(f"slots{g}", t), decode, prefill,
                                    query_start_loc_t=qsl_t, seq_lens_t=seq_lens_t, max_query_len=max_query_len,
                                    decode_only=decode_only)
