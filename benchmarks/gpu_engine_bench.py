@@ -10,6 +10,9 @@ Stages:
            decode step at 256 running requests, batch-1 and batch-32 TPOT, offline throughput
            at (1000 prompts, 1024 in, 256 out) and (256, 2048, 512); each against its floor.
   eager    the decode step at 256 again with enforce_eager=True (what the graphs buy).
+  tp2      (two GPUs) tiny checkpoints' greedy tokens under tensor_parallel_size=2 (eager and CUDA
+           graphs) equal the CPU's; the Qwen3-30B-A3B shape's decode step at 256 and throughput at
+           (256, 2048, 512) with tensor_parallel_size=1 and 2, in the same run.
   families a DeepSeek-V3 shape cut to 4 layers (1 dense + 3 MoE; bf16 experts) and a Llama-4
            Scout shape cut to 8 layers (dummy bf16 weights): decode step at 64 and 256 running
            requests and an offline throughput run, each against its floor.
@@ -50,7 +53,7 @@ def _parity_prompts(vocab: int) -> list[dict]:
     return [{"prompt_token_ids": p} for p in prompts]
 
 
-def parity(results: dict, checkpoints: list[str]) -> None:
+def parity(results: dict, checkpoints: list[str], tp: int = 1) -> None:
     from models.registry import load_model_config
 
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
@@ -62,10 +65,13 @@ def parity(results: dict, checkpoints: list[str]) -> None:
         with LLM(model, device="cpu", **common) as llm:
             cpu = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
         for mode, eager in (("eager", True), ("graphs", False)):
-            with LLM(model, device="cuda", gpu_memory_utilization=0.2, enforce_eager=eager, **common) as llm:
-                graphs = llm.llm_engine.executor.runner.graphs
+            with LLM(model, device="cuda", gpu_memory_utilization=0.2, enforce_eager=eager,
+                     tensor_parallel_size=tp, **common) as llm:
+                runner = getattr(llm.llm_engine.executor, "runner", None)  # in-process only
+                graphs = runner.graphs if runner is not None else None
                 gpu = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
             same = sum(a == b for a, b in zip(cpu, gpu)) if len(cpu) == len(gpu) else 0
+            mode = mode if tp == 1 else f"tp{tp}-{mode}"
             results[f"parity/{name}/{mode}"] = {
                 "identical": same, "of": len(prompts), "graphs_captured": 0 if graphs is None else len(graphs.graphs),
                 "first_divergence": [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
@@ -115,6 +121,11 @@ class Costs:
         attention = self.attn_flops_per_pair * input_len * input_len / 2
         return num_prompts * (input_len * per_token + attention + 2 * self.lm_head_params) / BF16_FLOP_PER_S
 
+    @staticmethod
+    def of(llm: LLM) -> "Costs | None":
+        """The model's costs when it runs in this process (one GPU), else None."""
+        return Costs(llm) if hasattr(llm.llm_engine.executor, "runner") else None
+
     def run_s(self, num_prompts: int, input_len: int, output_len: int, max_num_seqs: int) -> float:
         """Prefill at full rate plus decode in full batches of max_num_seqs (the ideal schedule)."""
         total = self.prefill_s(num_prompts, input_len)
@@ -158,9 +169,11 @@ def decode_step(llm: LLM, num_requests: int, prompt_len: int, out_len: int) -> d
             times.append(time.perf_counter() - t)
     times.sort()
     median = times[len(times) // 2]
-    floor = Costs(llm).decode_step_s(num_requests, prompt_len + out_len / 2)
+    costs = Costs.of(llm)
+    floor = costs.decode_step_s(num_requests, prompt_len + out_len / 2) if costs else None
     return {"num_requests": num_requests, "prompt_len": prompt_len, "steps_timed": len(times),
-            "median_step_ms": median * 1e3, "floor_ms": floor * 1e3, "time_over_floor": median / floor}
+            "median_step_ms": median * 1e3, "floor_ms": floor and floor * 1e3,
+            "time_over_floor": floor and median / floor}
 
 
 def tpot(llm: LLM, batch: int, input_len: int, output_len: int) -> dict:
@@ -193,10 +206,11 @@ def throughput(llm: LLM, num_prompts: int, input_len: int, output_len: int, max_
     torch.cuda.synchronize()
     elapsed = time.perf_counter() - t
     generated = sum(len(o.outputs[0].token_ids) for o in outs)
-    floor = Costs(llm).run_s(num_prompts, input_len, output_len, max_num_seqs)
+    costs = Costs.of(llm)
+    floor = costs.run_s(num_prompts, input_len, output_len, max_num_seqs) if costs else None
     return {"num_prompts": num_prompts, "input_len": input_len, "output_len": output_len, "elapsed_s": elapsed,
             "output_tok_s": generated / elapsed, "total_tok_s": (generated + num_prompts * input_len) / elapsed,
-            "floor_s": floor, "floor_over_time": floor / elapsed}
+            "floor_s": floor, "floor_over_time": floor and floor / elapsed}
 
 
 def _wrap_timer(obj, name: str, key: str, timers: dict) -> None:
@@ -290,12 +304,13 @@ class _null_context:
         return False
 
 
-def qwen3(results: dict, eager: bool, runs: list[str]) -> None:
+def qwen3(results: dict, eager: bool, runs: list[str], tp: int = 1) -> None:
     max_model_len = 4096
     t0 = time.perf_counter()
     llm = LLM(_dummy_model(max_model_len), device="cuda", load_format="dummy", max_model_len=max_model_len,
-              max_num_seqs=256, max_num_batched_tokens=8192, enable_prefix_caching=False, enforce_eager=eager)
-    tag = "eager" if eager else "graphs"
+              max_num_seqs=256, max_num_batched_tokens=8192, enable_prefix_caching=False, enforce_eager=eager,
+              tensor_parallel_size=tp)
+    tag = ("eager" if eager else "graphs") + ("" if tp == 1 else f"-tp{tp}")
     results[f"qwen3/{tag}/start_s"] = time.perf_counter() - t0
     print(f"Qwen3-30B-A3B shape ({tag}) ready in {results[f'qwen3/{tag}/start_s']:.1f} s", flush=True)
     jobs = {
@@ -360,7 +375,7 @@ def families(results: dict) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("stages", nargs="+", choices=["parity", "qwen3", "eager", "families"])
+    parser.add_argument("stages", nargs="+", choices=["parity", "qwen3", "eager", "families", "tp2"])
     parser.add_argument("--checkpoints", nargs="*", default=[".gpu_ckpts/qwen3_moe", ".gpu_ckpts/deepseek_v3",
                                                              ".gpu_ckpts/llama4_mm"])
     parser.add_argument("--runs", nargs="*", default=["decode256", "tpot1", "tpot32", "tput_256x2048x512",
@@ -376,6 +391,10 @@ def main(argv: list[str] | None = None) -> int:
                 qwen3(results, eager=False, runs=args.runs)
             elif stage == "families":
                 families(results)
+            elif stage == "tp2":
+                parity(results, args.checkpoints[:1], tp=2)
+                for tp in (1, 2):
+                    qwen3(results, eager=False, runs=["decode256", "tput_256x2048x512"], tp=tp)
             else:
                 qwen3(results, eager=True, runs=["decode256"])
     finally:
