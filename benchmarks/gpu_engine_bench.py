@@ -37,7 +37,7 @@ import time
 
 import torch
 
-from moe.bench.common import QWEN3_30B_A3B
+from moe.bench.common import DEEPSEEK_V3, QWEN3_30B_A3B
 from moe import LLM, SamplingParams
 
 HBM_BYTES_PER_S = 4.8e12
@@ -331,19 +331,8 @@ def qwen3(results: dict, eager: bool, runs: list[str], tp: int = 1) -> None:
     llm.shutdown()
 
 
-DEEPSEEK_V3_CUT = {
-    "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "vocab_size": 129280,
-    "hidden_size": 7168, "intermediate_size": 18432, "moe_intermediate_size": 2048, "num_hidden_layers": 4,
-    "num_attention_heads": 128, "num_key_value_heads": 128, "n_shared_experts": 1, "n_routed_experts": 256,
-    "routed_scaling_factor": 2.5, "kv_lora_rank": 512, "q_lora_rank": 1536, "qk_rope_head_dim": 64,
-    "v_head_dim": 128, "qk_nope_head_dim": 128, "topk_method": "noaux_tc", "n_group": 8, "topk_group": 4,
-    "num_experts_per_tok": 8, "moe_layer_freq": 1, "first_k_dense_replace": 1, "norm_topk_prob": True,
-    "scoring_func": "sigmoid", "hidden_act": "silu", "max_position_embeddings": 4096, "rms_norm_eps": 1e-6,
-    "rope_theta": 10000, "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0,
-                                          "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096,
-                                          "type": "yarn"},
-    "attention_bias": False, "tie_word_embeddings": False, "torch_dtype": "bfloat16", "eos_token_id": 1,
-}
+# Cut to what fits one H200 in bf16: 1 dense + 3 MoE layers.
+DEEPSEEK_V3_CUT = {**DEEPSEEK_V3, "num_hidden_layers": 4, "first_k_dense_replace": 1, "max_position_embeddings": 4096}
 LLAMA4_SCOUT_CUT = {
     "architectures": ["Llama4ForCausalLM"], "model_type": "llama4_text", "vocab_size": 202048,
     "hidden_size": 5120, "intermediate_size": 8192, "intermediate_size_mlp": 16384, "num_hidden_layers": 8,

@@ -9,16 +9,17 @@
 #   fp8           CUDA tests of FP8 expert serving (seam + DeepSeek-V3 FP8 checkpoint)
 #   kernel-tests  every test of the Triton kernel and of the deepspeed backend on the GPU
 #                 (8 pytest-xdist workers: each test compiles its own kernels)
-#   models        each model family's greedy tokens on the GPU (torch and Triton experts) equal
-#                 the CPU's (.gpu_ckpts/{qwen3_moe,deepseek_v3,llama4_mm})
 #   deepspeed     benchmarks/deepspeed_probe.py (loads .dsk/libdeepspeedft.so.xz if carried)
 #   tune          `moe tune-moe --wide` on the short decode rows -> $OUT/configs
 #   bench-short   the kernel bench on the rows that fall short, with $OUT/configs if present
 #   bench-full    the whole kernel bench (moe bench kernel; vLLM beside ours if benchmarks/vllm_kernel/ is carried) -> $OUT/kernel.json
-#   attn-tests    the Triton attention and MLA kernel tests on the GPU
+#   gpu-tests     the CUDA tests of the attention, MLA, fused small kernels and vLLM-kernel adapter
 #   bench-attn    benchmarks/bench_attention.py -> $OUT/attention.json
-#   engine-parity benchmarks/gpu_engine_bench.py parity (GPU eager and CUDA graphs vs CPU tokens)
-#   engine-qwen3  benchmarks/gpu_engine_bench.py qwen3 eager -> $OUT/engine.json (RUNS= picks runs)
+#   bench-fused   benchmarks/bench_fused.py -> $OUT/fused.json
+#   kernel-vllm   the expert layer against vLLM's kernel on a few rows of each shape, same run
+#                 (needs benchmarks/vllm_kernel/ carried: benchmarks/fetch_vllm_kernel.py) -> $OUT/kernel_vllm.json
+#   engine        benchmarks/gpu_engine_bench.py $ENGINE (default: parity qwen3 eager families)
+#                 -> $OUT/engine.json; RUNS= picks the qwen3 runs (tp2 needs two GPUs)
 #   parallel-fp8  an FP8 DeepSeek-V3 tiny checkpoint under TP2 and TP2+EP2 vs one GPU and its
 #                 dequantised twin (.gpu_ckpts/deepseek_v3_fp8[_twin])
 set -u
@@ -38,8 +39,6 @@ for stage in "$@"; do
            tests/kernels/test_fused_experts_seam.py tests/models/test_deepseek_v3_fp8.py ;;
     kernel-tests) step kernel-tests timeout 240 python3 -m pytest -q -p no:cacheprovider -n 8 \
            tests/kernels/test_triton_moe.py tests/kernels/test_deepspeed_backend.py ;;
-    models) step models timeout 200 python3 benchmarks/gpu_models_check.py .gpu_ckpts/qwen3_moe \
-           .gpu_ckpts/deepseek_v3 .gpu_ckpts/llama4_mm --out "$OUT/models_gpu.json" ;;
     deepspeed)  # the library aborts its process on a C++ error: benches use it once it worked
       echo "=== deepspeed ($(date +%T))" | tee -a "$LOG"
       timeout 120 python3 benchmarks/deepspeed_probe.py > /tmp/ds.log 2>&1 && touch /tmp/deepspeed_ok
@@ -57,12 +56,15 @@ for stage in "$@"; do
     bench-full) [ -d "$CFG" ] && export MOE_KERNEL_CONFIG_DIR="$CFG"
       DS=--no-deepspeed; [ -f /tmp/deepspeed_ok ] && DS=
       step bench-full timeout 560 python3 -m moe.bench.kernel $DS --profile --out "$OUT/kernel.json" ;;
-    attn-tests) step attn-tests timeout 300 python3 -m pytest -q -p no:cacheprovider -n 4 -x \
-           tests/kernels/test_triton_attention.py tests/kernels/test_triton_mla.py ;;
+    gpu-tests) step gpu-tests timeout 300 python3 -m pytest -q -p no:cacheprovider -n 4 \
+           tests/kernels/test_triton_attention.py tests/kernels/test_triton_mla.py \
+           tests/kernels/test_triton_fused.py tests/kernels/test_vllm_kernel_adapter.py ;;
     bench-attn) step bench-attn timeout 200 python3 benchmarks/bench_attention.py --out "$OUT/attention.json" ;;
-    engine-parity) step engine-parity timeout 300 python3 benchmarks/gpu_engine_bench.py parity \
-           --out "$OUT/engine_parity.json" ;;
-    engine-qwen3) step engine-qwen3 timeout 560 python3 benchmarks/gpu_engine_bench.py qwen3 ${EAGER:-} \
+    bench-fused) step bench-fused timeout 150 python3 benchmarks/bench_fused.py --out "$OUT/fused.json" ;;
+    kernel-vllm) step kernel-vllm timeout 240 python3 -m moe.bench.kernel --no-baselines --no-deepspeed \
+           --no-ceilings --rows qwen3-30b-a3b:1,64,256,4096 deepseek-v3:8,256 llama4-scout:1,1024 \
+           --out "$OUT/kernel_vllm.json" ;;
+    engine) step engine timeout 580 python3 benchmarks/gpu_engine_bench.py ${ENGINE:-parity qwen3 eager families} \
            ${RUNS:+--runs $RUNS} --out "$OUT/engine.json" ;;
     parallel-fp8) step parallel-fp8 timeout 300 python3 benchmarks/gpu_parallel_check.py \
            .gpu_ckpts/deepseek_v3_fp8 --layouts tp2 tp2_ep2 --twin .gpu_ckpts/deepseek_v3_fp8_twin \
