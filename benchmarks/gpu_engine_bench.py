@@ -274,34 +274,32 @@ def profile_decode(llm: LLM, num_requests: int, prompt_len: int = 512, steps: in
 
 
 def profile_prefill(llm: LLM, num_prompts: int = 16, prompt_len: int = 512) -> dict:
-    """One prefill step of num_prompts x prompt_len tokens: wall time and its top kernels."""
+    """One prefill step of num_prompts x prompt_len tokens: wall time (median of 3, after a
+    warm-up) and the top kernels of one more step under the profiler."""
     engine = llm.llm_engine
     params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
-    for warm in (True, False):
-        for i, p in enumerate(_prompts(num_prompts, prompt_len, seed=5 + warm)):
-            engine.add_request(f"f{warm}{i}", p, params)
+
+    def one_step(seed: int) -> float:
+        for i, p in enumerate(_prompts(num_prompts, prompt_len, seed=seed)):
+            engine.add_request(f"f{seed}-{i}", p, params)
         torch.cuda.synchronize()
         t = time.perf_counter()
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) if not warm else \
-                _null_context() as prof:
-            engine.step()
-            torch.cuda.synchronize()
+        engine.step()
+        torch.cuda.synchronize()
         elapsed = time.perf_counter() - t
         while engine.has_unfinished_requests():
             engine.step()
+        return elapsed
+
+    times = sorted(one_step(seed) for seed in range(10, 14))[:3]  # the first is the warm-up
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        one_step(20)
     table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=60)
     print(table, flush=True)
+    step = times[1]
     floor = Costs(llm).prefill_s(num_prompts, prompt_len)
-    return {"tokens": num_prompts * prompt_len, "step_ms": elapsed * 1e3, "floor_ms": floor * 1e3,
-            "floor_over_time": floor / elapsed, "top_kernels": table}
-
-
-class _null_context:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
+    return {"tokens": num_prompts * prompt_len, "step_ms": step * 1e3, "floor_ms": floor * 1e3,
+            "floor_over_time": floor / step, "top_kernels": table}
 
 
 def qwen3(results: dict, eager: bool, runs: list[str], tp: int = 1) -> None:
