@@ -291,7 +291,7 @@ def profile_prefill(llm: LLM, num_prompts: int = 16, prompt_len: int = 512) -> d
             engine.step()
         return elapsed
 
-    times = sorted(one_step(seed) for seed in range(10, 14))[:3]  # the first is the warm-up
+    times = sorted(one_step(seed) for seed in range(10, 14))[:3]  # the slowest (the warm-up) dropped
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         one_step(20)
     table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=60)
