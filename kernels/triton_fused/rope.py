@@ -50,8 +50,8 @@ def _rope_heads(x_ptr, out_ptr, w_ptr, t, cos_row_ptr, sin_row_ptr, NH, stride_t
         o1, o2 = j, j + HALF
     else:
         o1, o2 = 2 * j, 2 * j + 1
-    cos = tl.load(cos_row_ptr + j, mask=j_mask, other=0.0)[None, :]
-    sin = tl.load(sin_row_ptr + j, mask=j_mask, other=0.0)[None, :]
+    cos = tl.load(cos_row_ptr + j, mask=j_mask, other=0.0).to(tl.float32)[None, :]
+    sin = tl.load(sin_row_ptr + j, mask=j_mask, other=0.0).to(tl.float32)[None, :]
     rest = ROT + tl.arange(0, BLOCK_REST)
     rest_mask = rest < HEAD_DIM
     for h0 in range(0, NH, BLOCK_H):
@@ -115,9 +115,9 @@ def _check_qk(positions_T, q_THd, k_TGd, cos_cache, sin_cache, rotary_dim):
     if not (0 < rotary_dim <= d and rotary_dim % 2 == 0):
         raise ValueError(f"rotary_dim must be even and in (0, head_dim={d}], got {rotary_dim}")
     for name, c in (("cos_cache", cos_cache), ("sin_cache", sin_cache)):
-        if c.dim() != 2 or c.shape[1] != rotary_dim // 2 or c.dtype != torch.float32:
-            raise ValueError(f"{name} must be float32 [max_position, {rotary_dim // 2}], "
-                             f"got {c.dtype} {tuple(c.shape)}")
+        if c.dim() != 2 or c.shape[1] != rotary_dim // 2:
+            raise ValueError(f"{name} must be [max_position, {rotary_dim // 2}], got {tuple(c.shape)}")
+        check_float(name, c)
     check_same_device(positions=positions_T, q=q_THd, k=k_TGd, cos_cache=cos_cache, sin_cache=sin_cache)
 
 
@@ -143,7 +143,8 @@ def rope_triton(positions_T: torch.Tensor, q_THd: torch.Tensor, k_TGd: torch.Ten
 
     positions_T: int32/int64 [T], each < P (not checked: no host sync). q_THd [T, H, d], k_TGd
     [T, G, d]: any strides with a contiguous last dimension (e.g. views of a fused qkv output).
-    cos_cache, sin_cache: fp32 [P, rotary_dim / 2].
+    cos_cache, sin_cache: [P, rotary_dim / 2], fp32 as RotaryEmbedding builds them (other float
+    dtypes are read and widened to fp32, as torch's type promotion does).
     """
     _check_qk(positions_T, q_THd, k_TGd, cos_cache, sin_cache, rotary_dim)
     q, k = unit_last_stride(q_THd), unit_last_stride(k_TGd)
