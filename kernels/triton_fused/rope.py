@@ -128,7 +128,9 @@ def _launch(positions_T, q, k, q_out, k_out, qw, kw, eps, cos_cache, sin_cache, 
         return
     BLOCK_HALF = triton.next_power_of_2(rotary_dim // 2)
     BLOCK_REST = triton.next_power_of_2(max(d - rotary_dim, 1))
-    BLOCK_H = max(1, min(triton.next_power_of_2(max(H, G)), 4096 // (2 * BLOCK_HALF + BLOCK_REST)))
+    per_head = 2 * BLOCK_HALF + (BLOCK_REST if rotary_dim < d else 0)  # elements a head keeps in registers
+    budget = max(1, 4096 // per_head)
+    BLOCK_H = min(triton.next_power_of_2(max(H, G)), 1 << (budget.bit_length() - 1))  # powers of two
     _rope_kernel[(T, 2)](
         positions_T, q, k, q_out, k_out, qw, kw, cos_cache.contiguous(), sin_cache.contiguous(),
         H, G, q.stride(0), q.stride(1), k.stride(0), k.stride(1), float(eps),

@@ -75,26 +75,31 @@ def ordered_bits(t):
     return torch.where(b < 0, -(b + sign_bit), b)  # two's complement of a negative float -> minus its magnitude
 
 
-def assert_ulps(out, ref, ulps=1, atol=0.0, max_outlier_fraction=0.0):
-    """Every element within `ulps` units in the last place of the reference; with atol, a
-    fraction of at most max_outlier_fraction may instead be within atol (a rounding flipped by a
-    last-bit difference upstream, on a GPU)."""
+def assert_ulps(out, ref, ulps=1, outlier_ulps=None, atol=0.0, max_outlier_fraction=0.0):
+    """Every element within `ulps` units in the last place of the reference, except at most
+    max(2, max_outlier_fraction * numel) outliers, each within outlier_ulps or atol (a rounding
+    flipped by a last-bit difference upstream)."""
     assert out.shape == ref.shape and out.dtype == ref.dtype, (out.shape, out.dtype, ref.shape, ref.dtype)
     assert not out.isnan().any(), "unwritten (poisoned) or NaN elements"
     dist = (ordered_bits(out) - ordered_bits(ref)).abs()
-    err = (out.float() - ref.float()).abs()
     outliers = dist > ulps
-    far = outliers & (err > atol)
-    assert not far.any(), f"{int(far.sum())} elements off by more than {ulps} ulp and {atol}; max {int(dist.max())} ulp"
-    assert outliers.float().mean().item() <= max_outlier_fraction, \
-        f"{int(outliers.sum())} of {out.numel()} elements off by more than {ulps} ulp"
+    if outlier_ulps is None:
+        assert not outliers.any(), f"{int(outliers.sum())} elements off by more than {ulps} ulp; max {int(dist.max())}"
+        return
+    far = outliers & (dist > outlier_ulps) & ((out.float() - ref.float()).abs() > atol)
+    assert not far.any(), f"{int(far.sum())} elements off by more than {outlier_ulps} ulp and {atol}"
+    n_out, allowed = int(outliers.sum()), max(2, int(max_outlier_fraction * out.numel()))
+    assert n_out <= allowed, f"{n_out} of {out.numel()} elements off by more than {ulps} ulp"
 
 
-# Halves: on the CPU (the interpreter, numpy's rsqrt) the norm matches torch exactly; on a GPU
-# the fp32 sum of squares (another reduction order) or rsqrt may differ in the last bit, which
-# can flip one rounding to the half type: 1 ulp, and rarely 2 (or, after a rotation, a small
-# absolute error) where the weight or the rotation carries the flipped value on.
-HALF_NORM = dict(ulps=1, atol=6e-2, max_outlier_fraction=1e-4) if CUDA else dict(ulps=0)
+# Halves: the fp32 sum of squares is reduced in another order than torch's (and on a GPU rsqrt
+# may differ in the last bit), which now and then flips one rounding to the half type: most
+# elements are exact on the CPU, within 1 ulp on a GPU; rare outliers 1-2 ulp off (or, after a
+# rotation or a weight > 1, a small absolute error). The rounding order itself (round the
+# normalised x, then multiply by the weight) must be kept: rounding once differs in a quarter
+# of the elements.
+HALF_NORM = (dict(ulps=1, outlier_ulps=2, atol=6e-2, max_outlier_fraction=1e-4) if CUDA else
+             dict(ulps=0, outlier_ulps=1, atol=1e-2, max_outlier_fraction=1e-3))
 
 
 def assert_norm_close(out, ref):
@@ -119,7 +124,8 @@ HALF_TYPES = [torch.float32, torch.bfloat16, torch.float16]
 @needs_triton_device
 @pytest.mark.parametrize("dtype", HALF_TYPES)
 @pytest.mark.parametrize("residual", [False, True])
-@pytest.mark.parametrize("T,D,strided", [(1, 64, False), (7, 96, False), (5, 200, True), (19, 32, True)])
+@pytest.mark.parametrize("T,D,strided", [(1, 64, False), (7, 96, False), (5, 200, True), (19, 32, True),
+                                         (2, 2048, False)])
 def test_rms_norm(dtype, residual, T, D, strided, poisoned_empty):
     wide = randn(T, D + 24, dtype=dtype, seed=T + D) * 3
     x = wide[:, 8:8 + D] if strided else wide[:, :D].contiguous()  # strided: rows D + 24 apart
@@ -156,7 +162,7 @@ def test_rms_norm_weight_dtype_promotes(poisoned_empty):
     w = 1 + 0.3 * randn(48, dtype=torch.float32, seed=5)
     out = rms_norm_triton(x, w, 1e-5)
     assert out.dtype == torch.float32
-    gpu_slack = dict(atol=3e-2, max_outlier_fraction=0.05) if CUDA else {}  # see HALF_NORM
+    gpu_slack = dict(outlier_ulps=2, atol=3e-2, max_outlier_fraction=0.05) if CUDA else {}  # see HALF_NORM
     assert_ulps(out, rms_norm_ref(x, w, 1e-5), 2, **gpu_slack)
 
 
@@ -186,6 +192,7 @@ def positions(T, max_pos, seed):
 
 ROPE_CASES = [  # T, H, G, d, rotary_dim, max_pos
     (1, 4, 2, 16, 16, 64), (9, 3, 1, 32, 32, 300), (5, 4, 2, 16, 10, 128), (4, 2, 2, 24, 8, 40),
+    (2, 32, 4, 128, 128, 4096), (2, 40, 8, 128, 64, 100),  # Qwen3-30B-A3B heads; many heads, partial
 ]
 
 
@@ -298,6 +305,7 @@ def check_topk(logits, K, renormalize, weights, ids):
 @pytest.mark.parametrize("T,E,K,dtype", [
     (1, 8, 2, torch.float32), (37, 60, 4, torch.float32), (11, 128, 8, torch.bfloat16),
     (5, 512, 16, torch.float32), (3, 100, 1, torch.float16), (4, 16, 16, torch.float32),
+    (3, 128, 8, torch.float32),
 ])
 def test_softmax_topk(renormalize, T, E, K, dtype, poisoned_empty):
     wide = randn(T, E + 5, dtype=dtype, seed=E) * 2
