@@ -21,10 +21,11 @@ def round_to(x, dtype: tl.constexpr, INTERPRET: tl.constexpr):
     hand on the bits (add half an ulp of bf16, ties to even, then drop the low 16 bits); the
     cast that follows is then exact. On the GPU the cast itself rounds to nearest-even.
     """
-    if INTERPRET and dtype == tl.bfloat16:
-        bits = x.to(tl.uint32, bitcast=True)
-        bits = bits + 0x7FFF + ((bits >> 16) & 1)
-        x = ((bits >> 16) << 16).to(tl.float32, bitcast=True)
+    if INTERPRET:
+        if dtype == tl.bfloat16:
+            bits = x.to(tl.uint32, bitcast=True)
+            bits = bits + 0x7FFF + ((bits >> 16) & 1)
+            x = ((bits >> 16) << 16).to(tl.float32, bitcast=True)
     return x.to(dtype)
 
 

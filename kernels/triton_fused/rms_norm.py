@@ -25,7 +25,9 @@ from kernels.triton_fused.common import (
 )
 
 
-@triton.jit
+# The row count changes with the batch: not specialised on, so every batch size shares one
+# compiled kernel (no compile while a CUDA graph of a new size is captured).
+@triton.jit(do_not_specialize=["R"])
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, R, H,
                      stride_xt, stride_xh, stride_rt, stride_rh, eps,
                      D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,

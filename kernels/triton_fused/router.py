@@ -20,7 +20,9 @@ MAX_EXPERTS = 512
 MAX_TOP_K = 16
 
 
-@triton.jit
+# The row count changes with the batch: not specialised on, so every batch size shares one
+# compiled kernel (no compile while a CUDA graph of a new size is captured).
+@triton.jit(do_not_specialize=["T"])
 def _softmax_topk_kernel(logits_ptr, w_ptr, ids_ptr, T, E, stride_t,
                          K: tl.constexpr, RENORMALIZE: tl.constexpr,
                          BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
