@@ -74,9 +74,9 @@ class Qwen3MoeAttention(nn.Module):
     def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         T, d = x.shape[0], self.head_dim
         q, k, v = self.qkv_proj(x).split([self.qkv_proj.q_size, self.qkv_proj.kv_size, self.qkv_proj.kv_size], -1)
-        q = self.q_norm(q.reshape(T, -1, d))
-        k = self.k_norm(k.reshape(T, -1, d))
-        q, k = self.rotary_emb(positions, q, k)
+        # q_norm / k_norm per head, then RoPE (one fused launch on CUDA)
+        q, k = self.rotary_emb.forward_with_qk_norm(positions, q.reshape(T, -1, d), k.reshape(T, -1, d),
+                                                    self.q_norm, self.k_norm)
         return self.o_proj(self.attn(q.reshape(T, -1), k.reshape(T, -1), v, meta))
 
 

@@ -8,6 +8,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels.triton_fused import fused_kernels_serve
+
 
 @dataclass
 class RouterOutput:
@@ -16,8 +18,21 @@ class RouterOutput:
     topk_ids_TK: torch.Tensor
 
 
+def use_triton_fused(x: torch.Tensor) -> bool:
+    """Whether softmax_topk runs the fused Triton kernel (CUDA, Triton importable). Tests
+    monkeypatch this to run it on the CPU under TRITON_INTERPRET=1."""
+    return fused_kernels_serve(x)
+
+
 def softmax_topk(router_logits_TE: torch.Tensor, top_k: int, renormalize: bool) -> RouterOutput:
-    """Qwen-style router: softmax over all experts in fp32, keep the top-k, optionally renormalise."""
+    """Qwen-style router: softmax over all experts in fp32, keep the top-k, optionally renormalise.
+    On CUDA (E <= 512, top_k <= 16) one Triton launch; among equal probabilities it takes the
+    lowest expert id first, where torch.topk's order is unspecified."""
+    E = router_logits_TE.shape[-1]
+    if router_logits_TE.dim() == 2 and E <= 512 and top_k <= 16 and use_triton_fused(router_logits_TE):
+        from kernels.triton_fused.router import softmax_topk_triton
+
+        return RouterOutput(*softmax_topk_triton(router_logits_TE, top_k, renormalize))
     probs = torch.softmax(router_logits_TE, dim=-1, dtype=torch.float32)
     weights, ids = torch.topk(probs, top_k, dim=-1)
     if renormalize:

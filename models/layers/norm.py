@@ -4,7 +4,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from kernels.triton_fused import fused_kernels_serve
 from models.layers.weights import ReplicatedLoader, attach_loader, new_param
+
+
+def use_triton_fused(x: torch.Tensor) -> bool:
+    """Whether RMSNorm runs the fused Triton kernel (CUDA, Triton importable). Tests monkeypatch
+    this to run it on the CPU under TRITON_INTERPRET=1."""
+    return fused_kernels_serve(x)
 
 
 class RMSNorm(nn.Module):
@@ -14,7 +21,12 @@ class RMSNorm(nn.Module):
         self.weight = attach_loader(new_param(hidden_size), ReplicatedLoader((hidden_size,)))
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        """Without `residual`: norm(x). With it: (norm(x + residual), x + residual)."""
+        """Without `residual`: norm(x). With it: (norm(x + residual), x + residual).
+        On CUDA, for x [T, D] or [T, H, D]: one Triton launch with the same rounding."""
+        if x.dim() in (2, 3) and use_triton_fused(x):
+            from kernels.triton_fused.rms_norm import rms_norm_triton
+
+            return rms_norm_triton(x, self.weight, self.eps, residual)
         if residual is not None:
             x = x + residual
             residual = x

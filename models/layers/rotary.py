@@ -9,6 +9,7 @@ import weakref
 import torch
 from torch import nn
 
+from kernels.triton_fused import fused_kernels_serve
 from models.config import RopeConfig
 
 # Scaling type -> (module, class) of its RotaryEmbedding subclass, imported on use.
@@ -16,6 +17,12 @@ _SCALED_ROPE = {
     "yarn": ("models.layers.rotary_yarn", "YarnRotaryEmbedding"),
     "llama3": ("models.layers.rotary_llama3", "Llama3RotaryEmbedding"),
 }
+
+
+def use_triton_fused(x: torch.Tensor) -> bool:
+    """Whether RoPE (and the fused q/k norm + RoPE) runs the Triton kernels (CUDA, Triton
+    importable). Tests monkeypatch this to run them on the CPU under TRITON_INTERPRET=1."""
+    return fused_kernels_serve(x)
 
 
 # Weak values: a table lives as long as some model's layers hold it.
@@ -89,7 +96,23 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         """positions [T] (< max_position, checked against max_model_len at start-up);
-        q [T, Hq, head_dim]; k [T, Hk, head_dim] -> rotated (q, k)."""
+        q [T, Hq, head_dim]; k [T, Hk, head_dim] -> rotated (q, k). On CUDA one Triton launch
+        for both (subclasses change only the tables, which the kernel reads)."""
+        if use_triton_fused(q):
+            from kernels.triton_fused.rope import rope_triton
+
+            return rope_triton(positions, q, k, self.cos_cache, self.sin_cache, self.rotary_dim, self.is_neox_style)
         cos = self.cos_cache[positions][:, None, :]
         sin = self.sin_cache[positions][:, None, :]
         return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+
+    def forward_with_qk_norm(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                             q_norm: nn.Module, k_norm: nn.Module):
+        """forward(positions, q_norm(q), k_norm(k)) for per-head RMSNorms (Qwen3): on CUDA one
+        Triton launch that normalises and rotates q and k."""
+        if use_triton_fused(q) and q_norm.eps == k_norm.eps:
+            from kernels.triton_fused.rope import qk_norm_rope_triton
+
+            return qk_norm_rope_triton(positions, q, k, q_norm.weight, k_norm.weight, q_norm.eps, self.cos_cache,
+                                       self.sin_cache, self.rotary_dim, self.is_neox_style)
+        return self(positions, q_norm(q), k_norm(k))
