@@ -11,6 +11,7 @@ All take a list of SchedulerOutputs per step, one per data-parallel replica
 """
 from __future__ import annotations
 
+import gc
 import logging
 from abc import ABC, abstractmethod
 
@@ -74,9 +75,10 @@ class InProcessExecutor(Executor):
         # Drop the model and the KV cache now, not when the LLM is collected: a second LLM in
         # the same process sizes its KV cache from the GPU memory left free.
         if self.worker is not None:
-            self.worker.runner.kv_caches = []
+            self.worker.runner.release()
             self.worker = None
             if self.device.type == "cuda":
+                gc.collect()  # modules and graphs in reference cycles hold GPU memory until collected
                 torch.cuda.empty_cache()
 
 

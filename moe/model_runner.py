@@ -195,6 +195,13 @@ class ModelRunner:
         meta = self._device_metadata(b, b, 1, list(range(b + 1)), [1] * b, decode_only=True)
         return self._forward(buf.dev_view("input_ids", b), buf.dev_view("positions", b), meta)
 
+    def release(self) -> None:
+        """Drop the KV cache, the CUDA graphs (their memory pool) and the step buffers."""
+        for attn in self.model.attention_layers():
+            attn.kv_cache = None
+        self.kv_caches, self.graphs, self.buffers = [], None, None
+        self.requests.clear()
+
     def kv_cache_chunk_sizes(self) -> list[int | None]:
         """Per attention layer of this rank: its chunked-local window, or None."""
         return [getattr(attn, "chunk_size", None) for attn in self.model.attention_layers()]
