@@ -145,9 +145,10 @@ def _dummy_model(max_model_len: int) -> str:
     return path
 
 
-def _prompts(n: int, length: int, seed: int = 0) -> list[dict]:
+def _prompts(n: int, length: int, seed: int = 0, vocab: int = 129000) -> list[dict]:
+    """Random token ids below every benchmarked model's vocabulary size."""
     rng = random.Random(seed)
-    return [{"prompt_token_ids": [rng.randrange(1, 150000) for _ in range(length)]} for _ in range(n)]
+    return [{"prompt_token_ids": [rng.randrange(1, vocab) for _ in range(length)]} for _ in range(n)]
 
 
 def decode_step(llm: LLM, num_requests: int, prompt_len: int, out_len: int) -> dict:
