@@ -10,6 +10,10 @@ come from the last stage (all its TP ranks take part in the vocab gather), and o
 replica's driver rank (last stage, TP rank 0) samples: sampling is done once and its tokens are
 sent to the other ranks of the replica with the next step (`apply_sampled`), so every rank
 appends exactly the tokens the driver drew, whatever the sampling parameters.
+
+On CUDA the step's inputs go through reused pinned/device buffers (moe/step_buffers.py,
+moe/step_inputs.py), attention runs the Triton kernels, and decode-only steps replay CUDA graphs
+captured at start-up (moe/cuda_graphs.py); elsewhere fresh tensors feed the torch references.
 """
 from __future__ import annotations
 
@@ -25,20 +29,11 @@ from moe.block_tables import BlockTables
 from moe.cuda_graphs import DecodeGraphs, default_capture_sizes
 from moe.distributed import get_parallel_state, pp_recv, pp_send
 from moe.sampler import SamplingBatch, sample
-from moe.sampling_params import SamplingParams
 from moe.step_buffers import StepBuffers
+from moe.step_inputs import RequestState, StepBatch, buffer_metadata, host_metadata, upload
 from scheduler import KVCacheGroup, SchedulerOutput
 
 logger = logging.getLogger("moe.runner")
-
-
-@dataclass
-class RequestState:
-    token_ids: list[int]
-    num_prompt_tokens: int
-    params: SamplingParams
-    row: int  # its row of the runner's BlockTables
-    num_computed_tokens: int
 
 
 @dataclass
@@ -61,25 +56,6 @@ def _derived_seed(seed: int, output_index: int) -> int:
     # A seeded request's draw for its i-th token depends only on (seed, i): reproducible
     # across batch compositions and after preemption.
     return hash((seed, output_index)) & ((1 << 63) - 1)
-
-
-@dataclass
-class StepBatch:
-    """One step's batch on the host: the layout every path derives its tensors from."""
-    req_ids: list[str]
-    states: list[RequestState]
-    num_tokens_B: np.ndarray       # new tokens per sequence
-    query_start_loc: np.ndarray    # [B+1]
-    seq_lens_B: np.ndarray         # context after this step
-    input_ids_T: np.ndarray
-    positions_T: np.ndarray
-    row_T: np.ndarray              # sequence of each token
-    tables: list[np.ndarray]       # per KV-cache group [B, m]
-    sample_rows: list[int]         # sequences that produce a token this step
-
-    @property
-    def decode_only(self) -> bool:
-        return len(self.input_ids_T) == len(self.req_ids)
 
 
 class ModelRunner:
@@ -176,23 +152,13 @@ class ModelRunner:
 
     def _upload_padding(self, b: int) -> None:
         """b padding decode rows into the step buffers (what a graph is captured over)."""
-        buf = self.buffers
-        buf.begin()
-        buf.host_view("input_ids", b)[:] = 0
-        buf.host_view("positions", b)[:] = 0
-        buf.host_view("query_start_loc", b + 1)[:] = np.arange(b + 1)
-        buf.host_view("seq_lens", b)[:] = 0
-        sizes = {"input_ids": b, "positions": b, "query_start_loc": b + 1, "seq_lens": b}
-        for g in range(self.num_kv_groups):
-            buf.host_view(f"slots{g}", b)[:] = -1
-            sizes[f"slots{g}"] = b
-        buf.upload(sizes)
+        upload(self.buffers, StepBatch.empty(self.num_kv_groups), self.block_size, padded=b)
 
     @torch.inference_mode()
     def _graph_forward(self, b: int) -> torch.Tensor:
         """The model on b decode rows read from the step buffers (what a graph captures)."""
         buf = self.buffers
-        meta = self._device_metadata(b, b, 1, list(range(b + 1)), [1] * b, decode_only=True)
+        meta = buffer_metadata(buf, self.num_kv_groups, b, b, 1, list(range(b + 1)), [1] * b, decode_only=True)
         return self._forward(buf.dev_view("input_ids", b), buf.dev_view("positions", b), meta)
 
     def release(self) -> None:
@@ -223,106 +189,6 @@ class ModelRunner:
             for group, ids in enumerate(new_blocks):  # () when no group added a block
                 tables.extend(state.row, group, ids)
             state.num_computed_tokens = num_computed
-
-    def _batch(self, so: SchedulerOutput) -> StepBatch:
-        req_ids = list(so.num_scheduled_tokens)
-        states = [self.requests[r] for r in req_ids]
-        n = np.fromiter(so.num_scheduled_tokens.values(), dtype=np.int64, count=len(req_ids))
-        computed = np.fromiter((s.num_computed_tokens for s in states), dtype=np.int64, count=len(states))
-        qsl = np.zeros(len(req_ids) + 1, dtype=np.int64)
-        np.cumsum(n, out=qsl[1:])
-        seq_lens = computed + n
-        T = int(qsl[-1])
-        if T == len(states):  # decode-only: each sequence's newest token
-            input_ids = np.fromiter((s.token_ids[s.num_computed_tokens] for s in states), dtype=np.int64, count=T)
-            row, positions = np.arange(T), computed
-        else:
-            ids: list[int] = []
-            for s, k in zip(states, n.tolist()):  # Python ints: numpy scalars index slowly
-                c = s.num_computed_tokens
-                ids.extend(s.token_ids[c:c + k])
-            input_ids = np.asarray(ids, dtype=np.int64)
-            row = np.repeat(np.arange(len(states)), n)
-            positions = np.arange(T) - qsl[:-1][row] + computed[row]
-        rows = np.fromiter((s.row for s in states), dtype=np.int64, count=len(states))
-        tables = [self.block_tables.gather(g, rows) for g in range(self.block_tables.num_groups)]
-        # Rows that reach the end of their known tokens produce a next token.
-        known = np.fromiter((len(s.token_ids) for s in states), dtype=np.int64, count=len(states))
-        sample_rows = np.nonzero(seq_lens == known)[0].tolist()
-        return StepBatch(req_ids, states, n, qsl, seq_lens, input_ids, positions, row, tables, sample_rows)
-
-    def _slots(self, table: np.ndarray, batch: StepBatch) -> np.ndarray:
-        bs = self.block_size
-        return table[batch.row_T, batch.positions_T // bs] * bs + batch.positions_T % bs
-
-    def _host_metadata(self, batch: StepBatch) -> AttentionMetadata:
-        """Metadata for the torch reference path: fresh device tensors (CPU runs)."""
-        dev, qsl, seq_lens = self.device, batch.query_start_loc, batch.seq_lens_B
-        decode = np.nonzero(batch.num_tokens_B == 1)[0]
-        layout = dict(query_start_loc=qsl.tolist(), seq_lens=seq_lens.tolist(), decode_seqs=decode.tolist(),
-                      prefill_seqs=np.nonzero(batch.num_tokens_B != 1)[0].tolist())
-        metas = []
-        for table in batch.tables:
-            meta = AttentionMetadata(block_tables_BM=torch.from_numpy(table).to(dev),
-                                     slot_mapping_T=torch.from_numpy(self._slots(table, batch)).to(dev), **layout)
-            if len(decode):
-                nblk = -(-int(seq_lens[decode].max()) // self.block_size)
-                meta.decode_token_idx = torch.from_numpy(qsl[decode]).to(dev)
-                meta.decode_seq_lens = torch.from_numpy(seq_lens[decode]).to(dev)
-                meta.decode_block_tables = torch.from_numpy(np.ascontiguousarray(table[decode, :nblk])).to(dev)
-            metas.append(meta)
-        if self.gpu_inputs:  # a GPU step that does not fit the buffers: device fields too
-            for meta in metas:
-                meta.query_start_loc_t = torch.from_numpy(qsl).to(dev, torch.int32)
-                meta.seq_lens_t = torch.from_numpy(seq_lens).to(dev, torch.int32)
-                meta.max_query_len, meta.decode_only = int(batch.num_tokens_B.max()), batch.decode_only
-        return _grouped(metas)
-
-    def _upload(self, batch: StepBatch, padded: int | None = None) -> AttentionMetadata:
-        """Write the batch into the step buffers (decode rows padded to `padded`), upload it,
-        and return metadata over the device views."""
-        buf = self.buffers
-        T, B = len(batch.input_ids_T), len(batch.req_ids)
-        t, b = (padded, padded) if padded else (T, B)
-        buf.begin()
-        sizes = {"input_ids": t, "positions": t, "query_start_loc": b + 1, "seq_lens": b}
-        _fill(buf.host_view("input_ids", t), batch.input_ids_T, 0)
-        _fill(buf.host_view("positions", t), batch.positions_T, 0)
-        qsl = buf.host_view("query_start_loc", b + 1)
-        qsl[:B + 1] = batch.query_start_loc
-        qsl[B + 1:] = T + np.arange(1, b - B + 1)  # padding rows: one query each
-        _fill(buf.host_view("seq_lens", b), batch.seq_lens_B, 0)
-        for g, table in enumerate(batch.tables):
-            _fill(buf.host_view(f"slots{g}", t), self._slots(table, batch), -1)
-            sizes[f"slots{g}"] = t
-            buf.upload_tables(g, table)
-        buf.upload(sizes)
-        meta = self._device_metadata(t, b, int(batch.num_tokens_B.max()), batch.query_start_loc.tolist(),
-                                     batch.seq_lens_B.tolist(), batch.decode_only)
-        if not batch.decode_only and meta.decode_seqs:  # a mixed batch: its decode rows for MLA's absorbed path
-            decode = np.asarray(meta.decode_seqs)
-            dev = self.device
-            for g, m in enumerate(meta.group_metas or [meta]):
-                nblk = -(-int(batch.seq_lens_B[decode].max()) // self.block_size)
-                m.decode_token_idx = torch.from_numpy(batch.query_start_loc[decode]).to(dev)
-                m.decode_seq_lens = torch.from_numpy(batch.seq_lens_B[decode]).to(dev)
-                m.decode_block_tables = torch.from_numpy(np.ascontiguousarray(batch.tables[g][decode, :nblk])).to(dev)
-        return meta
-
-    def _device_metadata(self, t: int, b: int, max_query_len: int, qsl: list[int], seq_lens: list[int],
-                         decode_only: bool) -> AttentionMetadata:
-        buf = self.buffers
-        qsl_t, seq_lens_t = buf.dev_view("query_start_loc", b + 1), buf.dev_view("seq_lens", b)
-        if decode_only:
-            decode, prefill = list(range(len(seq_lens))), []
-        else:
-            decode = [i for i in range(len(seq_lens)) if qsl[i + 1] - qsl[i] == 1]
-            prefill = [i for i in range(len(seq_lens)) if qsl[i + 1] - qsl[i] != 1]
-        metas = [AttentionMetadata(qsl, seq_lens, buf.tables[g][:b], buf.dev_view(f"slots{g}", t), decode, prefill,
-                                   query_start_loc_t=qsl_t, seq_lens_t=seq_lens_t, max_query_len=max_query_len,
-                                   decode_only=decode_only)
-                 for g in range(self.num_kv_groups)]
-        return _grouped(metas)
 
     def _sampling_batch(self, states: list[RequestState]) -> SamplingBatch:
         dev = self.device
@@ -392,11 +258,11 @@ class ModelRunner:
         replay for a decode-only step within the captured sizes, else an eager forward."""
         T, B = len(batch.input_ids_T), len(batch.req_ids)
         if self.buffers is None or not self.buffers.fits(T, B, max(t.shape[1] for t in batch.tables)):
-            meta = self._host_metadata(batch)
+            meta = host_metadata(batch, self.device, self.block_size, device_fields=self.gpu_inputs)
             return self._forward(torch.from_numpy(batch.input_ids_T).to(self.device),
                                  torch.from_numpy(batch.positions_T).to(self.device), meta)
         padded = self.graphs.padded_size(B) if self.graphs is not None and batch.decode_only else None
-        meta = self._upload(batch, padded)
+        meta = upload(self.buffers, batch, self.block_size, padded)
         if padded is not None:
             return self.graphs.replay(padded)[:B]
         return self._forward(self.buffers.dev_view("input_ids", T), self.buffers.dev_view("positions", T), meta)
@@ -407,10 +273,7 @@ class ModelRunner:
         forward (MoE dispatch/combine, TP, PP) without touching any request's state."""
         if self.dummy_blocks is None:
             raise RuntimeError("a dummy batch needs the reserved KV blocks (allocate_kv_cache first)")
-        one = np.ones(1, dtype=np.int64)
-        zero = np.zeros(1, dtype=np.int64)
-        batch = StepBatch(["dummy"], [], one, np.array([0, 1]), one, zero, zero, zero,
-                          [np.array([[b]], dtype=np.int64) for b in self.dummy_blocks], [])
+        batch = StepBatch.one_token(self.dummy_blocks)
         self._run_batch(batch)
 
     @torch.inference_mode()
@@ -422,7 +285,7 @@ class ModelRunner:
             if dummy:
                 self.execute_dummy()
             return ModelRunnerOutput()
-        batch = self._batch(so)
+        batch = StepBatch.build(so, self.requests, self.block_tables)
         hidden = self._run_batch(batch)
         out = ModelRunnerOutput()
         sample_rows = batch.sample_rows
@@ -456,18 +319,3 @@ class ModelRunner:
                                                       top_ids[j][:k] if top_ids else [],
                                                       top_vals[j][:k] if top_vals else [])]
         return out
-
-
-def _fill(dst: np.ndarray, values: np.ndarray, pad: int) -> None:
-    """dst = values followed by `pad` up to dst's length."""
-    n = len(values)
-    dst[:n] = values
-    dst[n:] = pad
-
-
-def _grouped(metas: list[AttentionMetadata]) -> AttentionMetadata:
-    """Group 0's metadata, carrying every group's when there are several."""
-    meta = metas[0]
-    if len(metas) > 1:
-        meta.group_metas = metas
-    return meta
