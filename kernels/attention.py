@@ -39,8 +39,8 @@ class AttentionMetadata:
     # With several KV-cache groups (e.g. full and chunked-local layers), each group's own
     # metadata (same batch layout, its own block tables and slots); group 0 is this object.
     group_metas: list["AttentionMetadata"] | None = None
-    # Device-side layout for the GPU kernels (kernels/triton_attention): int32 copies of
-    # query_start_loc [B+1] and seq_lens [B], the longest query of the batch, and whether every
+    # Device-side layout for the GPU kernels (kernels/triton_attention): device copies of
+    # query_start_loc [B+1] and seq_lens [B] (int32 or int64), the longest query of the batch, and whether every
     # sequence has exactly one query (a decode-only step: the split-KV decode kernel, and the
     # shape a CUDA graph is captured for; padded rows then have seq_lens 0 and slot -1).
     query_start_loc_t: torch.Tensor | None = None

@@ -121,7 +121,7 @@ def paged_attention_decode_triton(q_BHd: torch.Tensor, kv_cache_2NSGd: torch.Ten
 
     q_BHd: [B, H, d] fp32/fp16/bf16, any strides with a unit stride along d.
     kv_cache_2NSGd: contiguous [2, N, S, G, d]; block_tables_BM: [B, max_blocks] int32/int64;
-    seq_lens_B: [B] int32 (0 = padded row: zeros out, nothing read).
+    seq_lens_B: [B] int32/int64 (0 = padded row: zeros out, nothing read).
     num_splits: None = chosen from B * G and max_blocks (static shapes only).
     block_n: keys per tile (power of two >= 16); None = 64 for d <= 128 (tests use 16).
     """

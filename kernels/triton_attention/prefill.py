@@ -115,8 +115,8 @@ def paged_attention_prefill_triton(q_THd: torch.Tensor, kv_cache_2NSGd: torch.Te
 
     q_THd: [T, H, d] fp32/fp16/bf16, any strides with a unit stride along d.
     kv_cache_2NSGd: contiguous [2, N, S, G, d]; K/V are cast to q's dtype on load.
-    block_tables_BM: [B, max_blocks] int32/int64. query_start_loc_B1: [B+1] int32, seq_lens_B: [B]
-    int32 (device). max_query_len: host int >= every sequence's query count (sizes the grid).
+    block_tables_BM: [B, max_blocks] int32/int64. query_start_loc_B1: [B+1], seq_lens_B: [B]
+    int32 or int64 (device). max_query_len: host int >= every sequence's query count (sizes the grid).
     config: optional override of BLOCK_M / BLOCK_N / num_warps / num_stages (tuning).
     """
     if q_THd.dim() != 3 or q_THd.stride(2) != 1:
