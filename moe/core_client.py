@@ -1,10 +1,12 @@
 """The API process's side of an engine core in its own process: start it, talk to it over a
 ZeroMQ DEALER socket (asyncio), and notice when it dies.
 
-`CoreProcessClient.start()` launches `python -m moe.core_process` on a fresh ipc address and waits
-for its "ready" answer (bounded, and failing at once if the process exits). Its output loop hands
-every step result / statistics update to `on_result` / `on_stats`, and calls `on_dead` once when
-the core reports a failure or its process is gone.
+`launch_core(args)` starts `python -m moe.core_process` on a fresh ipc address. `CoreProcessClient`
+either launches its own core (one API process) or connects to one a launcher started (with
+`--api-server-count N`, every API process connects to the same core), says hello and waits for
+the "ready" answer (bounded, failing at once if the process exits). Its output loop hands every
+step result / statistics update to `on_result` / `on_stats`, and calls `on_dead` once when the
+core reports a failure or its process is gone.
 """
 from __future__ import annotations
 
@@ -34,23 +36,47 @@ class EngineDeadError(RuntimeError):
     """The engine core process failed or exited: in-flight requests cannot finish."""
 
 
+def launch_core(args: EngineArgs) -> tuple[subprocess.Popen, str]:
+    """Start an engine core process on a fresh ipc address; it exits when this process is gone."""
+    address = f"ipc://{os.path.join(tempfile.mkdtemp(prefix='moe-core-'), 'core0.sock')}"
+    proc = subprocess.Popen([sys.executable, "-m", "moe.core_process", address,
+                             json.dumps(dataclasses.asdict(args)), str(os.getpid())])
+    return proc, address
+
+
+def process_alive(pid: int) -> bool:
+    """A process that exists and is not a zombie (a killed child its parent has not reaped yet)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
 class CoreProcessClient:
     def __init__(self, args: EngineArgs, on_result: Callable[[CoreStepResult], None],
-                 on_stats: Callable[[SchedulerStats], None], on_dead: Callable[[str], None]) -> None:
+                 on_stats: Callable[[SchedulerStats], None], on_dead: Callable[[str], None],
+                 address: str | None = None, pid: int | None = None) -> None:
+        """address / pid: a core another process launched (else this client launches its own)."""
         self.args = args
         self.on_result, self.on_stats, self.on_dead = on_result, on_stats, on_dead
         self.proc: subprocess.Popen | None = None
-        self.pid: int | None = None
+        self.address, self.pid = address, pid
         self.dead: str | None = None
-        self._dir = tempfile.mkdtemp(prefix="moe-core-")
-        self.address = f"ipc://{os.path.join(self._dir, 'core0.sock')}"
         self._ctx = zmq.asyncio.Context()
         self._socket = None
         self._task: asyncio.Task | None = None
 
+    def _exit_status(self) -> str | None:
+        """None while the core runs, else how it ended."""
+        if self.proc is not None:
+            return None if self.proc.poll() is None else f"status {self.proc.returncode}"
+        return None if process_alive(self.pid) else "gone"
+
     async def start(self, timeout_s: float = 600.0) -> None:
-        self.proc = subprocess.Popen([sys.executable, "-m", "moe.core_process", self.address,
-                                      json.dumps(dataclasses.asdict(self.args)), str(os.getpid())])
+        if self.address is None:
+            self.proc, self.address = launch_core(self.args)
+            self.pid = self.proc.pid
         self._socket = self._ctx.socket(zmq.DEALER)
         self._socket.setsockopt(zmq.LINGER, 0)
         self._socket.connect(self.address)
@@ -58,11 +84,12 @@ class CoreProcessClient:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         while True:
-            if self.proc.poll() is not None:
-                raise EngineDeadError(f"the engine core exited with status {self.proc.returncode} while starting "
-                                      "(its log is above)")
+            status = self._exit_status()
+            if status is not None:
+                raise EngineDeadError(f"the engine core exited ({status}) while starting (its log is above)")
             if loop.time() > deadline:
-                self.proc.kill()
+                if self.proc is not None:
+                    self.proc.kill()
                 raise EngineDeadError(f"the engine core did not start within {timeout_s:.0f} s")
             if await self._socket.poll(int(_LIVENESS_POLL_S * 1000)):
                 message = decode(await self._socket.recv())
@@ -75,8 +102,9 @@ class CoreProcessClient:
         try:
             while True:
                 if not await self._socket.poll(int(_LIVENESS_POLL_S * 1000)):
-                    if self.proc.poll() is not None:
-                        self._die(f"the engine core process exited (status {self.proc.returncode})")
+                    status = self._exit_status()
+                    if status is not None:
+                        self._die(f"the engine core process exited ({status})")
                         return
                     continue
                 message = decode(await self._socket.recv())

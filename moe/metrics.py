@@ -33,7 +33,8 @@ class EngineMetrics:
             return Counter(name, doc, labels, registry=self.registry).labels(model_name)
 
         def gauge(name, doc):
-            return Gauge(name, doc, labels, registry=self.registry).labels(model_name)
+            # Several API processes (prometheus multiprocess mode): the value set last is the state.
+            return Gauge(name, doc, labels, registry=self.registry, multiprocess_mode="mostrecent").labels(model_name)
 
         self.prompt_tokens = counter("moe:prompt_tokens", "Prefill tokens processed.")
         self.generation_tokens = counter("moe:generation_tokens", "Generated tokens.")

@@ -98,8 +98,9 @@ class ProcessResult:
 
 class OutputProcessor:
     def __init__(self, tokenizer: Tokenizer | None, metrics: EngineMetrics, log_stats: bool = False,
-                 stats_interval_s: float = STATS_INTERVAL_S) -> None:
+                 stats_interval_s: float = STATS_INTERVAL_S, count_core_totals: bool = True) -> None:
         self.tokenizer = tokenizer
+        self.count_core_totals = count_core_totals
         self.metrics = metrics
         self.log_stats = log_stats
         self.stats_interval_s = stats_interval_s
@@ -238,6 +239,8 @@ class OutputProcessor:
         m.num_requests_running.set(s.num_running)
         m.num_requests_waiting.set(s.num_waiting)
         m.kv_cache_usage_perc.set(s.kv_cache_usage)
+        if not self.count_core_totals:
+            return
         # The scheduler keeps running totals; the counters take the increments.
         m.num_preemptions.inc(max(s.num_preemptions - t.num_preemptions, 0))
         m.prefix_cache_queries.inc(max(s.prefix_cache_queries - t.prefix_cache_queries, 0))

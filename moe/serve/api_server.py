@@ -2,12 +2,23 @@
 
 Endpoints: /v1/completions, /v1/chat/completions (both with `stream: true` as server-sent events),
 /v1/models, /health (503 once the engine core is gone), /version, /metrics (Prometheus text).
+
+Processes: with --api-server-count 1 (the default) the API process starts the engine core itself.
+With N > 1 this process is a launcher: it starts the core, then N API processes (spawned) that
+each bind the port with SO_REUSEPORT (the kernel spreads connections over them), each tokenising
+and detokenising its own requests and connected to the core's socket. Their metrics go through
+prometheus_client's multiprocess mode (PROMETHEUS_MULTIPROC_DIR), so /metrics on any of them
+gives the sums over all.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import logging
+import os
+import signal
+import socket
+import tempfile
 import time
 from contextlib import asynccontextmanager
 
@@ -17,7 +28,8 @@ from moe.serve.protocol import ChatCompletionRequest, CompletionRequest, ErrorRe
 logger = logging.getLogger("moe.serve")
 
 
-def build_app(args: EngineArgs, served_model_name: str | None = None, api_key: str | None = None):
+def build_app(args: EngineArgs, served_model_name: str | None = None, api_key: str | None = None,
+              core_address: str | None = None, core_pid: int | None = None, server_index: int = 0):
     from fastapi import FastAPI, Request
     from fastapi.exceptions import RequestValidationError
     from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -28,7 +40,7 @@ def build_app(args: EngineArgs, served_model_name: str | None = None, api_key: s
     from moe.serve.async_llm import AsyncLLM
     from moe.serve.handlers import ChatHandler, CompletionHandler
 
-    engine = AsyncLLM(args)
+    engine = AsyncLLM(args, core_address, core_pid, server_index)
     model_name = served_model_name or args.model
 
     @asynccontextmanager
@@ -69,7 +81,9 @@ def build_app(args: EngineArgs, served_model_name: str | None = None, api_key: s
             if request.headers.get("authorization") != f"Bearer {api_key}":
                 return JSONResponse(error_body("invalid or missing API key", "AuthenticationError", 401),
                                     status_code=401)
-        return await call_next(request)
+        response = await call_next(request)
+        response.headers["x-moe-api-server"] = str(server_index)
+        return response
 
     def check_model(name: str | None) -> None:
         if name is not None and name != model_name:
@@ -108,7 +122,13 @@ def build_app(args: EngineArgs, served_model_name: str | None = None, api_key: s
 
     @app.get("/metrics")
     async def metrics():
-        return Response(generate_latest(engine.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        registry = engine.metrics.registry
+        if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+            from prometheus_client import CollectorRegistry, multiprocess
+
+            registry = CollectorRegistry()
+            multiprocess.MultiProcessCollector(registry)
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
     return app
 
@@ -120,6 +140,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--served-model-name", default=None, help="the model name clients use (default: --model)")
     parser.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 endpoints")
+    parser.add_argument("--api-server-count", type=int, default=1,
+                        help="API processes sharing the port (each tokenises and detokenises its own requests)")
     parser.add_argument("--uvicorn-log-level", default="info",
                         choices=["critical", "error", "warning", "info", "debug", "trace"])
 
@@ -127,6 +149,10 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
 def run_server(args: argparse.Namespace, engine_args: EngineArgs) -> int:
     import uvicorn
 
+    if args.api_server_count < 1:
+        raise ValueError(f"--api-server-count must be >= 1, got {args.api_server_count}")
+    if args.api_server_count > 1:
+        return _run_launcher(args, engine_args)
     app = build_app(engine_args, args.served_model_name, args.api_key)
     logger.info("serving %s on http://%s:%d", engine_args.model, args.host, args.port)
     # SIGTERM / Ctrl-C: uvicorn stops accepting, lets in-flight requests finish, then the lifespan
@@ -134,6 +160,71 @@ def run_server(args: argparse.Namespace, engine_args: EngineArgs) -> int:
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
                 timeout_graceful_shutdown=30)
     return 0
+
+
+def _reuseport_socket(host: str, port: int) -> socket.socket:
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.bind((host, port))
+    return sock
+
+
+def _api_server_main(args: argparse.Namespace, engine_args: EngineArgs, index: int, address: str,
+                     core_pid: int) -> None:
+    """One of N API processes (spawned by the launcher)."""
+    import uvicorn
+
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s")
+    app = build_app(engine_args, args.served_model_name, args.api_key, address, core_pid, index)
+    config = uvicorn.Config(app, log_level=args.uvicorn_log_level, timeout_graceful_shutdown=30)
+    uvicorn.Server(config).run(sockets=[_reuseport_socket(args.host, args.port)])
+
+
+def _run_launcher(args: argparse.Namespace, engine_args: EngineArgs) -> int:
+    import multiprocessing
+
+    from moe.core_client import launch_core
+
+    # Before any API process imports prometheus_client: they all write to this folder.
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix="moe-prometheus-")
+    core, address = launch_core(engine_args)
+    ctx = multiprocessing.get_context("spawn")
+    args = argparse.Namespace(**{k: v for k, v in vars(args).items() if k != "func"})  # plain values to pickle
+    servers = [ctx.Process(target=_api_server_main, args=(args, engine_args, i, address, core.pid),
+                           name=f"moe-api-server-{i}") for i in range(args.api_server_count)]
+    for p in servers:
+        p.start()
+    logger.info("serving %s on http://%s:%d with %d API processes (engine core pid %d)", engine_args.model,
+                args.host, args.port, len(servers), core.pid)
+    stopping = []
+    signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
+    status = 0
+    try:
+        while not stopping:
+            core.poll()  # reaps a dead core, so that the API processes see it gone
+            if any(not p.is_alive() for p in servers):
+                logger.error("an API process exited: stopping")
+                status = 1
+                break
+            time.sleep(0.5)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        for p in servers:  # the API processes drain their requests first
+            if p.is_alive():
+                p.terminate()
+        for p in servers:
+            p.join(35)
+            if p.is_alive():
+                p.kill()
+        if core.poll() is None:
+            core.terminate()
+            try:
+                core.wait(10)
+            except Exception:
+                core.kill()
+    return status
 
 
 def sse(data: dict | str) -> str:

@@ -26,13 +26,18 @@ logger = logging.getLogger("moe.serve")
 
 
 class AsyncLLM:
-    def __init__(self, args: EngineArgs, metrics: EngineMetrics | None = None) -> None:
+    def __init__(self, args: EngineArgs, core_address: str | None = None, core_pid: int | None = None,
+                 server_index: int = 0) -> None:
+        """core_address / core_pid: connect to a core the launcher started (--api-server-count N);
+        else start one. Only API server 0 counts the core's own totals (preemptions, prefix-cache
+        lookups) into the shared metrics, so that N servers do not count them N times."""
         self.args = args
         self.info = resolve_model_info(args)
         self.input = InputProcessor(self.info)
-        self.metrics = metrics or EngineMetrics(args.model)
-        self.output = OutputProcessor(self.info.tokenizer, self.metrics, log_stats=not args.disable_log_stats)
-        self.client = CoreProcessClient(args, self._on_result, self._on_stats, self._on_dead)
+        self.metrics = EngineMetrics(args.model)
+        self.output = OutputProcessor(self.info.tokenizer, self.metrics, log_stats=not args.disable_log_stats,
+                                      count_core_totals=server_index == 0)
+        self.client = CoreProcessClient(args, self._on_result, self._on_stats, self._on_dead, core_address, core_pid)
         self._queues: dict[str, asyncio.Queue] = {}
         self._counter = itertools.count()
 

@@ -13,17 +13,11 @@ import httpx
 import openai
 import pytest
 
-from moe import LLM, SamplingParams
-from tests.serve.helpers import API_KEY, ENGINE_ARGS, MODEL_NAME, ServerProcess, headers, make_chat_model, \
-    scrape_metrics
+from moe import SamplingParams
+from tests.serve.helpers import API_KEY, MODEL_NAME, ServerProcess, headers, scrape_metrics
 
 PROMPTS = ["Hello, world!", "The quick brown fox", "Mixture-of-experts models route", "Numbers: 1 2 3"]
 MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "How are you today?"}]
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return make_chat_model(str(tmp_path_factory.mktemp("tiny-chat")))
 
 
 @pytest.fixture(scope="module")
@@ -31,13 +25,6 @@ def server(model_dir, tmp_path_factory):
     srv = ServerProcess(model_dir, str(tmp_path_factory.mktemp("log") / "serve.log"))
     yield srv
     srv.stop()
-
-
-@pytest.fixture(scope="module")
-def llm(model_dir):
-    llm = LLM(model_dir, **ENGINE_ARGS)
-    yield llm
-    llm.shutdown()
 
 
 @pytest.fixture(scope="module")
