@@ -104,6 +104,8 @@ BENCHMARKS = {
     "kernel": ("moe.bench.kernel", "the expert kernel against references and vLLM's kernel (needs a CUDA GPU)"),
     "all2all": ("moe.bench.all2all", "token dispatch + combine (run under torchrun: torchrun --nproc-per-node=N "
                                      "-m moe.bench.all2all)"),
+    "serve": ("moe.bench.serve", "online serving against a running server (vLLM's bench serve flags: "
+                                 "--num-prompts, --request-rate, --max-concurrency, ...)"),
     "engine-cpu": ("moe.bench.engine_cpu", "engine overhead per step beside the model forward (CPU)"),
 }
 

@@ -46,3 +46,26 @@ def test_two_api_servers_two_replicas_same_answers_and_summed_metrics(server, ll
     assert m["moe:generation_tokens_total"] == 6 * len(PROMPTS)
     assert m["moe:time_to_first_token_seconds_count"] == len(PROMPTS)
     assert m["moe:kv_cache_usage_perc"] == 0
+
+
+def test_bench_serve_against_the_server(server, tmp_path, monkeypatch, capsys):
+    import json
+
+    from moe.cli import main
+    from tests.serve.helpers import API_KEY
+
+    monkeypatch.setenv("OPENAI_API_KEY", API_KEY)
+    before = scrape_metrics(server.url)
+    rc = main(["bench", "serve", "--base-url", server.url, "--num-prompts", "6", "--random-input-len", "8",
+               "--random-output-len", "4", "--request-rate", "50", "--max-concurrency", "3", "--disable-tqdm",
+               "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99", "--save-result",
+               "--result-dir", str(tmp_path), "--result-filename", "r.json"])
+    assert rc == 0
+    result = json.loads((tmp_path / "r.json").read_text())
+    assert result["completed"] == 6 and result["failed"] == 0 and result["model_id"] == MODEL_NAME
+    assert result["total_input_tokens"] == 6 * 8 and result["total_output_tokens"] == 6 * 4
+    for name in ("ttft", "tpot", "itl", "e2el"):
+        assert 0 < result[f"median_{name}_ms"] <= result[f"p99_{name}_ms"]
+    assert result["mean_e2el_ms"] > result["mean_ttft_ms"]
+    assert scrape_metrics(server.url)["moe:generation_tokens_total"] - before["moe:generation_tokens_total"] == 24
+    assert "Serving Benchmark Result" in capsys.readouterr().out
