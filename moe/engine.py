@@ -36,7 +36,8 @@ class LLMEngine:
         self.core = EngineCore(self.info)
         self.metrics = EngineMetrics(args.model)
         self.output = OutputProcessor(self.info.tokenizer, self.metrics, log_stats=not args.disable_log_stats,
-                                      stats_interval_s=_STATS_INTERVAL_S)
+                                      stats_interval_s=_STATS_INTERVAL_S,
+                                      record_latencies=not args.disable_log_stats)
         self._shut_down = False
 
     # What callers and tests read of the model and the core.

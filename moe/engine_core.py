@@ -164,7 +164,9 @@ class EngineCore:
                 self.recovery.on_success(so)
             result.outputs = self.scheduler.update_from_output(so, runner_out.sampled, runner_out.logprobs)
         if self.recovery is not None:
-            self.recovery.forget([co.req_id for co in result.outputs if co.finished])
+            finished = [co.req_id for co in result.outputs if co.finish_reason is not None]
+            if finished:
+                self.recovery.forget(finished)
         result.stats = self.stats()
         return result
 

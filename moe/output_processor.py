@@ -98,9 +98,15 @@ class ProcessResult:
 
 class OutputProcessor:
     def __init__(self, tokenizer: Tokenizer | None, metrics: EngineMetrics, log_stats: bool = False,
-                 stats_interval_s: float = STATS_INTERVAL_S, count_core_totals: bool = True) -> None:
+                 stats_interval_s: float = STATS_INTERVAL_S, count_core_totals: bool = True,
+                 record_latencies: bool = True) -> None:
+        """count_core_totals: add the core's preemption / prefix-cache totals to the counters (one
+        API process of several does). record_latencies: fill the TTFT / inter-token / end-to-end /
+        queue-time histograms (a few microseconds per token: the offline LLM skips them unless
+        it logs stats)."""
         self.tokenizer = tokenizer
         self.count_core_totals = count_core_totals
+        self.record_latencies = record_latencies
         self.metrics = metrics
         self.log_stats = log_stats
         self.stats_interval_s = stats_interval_s
@@ -145,7 +151,7 @@ class OutputProcessor:
         self._count_step(result)
         now = time.monotonic()
         out = ProcessResult()
-        seen: set[str] = set()
+        updated: dict[str, _Parent] = {}  # insertion-ordered, one entry per request
         for co in result.outputs:
             parent_id = self.child_to_parent.get(co.req_id)
             if parent_id is None:
@@ -154,7 +160,7 @@ class OutputProcessor:
             child = parent.children[co.req_id]
             if child.params.n == 1 or co.num_cached_tokens:
                 parent.num_cached_tokens = max(parent.num_cached_tokens, co.num_cached_tokens)
-            if co.new_token_ids:
+            if co.new_token_ids and self.record_latencies:
                 self._observe_token_times(parent, now, len(co.new_token_ids))
             if co.finish_reason == "error":
                 self._fail(parent, co.req_id, result.errors.get(co.req_id, "the engine failed this request"), out)
@@ -163,13 +169,13 @@ class OutputProcessor:
                 if child.finish_reason is not None:
                     self.child_to_parent.pop(co.req_id, None)
                     self.metrics.request_success.inc()
-            if parent_id not in seen:
-                seen.add(parent_id)
-                out.updated.append(parent)
-            if parent.finished and parent_id in self.parents:
+            updated[parent_id] = parent
+            if child.finish_reason is not None and parent_id in self.parents and parent.finished:
                 del self.parents[parent_id]
-                self.metrics.e2e_request_latency.observe(now - parent.arrival_time)
+                if self.record_latencies:
+                    self.metrics.e2e_request_latency.observe(now - parent.arrival_time)
                 out.finished.append(parent)
+        out.updated = list(updated.values())
         self._maybe_log_stats()
         return out
 
@@ -229,8 +235,9 @@ class OutputProcessor:
         generated = sum(len(co.new_token_ids) for co in result.outputs)
         m.generation_tokens.inc(generated)
         self._generation_total += generated
-        for queue_s in result.queue_times.values():
-            m.request_queue_time.observe(queue_s)
+        if self.record_latencies:
+            for queue_s in result.queue_times.values():
+                m.request_queue_time.observe(queue_s)
         self.update_stats(result.stats)
 
     def update_stats(self, s: SchedulerStats) -> None:
