@@ -4,6 +4,8 @@ the tokenizer and the EOS ids. The engine core and the API process each resolve 
 EngineArgs (cheap: config.json and tokenizer.json only), so nothing of it travels through a socket."""
 from __future__ import annotations
 
+import os
+import re
 from dataclasses import dataclass
 
 import torch
@@ -14,8 +16,41 @@ from moe.config import EngineArgs
 from moe.tokenizer import Tokenizer, eos_token_ids, load_tokenizer
 
 
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+# What a checkpoint needs from a hub repository (not its other weights formats or docs).
+_HUB_FILES = ["*.json", "*.safetensors", "*.jinja", "tokenizer.model"]
+
+
 def resolve_model_path(model: str) -> str:
-    return ensure_tiny_model(model) if model in TINY_MODELS else model
+    """A local folder as is; 'tiny-qwen3-moe' built on first use; a Hugging Face hub id
+    ('org/name') from the local hub cache, else downloaded through huggingface_hub."""
+    if model in TINY_MODELS:
+        return ensure_tiny_model(model)
+    if os.path.exists(model) or not _HUB_ID.match(model):
+        return model
+    try:
+        from huggingface_hub import snapshot_download
+    except ImportError:
+        raise OSError(f"{model!r} is not a local folder, and looks like a Hugging Face hub id, but huggingface_hub "
+                      "is not installed (pip install huggingface_hub)") from None
+    try:
+        return snapshot_download(model, allow_patterns=_HUB_FILES, local_files_only=True)
+    except Exception:
+        pass  # not cached: download it
+    try:
+        return snapshot_download(model, allow_patterns=_HUB_FILES)
+    except Exception as e:
+        raise OSError(f"{model!r} is not a local folder nor in the Hugging Face cache ({_hub_cache()}), and "
+                      f"downloading it failed ({type(e).__name__}: {e}); offline, download it first or pass a "
+                      "checkpoint folder") from None
+
+
+def _hub_cache() -> str:
+    try:
+        from huggingface_hub import constants
+        return constants.HF_HUB_CACHE
+    except Exception:
+        return "~/.cache/huggingface/hub"
 
 
 @dataclass
