@@ -101,6 +101,25 @@ class ServerProcess:
         self.log.close()
 
 
+def process_tree(root: int) -> list[int]:
+    """root and every process below it (from /proc)."""
+    children: dict[int, list[int]] = {}
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            try:
+                with open(f"/proc/{pid}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except OSError:
+                continue
+            children.setdefault(ppid, []).append(int(pid))
+    out, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        out.append(pid)
+        todo += children.get(pid, [])
+    return out
+
+
 def headers() -> dict:
     return {"Authorization": f"Bearer {API_KEY}"}
 

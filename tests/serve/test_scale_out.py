@@ -4,6 +4,7 @@ replicas in the engine core): the same answers as the offline LLM, both API proc
 from __future__ import annotations
 
 import asyncio
+import os
 
 import httpx
 import pytest
@@ -69,3 +70,37 @@ def test_bench_serve_against_the_server(server, tmp_path, monkeypatch, capsys):
     assert result["mean_e2el_ms"] > result["mean_ttft_ms"]
     assert scrape_metrics(server.url)["moe:generation_tokens_total"] - before["moe:generation_tokens_total"] == 24
     assert "Serving Benchmark Result" in capsys.readouterr().out
+
+
+def test_sigterm_drains_in_flight_requests_then_exits(server):
+    """Keep last: the server is stopped here. A stream in flight when SIGTERM arrives still ends
+    with all its tokens and [DONE]; then every process exits."""
+    import json
+    import signal
+    import threading
+    import time
+
+    from tests.serve.helpers import process_tree
+
+    pids = process_tree(server.proc.pid)
+    got = {}
+
+    def stream():
+        body = {"model": MODEL_NAME, "prompt": "Hello", "max_tokens": 40, "temperature": 0, "ignore_eos": True,
+                "stream": True, "stream_options": {"include_usage": True}}
+        with httpx.stream("POST", f"{server.url}/v1/completions", json=body, headers=headers(), timeout=60) as r:
+            got["events"] = [line for line in r.iter_lines() if line.startswith("data: ")]
+
+    t = threading.Thread(target=stream)
+    t.start()
+    time.sleep(0.5)
+    server.proc.send_signal(signal.SIGTERM)
+    t.join(60)
+    assert not t.is_alive()
+    events = got["events"]
+    assert events[-1] == "data: [DONE]" and json.loads(events[-2][6:])["usage"]["completion_tokens"] == 40
+    assert server.proc.wait(60) == 0
+    deadline = time.monotonic() + 15
+    while any(os.path.exists(f"/proc/{p}") for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not [p for p in pids if os.path.exists(f"/proc/{p}")]
