@@ -10,9 +10,10 @@ and detokenising its own requests and connected to the core's socket. Their metr
 prometheus_client's multiprocess mode (PROMETHEUS_MULTIPROC_DIR), so /metrics on any of them
 gives the sums over all.
 """
-from __future__ import annotations
-
+# No `from __future__ import annotations`: FastAPI reads the handlers' annotations (Request is
+# imported inside build_app) at run time.
 import argparse
+import asyncio
 import json
 import logging
 import os
@@ -26,6 +27,8 @@ from moe.config import EngineArgs
 from moe.serve.protocol import ChatCompletionRequest, CompletionRequest, ErrorResponse, error_body
 
 logger = logging.getLogger("moe.serve")
+
+_DISCONNECT_POLL_S = 0.25  # how often a request that has not started its response checks its client
 
 
 def build_app(args: EngineArgs, served_model_name: str | None = None, api_key: str | None = None,
@@ -75,34 +78,37 @@ def build_app(args: EngineArgs, served_model_name: str | None = None, api_key: s
     async def _on_dead(request: Request, exc: EngineDeadError):
         return JSONResponse(error_body(str(exc), "EngineDeadError", 503), status_code=503)
 
-    @app.middleware("http")
-    async def _check_api_key(request: Request, call_next):
-        if api_key is not None and request.url.path.startswith("/v1"):
-            if request.headers.get("authorization") != f"Bearer {api_key}":
-                return JSONResponse(error_body("invalid or missing API key", "AuthenticationError", 401),
-                                    status_code=401)
-        response = await call_next(request)
-        response.headers["x-moe-api-server"] = str(server_index)
-        return response
+    app.add_middleware(_AuthAndServerIndex, api_key=api_key, server_index=server_index)
 
     def check_model(name: str | None) -> None:
         if name is not None and name != model_name:
             raise ErrorResponse(f"The model `{name}` does not exist.", 404, "NotFoundError", "model")
 
-    async def respond(handler, body):
+    async def respond(handler, body, request: Request):
         check_model(body.model)
-        result = await handler.create(body)
+        # Until the response starts, a client that hangs up cancels the work (its requests are
+        # aborted); once streaming, the stream's own cancellation does that.
+        task = asyncio.create_task(handler.create(body))
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=_DISCONNECT_POLL_S)
+            if done:
+                break
+            if await request.is_disconnected():
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+                return Response(status_code=499)
+        result = task.result()
         if isinstance(result, dict):
             return JSONResponse(result)
         return StreamingResponse(result, media_type="text/event-stream")
 
     @app.post("/v1/completions")
-    async def create_completion(body: CompletionRequest):
-        return await respond(completions, body)
+    async def create_completion(body: CompletionRequest, request: Request):
+        return await respond(completions, body, request)
 
     @app.post("/v1/chat/completions")
-    async def create_chat_completion(body: ChatCompletionRequest):
-        return await respond(chat, body)
+    async def create_chat_completion(body: ChatCompletionRequest, request: Request):
+        return await respond(chat, body, request)
 
     @app.get("/v1/models")
     async def list_models():
@@ -131,6 +137,34 @@ def build_app(args: EngineArgs, served_model_name: str | None = None, api_key: s
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
     return app
+
+
+class _AuthAndServerIndex:
+    """Plain ASGI middleware (not BaseHTTPMiddleware, which hides a client's disconnect from the
+    handlers): checks the API key on /v1 paths and names the API process in a response header."""
+
+    def __init__(self, app, api_key: str | None, server_index: int) -> None:
+        self.app = app
+        self.expected = None if api_key is None else f"Bearer {api_key}".encode()
+        self.index_header = (b"x-moe-api-server", str(server_index).encode())
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        if self.expected is not None and scope["path"].startswith("/v1"):
+            if dict(scope["headers"]).get(b"authorization") != self.expected:
+                from fastapi.responses import JSONResponse
+
+                response = JSONResponse(error_body("invalid or missing API key", "AuthenticationError", 401),
+                                        status_code=401)
+                return await response(scope, receive, send)
+
+        async def send_with_index(message):
+            if message["type"] == "http.response.start":
+                message["headers"] = [*message.get("headers", []), self.index_header]
+            await send(message)
+
+        await self.app(scope, receive, send_with_index)
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> None:

@@ -216,6 +216,23 @@ def test_metrics_count_requests_and_latencies(server, client):
     assert delta("moe:e2e_request_latency_seconds_sum") > delta("moe:time_to_first_token_seconds_sum") > 0
 
 
+def test_client_gone_before_the_response_aborts_its_request(server):
+    """A non-streaming client that hangs up: its request is aborted (not finished), blocks freed."""
+    before = scrape_metrics(server.url)
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(f"{server.url}/v1/completions", headers=headers(), timeout=0.3, json={
+            "model": MODEL_NAME, "prompt": "hi", "max_tokens": 250, "ignore_eos": True, "temperature": 0})
+    deadline = time.monotonic() + 5
+    while True:
+        m = scrape_metrics(server.url)
+        if m["moe:num_requests_running"] == 0 and m["moe:kv_cache_usage_perc"] == 0 or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert m["moe:num_requests_running"] == 0 and m["moe:kv_cache_usage_perc"] == 0
+    assert m["moe:request_success_total"] == before["moe:request_success_total"]
+    assert m["moe:generation_tokens_total"] - before["moe:generation_tokens_total"] < 250
+
+
 def test_killed_engine_core_gives_5xx_and_failing_health(server):
     """Keep last: the shared server's engine core is killed here."""
     results = {}
