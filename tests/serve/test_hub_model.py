@@ -12,32 +12,25 @@ from tests.serve.helpers import ROOT
 _PROBE = """
 import sys
 from moe.model_info import resolve_model_path
-try:
-    print("PATH", resolve_model_path(sys.argv[1]))
-except OSError as e:
-    print("ERROR", e)
+for model in sys.argv[1:]:
+    try:
+        print("PATH", resolve_model_path(model))
+    except OSError as e:
+        print("ERROR", e)
 """
 
 
-def _resolve(model: str, hub_cache: str) -> str:
-    # A fresh interpreter: huggingface_hub reads its cache folder and offline switch at import.
-    env = {**os.environ, "HF_HUB_CACHE": hub_cache, "HF_HUB_OFFLINE": "1"}
-    out = subprocess.run([sys.executable, "-c", _PROBE, model], cwd=ROOT, env=env, capture_output=True, text=True,
-                         timeout=60)
-    assert out.returncode == 0, out.stderr
-    return out.stdout.strip().splitlines()[-1]
-
-
-def test_hub_id_from_the_local_cache(tmp_path, model_dir):
+def test_hub_id_from_the_local_cache_and_a_clear_error_offline(tmp_path, model_dir):
     cache = tmp_path / "hub"
     snapshot = cache / "models--acme--tiny-moe" / "snapshots" / "0123abcd"
     shutil.copytree(model_dir, snapshot)
     (cache / "models--acme--tiny-moe" / "refs").mkdir()
     (cache / "models--acme--tiny-moe" / "refs" / "main").write_text("0123abcd")
-    line = _resolve("acme/tiny-moe", str(cache))
-    assert line == f"PATH {snapshot}"
-
-
-def test_uncached_hub_id_offline_is_a_clear_error(tmp_path):
-    line = _resolve("acme/not-there", str(tmp_path / "empty-hub"))
-    assert line.startswith("ERROR") and "acme/not-there" in line and "Hugging Face cache" in line
+    # A fresh interpreter: huggingface_hub reads its cache folder and offline switch at import.
+    env = {**os.environ, "HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1"}
+    out = subprocess.run([sys.executable, "-c", _PROBE, "acme/tiny-moe", "acme/not-there"], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    found, missing = out.stdout.strip().splitlines()[-2:]
+    assert found == f"PATH {snapshot}"
+    assert missing.startswith("ERROR") and "acme/not-there" in missing and "Hugging Face cache" in missing
