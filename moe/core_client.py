@@ -36,12 +36,42 @@ class EngineDeadError(RuntimeError):
     """The engine core process failed or exited: in-flight requests cannot finish."""
 
 
-def launch_core(args: EngineArgs) -> tuple[subprocess.Popen, str]:
-    """Start an engine core process on a fresh ipc address; it exits when this process is gone."""
-    address = f"ipc://{os.path.join(tempfile.mkdtemp(prefix='moe-core-'), 'core0.sock')}"
-    proc = subprocess.Popen([sys.executable, "-m", "moe.core_process", address,
-                             json.dumps(dataclasses.asdict(args)), str(os.getpid())])
-    return proc, address
+def core_layout(args: EngineArgs) -> tuple[int, EngineArgs]:
+    """(number of engine core processes, the engine arguments of each).
+
+    Data-parallel replicas without expert parallelism share nothing, so each gets an engine core
+    process of its own (the API processes route to the least loaded). With expert parallelism the
+    replicas' MoE layers exchange tokens every step, so they stay in one core whose scheduler
+    deals requests to them (moe/data_parallel.py) and whose executor keeps them in step."""
+    if args.data_parallel_size > 1 and not args.enable_expert_parallel:
+        return args.data_parallel_size, dataclasses.replace(args, data_parallel_size=1)
+    return 1, args
+
+
+def launch_cores(args: EngineArgs) -> tuple[list[subprocess.Popen], list[str]]:
+    """Start the engine core processes on fresh ipc addresses; they exit when this process is gone.
+    Core i of several sees its own slice of the GPUs (tensor x pipeline parallel size each)."""
+    count, core_args = core_layout(args)
+    folder = tempfile.mkdtemp(prefix="moe-core-")
+    gpus_per_core = core_args.tensor_parallel_size * core_args.pipeline_parallel_size
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    devices = visible.split(",") if visible else [str(i) for i in range(_cuda_device_count())]
+    procs, addresses = [], []
+    for i in range(count):
+        address = f"ipc://{os.path.join(folder, f'core{i}.sock')}"
+        env = dict(os.environ)
+        if count > 1 and len(devices) >= count * gpus_per_core:
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(devices[i * gpus_per_core:(i + 1) * gpus_per_core])
+        procs.append(subprocess.Popen([sys.executable, "-m", "moe.core_process", address,
+                                       json.dumps(dataclasses.asdict(core_args)), str(os.getpid())], env=env))
+        addresses.append(address)
+    return procs, addresses
+
+
+def _cuda_device_count() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
 def process_alive(pid: int) -> bool:
@@ -56,11 +86,12 @@ def process_alive(pid: int) -> bool:
 class CoreProcessClient:
     def __init__(self, args: EngineArgs, on_result: Callable[[CoreStepResult], None],
                  on_stats: Callable[[SchedulerStats], None], on_dead: Callable[[str], None],
-                 address: str | None = None, pid: int | None = None) -> None:
-        """address / pid: a core another process launched (else this client launches its own)."""
+                 address: str | None = None, pid: int | None = None, proc: subprocess.Popen | None = None) -> None:
+        """address / pid: a core already launched (by this process: pass its proc too; by a
+        launcher: its pid is watched through /proc); without address the client launches one."""
         self.args = args
         self.on_result, self.on_stats, self.on_dead = on_result, on_stats, on_dead
-        self.proc: subprocess.Popen | None = None
+        self.proc: subprocess.Popen | None = proc
         self.address, self.pid = address, pid
         self.dead: str | None = None
         self._ctx = zmq.asyncio.Context()
@@ -75,7 +106,9 @@ class CoreProcessClient:
 
     async def start(self, timeout_s: float = 600.0) -> None:
         if self.address is None:
-            self.proc, self.address = launch_core(self.args)
+            procs, addresses = launch_cores(self.args)
+            assert len(procs) == 1, "a client launches one core: launch several with launch_cores"
+            self.proc, self.address = procs[0], addresses[0]
             self.pid = self.proc.pid
         self._socket = self._ctx.socket(zmq.DEALER)
         self._socket.setsockopt(zmq.LINGER, 0)

@@ -32,7 +32,7 @@ _DISCONNECT_POLL_S = 0.25  # how often a request that has not started its respon
 
 
 def build_app(args: EngineArgs, served_model_name: str | None = None, api_key: str | None = None,
-              core_address: str | None = None, core_pid: int | None = None, server_index: int = 0):
+              core_addresses: list[str] | None = None, core_pids: list[int] | None = None, server_index: int = 0):
     from fastapi import FastAPI, Request
     from fastapi.exceptions import RequestValidationError
     from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -43,7 +43,7 @@ def build_app(args: EngineArgs, served_model_name: str | None = None, api_key: s
     from moe.serve.async_llm import AsyncLLM
     from moe.serve.handlers import ChatHandler, CompletionHandler
 
-    engine = AsyncLLM(args, core_address, core_pid, server_index)
+    engine = AsyncLLM(args, core_addresses, core_pids, server_index)
     model_name = served_model_name or args.model
 
     @asynccontextmanager
@@ -204,13 +204,13 @@ def _reuseport_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def _api_server_main(args: argparse.Namespace, engine_args: EngineArgs, index: int, address: str,
-                     core_pid: int) -> None:
+def _api_server_main(args: argparse.Namespace, engine_args: EngineArgs, index: int, addresses: list[str],
+                     core_pids: list[int]) -> None:
     """One of N API processes (spawned by the launcher)."""
     import uvicorn
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s")
-    app = build_app(engine_args, args.served_model_name, args.api_key, address, core_pid, index)
+    app = build_app(engine_args, args.served_model_name, args.api_key, addresses, core_pids, index)
     config = uvicorn.Config(app, log_level=args.uvicorn_log_level, timeout_graceful_shutdown=30)
     uvicorn.Server(config).run(sockets=[_reuseport_socket(args.host, args.port)])
 
@@ -218,25 +218,26 @@ def _api_server_main(args: argparse.Namespace, engine_args: EngineArgs, index: i
 def _run_launcher(args: argparse.Namespace, engine_args: EngineArgs) -> int:
     import multiprocessing
 
-    from moe.core_client import launch_core
+    from moe.core_client import launch_cores
 
     # Before any API process imports prometheus_client: they all write to this folder.
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix="moe-prometheus-")
-    core, address = launch_core(engine_args)
+    cores, addresses = launch_cores(engine_args)
     ctx = multiprocessing.get_context("spawn")
     args = argparse.Namespace(**{k: v for k, v in vars(args).items() if k != "func"})  # plain values to pickle
-    servers = [ctx.Process(target=_api_server_main, args=(args, engine_args, i, address, core.pid),
+    servers = [ctx.Process(target=_api_server_main, args=(args, engine_args, i, addresses, [c.pid for c in cores]),
                            name=f"moe-api-server-{i}") for i in range(args.api_server_count)]
     for p in servers:
         p.start()
-    logger.info("serving %s on http://%s:%d with %d API processes (engine core pid %d)", engine_args.model,
-                args.host, args.port, len(servers), core.pid)
+    logger.info("serving %s on http://%s:%d with %d API processes (engine core pids %s)", engine_args.model,
+                args.host, args.port, len(servers), [c.pid for c in cores])
     stopping = []
     signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
     status = 0
     try:
         while not stopping:
-            core.poll()  # reaps a dead core, so that the API processes see it gone
+            for core in cores:
+                core.poll()  # reaps a dead core, so that the API processes see it gone
             if any(not p.is_alive() for p in servers):
                 logger.error("an API process exited: stopping")
                 status = 1
@@ -252,8 +253,10 @@ def _run_launcher(args: argparse.Namespace, engine_args: EngineArgs) -> int:
             p.join(35)
             if p.is_alive():
                 p.kill()
-        if core.poll() is None:
-            core.terminate()
+        for core in cores:
+            if core.poll() is None:
+                core.terminate()
+        for core in cores:
             try:
                 core.wait(10)
             except Exception:

@@ -1,6 +1,6 @@
-"""`--api-server-count 2` (two API processes on one port) in front of `-dp 2` (two data-parallel
-replicas in the engine core): the same answers as the offline LLM, both API processes used, and
-/metrics summed over them (not multiplied, not lost)."""
+"""`--api-server-count 2` (two API processes on one port) in front of `-dp 2` (two engine core
+processes, one per data-parallel replica): the same answers as the offline LLM, both API
+processes used, and /metrics summed over them (not multiplied, not lost)."""
 from __future__ import annotations
 
 import asyncio
@@ -10,9 +10,17 @@ import httpx
 import pytest
 
 from moe import SamplingParams
-from tests.serve.helpers import MODEL_NAME, ServerProcess, headers, scrape_metrics
+from tests.serve.helpers import MODEL_NAME, ServerProcess, headers, process_tree, scrape_metrics
 
 PROMPTS = [f"Hello there {i}" for i in range(12)]
+
+
+def _is_core(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return b"moe.core_process" in f.read()
+    except OSError:
+        return False
 
 
 @pytest.fixture(scope="module")
@@ -38,6 +46,8 @@ def test_two_api_servers_two_replicas_same_answers_and_summed_metrics(server, ll
     async def main():
         return await asyncio.wait_for(asyncio.gather(*(one(p) for p in PROMPTS)), 90)
 
+    cores = [pid for pid in process_tree(server.proc.pid) if _is_core(pid)]
+    assert len(cores) == 2
     results = asyncio.run(main())
     assert [body["choices"][0]["text"] for _, body in results] == want
     assert {index for index, _ in results} == {"0", "1"}
@@ -79,8 +89,6 @@ def test_sigterm_drains_in_flight_requests_then_exits(server):
     import signal
     import threading
     import time
-
-    from tests.serve.helpers import process_tree
 
     pids = process_tree(server.proc.pid)
     got = {}
