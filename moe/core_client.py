@@ -62,6 +62,9 @@ def launch_cores(args: EngineArgs) -> tuple[list[subprocess.Popen], list[str]]:
         env = dict(os.environ)
         if count > 1 and len(devices) >= count * gpus_per_core:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(devices[i * gpus_per_core:(i + 1) * gpus_per_core])
+        if count > 1 and "OMP_NUM_THREADS" not in env:
+            # CPU threads shared out: oversubscribed OpenMP threads spin against each other.
+            env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // count))
         procs.append(subprocess.Popen([sys.executable, "-m", "moe.core_process", address,
                                        json.dumps(dataclasses.asdict(core_args)), str(os.getpid())], env=env))
         addresses.append(address)

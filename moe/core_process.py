@@ -118,6 +118,9 @@ def main(argv: list[str]) -> int:
     ctx = zmq.Context()
     socket = ctx.socket(zmq.ROUTER)
     socket.setsockopt(zmq.LINGER, 1000)
+    # A ROUTER drops what it cannot queue for a peer, and a dropped output would hang a request:
+    # room for many steps' outputs of a slow API process.
+    socket.setsockopt(zmq.SNDHWM, 1 << 20)
     socket.bind(address)
     server = CoreServer(core, socket)
     logger.info("engine core %d serving at %s", os.getpid(), address)

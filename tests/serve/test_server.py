@@ -260,3 +260,5 @@ def test_killed_engine_core_gives_5xx_and_failing_health(server):
     r = httpx.post(f"{server.url}/v1/completions", headers=headers(), timeout=10,
                    json={"model": MODEL_NAME, "prompt": "hi", "max_tokens": 2})
     assert r.status_code == 503 and r.json()["error"]["type"] == "EngineDeadError"
+    server.proc.send_signal(signal.SIGTERM)  # and the API process still stops cleanly
+    assert server.proc.wait(20) in (0, -signal.SIGTERM)  # uvicorn re-raises the signal it handled
