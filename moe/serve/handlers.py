@@ -10,6 +10,7 @@ import asyncio
 import time
 import uuid
 from dataclasses import dataclass, field
+from typing import AsyncIterator
 
 from moe.core_client import EngineDeadError
 from moe.input_processor import ProcessedPrompt
@@ -30,7 +31,7 @@ class _Choice:
     stop_reason: int | str | None = None
 
 
-async def _merge(gens: list) -> "asyncio.AsyncIterator[tuple[int, RequestOutput]]":
+async def _merge(gens: list) -> AsyncIterator[tuple[int, RequestOutput]]:
     """(prompt index, delta) from several request iterators as they come; closing the merged
     iterator (a client gone) cancels the others, which aborts their requests."""
     if len(gens) == 1:
@@ -66,7 +67,8 @@ async def _merge(gens: list) -> "asyncio.AsyncIterator[tuple[int, RequestOutput]
 
 
 class _Handler:
-    object_name = ""
+    object_name = ""    # "object" of a response
+    chunk_object = ""   # "object" of a streamed chunk
     id_prefix = ""
 
     def __init__(self, engine, model_name: str) -> None:
