@@ -1,4 +1,4 @@
-"""The `moe` command: `moe generate`, `moe bench NAME` and `moe tune-moe`."""
+"""The `moe` command: `moe generate`, `moe serve`, `moe bench NAME` and `moe tune-moe`."""
 from __future__ import annotations
 
 import argparse
@@ -85,6 +85,17 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(args: argparse.Namespace) -> int:
+    from moe.serve.api_server import run_server
+
+    if args.model_tag is not None and args.model is not None and args.model_tag != args.model:
+        raise ValueError(f"two models given: {args.model_tag!r} and --model {args.model!r}")
+    args.model = args.model or args.model_tag
+    if args.model is None:
+        raise ValueError("give the model: moe serve MODEL [engine arguments]")
+    return run_server(args, EngineArgs.from_cli_args(args))
+
+
 # `moe bench NAME` -> (module whose main(argv) it runs, one line for `moe bench --help`).
 BENCHMARKS = {
     "throughput": ("moe.bench.throughput", "offline throughput of LLM.generate (vLLM's flags; CPU-sized defaults)"),
@@ -93,6 +104,8 @@ BENCHMARKS = {
     "kernel": ("moe.bench.kernel", "the expert kernel against references and vLLM's kernel (needs a CUDA GPU)"),
     "all2all": ("moe.bench.all2all", "token dispatch + combine (run under torchrun: torchrun --nproc-per-node=N "
                                      "-m moe.bench.all2all)"),
+    "serve": ("moe.bench.serve", "online serving against a running server (vLLM's bench serve flags: "
+                                 "--num-prompts, --request-rate, --max-concurrency, ...)"),
     "engine-cpu": ("moe.bench.engine_cpu", "engine overhead per step beside the model forward (CPU)"),
 }
 
@@ -119,6 +132,17 @@ def build_parser() -> argparse.ArgumentParser:
     _show_defaults(gen)
     gen.set_defaults(func=_generate)
 
+    serve = sub.add_parser("serve", help="an OpenAI-compatible HTTP server: moe serve MODEL [engine arguments]",
+                           description="Serve a model over an OpenAI-compatible HTTP API (/v1/completions, "
+                                       "/v1/chat/completions, /v1/models, /health, /version, /metrics).",
+                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    from moe.serve.api_server import add_serve_args
+
+    add_serve_args(serve)
+    EngineArgs.add_cli_args(serve, model_required=False)
+    _show_defaults(serve)
+    serve.set_defaults(func=_serve)
+
     bench = sub.add_parser("bench", help="run a benchmark: moe bench NAME [its flags] (moe bench NAME --help)",
                            description="Run a benchmark; its own flags follow its name "
                                        "(moe bench NAME --help lists them).")
@@ -136,7 +160,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s")
     args, rest = build_parser().parse_known_args(argv)
-    if args.func is _generate and rest:
+    if args.func in (_generate, _serve) and rest:
         build_parser().error(f"unrecognized arguments: {' '.join(rest)}")
     args.rest = rest
     try:

@@ -129,19 +129,21 @@ class EngineArgs:
                            "the engine only serves its built-in architectures")
 
     @classmethod
-    def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
-        """--kebab-case flags for every field, as vLLM's CLI spells them."""
+    def add_cli_args(cls, parser: argparse.ArgumentParser, model_required: bool = True) -> None:
+        """--kebab-case flags for every field, as vLLM's CLI spells them (with its -tp / -pp / -dp)."""
+        short = {"tensor_parallel_size": "-tp", "pipeline_parallel_size": "-pp", "data_parallel_size": "-dp"}
         for f in dataclasses.fields(cls):
-            flag = "--" + f.name.replace("_", "-")
+            flags = ["--" + f.name.replace("_", "-")] + ([short[f.name]] if f.name in short else [])
             if f.name == "model":
-                parser.add_argument(flag, required=True, help="checkpoint folder, or 'tiny-qwen3-moe'")
+                parser.add_argument(*flags, required=model_required, default=None,
+                                    help="checkpoint folder, or 'tiny-qwen3-moe'")
             elif f.type in ("bool", bool):
-                parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)
+                parser.add_argument(*flags, action=argparse.BooleanOptionalAction, default=f.default)
             elif str(f.type).startswith("list[int]"):
-                parser.add_argument(flag, type=int, nargs="+", default=f.default)
+                parser.add_argument(*flags, type=int, nargs="+", default=f.default)
             else:
                 kind = int if "int" in str(f.type) else float if "float" in str(f.type) else str
-                parser.add_argument(flag, type=kind, default=f.default)
+                parser.add_argument(*flags, type=kind, default=f.default)
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> "EngineArgs":

@@ -87,6 +87,21 @@ class LLM:
             raise RequestFailed(failed.request_id, failed.error)
         return outs
 
+    def chat(self, messages, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool = True, chat_template: str | None = None, add_generation_prompt: bool = True,
+             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+        """Generate replies to one conversation ([{"role": ..., "content": ...}, ...]) or a list of
+        them, each rendered with the checkpoint's chat template (tokenizer_config.json) or
+        `chat_template`; returns one RequestOutput per conversation."""
+        if isinstance(messages, list) and messages and isinstance(messages[0], dict):
+            messages = [messages]
+        if not isinstance(messages, (list, tuple)) or not messages:
+            raise ValueError("messages must be a conversation (a list of {'role', 'content'} dicts) or a list of them")
+        processed = [self.llm_engine.input.process_chat(conv, add_generation_prompt, chat_template,
+                                                        **(chat_template_kwargs or {})) for conv in messages]
+        prompts = [{"prompt": p.prompt, "prompt_token_ids": p.prompt_token_ids} for p in processed]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         """Step the engine until every request of `ids` is done. Any caller's step serves every
         caller's requests; outputs of other callers are left in `_done` for them."""

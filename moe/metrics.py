@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from prometheus_client import CollectorRegistry, Counter, Gauge
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 
 @dataclass
@@ -12,7 +12,16 @@ class Metric:
     name: str
     value: float
     labels: dict[str, str] = field(default_factory=dict)
-    kind: str = "counter"  # "counter" or "gauge"
+    kind: str = "counter"  # "counter", "gauge" or "histogram" (its _count and _sum)
+
+
+# Latency buckets in seconds (vLLM's, trimmed): fine below a second, coarse up to minutes.
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+_ITL_BUCKETS = (0.001, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5,
+                0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+_REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+                    240.0, 480.0, 960.0, 1920.0, 7680.0)
 
 
 class EngineMetrics:
@@ -24,7 +33,8 @@ class EngineMetrics:
             return Counter(name, doc, labels, registry=self.registry).labels(model_name)
 
         def gauge(name, doc):
-            return Gauge(name, doc, labels, registry=self.registry).labels(model_name)
+            # Several API processes (prometheus multiprocess mode): the value set last is the state.
+            return Gauge(name, doc, labels, registry=self.registry, multiprocess_mode="mostrecent").labels(model_name)
 
         self.prompt_tokens = counter("moe:prompt_tokens", "Prefill tokens processed.")
         self.generation_tokens = counter("moe:generation_tokens", "Generated tokens.")
@@ -36,11 +46,23 @@ class EngineMetrics:
         self.num_requests_waiting = gauge("moe:num_requests_waiting", "Requests waiting to be scheduled.")
         self.kv_cache_usage_perc = gauge("moe:kv_cache_usage_perc", "Fraction of KV blocks in use (0-1).")
 
+        def histogram(name, doc, buckets):
+            return Histogram(name, doc, labels, buckets=buckets, registry=self.registry).labels(model_name)
+
+        self.time_to_first_token = histogram("moe:time_to_first_token_seconds", "Time to the first token.",
+                                             _TTFT_BUCKETS)
+        self.inter_token_latency = histogram("moe:inter_token_latency_seconds", "Time between two output tokens.",
+                                             _ITL_BUCKETS)
+        self.e2e_request_latency = histogram("moe:e2e_request_latency_seconds", "Arrival to the last token.",
+                                             _REQUEST_BUCKETS)
+        self.request_queue_time = histogram("moe:request_queue_time_seconds",
+                                            "Arrival at the engine core to first scheduling.", _REQUEST_BUCKETS)
+
     def snapshot(self) -> list[Metric]:
         out = []
         for family in self.registry.collect():
             for s in family.samples:
-                if s.name.endswith("_created"):
+                if s.name.endswith(("_created", "_bucket")):
                     continue
                 name = s.name[:-len("_total")] if family.type == "counter" and s.name.endswith("_total") else s.name
                 out.append(Metric(name, float(s.value), dict(s.labels), family.type))

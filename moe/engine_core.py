@@ -1,0 +1,209 @@
+"""EngineCore: the scheduler(s) and the executor, and nothing else: schedule -> execute -> update.
+
+It sees only token ids: one `CoreRequest` per sequence (the input side fans a request with n > 1
+out into n of them), and it returns per step the new tokens of each sequence, raw logprobs,
+finish states and the scheduler's statistics (`CoreStepResult`). Text, stop strings and the
+grouping of sequences into requests are the output side's (moe/output_processor.py).
+
+The offline `LLMEngine` calls it directly in its own process; `moe serve` runs it in a process of
+its own behind ZeroMQ (moe/core_process.py).
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+from moe.data_parallel import DataParallelScheduler
+from moe.executor import Executor, InProcessExecutor, make_executor
+from moe.model_info import ModelInfo
+from moe.sampling_params import SamplingParams
+from moe.step_recovery import StepRecovery
+from scheduler import plan_groups, Request, RequestStatus, Scheduler, SchedulerConfig
+from scheduler.output import EngineCoreOutput
+
+logger = logging.getLogger("moe.engine")
+
+
+@dataclass
+class CoreRequest:
+    """One sequence to generate, as the engine core receives it."""
+    request_id: str
+    prompt_token_ids: list[int]
+    max_tokens: int
+    params: SamplingParams
+    eos_token_ids: tuple[int, ...] = ()
+
+
+@dataclass
+class SchedulerStats:
+    """The scheduler's state after a step; the totals only grow."""
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0
+    num_preemptions: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+
+
+@dataclass
+class CoreStepResult:
+    outputs: list[EngineCoreOutput] = field(default_factory=list)
+    stats: SchedulerStats = field(default_factory=SchedulerStats)
+    # Seconds from arrival to first scheduling, for the requests scheduled for the first time.
+    queue_times: dict[str, float] = field(default_factory=dict)
+    # Why a failed step finished a request with finish_reason "error".
+    errors: dict[str, str] = field(default_factory=dict)
+
+
+class EngineCore:
+    def __init__(self, info: ModelInfo) -> None:
+        args = info.args
+        self.info = info
+        self.max_model_len = info.max_model_len
+        self.device = info.device
+        # Every size check ran in resolve_model_info: nothing has been started yet when one fails.
+        self.executor: Executor = make_executor(info.model_cls, info.model_config, info.model_path, args,
+                                                info.device, info.dtype, info.eos_token_ids)
+        num_blocks = self.executor.determine_num_blocks(args.max_num_seqs, self.max_model_len,
+                                                        info.max_num_batched_tokens)
+        self._check_kv_cache_size(num_blocks)
+        tokens = num_blocks * args.block_size
+        logger.info("KV cache: %d blocks of %d tokens (%d tokens); maximum concurrency for %d tokens per "
+                    "request: %.2fx", num_blocks, args.block_size, tokens, self.max_model_len,
+                    tokens / self.max_model_len)
+        # Chunked-local layers get a KV-cache group of their own, sized to what their chunks use.
+        groups = plan_groups(info.model_config.kv_cache_chunk_sizes(), num_blocks, args.block_size,
+                             args.max_num_seqs, info.max_num_batched_tokens)
+        if len(groups) > 1:
+            logger.info("KV cache groups: %s", ", ".join(
+                f"{'full attention' if g.chunk_size is None else f'chunked-local {g.chunk_size}'}: "
+                f"{g.num_blocks} blocks" for g in groups))
+            if args.enable_prefix_caching:
+                logger.info("Prefix caching is off: chunked-local layers release their blocks behind each chunk")
+        # One scheduler per data-parallel replica, each over its own KV cache.
+        self.schedulers = [Scheduler(SchedulerConfig(
+            max_num_seqs=args.max_num_seqs, max_num_batched_tokens=info.max_num_batched_tokens,
+            max_model_len=self.max_model_len, block_size=args.block_size, num_blocks=num_blocks,
+            enable_chunked_prefill=args.enable_chunked_prefill, enable_prefix_caching=args.enable_prefix_caching,
+            kv_cache_groups=groups))
+            for _ in range(args.data_parallel_size)]
+        self.scheduler = self.schedulers[0] if len(self.schedulers) == 1 else DataParallelScheduler(self.schedulers)
+        self.executor.initialize_cache(groups)
+        # Failed steps are undone and isolated where the executor can go on after one (in-process);
+        # a failed worker process closes a multi-process executor, which then reports that.
+        self.recovery = StepRecovery(self.scheduler) \
+            if isinstance(self.executor, InProcessExecutor) and isinstance(self.scheduler, Scheduler) else None
+        self.num_steps = 0
+        self._arrival: dict[str, float] = {}  # requests not scheduled yet -> arrival time
+
+    def _check_kv_cache_size(self, num_blocks: int) -> None:
+        """Enough KV blocks for one request of max_model_len, with advice for the device in use."""
+        args = self.info.args
+        if args.num_gpu_blocks_override is not None:
+            knobs = "raise num_gpu_blocks_override"
+        elif self.device.type == "cpu":
+            size = args.kv_cache_memory_bytes if args.kv_cache_memory_bytes is not None else "1 GiB by default"
+            knobs = (f"on the CPU the KV cache is sized by kv_cache_memory_bytes (now {size}): raise it, "
+                     "or set num_gpu_blocks_override")
+        elif args.kv_cache_memory_bytes is not None:
+            knobs = f"raise kv_cache_memory_bytes (now {args.kv_cache_memory_bytes}) or set num_gpu_blocks_override"
+        else:
+            knobs = ("increase gpu_memory_utilization (other processes' use of the GPU counts against it), lower "
+                     "max_num_batched_tokens, or set kv_cache_memory_bytes / num_gpu_blocks_override")
+        if num_blocks <= 0:
+            raise ValueError(f"no memory is left for the KV cache (0 blocks) on {self.device.type}: {knobs}")
+        if num_blocks * args.block_size < self.max_model_len:
+            raise ValueError(f"the KV cache on {self.device.type} holds {num_blocks} blocks x {args.block_size} "
+                             f"tokens = {num_blocks * args.block_size} tokens, fewer than max_model_len="
+                             f"{self.max_model_len}, so a request of that length could never run; {knobs}, "
+                             "or lower max_model_len")
+
+    # ---- requests ----------------------------------------------------------------------
+    def add_request(self, req: CoreRequest) -> None:
+        p = req.params
+        self.scheduler.add_request(Request(
+            req.request_id, req.prompt_token_ids, req.max_tokens, req.eos_token_ids, tuple(p.stop_token_ids),
+            p.ignore_eos, p.min_tokens, p))
+        self._arrival[req.request_id] = time.monotonic()
+
+    def abort_requests(self, request_ids: list[str], status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> None:
+        """Finish sequences now (aborted, or stopped by a stop string); unknown ids are ignored."""
+        if self.recovery is not None:
+            self.recovery.forget(request_ids)
+        for rid in request_ids:
+            self._arrival.pop(rid, None)
+        self.scheduler.finish_requests(request_ids, status)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests() or bool(self.recovery and self.recovery.num_held)
+
+    @property
+    def load(self) -> int:
+        """Waiting + running sequences: what a router balances on."""
+        return self.scheduler.num_waiting + self.scheduler.num_running
+
+    # ---- the loop ----------------------------------------------------------------------
+    def step(self) -> CoreStepResult:
+        self.num_steps += 1
+        result = CoreStepResult()
+        if isinstance(self.scheduler, DataParallelScheduler):
+            sos = self.scheduler.schedule()
+            self._note_scheduled(sos, result)
+            result.outputs = self.scheduler.update_from_output(sos, self.executor.execute_models(sos))
+        else:
+            so = self.scheduler.schedule()
+            self._note_scheduled([so], result)
+            try:
+                runner_out = self.executor.execute_model(so)
+            except Exception as exc:
+                self._recover_from_failed_step(so, exc, result)
+                result.stats = self.stats()
+                return result
+            if self.recovery is not None:
+                self.recovery.on_success(so)
+            result.outputs = self.scheduler.update_from_output(so, runner_out.sampled, runner_out.logprobs)
+        if self.recovery is not None:
+            finished = [co.req_id for co in result.outputs if co.finish_reason is not None]
+            if finished:
+                self.recovery.forget(finished)
+        result.stats = self.stats()
+        return result
+
+    def _note_scheduled(self, sos, result: CoreStepResult) -> None:
+        if not self._arrival:
+            return
+        now = time.monotonic()
+        for so in sos:
+            for new in so.scheduled_new_reqs:
+                arrival = self._arrival.pop(new.req_id, None)
+                if arrival is not None:
+                    result.queue_times[new.req_id] = now - arrival
+
+    def _recover_from_failed_step(self, so, exc: Exception, result: CoreStepResult) -> None:
+        """Undo the failed step and finish the sequences it can be blamed on with an error; the
+        others go on (moe/step_recovery.py). Re-raised when the executor cannot go on."""
+        if self.recovery is None or not so.num_scheduled_tokens:
+            raise exc
+        culprits = self.recovery.on_failure(so, exc)
+        error = f"{type(exc).__name__}: {exc}"
+        logger.error("a step of %d request(s) failed (%s); %s", len(so.num_scheduled_tokens), error,
+                     f"finishing request(s) {culprits} with an error" if culprits else
+                     "running the suspects one at a time to find the cause", exc_info=exc)
+        if culprits:
+            self.abort_requests(list(culprits))
+        for rid in culprits:
+            result.outputs.append(EngineCoreOutput(rid, [], finish_reason="error"))
+            result.errors[rid] = error
+
+    def stats(self) -> SchedulerStats:
+        s = self.scheduler
+        return SchedulerStats(s.num_running, s.num_waiting, s.kv.usage(), s.num_preemptions,
+                              s.kv.prefix_cache_queries, s.kv.prefix_cache_hits)
+
+    def reset_prefix_cache(self) -> bool:
+        return self.scheduler.kv.reset_prefix_cache() is not False
+
+    def shutdown(self) -> None:
+        """Stop the workers and release the model and the KV cache (GPU memory included)."""
+        self.executor.shutdown()

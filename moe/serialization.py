@@ -1,0 +1,92 @@
+"""The messages between API processes and engine cores, as msgpack (never pickle).
+
+Every message is one msgpack array whose first item names it:
+
+    client -> core   ["hello"]                          register; the core answers "ready"
+                     ["add", [request, ...]]            request = [id, prompt ids, max_tokens, eos ids, params]
+                     ["abort", [id, ...]]               finish sequences as aborted (blocks freed)
+                     ["stop", [id, ...]]                finish sequences a stop string ended
+    core -> client   ["ready", {"pid", "num_blocks"}]
+                     ["step", outputs, stats, queue_times, errors]   the client's sequences of one step
+                     ["stats", stats]                   the scheduler's state, sent when idle
+                     ["dead", error]                    the core failed and is exiting
+
+params is SamplingParams' fields as a map; an output is [id, new token ids, logprobs, finish_reason,
+stop_reason, num_cached_tokens] with logprobs null or one [token, logprob, rank, top ids, top
+logprobs] per new token; stats is SchedulerStats' fields in order.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import msgpack
+
+from moe.engine_core import CoreRequest, CoreStepResult, SchedulerStats
+from moe.model_runner import TokenLogprobs
+from moe.sampling_params import SamplingParams
+from scheduler.output import EngineCoreOutput
+
+_PARAM_FIELDS = [f.name for f in dataclasses.fields(SamplingParams) if f.init]
+_STATS_FIELDS = [f.name for f in dataclasses.fields(SchedulerStats)]
+
+
+def _default(obj):
+    """Numbers that are not Python's own (numpy / torch scalars) travel as Python numbers."""
+    if hasattr(obj, "tolist"):
+        return obj.tolist()
+    if isinstance(obj, (tuple, set)):
+        return list(obj)
+    raise TypeError(f"cannot encode {type(obj).__name__} in a message")
+
+
+def encode(message: list) -> bytes:
+    return msgpack.packb(message, use_bin_type=True, default=_default)
+
+
+def decode(data: bytes) -> list:
+    return msgpack.unpackb(data, raw=False, strict_map_key=False)
+
+
+# ---- requests ----------------------------------------------------------------------------
+def pack_request(req: CoreRequest) -> list:
+    p = req.params
+    return [req.request_id, req.prompt_token_ids, req.max_tokens, list(req.eos_token_ids),
+            {name: getattr(p, name) for name in _PARAM_FIELDS}]
+
+
+def unpack_request(item: list) -> CoreRequest:
+    request_id, prompt_token_ids, max_tokens, eos, params = item
+    return CoreRequest(request_id, prompt_token_ids, max_tokens, SamplingParams(**params), tuple(eos))
+
+
+# ---- step results ------------------------------------------------------------------------
+def pack_stats(s: SchedulerStats) -> list:
+    return [getattr(s, name) for name in _STATS_FIELDS]
+
+
+def unpack_stats(item: list) -> SchedulerStats:
+    return SchedulerStats(*item)
+
+
+def pack_output(co: EngineCoreOutput) -> list:
+    lps = None if co.new_logprobs is None else [
+        [e.token_id, e.logprob, e.rank, e.top_ids, e.top_logprobs] for e in co.new_logprobs]
+    return [co.req_id, co.new_token_ids, lps, co.finish_reason, co.stop_reason, co.num_cached_tokens]
+
+
+def unpack_output(item: list) -> EngineCoreOutput:
+    req_id, tokens, lps, finish_reason, stop_reason, num_cached = item
+    if lps is not None:
+        lps = [TokenLogprobs(*e) for e in lps]
+    return EngineCoreOutput(req_id, tokens, lps, finish_reason, stop_reason, num_cached)
+
+
+def pack_step(result: CoreStepResult) -> bytes:
+    """A step's result (the part of it for one client)."""
+    return encode(["step", [pack_output(co) for co in result.outputs], pack_stats(result.stats),
+                   result.queue_times, result.errors])
+
+
+def unpack_step(message: list) -> CoreStepResult:
+    _, outputs, stats, queue_times, errors = message
+    return CoreStepResult([unpack_output(o) for o in outputs], unpack_stats(stats), queue_times, errors)

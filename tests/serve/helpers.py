@@ -1,0 +1,133 @@
+"""Helpers for the server tests: a chat-capable copy of the built-in tiny model, and a `moe serve`
+subprocess on loopback with a free port and a bounded start-up wait."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+API_KEY = "test-key"
+MODEL_NAME = "tiny-chat"
+# Small KV cache and context: the tiny model in two processes stays light on a 2-core machine.
+ENGINE_ARGS = {"device": "cpu", "max_model_len": 256, "kv_cache_memory_bytes": 32 << 20, "max_num_seqs": 32}
+CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}assistant:{% endif %}")
+
+
+def make_chat_model(folder: str) -> str:
+    """The built-in tiny model plus a tokenizer_config.json with a chat template."""
+    from models.tiny import ensure_tiny_model
+
+    src = ensure_tiny_model("tiny-qwen3-moe")
+    shutil.copytree(src, folder, dirs_exist_ok=True)
+    with open(os.path.join(folder, "tokenizer_config.json"), "w") as f:
+        json.dump({"chat_template": CHAT_TEMPLATE, "eos_token": "<|endoftext|>",
+                   "tokenizer_class": "PreTrainedTokenizerFast"}, f)
+    return folder
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def cli_engine_args() -> list[str]:
+    out = []
+    for k, v in ENGINE_ARGS.items():
+        out += [f"--{k.replace('_', '-')}", str(v)]
+    return out
+
+
+class ServerProcess:
+    def __init__(self, model: str, log_path: str, extra: list[str] = (), startup_s: float = 120.0) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = open(log_path, "w")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "moe.cli", "serve", model, "--host", "127.0.0.1", "--port", str(self.port),
+             "--served-model-name", MODEL_NAME, "--api-key", API_KEY, "--uvicorn-log-level", "warning",
+             *cli_engine_args(), *extra],
+            cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + startup_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"moe serve exited with {self.proc.returncode}: {self.read_log()}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=1.0).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.25)
+        self.stop()
+        raise RuntimeError(f"moe serve did not become healthy within {startup_s} s: {self.read_log()}")
+
+    def read_log(self) -> str:
+        self.log.flush()
+        with open(self.log.name) as f:
+            return f.read()[-4000:]
+
+    def core_pid(self) -> int:
+        """The engine core: the child process of the server running moe.core_process."""
+        for pid in os.listdir("/proc"):
+            if not pid.isdigit():
+                continue
+            try:
+                with open(f"/proc/{pid}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    cmdline = f.read()
+            except OSError:
+                continue
+            if ppid == self.proc.pid and b"moe.core_process" in cmdline:
+                return int(pid)
+        raise RuntimeError("no engine core process found")
+
+    def stop(self, timeout_s: float = 15.0) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+        self.log.close()
+
+
+def process_tree(root: int) -> list[int]:
+    """root and every process below it (from /proc)."""
+    children: dict[int, list[int]] = {}
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            try:
+                with open(f"/proc/{pid}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except OSError:
+                continue
+            children.setdefault(ppid, []).append(int(pid))
+    out, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        out.append(pid)
+        todo += children.get(pid, [])
+    return out
+
+
+def headers() -> dict:
+    return {"Authorization": f"Bearer {API_KEY}"}
+
+
+def scrape_metrics(url: str) -> dict[str, float]:
+    """/metrics parsed by prometheus_client's text parser: sample name -> value (labels dropped)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"{url}/metrics", timeout=5.0).text
+    return {s.name: s.value for fam in text_string_to_metric_families(text) for s in fam.samples
+            if not s.name.endswith("_bucket")}

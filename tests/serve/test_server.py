@@ -1,0 +1,264 @@
+"""`moe serve` end to end on loopback: a server subprocess (engine core in a process of its own)
+against the offline `LLM` on the same checkpoint, through the real `openai` client and raw HTTP.
+
+The tests share one server; the last one kills its engine core (keep it last)."""
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+from moe import SamplingParams
+from tests.serve.helpers import API_KEY, MODEL_NAME, ServerProcess, headers, scrape_metrics
+
+PROMPTS = ["Hello, world!", "The quick brown fox", "Mixture-of-experts models route", "Numbers: 1 2 3"]
+MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "How are you today?"}]
+
+
+@pytest.fixture(scope="module")
+def server(model_dir, tmp_path_factory):
+    srv = ServerProcess(model_dir, str(tmp_path_factory.mktemp("log") / "serve.log"))
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, timeout=60.0, max_retries=0)
+
+
+def greedy(max_tokens: int, **kw) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, **kw)
+
+
+def offline_texts(llm, prompts, params) -> list[str]:
+    return [o.text for out in llm.generate(prompts, params, use_tqdm=False) for o in out.outputs]
+
+
+def sse_events(response: httpx.Response) -> list:
+    """The data of every server-sent event, JSON-decoded except the final [DONE]."""
+    events = [line[len("data: "):] for line in response.iter_lines() if line.startswith("data: ")]
+    return [e if e == "[DONE]" else json.loads(e) for e in events]
+
+
+def test_completions_equal_offline(client, llm):
+    params = greedy(12, ignore_eos=True)
+    ref = llm.generate(PROMPTS, params, use_tqdm=False)
+    resp = client.completions.create(model=MODEL_NAME, prompt=PROMPTS, max_tokens=12, temperature=0.0,
+                                     extra_body={"ignore_eos": True})
+    assert [c.text for c in sorted(resp.choices, key=lambda c: c.index)] == [r.outputs[0].text for r in ref]
+    assert all(c.finish_reason == "length" for c in resp.choices)
+    assert resp.usage.prompt_tokens == sum(len(r.prompt_token_ids) for r in ref)
+    assert resp.usage.completion_tokens == 12 * len(PROMPTS)
+    # Token ids as the prompt, a stop string, and seeded sampling with n=2.
+    ids = ref[0].prompt_token_ids
+    resp = client.completions.create(model=MODEL_NAME, prompt=ids, max_tokens=12, temperature=0.0,
+                                     extra_body={"ignore_eos": True})
+    assert resp.choices[0].text == ref[0].outputs[0].text
+    stop = ref[1].outputs[0].text[3:5]
+    want = offline_texts(llm, PROMPTS[1], greedy(12, ignore_eos=True, stop=[stop]))
+    resp = client.completions.create(model=MODEL_NAME, prompt=PROMPTS[1], max_tokens=12, temperature=0.0,
+                                     stop=[stop], extra_body={"ignore_eos": True})
+    assert resp.choices[0].text == want[0] and resp.choices[0].finish_reason == "stop"
+    want = offline_texts(llm, PROMPTS[2], SamplingParams(n=2, temperature=0.8, seed=7, max_tokens=8, ignore_eos=True))
+    resp = client.completions.create(model=MODEL_NAME, prompt=PROMPTS[2], n=2, temperature=0.8, seed=7, max_tokens=8,
+                                     extra_body={"ignore_eos": True})
+    assert [c.text for c in sorted(resp.choices, key=lambda c: c.index)] == want
+
+
+def test_completion_logprobs_and_echo(client, llm):
+    ref = llm.generate(PROMPTS[0], greedy(5, logprobs=2, ignore_eos=True), use_tqdm=False)[0].outputs[0]
+    resp = client.completions.create(model=MODEL_NAME, prompt=PROMPTS[0], max_tokens=5, temperature=0.0,
+                                     logprobs=2, echo=True, extra_body={"ignore_eos": True})
+    choice = resp.choices[0]
+    assert choice.text == PROMPTS[0] + ref.text
+    assert choice.logprobs.token_logprobs == pytest.approx(
+        [step[t].logprob for step, t in zip(ref.logprobs, ref.token_ids)], abs=1e-5)
+    assert all(len(top) == 2 for top in choice.logprobs.top_logprobs)
+
+
+def test_streamed_completion_equals_offline_raw_http(server, llm):
+    want = offline_texts(llm, PROMPTS[:2], greedy(10, ignore_eos=True))
+    body = {"model": MODEL_NAME, "prompt": PROMPTS[:2], "max_tokens": 10, "temperature": 0, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, headers=headers(), timeout=60) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        events = sse_events(r)
+    assert events[-1] == "[DONE]"
+    usage = events[-2]["usage"]
+    assert events[-2]["choices"] == [] and usage["completion_tokens"] == 20
+    texts = ["", ""]
+    for e in events[:-2]:
+        for c in e["choices"]:
+            texts[c["index"]] += c["text"]
+    assert texts == want
+    assert len(events) > 4  # streamed in pieces, not one chunk
+
+
+def test_chat_equals_offline_chat(client, llm):
+    ref = llm.chat(MESSAGES, greedy(10, ignore_eos=True), use_tqdm=False)[0].outputs[0].text
+    resp = client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, max_tokens=10, temperature=0.0,
+                                          extra_body={"ignore_eos": True})
+    assert resp.choices[0].message.content == ref and resp.choices[0].message.role == "assistant"
+    stream = client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, max_tokens=10, temperature=0.0,
+                                            stream=True, stream_options={"include_usage": True},
+                                            extra_body={"ignore_eos": True})
+    chunks = list(stream)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == ref
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert chunks[-1].usage.completion_tokens == 10 and chunks[-2].choices[0].finish_reason == "length"
+    # logprobs / top_logprobs in the chat format
+    resp = client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, max_tokens=3, temperature=0.0,
+                                          logprobs=True, top_logprobs=3, extra_body={"ignore_eos": True})
+    content = resp.choices[0].logprobs.content
+    assert len(content) == 3 and all(len(t.top_logprobs) == 3 for t in content)
+    assert all(t.logprob == pytest.approx(t.top_logprobs[0].logprob) for t in content)  # greedy: the top token
+
+
+def test_models_health_version(server, client):
+    assert [m.id for m in client.models.list().data] == [MODEL_NAME]
+    assert httpx.get(f"{server.url}/health", timeout=5).status_code == 200
+    assert httpx.get(f"{server.url}/version", timeout=5).json()["version"]
+
+
+@pytest.mark.parametrize("body, status, match", [
+    ("{not json", 400, ""),
+    ({"model": "other-model", "prompt": "hi"}, 404, "does not exist"),
+    ({"model": MODEL_NAME}, 400, "prompt is required"),
+    ({"model": MODEL_NAME, "prompt": "hi", "max_tokens": -3}, 400, "max_tokens"),
+    ({"model": MODEL_NAME, "prompt": "hi", "temperature": -1}, 400, "temperature"),
+    ({"model": MODEL_NAME, "prompt": "hi", "logprobs": 50}, 400, "logprobs=50"),
+    ({"model": MODEL_NAME, "prompt": [7] * 300}, 400, "max_model_len=256"),
+    ({"model": MODEL_NAME, "prompt": "hi", "max_tokens": "many"}, 400, "max_tokens"),
+])
+def test_bad_requests_get_4xx_and_server_keeps_serving(server, client, body, status, match):
+    data = body if isinstance(body, str) else json.dumps(body)
+    r = httpx.post(f"{server.url}/v1/completions", content=data, timeout=30,
+                   headers={**headers(), "content-type": "application/json"})
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert match in err["message"] and err["code"] == status and err["type"]
+    assert client.completions.create(model=MODEL_NAME, prompt="hi", max_tokens=2).choices[0].text is not None
+
+
+def test_wrong_api_key_is_401(server):
+    r = httpx.post(f"{server.url}/v1/completions", json={"model": MODEL_NAME, "prompt": "hi"}, timeout=10,
+                   headers={"Authorization": "Bearer wrong"})
+    assert r.status_code == 401 and "API key" in r.json()["error"]["message"]
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"{server.url}/v1", api_key="wrong", max_retries=0).models.list()
+
+
+def test_concurrent_streams_with_disconnects_free_the_kv_cache(server, llm):
+    """12 clients stream to the end, 4 hang up after two chunks of a long request: the others get
+    the offline text, the 4 are aborted (no success counted), and the KV cache ends empty."""
+    prompts = [f"{PROMPTS[i % 4]} {i}" for i in range(16)]
+    want = offline_texts(llm, prompts[:12], greedy(16, ignore_eos=True))
+    before = scrape_metrics(server.url)
+
+    async def one(http, i):
+        quitter = i >= 12
+        body = {"model": MODEL_NAME, "prompt": prompts[i], "max_tokens": 200 if quitter else 16,
+                "temperature": 0, "ignore_eos": True, "stream": True}
+        text, chunks = "", 0
+        async with http.stream("POST", "/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                text += json.loads(line[6:])["choices"][0]["text"]
+                chunks += 1
+                if quitter and chunks == 2:
+                    return None  # leaving the block closes the connection mid-stream
+        return text
+
+    async def main():
+        async with httpx.AsyncClient(base_url=server.url, headers=headers(), timeout=60) as http:
+            return await asyncio.wait_for(asyncio.gather(*(one(http, i) for i in range(16))), 60)
+
+    texts = asyncio.run(main())
+    assert texts[:12] == want and texts[12:] == [None] * 4
+    deadline = time.monotonic() + 10
+    while True:
+        m = scrape_metrics(server.url)
+        if m["moe:kv_cache_usage_perc"] == 0 and m["moe:num_requests_running"] == 0 or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert m["moe:kv_cache_usage_perc"] == 0 and m["moe:num_requests_running"] == 0
+    assert m["moe:num_requests_waiting"] == 0
+    assert m["moe:request_success_total"] - before["moe:request_success_total"] == 12
+    # the quitters stopped early: far fewer than their 4 x 200 tokens were generated
+    generated = m["moe:generation_tokens_total"] - before["moe:generation_tokens_total"]
+    assert 12 * 16 <= generated < 12 * 16 + 4 * 200 - 100
+
+
+def test_metrics_count_requests_and_latencies(server, client):
+    before = scrape_metrics(server.url)
+    resp = [client.completions.create(model=MODEL_NAME, prompt=p, max_tokens=4, temperature=0.0,
+                                      extra_body={"ignore_eos": True}) for p in PROMPTS[:3]]
+    m = scrape_metrics(server.url)
+
+    def delta(name):
+        return m[name] - before.get(name, 0.0)
+
+    assert delta("moe:request_success_total") == 3
+    assert delta("moe:prompt_tokens_total") == sum(r.usage.prompt_tokens for r in resp)
+    assert delta("moe:generation_tokens_total") == 12
+    for hist in ("moe:time_to_first_token_seconds", "moe:e2e_request_latency_seconds",
+                 "moe:request_queue_time_seconds"):
+        assert delta(f"{hist}_count") == 3 and delta(f"{hist}_sum") >= 0
+    assert delta("moe:inter_token_latency_seconds_count") == 3 * 3
+    assert delta("moe:e2e_request_latency_seconds_sum") > delta("moe:time_to_first_token_seconds_sum") > 0
+
+
+def test_client_gone_before_the_response_aborts_its_request(server):
+    """A non-streaming client that hangs up: its request is aborted (not finished), blocks freed."""
+    before = scrape_metrics(server.url)
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(f"{server.url}/v1/completions", headers=headers(), timeout=0.3, json={
+            "model": MODEL_NAME, "prompt": "hi", "max_tokens": 250, "ignore_eos": True, "temperature": 0})
+    deadline = time.monotonic() + 5
+    while True:
+        m = scrape_metrics(server.url)
+        if m["moe:num_requests_running"] == 0 and m["moe:kv_cache_usage_perc"] == 0 or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert m["moe:num_requests_running"] == 0 and m["moe:kv_cache_usage_perc"] == 0
+    assert m["moe:request_success_total"] == before["moe:request_success_total"]
+    assert m["moe:generation_tokens_total"] - before["moe:generation_tokens_total"] < 250
+
+
+def test_killed_engine_core_gives_5xx_and_failing_health(server):
+    """Keep last: the shared server's engine core is killed here."""
+    results = {}
+
+    def in_flight():
+        try:
+            r = httpx.post(f"{server.url}/v1/completions", headers=headers(), timeout=30, json={
+                "model": MODEL_NAME, "prompt": "hi", "max_tokens": 250, "ignore_eos": True, "temperature": 0})
+            results["status"] = r.status_code
+        except httpx.HTTPError as e:
+            results["status"] = repr(e)
+
+    t = threading.Thread(target=in_flight)
+    t.start()
+    time.sleep(1.0)  # the request is generating
+    import os
+    import signal
+
+    killed_at = time.monotonic()
+    os.kill(server.core_pid(), signal.SIGKILL)
+    t.join(15)
+    assert not t.is_alive() and isinstance(results["status"], int) and results["status"] >= 500, results
+    assert time.monotonic() - killed_at < 10
+    assert httpx.get(f"{server.url}/health", timeout=5).status_code == 503
+    r = httpx.post(f"{server.url}/v1/completions", headers=headers(), timeout=10,
+                   json={"model": MODEL_NAME, "prompt": "hi", "max_tokens": 2})
+    assert r.status_code == 503 and r.json()["error"]["type"] == "EngineDeadError"
+    server.proc.send_signal(signal.SIGTERM)  # and the API process still stops cleanly
+    assert server.proc.wait(20) in (0, -signal.SIGTERM)  # uvicorn re-raises the signal it handled
