@@ -21,8 +21,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-# Up to this many routed rows the padded batched form runs (decode); above, the sorted loop.
-PADDED_MAX_ROWS = 512
+# Up to this many routed rows the padded batched form runs (small decode batches), above the
+# sorted loop: at 64 decode tokens of the workload the routing is uneven (largest group ~2x the
+# mean), and the loop measured 1.9 ms against 2.4 ms for the padded form.
+PADDED_MAX_ROWS = 128
 
 
 def _route(topk_ids_TK: torch.Tensor, expert_map_E: torch.Tensor | None) -> torch.Tensor:
