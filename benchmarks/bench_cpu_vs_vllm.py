@@ -96,7 +96,10 @@ def _run_side(python: str, side: str, args, out_path: str) -> dict:
            "--model-path", args.model_path, "--num-prompts", str(args.num_prompts),
            "--input-len", str(args.input_len), "--output-len", str(args.output_len),
            "--repeats", str(args.repeats)] + (["--vllm-eager"] if args.vllm_eager else [])
-    subprocess.run(cmd, check=True, cwd=ROOT, stdout=subprocess.DEVNULL if args.quiet else None)
+    env = dict(os.environ)
+    if side == "ours" and args.ours_threads is not None:
+        env["OMP_NUM_THREADS"] = str(args.ours_threads)
+    subprocess.run(cmd, check=True, cwd=ROOT, env=env, stdout=subprocess.DEVNULL if args.quiet else None)
     with open(out_path) as f:
         return json.load(f)
 
@@ -115,6 +118,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--vllm-eager", action="store_true", help="vLLM with enforce_eager=True")
+    parser.add_argument("--ours-threads", type=int, default=None,
+                        help="OMP_NUM_THREADS for our engine (default: torch's, one per core)")
     parser.add_argument("--quiet", action="store_true", help="hide the engines' own output")
     parser.add_argument("--out", default=None)
     parser.add_argument("--side", choices=["ours", "vllm"], default=None, help=argparse.SUPPRESS)
@@ -156,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
         for x in rounds:
             x["tokens_sha256"] = hashlib.sha256(json.dumps(x.pop("tokens")).encode()).hexdigest()
         summary = {"workload": {k: getattr(args, k) for k in ("num_prompts", "input_len", "output_len", "repeats",
-                                                               "rounds", "vllm_eager")},
+                                                               "rounds", "vllm_eager", "ours_threads")},
                    "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count()},
                    "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                    "identical_tokens": identical, "best_output_tok_per_s": {"moe-runtime": best_ours,
