@@ -91,19 +91,20 @@ def _prefill_cached(out_THd, q_THd, kv_cache_2NSGd, meta, b, scale, chunk_size, 
     out_THd[start:end] = o.transpose(0, 1)
 
 
-def _decode(out_THd, q_THd, kv_cache_2NSGd, meta, scale, chunk_size, gqa):
-    """All decode rows, in groups of similar context length, each reading only its blocks."""
-    _, N, S, G, d = kv_cache_2NSGd.shape
-    k_cache, v_cache = kv_cache_2NSGd.view(2, N, S * G * d).unbind(0)
+def _decode_plan(meta, S: int, chunk_size):
+    """Per group of decode sequences: (flat block ids [Bg*W], mask [Bg, W*S], query rows [Bg]).
+    The same for every layer of a forward with the same chunking, so it is kept on `meta`."""
+    key = ("_cpu_decode_plan", S, chunk_size)
+    cached = getattr(meta, "_cpu_plans", {}).get(key)
+    if cached is not None:
+        return cached
     lens_host = [meta.seq_lens[b] for b in meta.decode_seqs]
     tables_all = meta.decode_block_tables
     nblk_all = tables_all.shape[1]
-    if chunk_size is None:
-        first_host = [0] * len(lens_host)
-    else:
-        first_host = [chunk_start(L - 1, chunk_size) for L in lens_host]
+    first_host = [0 if chunk_size is None else chunk_start(L - 1, chunk_size) for L in lens_host]
     # Blocks a sequence reads: from its first visible position's block to its last token's.
     reads = [-(-L // S) - f // S for L, f in zip(lens_host, first_host)]
+    plan = []
     for group in _groups(reads, lambda w: w):
         sel = torch.tensor(group)
         W = reads[group[0]]
@@ -113,16 +114,26 @@ def _decode(out_THd, q_THd, kv_cache_2NSGd, meta, scale, chunk_size, gqa):
         # Columns past a sequence's last block read its last block again (masked below).
         last_B = (lens_B - 1) // S
         blocks_BW = tables_all[sel].gather(1, torch.minimum(cols_BW, last_B[:, None]).clamp(max=nblk_all - 1))
-        flat = blocks_BW.reshape(-1)
-        Bg = len(group)
-        k = k_cache.index_select(0, flat).view(Bg, W * S, G, d).transpose(1, 2)  # [Bg, G, W*S, d]
-        v = v_cache.index_select(0, flat).view(Bg, W * S, G, d).transpose(1, 2)
         kpos_BK = (first_B // S * S)[:, None] + torch.arange(W * S)[None, :]
         mask_BK = (kpos_BK < lens_B[:, None]) & (kpos_BK >= first_B[:, None])
-        rows = meta.decode_token_idx[sel]
+        plan.append((blocks_BW.reshape(-1), mask_BK[:, None, None, :], meta.decode_token_idx[sel]))
+    if not hasattr(meta, "_cpu_plans"):
+        meta._cpu_plans = {}
+    meta._cpu_plans[key] = plan
+    return plan
+
+
+def _decode(out_THd, q_THd, kv_cache_2NSGd, meta, scale, chunk_size, gqa):
+    """All decode rows, in groups of similar context length, each reading only its blocks."""
+    _, N, S, G, d = kv_cache_2NSGd.shape
+    k_cache, v_cache = kv_cache_2NSGd.view(2, N, S * G * d).unbind(0)
+    for blocks, mask, rows in _decode_plan(meta, S, chunk_size):
+        Bg = rows.shape[0]
+        k = k_cache.index_select(0, blocks).view(Bg, -1, G, d).transpose(1, 2)  # [Bg, G, W*S, d]
+        v = v_cache.index_select(0, blocks).view(Bg, -1, G, d).transpose(1, 2)
         q = q_THd[rows][:, :, None, :]  # [Bg, H, 1, d]
-        o = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask_BK[:, None, None, :],
-                                           scale=scale, enable_gqa=gqa)
+        o = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, scale=scale,
+                                           enable_gqa=gqa)
         out_THd[rows] = o[:, :, 0, :]
 
 
