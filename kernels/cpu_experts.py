@@ -2,29 +2,29 @@
 CPU tensors. ``kernels.reference.fused_experts_torch`` stays the oracle it is tested against.
 
 Legend: T tokens, D hidden, E experts (local), F expert intermediate size, K top-k,
-R = T*K routed rows, P padded rows per expert.
+R = T*K routed rows, V rows routed to experts on this rank.
 
 Two shapes of the same computation, chosen by the number of routed rows (measured on a 2-core
 AVX-512 VM at D=256, F=128, E=16, top-4, fp32):
-- few rows (decode steps): every expert's rows padded to the largest group and run as two
-  batched matmuls, so the op count does not grow with E (the Python loop over experts costs more
-  than the padding at these sizes);
-- many rows (prefill): tokens sorted by expert once, then per expert that got rows: gather,
-  gate_up GEMM, SiLU(gate)*up, routed weight folded into the activation (the down projection is
-  linear, so w * (h @ W2) == (w * h) @ W2 up to fp32 rounding), down GEMM, and one index_add
-  into the output. No [R, D] intermediate is materialised, which at R=32768 cost more than the
-  GEMMs' overhead (its zero-fill and page faults). torch's CPU ``_grouped_mm`` measured slower
-  than both at these shapes, so it is not used.
+- few rows (decode steps, small prefills): rows sorted by expert once, then torch's CPU grouped
+  GEMM (torch._grouped_mm) for gate_up and for down, so the op count does not grow with E;
+- many rows (prefill, where the grouped GEMM measured slower than per-expert GEMMs): tokens
+  sorted by expert once, then per expert that got rows: gather, gate_up GEMM, SiLU(gate)*up,
+  routed weight folded into the activation (the down projection is linear, so
+  w * (h @ W2) == (w * h) @ W2 up to fp32 rounding), down GEMM, and one index_add into the output.
+  No [R, D] intermediate is materialised, which at R=32768 cost more than the GEMMs' overhead
+  (its zero-fill and page faults).
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-# Up to this many routed rows the padded batched form runs (small decode batches), above the
-# sorted loop: at 64 decode tokens of the workload the routing is uneven (largest group ~2x the
-# mean), and the loop measured 1.9 ms against 2.4 ms for the padded form.
-PADDED_MAX_ROWS = 128
+# Up to this many routed rows torch's grouped GEMM runs (decode and small prefills), above the
+# sorted loop. Measured at the workload's layer, 1 thread: 64 tokens 1.3 ms against 2.0 ms for the
+# loop (and 2.5 ms for every group padded to the largest and two bmm's, the routing being
+# uneven); 1024 tokens equal; 8192 tokens the loop 122 ms against 156 ms.
+GROUPED_MAX_ROWS = 2048
 
 
 def _route(topk_ids_TK: torch.Tensor, expert_map_E: torch.Tensor | None) -> torch.Tensor:
@@ -35,29 +35,36 @@ def _route(topk_ids_TK: torch.Tensor, expert_map_E: torch.Tensor | None) -> torc
     return ids_R
 
 
-def _padded(x_TD, w13_EFD, w2_EDF, weights_R, ids_R, K):
-    """Every expert's rows padded to P = the largest group: two bmm's over [E, P, *]."""
+def _grouped_mm_works() -> bool:
+    """Whether this torch build has a CPU grouped GEMM (torch._grouped_mm, 2.9+ on the CPU)."""
+    try:
+        x, w = torch.ones(2, 8), torch.ones(2, 4, 8).transpose(1, 2)
+        out = torch._grouped_mm(x, w, offs=torch.tensor([1, 2], dtype=torch.int32))
+        return out.shape == (2, 4) and bool((out == 8).all())
+    except (AttributeError, RuntimeError, NotImplementedError):
+        return False
+
+
+HAVE_GROUPED_MM = _grouped_mm_works()
+
+
+def _grouped(x_TD, w13_EFD, w2_EDF, weights_R, ids_R, K):
+    """Rows sorted by expert once; both GEMMs as one grouped GEMM each over the sorted rows."""
     T, D = x_TD.shape
     E, F2, _ = w13_EFD.shape
-    valid_R = ids_R >= 0
-    counts_E = torch.bincount(ids_R[valid_R], minlength=E)
-    P = int(counts_E.max()) if valid_R.any() else 0
-    out_TD = torch.zeros(T, D, dtype=x_TD.dtype)
-    if P == 0:
-        return out_TD
     order_R = torch.argsort(ids_R, stable=True)  # rows of experts elsewhere (-1) sort first
-    skipped = int((~valid_R).sum())
+    counts = torch.bincount(ids_R + 1, minlength=E + 1)  # counts[0]: experts elsewhere
+    skipped = int(counts[0])
     order_V = order_R[skipped:]
-    ids_V = ids_R[order_V]
-    starts_E = torch.cumsum(counts_E, 0) - counts_E
-    slot_V = ids_V * P + torch.arange(order_V.numel()) - starts_E[ids_V]  # row in [E * P]
-    x_PD = x_TD.new_zeros(E * P, D)
-    x_PD.index_copy_(0, slot_V, x_TD.index_select(0, order_V // K))
-    gate_up_EP2 = torch.bmm(x_PD.view(E, P, D), w13_EFD.transpose(1, 2))
-    h_EPF = F.silu(gate_up_EP2[..., :F2 // 2]).mul_(gate_up_EP2[..., F2 // 2:])
-    y_PD = torch.bmm(h_EPF, w2_EDF.transpose(1, 2)).view(E * P, D)
-    y_VD = y_PD.index_select(0, slot_V).mul_(weights_R[order_V, None].to(y_PD.dtype))
-    out_TD.index_add_(0, order_V // K, y_VD)
+    out_TD = torch.zeros(T, D, dtype=x_TD.dtype)
+    if order_V.numel() == 0:
+        return out_TD
+    offs_E = torch.cumsum(counts[1:], 0).to(torch.int32)  # end row of each expert's group
+    token_V = order_V // K
+    gate_up_V2 = torch._grouped_mm(x_TD.index_select(0, token_V), w13_EFD.transpose(1, 2), offs=offs_E)
+    h_VF = F.silu(gate_up_V2[:, :F2 // 2]).mul_(gate_up_V2[:, F2 // 2:])
+    h_VF.mul_(weights_R[order_V, None].to(h_VF.dtype))  # the routed weight, folded before the down GEMM
+    out_TD.index_add_(0, token_V, torch._grouped_mm(h_VF, w2_EDF.transpose(1, 2), offs=offs_E))
     return out_TD
 
 
@@ -102,6 +109,8 @@ def fused_experts_cpu(
     K = topk_ids_TK.shape[1]
     ids_R = _route(topk_ids_TK, expert_map_E)
     weights_R = topk_weights_TK.reshape(-1)
-    if ids_R.numel() <= PADDED_MAX_ROWS:
-        return _padded(x_TD, w13_EFD, w2_EDF, weights_R, ids_R, K)
+    # The grouped GEMM wants 16-byte aligned strides: D and F multiples of 4 fp32 elements.
+    aligned = x_TD.shape[1] % 4 == 0 and w2_EDF.shape[2] % 4 == 0 and x_TD.stride(1) == 1
+    if HAVE_GROUPED_MM and aligned and ids_R.numel() <= GROUPED_MAX_ROWS:
+        return _grouped(x_TD, w13_EFD, w2_EDF, weights_R, ids_R, K)
     return _sorted_loop(x_TD, w13_EFD, w2_EDF, weights_R, ids_R, K)

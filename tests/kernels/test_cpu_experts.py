@@ -1,5 +1,5 @@
 """The fast CPU expert layer (kernels/cpu_experts.py, the seam's "torch" backend on CPU fp32)
-against the reference fused_experts_torch: both forms (padded batched, sorted loop), experts
+against the reference fused_experts_torch: both forms (grouped GEMM, sorted loop), experts
 without tokens, one token, top-1 and top-k, expert_map with experts elsewhere (-1)."""
 from __future__ import annotations
 
@@ -23,10 +23,12 @@ def _inputs(T, D, F, E, K, seed=0, skewed=False):
     return x, w13, w2, weights, ids
 
 
-@pytest.fixture(params=["padded", "loop"])
+@pytest.fixture(params=["grouped", "loop"])
 def form(request, monkeypatch):
-    """Force one form for every size: the padded one (decode) or the sorted loop (prefill)."""
-    monkeypatch.setattr(cpu_experts, "PADDED_MAX_ROWS", 10 ** 9 if request.param == "padded" else -1)
+    """Force one form for every size: the grouped GEMM (decode) or the sorted loop (prefill)."""
+    if request.param == "grouped" and not cpu_experts.HAVE_GROUPED_MM:
+        pytest.skip("this torch build has no CPU torch._grouped_mm")
+    monkeypatch.setattr(cpu_experts, "GROUPED_MAX_ROWS", 10 ** 9 if request.param == "grouped" else -1)
     return request.param
 
 
@@ -73,8 +75,16 @@ def test_workload_shape_both_forms_agree():
         x, w13, w2, w, ids = _inputs(T, 256, 128, 16, 4, seed=T)
         ref = kernels.fused_experts(x, w13, w2, w, ids, backend="reference")
         ids_R, w_R = ids.reshape(-1), w.reshape(-1)
-        torch.testing.assert_close(cpu_experts._padded(x, w13, w2, w_R, ids_R, 4), ref, atol=1e-5, rtol=1e-5)
+        if cpu_experts.HAVE_GROUPED_MM:
+            torch.testing.assert_close(cpu_experts._grouped(x, w13, w2, w_R, ids_R, 4), ref, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(cpu_experts._sorted_loop(x, w13, w2, w_R, ids_R, 4), ref, atol=1e-5, rtol=1e-5)
+
+
+def test_unaligned_shapes_take_the_loop():
+    """D or F not a multiple of 4 (the grouped GEMM's 16-byte strides): the loop runs instead."""
+    x, w13, w2, w, ids = _inputs(10, 30, 6, 4, 2)
+    out = kernels.fused_experts(x, w13, w2, w, ids, backend="torch")
+    torch.testing.assert_close(out, fused_experts_torch(x, w13, w2, w, ids), atol=2e-6, rtol=1e-5)
 
 
 def test_other_dtypes_use_the_reference():
