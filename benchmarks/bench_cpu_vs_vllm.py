@@ -99,6 +99,8 @@ def _run_side(python: str, side: str, args, out_path: str) -> dict:
     env = dict(os.environ)
     if side == "ours" and args.ours_threads is not None:
         env["OMP_NUM_THREADS"] = str(args.ours_threads)
+    if side == "vllm" and args.vllm_bind is not None:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = args.vllm_bind
     subprocess.run(cmd, check=True, cwd=ROOT, env=env, stdout=subprocess.DEVNULL if args.quiet else None)
     with open(out_path) as f:
         return json.load(f)
@@ -118,6 +120,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--vllm-eager", action="store_true", help="vLLM with enforce_eager=True")
+    parser.add_argument("--vllm-bind", default=None,
+                        help="VLLM_CPU_OMP_THREADS_BIND for vLLM, e.g. 0-1 (default: vLLM's auto, which on a "
+                             "2-core machine binds its worker to one core and reserves the other)")
     parser.add_argument("--ours-threads", type=int, default=None,
                         help="OMP_NUM_THREADS for our engine (default: torch's, one per core)")
     parser.add_argument("--quiet", action="store_true", help="hide the engines' own output")
@@ -161,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
         for x in rounds:
             x["tokens_sha256"] = hashlib.sha256(json.dumps(x.pop("tokens")).encode()).hexdigest()
         summary = {"workload": {k: getattr(args, k) for k in ("num_prompts", "input_len", "output_len", "repeats",
-                                                               "rounds", "vllm_eager", "ours_threads")},
+                                                               "rounds", "vllm_eager", "ours_threads", "vllm_bind")},
                    "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count()},
                    "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                    "identical_tokens": identical, "best_output_tok_per_s": {"moe-runtime": best_ours,
