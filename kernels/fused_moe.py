@@ -12,12 +12,13 @@ import math
 
 import torch
 
+from kernels.cpu_experts import fused_experts_cpu
 from kernels.reference import fused_experts_torch
 
 FP8_DTYPE = torch.float8_e4m3fn
 DEFAULT_BLOCK_SHAPE = (128, 128)
 
-_BACKENDS = ("torch", "triton", "deepspeed")
+_BACKENDS = ("torch", "reference", "triton", "deepspeed")
 
 
 def _triton_usable(x: torch.Tensor) -> bool:
@@ -108,15 +109,18 @@ def fused_experts(
         topk_ids: [T, K] expert ids: global ids when `expert_map` is given, else local ids in [0, E).
         expert_map: optional [E_global] int tensor mapping global ids to local ids, -1 meaning the
             expert is not on this rank (that slot contributes zero).
-        backend: "torch", "triton", "deepspeed", or None for the best one available on the tensors'
-            device (triton, else torch). "deepspeed" (the CUTLASS grouped GEMM of the optional
-            deepspeed-kernels wheel, fp16/bf16 on CUDA, see kernels/deepspeed_moe.py) is only used
-            when asked for by name, never chosen by None.
+        backend: "torch", "reference", "triton", "deepspeed", or None for the best one available on
+            the tensors' device (triton, else torch). "torch" is the pure-torch path: on CPU fp32
+            tensors the fast grouped form (kernels/cpu_experts.py), elsewhere the reference;
+            "reference" always runs kernels.reference.fused_experts_torch, the oracle. "deepspeed"
+            (the CUTLASS grouped GEMM of the optional deepspeed-kernels wheel, fp16/bf16 on CUDA,
+            see kernels/deepspeed_moe.py) is only used when asked for by name, never chosen by None.
         w13_scale, w2_scale: FP8 mode (both or neither). w13/w2 are then float8_e4m3fn and the
             scales fp32 [E, ceil(2F/bn), ceil(D/bk)] and [E, ceil(D/bn), ceil(F/bk)] (the grids
             of the stacked [2F, D] and of [D, F]). "triton" runs the FP8 kernel (activations
             quantised per token and bk columns); "torch" dequantises every expert to the
-            activation dtype on each call, then runs the reference (slow: tests, CPU).
+            activation dtype on each call, then runs the reference (slow: tests, CPU); so does
+            "reference".
         block_shape: (bn, bk) of the scales, default (128, 128); FP8 mode only.
     Returns:
         [T, D] in the dtype of `hidden_states`.
@@ -125,11 +129,13 @@ def fused_experts(
     block = _check_fp8(w13, w2, w13_scale, w2_scale, block_shape)
     if backend is None:
         backend = "triton" if _triton_usable(hidden_states) else "torch"
-    if backend == "torch":
+    if backend in ("torch", "reference"):
         if block is not None:
             from kernels.reference_fp8 import fused_experts_fp8_torch
             return fused_experts_fp8_torch(hidden_states, w13, w2, w13_scale, w2_scale, topk_weights,
                                            topk_ids, expert_map, block)
+        if backend == "torch" and not hidden_states.is_cuda:
+            return fused_experts_cpu(hidden_states, w13, w2, topk_weights, topk_ids, expert_map)
         return fused_experts_torch(hidden_states, w13, w2, topk_weights, topk_ids, expert_map)
     if backend == "triton":
         if block is not None:

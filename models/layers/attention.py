@@ -4,7 +4,8 @@ the block tables. The cache tensor is bound by the model runner after it is allo
 On CUDA the Triton kernels run (kernels/triton_attention): one launch for the KV write and one
 for the whole batch's attention (the split-KV decode kernel on decode-only steps, the only ones
 captured in CUDA graphs, else the varlen prefill kernel, which also serves the decode rows of a
-mixed batch). Elsewhere the pure-torch reference runs.
+mixed batch). Elsewhere the batched CPU path runs (kernels/cpu_attention.py, tested against the
+pure-torch reference kernels.attention.paged_attention_torch).
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import torch
 from torch import nn
 
 from kernels.attention import AttentionMetadata, paged_attention_torch, write_kv_cache
+from kernels.cpu_attention import paged_attention_cpu
 
 try:  # Triton is absent on some platforms; the torch reference then serves every device.
     from kernels.triton_attention.decode import paged_attention_decode_triton
@@ -55,7 +57,8 @@ class Attention(nn.Module):
             out = self._forward_triton(q, k, v, meta)
         else:
             write_kv_cache(k, v, self.kv_cache, meta.slot_mapping_T)
-            out = paged_attention_torch(q, k, v, self.kv_cache, meta, self.scale, self.chunk_size)
+            attend = paged_attention_torch if q.is_cuda else paged_attention_cpu
+            out = attend(q, k, v, self.kv_cache, meta, self.scale, self.chunk_size)
         return out.reshape(T, self.num_heads * self.head_dim)
 
     def _forward_triton(self, q, k, v, meta: AttentionMetadata) -> torch.Tensor:

@@ -1,0 +1,161 @@
+"""Paged attention on the CPU, batched over sequences: the fast path of models/layers/attention.py
+for non-CUDA tensors. kernels.attention.paged_attention_torch stays the reference it is tested
+against (same inputs, same masks).
+
+Legend: T query tokens of the batch, B sequences (Bg of one group), H query heads, G KV heads,
+d head dim, N cache blocks, S block size, P padded length of a group, W blocks read per sequence.
+
+What is batched (measured on a 2-core AVX-512 VM, 64 sequences, H=8, G=4, d=32, fp32):
+- fresh prefills (no cached context): sequences of similar length padded to the group's longest
+  and run as one causal SDPA (with a [P, P] chunk-window mask under chunked-local attention); 64 x 128
+  tokens: 23 ms against 47 ms for one SDPA per sequence. Groups are cut where padding would add
+  more than PAD_SLACK of the exact work.
+- decode rows: one SDPA per group of sequences of similar context length, reading only the
+  group's blocks, gathered with one index_select on the [N, S*G*d] view of each of K and V
+  (advanced indexing on the 5-D cache cost 2.5x more); 64 sequences of 160 tokens: 2.6 ms
+  against 4.5 ms for the reference's gather of the whole batch.
+- prefills on cached context (prefix-cache hits, chunked prefill) run one SDPA each, as the
+  reference does: they are rare on the CPU path and their context differs per sequence.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kernels.attention import AttentionMetadata, _gather_context, chunk_start
+
+# A group is cut when padding it would cost more than this factor of its exact work.
+PAD_SLACK = 1.25
+
+
+def _groups(lengths: list[int], cost) -> list[list[int]]:
+    """Indices into `lengths`, longest first, in groups whose padded cost (len(group) x
+    cost(longest)) stays within PAD_SLACK of the sum of their own costs."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    groups: list[list[int]] = []
+    exact = 0.0
+    for i in order:
+        if groups:
+            top = cost(lengths[groups[-1][0]])
+            if (len(groups[-1]) + 1) * top <= PAD_SLACK * (exact + cost(lengths[i])):
+                groups[-1].append(i)
+                exact += cost(lengths[i])
+                continue
+        groups.append([i])
+        exact = cost(lengths[i])
+    return groups
+
+
+def _prefill_fresh(out_THd, q_THd, k_TGd, v_TGd, meta, seqs, scale, chunk_size, gqa):
+    """Prefills with no cached context: their keys are the batch's own new K/V."""
+    starts = [meta.query_start_loc[b] for b in seqs]
+    lens = [meta.query_start_loc[b + 1] - meta.query_start_loc[b] for b in seqs]
+    for group in _groups(lens, lambda n: n * n):
+        P = lens[group[0]]
+        n_B = torch.tensor([lens[i] for i in group])
+        start_B = torch.tensor([starts[i] for i in group])
+        # Rows past a sequence's end repeat its last token: finite, masked as keys, dropped as queries.
+        pos_P = torch.arange(P)
+        idx_BP = start_B[:, None] + torch.minimum(pos_P[None, :], n_B[:, None] - 1)
+        q = q_THd[idx_BP].transpose(1, 2)  # [Bg, H, P, d]
+        k = k_TGd[idx_BP].transpose(1, 2).to(q.dtype)  # [Bg, G, P, d]
+        v = v_TGd[idx_BP].transpose(1, 2).to(q.dtype)
+        # Padded keys sit after every real query, so the causal mask alone hides them.
+        same_len = bool((n_B == P).all())
+        if chunk_size is None or chunk_size >= P:
+            mask, causal = None, True
+        else:
+            qpos, kpos = pos_P[:, None], pos_P[None, :]
+            mask, causal = (kpos <= qpos) & (kpos >= chunk_start(qpos, chunk_size)), False  # [P, P]
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale,
+                                           enable_gqa=gqa).transpose(1, 2)  # [Bg, P, H, d]
+        if same_len:
+            out_THd[idx_BP.reshape(-1)] = o.reshape(-1, *o.shape[2:])
+        else:
+            valid_BP = pos_P[None, :] < n_B[:, None]
+            out_THd[idx_BP[valid_BP]] = o[valid_BP]
+
+
+def _prefill_cached(out_THd, q_THd, kv_cache_2NSGd, meta, b, scale, chunk_size, gqa):
+    """One prefill on cached context (its new K/V already in the cache), as the reference."""
+    start, end = meta.query_start_loc[b], meta.query_start_loc[b + 1]
+    n, L = end - start, meta.seq_lens[b]
+    k0 = chunk_start(L - n, chunk_size)  # keys before the first query's chunk are never seen
+    k, v = _gather_context(kv_cache_2NSGd, meta.block_tables_BM[b], L, k0)
+    qpos = torch.arange(L - n, L)[:, None]
+    kpos = torch.arange(k0, L)[None, :]
+    mask = (kpos <= qpos) & (kpos >= chunk_start(qpos, chunk_size))
+    q = q_THd[start:end].transpose(0, 1)
+    o = F.scaled_dot_product_attention(q, k.transpose(0, 1).to(q.dtype), v.transpose(0, 1).to(q.dtype),
+                                       attn_mask=mask, scale=scale, enable_gqa=gqa)
+    out_THd[start:end] = o.transpose(0, 1)
+
+
+def _decode_plan(meta, S: int, chunk_size):
+    """Per group of decode sequences: (flat block ids [Bg*W], mask [Bg, W*S], query rows [Bg]).
+    The same for every layer of a forward with the same chunking, so it is kept on `meta`."""
+    key = ("_cpu_decode_plan", S, chunk_size)
+    cached = getattr(meta, "_cpu_plans", {}).get(key)
+    if cached is not None:
+        return cached
+    lens_host = [meta.seq_lens[b] for b in meta.decode_seqs]
+    tables_all = meta.decode_block_tables
+    nblk_all = tables_all.shape[1]
+    first_host = [0 if chunk_size is None else chunk_start(L - 1, chunk_size) for L in lens_host]
+    # Blocks a sequence reads: from its first visible position's block to its last token's.
+    reads = [-(-L // S) - f // S for L, f in zip(lens_host, first_host)]
+    plan = []
+    for group in _groups(reads, lambda w: w):
+        sel = torch.tensor(group)
+        W = reads[group[0]]
+        lens_B = meta.decode_seq_lens[sel]
+        first_B = torch.tensor([first_host[i] for i in group])
+        cols_BW = (first_B // S)[:, None] + torch.arange(W)[None, :]
+        # Columns past a sequence's last block read its last block again (masked below).
+        last_B = (lens_B - 1) // S
+        blocks_BW = tables_all[sel].gather(1, torch.minimum(cols_BW, last_B[:, None]).clamp(max=nblk_all - 1))
+        kpos_BK = (first_B // S * S)[:, None] + torch.arange(W * S)[None, :]
+        mask_BK = (kpos_BK < lens_B[:, None]) & (kpos_BK >= first_B[:, None])
+        plan.append((blocks_BW.reshape(-1), mask_BK[:, None, None, :], meta.decode_token_idx[sel]))
+    if not hasattr(meta, "_cpu_plans"):
+        meta._cpu_plans = {}
+    meta._cpu_plans[key] = plan
+    return plan
+
+
+def _decode(out_THd, q_THd, kv_cache_2NSGd, meta, scale, chunk_size, gqa):
+    """All decode rows, in groups of similar context length, each reading only its blocks."""
+    _, N, S, G, d = kv_cache_2NSGd.shape
+    k_cache, v_cache = kv_cache_2NSGd.view(2, N, S * G * d).unbind(0)
+    for blocks, mask, rows in _decode_plan(meta, S, chunk_size):
+        Bg = rows.shape[0]
+        k = k_cache.index_select(0, blocks).view(Bg, -1, G, d).transpose(1, 2)  # [Bg, G, W*S, d]
+        v = v_cache.index_select(0, blocks).view(Bg, -1, G, d).transpose(1, 2)
+        q = q_THd[rows][:, :, None, :]  # [Bg, H, 1, d]
+        o = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, scale=scale,
+                                           enable_gqa=gqa)
+        out_THd[rows] = o[:, :, 0, :]
+
+
+def paged_attention_cpu(q_THd: torch.Tensor, k_TGd: torch.Tensor, v_TGd: torch.Tensor,
+                        kv_cache_2NSGd: torch.Tensor, meta: AttentionMetadata, scale: float,
+                        chunk_size: int | None = None) -> torch.Tensor:
+    """Same contract as kernels.attention.paged_attention_torch: causal attention of each
+    sequence's new queries over its context (chunked-local when chunk_size is set); new K/V must
+    already be in the cache. Returns [T, H, d]."""
+    if q_THd.is_cuda:
+        raise ValueError("paged_attention_cpu runs on CPU tensors; CUDA uses kernels/triton_attention")
+    out_THd = torch.empty_like(q_THd)
+    gqa = q_THd.shape[1] != kv_cache_2NSGd.shape[3]
+    fresh = [b for b in meta.prefill_seqs
+             if meta.query_start_loc[b + 1] - meta.query_start_loc[b] == meta.seq_lens[b]]
+    if fresh:
+        _prefill_fresh(out_THd, q_THd, k_TGd, v_TGd, meta, fresh, scale, chunk_size, gqa)
+    if len(fresh) < len(meta.prefill_seqs):
+        fresh_set = set(fresh)
+        for b in meta.prefill_seqs:
+            if b not in fresh_set:
+                _prefill_cached(out_THd, q_THd, kv_cache_2NSGd, meta, b, scale, chunk_size, gqa)
+    if meta.decode_seqs:
+        _decode(out_THd, q_THd, kv_cache_2NSGd, meta, scale, chunk_size, gqa)
+    return out_THd
