@@ -4,7 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.attention import AttentionMetadata, paged_attention_torch, write_kv_cache
+from kernels.attention import paged_attention_torch
+from tests.kernels.attention_cases import paged_batch
 
 H, G, D = 4, 2, 8
 
@@ -26,42 +27,13 @@ def _dense_reference(q_nHd, k_LGd, v_LGd, L: int, scale: float, chunk: int | Non
 
 def _run(seqs: list[tuple[int, int]], block_size: int, chunk: int | None, seed: int = 0):
     """seqs: (cached tokens, new tokens) per sequence. Returns (paged output, dense reference)."""
-    gen = torch.Generator().manual_seed(seed)
-    nblk_per_seq = [-(-(c + n) // block_size) for c, n in seqs]
-    num_blocks = sum(nblk_per_seq) + 3
-    perm = torch.randperm(num_blocks, generator=gen).tolist()  # blocks scattered over the cache
-    cache = torch.zeros(2, num_blocks, block_size, G, D)
-    tables = torch.zeros(len(seqs), max(nblk_per_seq), dtype=torch.int64)
-    qs, ks, vs, slots, refs, qsl, seq_lens = [], [], [], [], [], [0], []
-    scale = D ** -0.5
-    for b, (c, n) in enumerate(seqs):
-        L = c + n
-        blocks = [perm.pop() for _ in range(nblk_per_seq[b])]
-        tables[b, :len(blocks)] = torch.tensor(blocks)
-        k = torch.randn(L, G, D, generator=gen)
-        v = torch.randn(L, G, D, generator=gen)
-        q = torch.randn(n, H, D, generator=gen)
-        slot = torch.tensor([blocks[p // block_size] * block_size + p % block_size for p in range(L)])
-        write_kv_cache(k[:c], v[:c], cache, slot[:c])  # context cached by earlier steps
-        qs.append(q), ks.append(k[c:]), vs.append(v[c:]), slots.append(slot[c:])
-        refs.append(_dense_reference(q, k, v, L, scale, chunk))
-        qsl.append(qsl[-1] + n)
-        seq_lens.append(L)
-    q, k_new, v_new, slot_mapping = torch.cat(qs), torch.cat(ks), torch.cat(vs), torch.cat(slots)
-    decode = [b for b, (_, n) in enumerate(seqs) if n == 1]
-    meta = AttentionMetadata(query_start_loc=qsl, seq_lens=seq_lens, block_tables_BM=tables,
-                             slot_mapping_T=slot_mapping, decode_seqs=decode,
-                             prefill_seqs=[b for b in range(len(seqs)) if b not in decode])
-    if decode:  # as the model runner prepares them
-        nblk = -(-max(seq_lens[b] for b in decode) // block_size)
-        meta.decode_token_idx = torch.tensor([qsl[b] for b in decode])
-        meta.decode_seq_lens = torch.tensor([seq_lens[b] for b in decode])
-        meta.decode_block_tables = tables[decode, :nblk].contiguous()
-    write_kv_cache(k_new, v_new, cache, slot_mapping)
+    batch = paged_batch(seqs, block_size, H, G, D, seed)
+    refs = [_dense_reference(q, k, v, k.shape[0], batch.scale, chunk) for q, k, v in batch.contexts]
+    args = (batch.q, batch.k_new, batch.v_new, batch.cache, batch.meta, batch.scale)
     if chunk is None:
-        out = paged_attention_torch(q, k_new, v_new, cache, meta, scale)  # the original signature
+        out = paged_attention_torch(*args)  # the original signature
     else:
-        out = paged_attention_torch(q, k_new, v_new, cache, meta, scale, chunk_size=chunk)
+        out = paged_attention_torch(*args, chunk_size=chunk)
     return out, torch.cat(refs)
 
 

@@ -6,46 +6,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.attention import AttentionMetadata, paged_attention_torch, write_kv_cache
+from kernels.attention import paged_attention_torch
 from kernels.cpu_attention import _groups, paged_attention_cpu
-
-
-def _batch(seqs: list[tuple[int, int]], block_size: int, H: int = 4, G: int = 2, d: int = 8, seed: int = 0):
-    """seqs: (cached tokens, new tokens) per sequence; blocks scattered over the cache, which
-    holds every token's K/V after this step. Returns (q, k_new, v_new, cache, meta, scale)."""
-    gen = torch.Generator().manual_seed(seed)
-    nblk = [-(-(c + n) // block_size) for c, n in seqs]
-    num_blocks = sum(nblk) + 3
-    perm = torch.randperm(num_blocks, generator=gen).tolist()
-    cache = torch.randn(2, num_blocks, block_size, G, d, generator=gen)  # stale data where unwritten
-    tables = torch.zeros(len(seqs), max(nblk), dtype=torch.int64)
-    qs, ks, vs, slots, qsl, seq_lens = [], [], [], [], [0], []
-    for b, (c, n) in enumerate(seqs):
-        L = c + n
-        blocks = [perm.pop() for _ in range(nblk[b])]
-        tables[b, :len(blocks)] = torch.tensor(blocks)
-        k, v = torch.randn(L, G, d, generator=gen), torch.randn(L, G, d, generator=gen)
-        slot = torch.tensor([blocks[p // block_size] * block_size + p % block_size for p in range(L)])
-        write_kv_cache(k[:c], v[:c], cache, slot[:c])
-        qs.append(torch.randn(n, H, d, generator=gen)), ks.append(k[c:]), vs.append(v[c:]), slots.append(slot[c:])
-        qsl.append(qsl[-1] + n)
-        seq_lens.append(L)
-    q, k_new, v_new, slot_mapping = torch.cat(qs), torch.cat(ks), torch.cat(vs), torch.cat(slots)
-    decode = [b for b, (_, n) in enumerate(seqs) if n == 1]
-    meta = AttentionMetadata(query_start_loc=qsl, seq_lens=seq_lens, block_tables_BM=tables,
-                             slot_mapping_T=slot_mapping, decode_seqs=decode,
-                             prefill_seqs=[b for b in range(len(seqs)) if b not in decode])
-    if decode:  # as the model runner prepares them
-        width = -(-max(seq_lens[b] for b in decode) // block_size)
-        meta.decode_token_idx = torch.tensor([qsl[b] for b in decode])
-        meta.decode_seq_lens = torch.tensor([seq_lens[b] for b in decode])
-        meta.decode_block_tables = tables[decode, :width].contiguous()
-    write_kv_cache(k_new, v_new, cache, slot_mapping)
-    return q, k_new, v_new, cache, meta, d ** -0.5
+from tests.kernels.attention_cases import paged_batch
 
 
 def _check(seqs, block_size, chunk, **kw):
-    q, k, v, cache, meta, scale = _batch(seqs, block_size, **kw)
+    b = paged_batch(seqs, block_size, stale_cache=True, **kw)
+    q, k, v, cache, meta, scale = b.q, b.k_new, b.v_new, b.cache, b.meta, b.scale
     ref = paged_attention_torch(q, k, v, cache, meta, scale, chunk_size=chunk)
     out = paged_attention_cpu(q, k, v, cache, meta, scale, chunk_size=chunk)
     assert out.shape == ref.shape
