@@ -4,8 +4,11 @@ from __future__ import annotations
 import json
 import os
 
+import numpy as np
 import torch
 from safetensors.torch import load_file
+
+from kernels.attention import AttentionMetadata
 
 from tests.factories import perturb_norms, save_tokenizer, write_safetensors
 
@@ -133,3 +136,41 @@ def make_deepseek_v3_checkpoint(path: str, seed: int = 0, shards: int = 1, mtp: 
     if with_tokenizer:
         save_tokenizer(path, config.vocab_size)
     return path
+
+
+def mla_step_metadata(new_tokens: list[int], cached: list[int], block_size: int, num_blocks: int,
+                      device="cpu", pad_to: int | None = None):
+    """(AttentionMetadata, positions) as the model runner builds them for one MLA step (each
+    sequence with its own scattered blocks), with the device-side fields; pad_to: pad a decode-only batch with rows of
+    seq_len 0 and slot -1, as a CUDA-graph step does."""
+    B = len(new_tokens)
+    seq_lens = [c + n for c, n in zip(cached, new_tokens)]
+    per = max(-(-L // block_size) for L in seq_lens)
+    perm = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(5))[:B * per]
+    tables = perm.view(B, per)
+    qsl = np.concatenate([[0], np.cumsum(new_tokens)]).tolist()
+    positions, slots = [], []
+    for b in range(B):
+        for p in range(cached[b], seq_lens[b]):
+            positions.append(p)
+            slots.append(int(tables[b, p // block_size]) * block_size + p % block_size)
+    decode = [b for b in range(B) if new_tokens[b] == 1]
+    decode_only = len(decode) == B
+    if pad_to is not None:
+        assert decode_only
+        extra = pad_to - B
+        tables = torch.cat((tables, torch.zeros(extra, per, dtype=tables.dtype)))
+        seq_lens, slots, positions = seq_lens + [0] * extra, slots + [-1] * extra, positions + [0] * extra
+        qsl = list(range(pad_to + 1))
+    meta = AttentionMetadata(qsl, seq_lens, tables.to(device), torch.tensor(slots, device=device), decode,
+                             [b for b in range(B) if new_tokens[b] != 1])
+    if decode:
+        nblk = -(-max(seq_lens[b] for b in decode) // block_size)
+        meta.decode_token_idx = torch.tensor([qsl[b] for b in decode], device=device)
+        meta.decode_seq_lens = torch.tensor([seq_lens[b] for b in decode], device=device)
+        meta.decode_block_tables = tables[decode, :nblk].contiguous().to(device)
+    meta.query_start_loc_t = torch.tensor(qsl, dtype=torch.int32, device=device)
+    meta.seq_lens_t = torch.tensor(seq_lens, dtype=torch.int32, device=device)
+    meta.max_query_len = max(new_tokens)
+    meta.decode_only = decode_only
+    return meta, torch.tensor(positions, device=device)

@@ -23,6 +23,7 @@ from kernels.triton_attention.mla_decode import mla_decode_triton, write_latent_
 from kernels.triton_attention.varlen import varlen_attention_triton  # noqa: E402
 from models.config import RopeConfig  # noqa: E402
 from models.layers.mla_attention import MLAAttention, MLAConfig  # noqa: E402
+from tests.factories_deepseek import mla_step_metadata  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 DEV = "cuda" if CUDA else "cpu"
@@ -180,43 +181,6 @@ def test_varlen_rejects_mismatched_heads():
 
 # --- the MLA layer: GPU path against the torch path --------------------------------------------
 
-def layer_meta(new_tokens, cached, block_size, num_blocks, device, pad_to=None):
-    """AttentionMetadata as the model runner builds it (each sequence with its own scattered
-    blocks), with the device-side fields; pad_to: pad a decode-only batch with rows of
-    seq_len 0 and slot -1, as a CUDA-graph step does."""
-    B = len(new_tokens)
-    seq_lens = [c + n for c, n in zip(cached, new_tokens)]
-    per = max(-(-L // block_size) for L in seq_lens)
-    perm = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(5))[:B * per]
-    tables = perm.view(B, per)
-    qsl = np.concatenate([[0], np.cumsum(new_tokens)]).tolist()
-    positions, slots = [], []
-    for b in range(B):
-        for p in range(cached[b], seq_lens[b]):
-            positions.append(p)
-            slots.append(int(tables[b, p // block_size]) * block_size + p % block_size)
-    decode = [b for b in range(B) if new_tokens[b] == 1]
-    decode_only = len(decode) == B
-    if pad_to is not None:
-        assert decode_only
-        extra = pad_to - B
-        tables = torch.cat((tables, torch.zeros(extra, per, dtype=tables.dtype)))
-        seq_lens, slots, positions = seq_lens + [0] * extra, slots + [-1] * extra, positions + [0] * extra
-        qsl = list(range(pad_to + 1))
-    meta = AttentionMetadata(qsl, seq_lens, tables.to(device), torch.tensor(slots, device=device), decode,
-                             [b for b in range(B) if new_tokens[b] != 1])
-    if decode:
-        nblk = -(-max(seq_lens[b] for b in decode) // block_size)
-        meta.decode_token_idx = torch.tensor([qsl[b] for b in decode], device=device)
-        meta.decode_seq_lens = torch.tensor([seq_lens[b] for b in decode], device=device)
-        meta.decode_block_tables = tables[decode, :nblk].contiguous().to(device)
-    meta.query_start_loc_t = torch.tensor(qsl, dtype=torch.int32, device=device)
-    meta.seq_lens_t = torch.tensor(seq_lens, dtype=torch.int32, device=device)
-    meta.max_query_len = max(new_tokens)
-    meta.decode_only = decode_only
-    return meta, torch.tensor(positions, device=device)
-
-
 def run_layer_both_paths(monkeypatch, cfg, dtype, block_size, num_blocks, steps, device, tol):
     """The same layer and inputs through the torch path and the Triton path, step by step
     (each path with its own cache); a final decode-only step is padded to 2 more rows."""
@@ -236,7 +200,7 @@ def run_layer_both_paths(monkeypatch, cfg, dtype, block_size, num_blocks, steps,
             x = torch.randn(sum(new), cfg.hidden_size, generator=gen).to(device, dtype)
             decode_only = all(n == 1 for n in new)
             pad = len(new) + 2 if decode_only and use_triton else None
-            meta, positions = layer_meta(new, cached, block_size, num_blocks, device, pad_to=pad)
+            meta, positions = mla_step_metadata(new, cached, block_size, num_blocks, device, pad_to=pad)
             if pad:
                 x = torch.cat((x, torch.randn(2, cfg.hidden_size, generator=gen).to(device, dtype)))
             with torch.no_grad():

@@ -4,18 +4,16 @@ from __future__ import annotations
 
 import math
 
-import numpy as np
 import pytest
 import torch
 
-from kernels.attention import AttentionMetadata
 from models.config import RopeConfig
 from models.fp8 import Fp8BlockConfig, attach_fp8_scales, dequantize_fp8_block, quantize_fp8_block
 from models.layers.linear import ReplicatedLinear
 from models.layers.mla_attention import MLAAttention, MLAConfig
 from models.layers.rotary_yarn import YarnRotaryEmbedding, yarn_softmax_scale
 from routing.grouped_topk import grouped_topk
-from tests.factories_deepseek import dequantize_block, quantize_block
+from tests.factories_deepseek import dequantize_block, mla_step_metadata, quantize_block
 
 
 # ---- router ---------------------------------------------------------------------------------
@@ -97,30 +95,6 @@ def test_grouped_topk_rejects_bad_groups():
 
 
 # ---- MLA: absorbed vs expanded ------------------------------------------------------------
-def _meta(new_tokens: list[int], cached: list[int], block_size: int, num_blocks: int):
-    """AttentionMetadata as the model runner builds it, each sequence with its own blocks."""
-    B = len(new_tokens)
-    seq_lens = [c + n for c, n in zip(cached, new_tokens)]
-    per = max(-(-L // block_size) for L in seq_lens)
-    perm = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(5))[:B * per]
-    tables = perm.view(B, per)
-    qsl = np.concatenate([[0], np.cumsum(new_tokens)]).tolist()
-    positions, slots = [], []
-    for b in range(B):
-        for p in range(cached[b], seq_lens[b]):
-            positions.append(p)
-            slots.append(int(tables[b, p // block_size]) * block_size + p % block_size)
-    decode = [b for b in range(B) if new_tokens[b] == 1]
-    meta = AttentionMetadata(qsl, seq_lens, tables, torch.tensor(slots), decode,
-                             [b for b in range(B) if new_tokens[b] != 1])
-    if decode:
-        nblk = -(-max(seq_lens[b] for b in decode) // block_size)
-        meta.decode_token_idx = torch.tensor([qsl[b] for b in decode])
-        meta.decode_seq_lens = torch.tensor([seq_lens[b] for b in decode])
-        meta.decode_block_tables = tables[decode, :nblk].contiguous()
-    return meta, torch.tensor(positions)
-
-
 @pytest.mark.parametrize("q_lora_rank,rope", [
     (24, RopeConfig(10000.0, "yarn", 4.0, 16, {"mscale": 0.707, "mscale_all_dim": 1.0})),
     (None, RopeConfig(10000.0)),
@@ -145,7 +119,7 @@ def test_mla_absorbed_matches_expanded(q_lora_rank, rope):
         mod.kv_cache = torch.zeros(mod.kv_cache_shape(num_blocks, block_size))
         gen = torch.Generator().manual_seed(1)
         for new, cached in steps:
-            meta, positions = _meta(new, cached, block_size, num_blocks)
+            meta, positions = mla_step_metadata(new, cached, block_size, num_blocks)
             x = torch.randn(sum(new), cfg.hidden_size, generator=gen)
             outs[mode].append(mod(positions, x, meta))
     for mode in ("absorbed", "auto"):
