@@ -13,6 +13,7 @@ import re
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Hashable, Iterator
+import zlib
 
 import torch
 from safetensors import safe_open
@@ -172,3 +173,6 @@ def init_dummy_weights(model: torch.nn.Module, seed: int = 0, low: float = -1e-3
             param.data.copy_(torch.empty(param.shape, dtype=torch.float32).uniform_(low, high, generator=gen))
         else:  # fill on the device: copying GBs of random numbers from the host is slow
             param.data.uniform_(low, high)
+    for name, module in model.named_modules():
+        if getattr(module, "eplb", None) is not None:  # EPLB replicas of one expert must be equal
+            module.fill_dummy_replicas(seed ^ zlib.crc32(name.encode()), low, high)

@@ -37,6 +37,8 @@ import kernels
 from models.layers.weights import ParamLoader, attach_loader, new_param
 from all2all import Dispatcher, make_dispatcher
 from moe.distributed import ParallelState, get_parallel_state, tp_all_gather_rows, tp_all_reduce, tp_row_chunk
+from moe.expert_replicas import ExpertReplicas, initial_phys_to_log, move_expert_weights
+from kernels.expert_count import map_to_physical_and_count
 from routing import RouterOutput
 from routing.placement import local_expert_ids
 
@@ -51,6 +53,8 @@ class MoEParallelConfig:
     use_ep: experts split over the EP group (ep_size whole-expert shards, tokens dispatched);
     otherwise every rank holds each expert's F/tp_size slice and the TP group sums the outputs.
     kernel_backend: the expert GEMM backend (kernels.fused_experts' `backend`; None = auto).
+    eplb_redundant_experts: None = no EPLB; else EPLB's physical experts with this many
+    redundant slots (expert parallelism only; see moe/expert_replicas.py).
     ep_group: the EP process group (None at ep_size 1); not part of equality.
     """
     tp_size: int = 1
@@ -61,17 +65,19 @@ class MoEParallelConfig:
     all2all_backend: str = "auto"
     expert_placement_strategy: str = "linear"
     kernel_backend: str | None = None
+    eplb_redundant_experts: int | None = None
     ep_group: Any = field(default=None, compare=False, repr=False)
 
     @classmethod
-    def from_parallel_state(cls, kernel_backend: str | None = None,
-                            state: ParallelState | None = None) -> MoEParallelConfig:
+    def from_parallel_state(cls, kernel_backend: str | None = None, state: ParallelState | None = None,
+                            eplb_redundant_experts: int | None = None) -> MoEParallelConfig:
         """The layout of this process (moe.distributed's state unless `state` is given)."""
         ps = state if state is not None else get_parallel_state()
         use_ep = ps.enable_expert_parallel and ps.ep_size > 1
         return cls(tp_size=ps.tp_size, tp_rank=ps.tp_rank, ep_size=ps.ep_size, ep_rank=ps.ep_rank, use_ep=use_ep,
                    all2all_backend=ps.all2all_backend, expert_placement_strategy=ps.expert_placement_strategy,
-                   kernel_backend=kernel_backend, ep_group=ps.ep_group if use_ep else None)
+                   kernel_backend=kernel_backend, eplb_redundant_experts=eplb_redundant_experts if use_ep else None,
+                   ep_group=ps.ep_group if use_ep else None)
 
 
 class ExpertWeightLoader(ParamLoader):
@@ -82,7 +88,11 @@ class ExpertWeightLoader(ParamLoader):
     def __init__(self, kind: str, num_experts: int, hidden: int, inter: int,
                  local_ids: list[int], tp_rank: int, inter_local: int) -> None:
         self.kind, self.E, self.D, self.F = kind, num_experts, hidden, inter
-        self.local_ids, self.local_of = local_ids, {g: i for i, g in enumerate(local_ids)}
+        # local_ids: the logical expert of each local slot; under EPLB one expert may fill
+        # several slots (replicas), each loaded with the same tensor.
+        self.local_ids, self.local_of = local_ids, {}
+        for slot, g in enumerate(local_ids):
+            self.local_of.setdefault(g, []).append(slot)
         self.f0, self.Fl = tp_rank * inter_local, inter_local
 
     def wants(self, shard_id, expert_id):
@@ -91,7 +101,7 @@ class ExpertWeightLoader(ParamLoader):
 
     def pieces(self):
         shards = ("w1", "w3") if self.kind == "w13" else ("w2",)
-        return [(s, e) for e in self.local_ids for s in shards]
+        return [(s, e) for e in self.local_of for s in shards]
 
     def ckpt_shape(self, shard_id, expert_id):
         if expert_id is None:  # fused 3-D tensor of all experts
@@ -108,20 +118,21 @@ class ExpertWeightLoader(ParamLoader):
 
     def load(self, param, tensor, shard_id, expert_id):
         if expert_id is not None:
-            local = self.local_of.get(expert_id)
-            if local is None:
+            slots = self.local_of.get(expert_id)
+            if slots is None:
                 return []  # held by another expert-parallel rank
-            self._copy_one(param, local, shard_id, tensor)
+            for local in slots:
+                self._copy_one(param, local, shard_id, tensor)
             return [(shard_id, expert_id)]
         filled = []
-        for g, local in self.local_of.items():
-            if shard_id == "w13":
-                self._copy_one(param, local, "w1", tensor[g, :self.F])
-                self._copy_one(param, local, "w3", tensor[g, self.F:])
-                filled += [("w1", g), ("w3", g)]
-            else:
-                self._copy_one(param, local, "w2", tensor[g])
-                filled.append(("w2", g))
+        for g, slots in self.local_of.items():
+            for local in slots:
+                if shard_id == "w13":
+                    self._copy_one(param, local, "w1", tensor[g, :self.F])
+                    self._copy_one(param, local, "w3", tensor[g, self.F:])
+                else:
+                    self._copy_one(param, local, "w2", tensor[g])
+            filled += [("w1", g), ("w3", g)] if shard_id == "w13" else [("w2", g)]
         return filled
 
 
@@ -147,17 +158,18 @@ class ExpertScaleLoader(ParamLoader):
     def load(self, param, tensor, shard_id, expert_id):
         if expert_id is None:  # the hub has no fused 3-D FP8 expert tensors
             raise ValueError(f"FP8 expert scales must come per expert, got a fused {shard_id!r} tensor")
-        local = self.w.local_of.get(expert_id)
-        if local is None:
+        slots = self.w.local_of.get(expert_id)
+        if slots is None:
             return []  # held by another expert-parallel rank
         bn, bk = self.block
-        if shard_id == "w2":
-            c0 = self.w.f0 // bk
-            param.data[local].copy_(tensor[:, c0:c0 + param.shape[2]])
-        else:
-            rows = self.w.Fl // bn  # gate's scale rows, then up's
-            r0, dst = self.w.f0 // bn, 0 if shard_id == "w1" else self.w.Fl // bn
-            param.data[local, dst:dst + rows].copy_(tensor[r0:r0 + rows])
+        for local in slots:
+            if shard_id == "w2":
+                c0 = self.w.f0 // bk
+                param.data[local].copy_(tensor[:, c0:c0 + param.shape[2]])
+            else:
+                rows = self.w.Fl // bn  # gate's scale rows, then up's
+                r0, dst = self.w.f0 // bn, 0 if shard_id == "w1" else self.w.Fl // bn
+                param.data[local, dst:dst + rows].copy_(tensor[r0:r0 + rows])
         return [(shard_id, expert_id)]
 
 
@@ -195,7 +207,21 @@ class FusedMoE(nn.Module):
         self.top_k = top_k
         self.dispatcher: Dispatcher | None = None
         self.use_ep = pc.use_ep
-        if self.use_ep:
+        self.eplb: ExpertReplicas | None = None
+        self.num_physical_experts = num_experts
+        self.load_counters, self.load_row, self._counts = None, 0, False
+        if self.use_ep and pc.eplb_redundant_experts is not None:
+            P = num_experts + pc.eplb_redundant_experts
+            if P % pc.ep_size:
+                raise ValueError(f"EPLB: num_experts ({num_experts}) + num_redundant_experts "
+                                 f"({pc.eplb_redundant_experts}) = {P} physical experts do not divide evenly over "
+                                 f"the {pc.ep_size} expert-parallel ranks")
+            self.num_physical_experts, S = P, P // pc.ep_size
+            phys_to_log = initial_phys_to_log(num_experts, P)
+            self.eplb = ExpertReplicas(phys_to_log, num_experts, torch.get_default_device())
+            local_ids = phys_to_log[pc.ep_rank * S:(pc.ep_rank + 1) * S]
+            f_local, tp_rank, self.reduce_over_tp = intermediate_size, 0, False
+        elif self.use_ep:
             local_ids = local_expert_ids(num_experts, pc.ep_size, pc.ep_rank, pc.expert_placement_strategy)
             f_local, tp_rank, self.reduce_over_tp = intermediate_size, 0, False
         else:
@@ -235,25 +261,89 @@ class FusedMoE(nn.Module):
     def _get_dispatcher(self, top_k: int) -> Dispatcher:
         if self.dispatcher is None:
             pc = self.parallel
-            self.dispatcher = make_dispatcher(pc.all2all_backend, pc.ep_group, self.num_experts,
-                                              pc.expert_placement_strategy, top_k=self.top_k or top_k)
+            # Under EPLB the dispatcher moves tokens to physical slots, placed linearly.
+            placement = "linear" if self.eplb is not None else pc.expert_placement_strategy
+            self.dispatcher = make_dispatcher(pc.all2all_backend, pc.ep_group, self.num_physical_experts,
+                                              placement, top_k=self.top_k or top_k)
         return self.dispatcher
 
-    def forward(self, x_TD: torch.Tensor, routing: RouterOutput) -> torch.Tensor:
+    # ---- expert load and EPLB ---------------------------------------------------------------
+    def attach_load_counters(self, counters, row: int, enabled: bool) -> None:
+        """Count this layer's routing into row `row` of an ExpertLoadCounters (moe/expert_counters.py).
+        `enabled` False: this rank leaves the counting to another (TP rank 0 without EP); under
+        EPLB the replica map still runs."""
+        self.load_counters, self.load_row, self._counts = counters, row, enabled
+
+    def _route_ids(self, ids_TK: torch.Tensor, row_offset: int, rows_per_token: int) -> torch.Tensor:
+        """Count the layer's routed slots and, under EPLB, return their physical experts."""
+        c = self.load_counters
+        if self.eplb is not None:
+            if c is None:  # a layer used on its own: map without keeping counts
+                scratch = torch.zeros(self.num_physical_experts, dtype=torch.int64, device=ids_TK.device)
+                num_valid = torch.full((1,), ids_TK.shape[0] + row_offset, dtype=torch.int64, device=ids_TK.device)
+                return map_ids(ids_TK, self.eplb, scratch, num_valid, row_offset)
+            return c.map_and_record(self.load_row, ids_TK, self.eplb.log_to_phys_ER, self.eplb.replica_count_E,
+                                    row_offset, rows_per_token)
+        if self._counts:
+            c.record(self.load_row, ids_TK, row_offset, rows_per_token)
+        return ids_TK
+
+    def expert_params(self) -> list[torch.Tensor]:
+        """Every per-slot tensor of the routed experts (weights, and FP8 scales when kept)."""
+        names = ["w13_weight", "w2_weight"] + (["w13_weight_scale_inv", "w2_weight_scale_inv"]
+                                               if self.fp8_block is not None else [])
+        return [getattr(self, n).data for n in names]
+
+    def fill_dummy_replicas(self, seed: int, low: float, high: float) -> None:
+        """Dummy weights under EPLB: every slot of one logical expert gets the same random values
+        (seeded by the expert id), on whichever rank it lives, so replicas agree."""
+        S = len(self.eplb.phys_to_log) // self.parallel.ep_size
+        lo = self.parallel.ep_rank * S
+        for slot, e in enumerate(self.eplb.phys_to_log[lo:lo + S]):
+            for p in self.expert_params():
+                if p.dtype in (torch.float32, torch.bfloat16, torch.float16):
+                    gen = torch.Generator(device=p.device).manual_seed(seed * 1_000_003 + e)
+                    p[slot].uniform_(low, high, generator=gen)
+
+    def apply_placement(self, phys_to_log: list[int]) -> int:
+        """EPLB: install a new placement, moving expert weights between the expert-parallel ranks
+        (a collective over the EP group: every rank calls it at the same step boundary with the
+        same placement). Returns the slots this rank received."""
+        if self.eplb is None:
+            raise RuntimeError("apply_placement needs EPLB (enable_eplb with expert parallelism)")
+        pc = self.parallel
+        S = self.num_physical_experts // pc.ep_size
+        moved = move_expert_weights(self.expert_params(), self.eplb.phys_to_log, list(phys_to_log), pc.ep_rank, S,
+                                    pc.ep_group)
+        self.eplb.set(list(phys_to_log))
+        return moved
+
+    def forward(self, x_TD: torch.Tensor, routing: RouterOutput, rows_per_token: int = 1) -> torch.Tensor:
+        """rows_per_token: how many rows of x_TD make one token of the step (Llama-4's
+        scaled-input path sends one row per (token, expert) pair); only the load counting uses it."""
         if self.use_ep:
-            return self._forward_ep(x_TD, routing)
+            return self._forward_ep(x_TD, routing, rows_per_token)
+        self._route_ids(routing.topk_ids_TK, 0, rows_per_token)
         y_TD = self._experts(x_TD, routing.topk_weights_TK, routing.topk_ids_TK, None)
         return tp_all_reduce(y_TD) if self.reduce_over_tp else y_TD
 
-    def _forward_ep(self, x_TD: torch.Tensor, routing: RouterOutput) -> torch.Tensor:
+    def _forward_ep(self, x_TD: torch.Tensor, routing: RouterOutput, rows_per_token: int = 1) -> torch.Tensor:
         T = x_TD.shape[0]
         lo, hi, _ = tp_row_chunk(T)  # the TP ranks split the (replicated) rows
         disp = self._get_dispatcher(routing.topk_ids_TK.shape[1])
-        recv = disp.dispatch(x_TD[lo:hi], routing.topk_weights_TK[lo:hi], routing.topk_ids_TK[lo:hi])
+        ids_TK = self._route_ids(routing.topk_ids_TK[lo:hi], lo, rows_per_token)
+        recv = disp.dispatch(x_TD[lo:hi], routing.topk_weights_TK[lo:hi], ids_TK)
         y_RD = self._experts(recv.x_RD, recv.topk_weights_RK, recv.topk_ids_RK,
                              disp.expert_map_on(x_TD.device))
         y_ND = disp.combine(y_RD, recv)
         return tp_all_gather_rows(y_ND, T)
+
+
+def map_ids(ids_TK: torch.Tensor, replicas: ExpertReplicas, scratch_P: torch.Tensor, num_valid: torch.Tensor,
+            row_offset: int) -> torch.Tensor:
+    """Physical ids of logical ones without kept counts (scratch_P absorbs both countings)."""
+    return map_to_physical_and_count(ids_TK, replicas.log_to_phys_ER, replicas.replica_count_E,
+                                     scratch_P[:replicas.num_logical], scratch_P, num_valid, row_offset)
 
 
 def _log_fallback(f_local: int, inter: int, block: tuple[int, int]) -> None:
@@ -308,5 +398,5 @@ class MoEBlock(nn.Module):
             x_ND = (x_TD[:, None, :] * w_TK.to(x_TD.dtype)[..., None]).reshape(T * K, D)
             ids_NK = ids_TK.reshape(T * K, 1)
         ones_NK = torch.ones(ids_NK.shape, dtype=torch.float32, device=x_TD.device)
-        y_ND = self.experts(x_ND, RouterOutput(ones_NK, ids_NK))
+        y_ND = self.experts(x_ND, RouterOutput(ones_NK, ids_NK), rows_per_token=K)
         return y_ND if K == 1 else y_ND.view(T, K, D).sum(dim=1)

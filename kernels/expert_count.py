@@ -1,0 +1,110 @@
+"""Expert-load counting inside the forward: how many routed (token, expert) pairs each expert got.
+
+Legend: T tokens (rows of this call), K top-k, E experts counted (logical or physical), R the
+most replicas of one logical expert (EPLB).
+
+Both functions take the step's number of real rows as a device tensor `num_valid` [1] int64,
+so a CUDA graph captured at a padded size counts only the rows a replay really carries: row t
+counts when (row_offset + t) // rows_per_token < num_valid (row_offset: where these T rows start
+in the step's batch, for a tensor-parallel rank that took a slice of it; rows_per_token > 1 when
+each row is one (token, expert) pair, as Llama-4's scaled-input path makes them). Nothing is
+read back to the host.
+
+On CUDA one Triton launch (atomic adds into the resident int64 counters); elsewhere the torch
+reference, which is also the oracle of the tests.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit(do_not_specialize=["N", "row_offset"])
+def _count_kernel(ids_ptr, counts_ptr, num_valid_ptr, N, row_offset, K: tl.constexpr, RPT: tl.constexpr,
+                  BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    num_valid = tl.load(num_valid_ptr)
+    valid = (offs < N) & ((offs // K + row_offset) // RPT < num_valid)
+    ids = tl.load(ids_ptr + offs, mask=valid, other=0).to(tl.int64)
+    tl.atomic_add(counts_ptr + ids, tl.full([BLOCK], 1, tl.int64), mask=valid)
+
+
+@triton.jit(do_not_specialize=["N", "row_offset"])
+def _map_count_kernel(ids_ptr, phys_ptr, log_to_phys_ptr, replicas_ptr, log_counts_ptr, phys_counts_ptr,
+                      num_valid_ptr, N, row_offset, R: tl.constexpr, K: tl.constexpr, RPT: tl.constexpr,
+                      BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    in_range = offs < N
+    ids = tl.load(ids_ptr + offs, mask=in_range, other=0).to(tl.int64)
+    replicas = tl.load(replicas_ptr + ids, mask=in_range, other=1)
+    flat = offs.to(tl.int64) + row_offset * K  # (row, k) in the step's batch: the same on every TP rank
+    phys = tl.load(log_to_phys_ptr + ids * R + flat % replicas, mask=in_range, other=0)
+    tl.store(phys_ptr + offs, phys.to(phys_ptr.dtype.element_ty), mask=in_range)
+    valid = in_range & ((offs // K + row_offset) // RPT < tl.load(num_valid_ptr))
+    one = tl.full([BLOCK], 1, tl.int64)
+    tl.atomic_add(log_counts_ptr + ids, one, mask=valid)
+    tl.atomic_add(phys_counts_ptr + phys, one, mask=valid)
+
+
+def _valid_pairs(T: int, K: int, num_valid: torch.Tensor, row_offset: int, rows_per_token: int,
+                 device) -> torch.Tensor:
+    rows = torch.arange(T, device=device) + row_offset
+    return (rows // rows_per_token < num_valid.to(device)).repeat_interleave(K).long()
+
+
+def _use_triton(t: torch.Tensor) -> bool:
+    return t.is_cuda
+
+
+def count_experts(ids_TK: torch.Tensor, counts_E: torch.Tensor, num_valid: torch.Tensor,
+                  row_offset: int = 0, rows_per_token: int = 1) -> None:
+    """counts_E[e] += the number of valid (row, k) slots of ids_TK choosing expert e.
+
+    ids_TK: [T, K] int32/int64 in [0, E); counts_E: [E] int64 (updated in place);
+    num_valid: [1] int64 on the same device.
+    """
+    T, K = ids_TK.shape
+    if T == 0:
+        return
+    if _use_triton(ids_TK):
+        ids = ids_TK.contiguous()
+        BLOCK = 1024
+        _count_kernel[(triton.cdiv(T * K, BLOCK),)](ids, counts_E, num_valid, T * K, row_offset, K=K,
+                                                    RPT=rows_per_token, BLOCK=BLOCK)
+        return
+    valid = _valid_pairs(T, K, num_valid, row_offset, rows_per_token, ids_TK.device)
+    counts_E.index_add_(0, ids_TK.reshape(-1).long(), valid)
+
+
+def map_to_physical_and_count(ids_TK: torch.Tensor, log_to_phys_ER: torch.Tensor, replica_count_E: torch.Tensor,
+                              log_counts_E: torch.Tensor, phys_counts_P: torch.Tensor, num_valid: torch.Tensor,
+                              row_offset: int = 0, rows_per_token: int = 1) -> torch.Tensor:
+    """The physical expert of each routed slot (EPLB replicas), counting both kinds of load.
+
+    Slot (t, k) of logical expert e takes replica ((row_offset + t) * K + k) % replica_count_E[e]
+    of log_to_phys_ER[e]: deterministic, and consecutive slots of a hot expert spread over its
+    replicas. Returns [T, K] physical ids in the dtype of ids_TK.
+
+    log_to_phys_ER: [E, R] int64 physical ids (columns past an expert's count unused);
+    replica_count_E: [E] int64 >= 1; log_counts_E [E] / phys_counts_P [P] int64 (in place).
+    """
+    T, K = ids_TK.shape
+    phys_TK = torch.empty_like(ids_TK)
+    if T == 0:
+        return phys_TK
+    R = log_to_phys_ER.shape[1]
+    if _use_triton(ids_TK):
+        BLOCK = 1024
+        _map_count_kernel[(triton.cdiv(T * K, BLOCK),)](
+            ids_TK.contiguous(), phys_TK, log_to_phys_ER.contiguous(), replica_count_E, log_counts_E, phys_counts_P,
+            num_valid, T * K, row_offset, R=R, K=K, RPT=rows_per_token, BLOCK=BLOCK)
+        return phys_TK
+    ids = ids_TK.reshape(-1).long()
+    flat = torch.arange(T * K, device=ids.device) + row_offset * K
+    phys = log_to_phys_ER[ids, flat % replica_count_E[ids]]
+    valid = _valid_pairs(T, K, num_valid, row_offset, rows_per_token, ids.device)
+    log_counts_E.index_add_(0, ids, valid)
+    phys_counts_P.index_add_(0, phys, valid)
+    phys_TK.copy_(phys.view(T, K))
+    return phys_TK
