@@ -129,7 +129,7 @@ def _replicate(load_WE: torch.Tensor, num_slots: int) -> torch.Tensor:
 
 
 def _as_load(load_LE) -> torch.Tensor:
-    load_LE = torch.as_tensor(load_LE).detach().cpu().to(torch.float64)
+    load_LE = torch.as_tensor(load_LE).detach().cpu().to(torch.float64).contiguous()
     if load_LE.dim() != 2 or load_LE.shape[0] == 0 or load_LE.shape[1] == 0:
         raise ValueError(f"load_LE must be a non-empty 2-D [layers, experts] array, got shape {tuple(load_LE.shape)}")
     if not torch.isfinite(load_LE).all():
@@ -211,6 +211,7 @@ def rebalance_experts(load_LE, num_physical: int, num_groups: int, num_nodes: in
     load_LE: [L, E] non-negative load of each logical expert per layer (torch, numpy or nested lists).
     Hierarchical when num_groups % num_nodes == 0 and E % num_groups == 0 (each expert group's
     experts stay on one node; replicas stay on their expert's node), global otherwise.
+    Requires P >= E, P % G == 0 and G % num_nodes == 0 (so P % num_nodes == 0); ValueError otherwise.
     Every expert gets at least one replica; every GPU gets S = P / G slots, in ascending logical
     order within a GPU. Replicas of one expert go to different GPUs of their packing domain (its
     node, or all GPUs when global) whenever, at each replica's turn, a GPU of that domain with a
@@ -232,7 +233,7 @@ def rebalance_experts(load_LE, num_physical: int, num_groups: int, num_nodes: in
     S, per_node = P // G, G // nodes
     group_size = E // groups
 
-    # 1. Groups onto nodes: node_LN_g holds the group ids of each node, ascending.
+    # 1. Groups onto nodes (the same number each); each node lists its groups in ascending id.
     group_load_LG = load_LE.view(L, groups, group_size).sum(-1)
     group_node_LG, _ = _balanced_pack(group_load_LG, nodes)
     group_order_LG = torch.argsort(group_node_LG * groups + torch.arange(groups), dim=1)
