@@ -128,12 +128,13 @@
         const td = document.createElement("td");
         td.textContent = text;
         if (c >= 3) td.className = "num";
-        if (c === 4) {
-          td.classList.add("share");
-          const bar = document.createElement("span");
-          bar.className = "bar";
-          bar.style.width = Math.round(60 * h.share) + "px";
-          td.appendChild(bar);
+        if (c === 4) { // a small gauge of the share before the number
+          const track = document.createElement("span");
+          const fill = document.createElement("span");
+          track.className = "gauge";
+          fill.style.width = (100 * h.share).toFixed(1) + "%";
+          track.appendChild(fill);
+          td.prepend(track);
         }
         tr.appendChild(td);
       });
@@ -145,14 +146,15 @@
   const margin = { l: 70, r: 16, t: 8, b: 40 };
 
   function renderHeatmap() {
-    const z = heatmapMode === "last" ? state.lastCounts : state.counts;
+    // Copies: Plotly.react redraws only arrays it has not seen (state's arrays change in place).
+    const z = (heatmapMode === "last" ? state.lastCounts : state.counts).map((row) => row.slice());
     Plotly.react("heatmap", [{
       type: "heatmap",
       z: z,
       x: Array.from({ length: state.meta.num_experts }, (_, e) => e),
       y: layerLabels(),
       colorscale: "YlOrRd",
-      reversescale: false,
+      reversescale: true, // plotly's YlOrRd runs dark to pale: hot experts dark red
       hovertemplate: "%{y}, expert %{x}: %{z:,} tokens<extra></extra>",
       colorbar: { thickness: 12, outlinewidth: 0 },
     }], {
@@ -175,10 +177,10 @@
   }
 
   function renderBalance() {
-    const traces = [{ type: "scatter", mode: "lines+markers", name: "mean", x: state.windowIndex,
-      y: state.balanceMean, line: { width: 3, color: "#2f6fde" } }];
+    const traces = [{ type: "scatter", mode: "lines+markers", name: "mean", x: state.windowIndex.slice(),
+      y: state.balanceMean.slice(), line: { width: 3, color: "#2f6fde" } }];
     state.balanceLayers.forEach((ys, l) => traces.push({ type: "scatter", mode: "lines", name: layerLabels()[l],
-      x: state.windowIndex, y: ys, visible: "legendonly", line: { width: 1 } }));
+      x: state.windowIndex.slice(), y: ys.slice(), visible: "legendonly", line: { width: 1 } }));
     Plotly.react("balance", traces, {
       margin: margin, font: font, paper_bgcolor: "rgba(0,0,0,0)", plot_bgcolor: "rgba(0,0,0,0)",
       showlegend: true, legend: { font: { size: 11 } },
