@@ -299,8 +299,10 @@ class RecordingTail:
 def read_recording(path: str | os.PathLike) -> Recording:
     """The whole recording; FileNotFoundError when missing, ValueError naming file and line when malformed."""
     path = os.fspath(path)
-    if not os.path.isfile(path):
+    if not os.path.exists(path):
         raise FileNotFoundError(f"recording {path!r} does not exist")
+    if not os.path.isfile(path):
+        raise ValueError(f"recording {path!r} is not a file")
     tail = RecordingTail(path)
     tail.poll(final=True)
     if tail.recording is None:

@@ -138,6 +138,8 @@ def test_wrong_format_or_version_is_refused(tmp_path):
         read_recording(path)
     with pytest.raises(FileNotFoundError, match="does not exist"):
         read_recording(tmp_path / "missing.jsonl")
+    with pytest.raises(ValueError, match="is not a file"):
+        read_recording(tmp_path)
 
 
 def test_meta_validation():
