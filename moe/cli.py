@@ -1,4 +1,4 @@
-"""The `moe` command: `moe generate`, `moe serve`, `moe bench NAME` and `moe tune-moe`."""
+"""The `moe` command: `moe generate`, `moe serve`, `moe bench NAME`, `moe tune-moe` and `moe dashboard`."""
 from __future__ import annotations
 
 import argparse
@@ -96,6 +96,18 @@ def _serve(args: argparse.Namespace) -> int:
     return run_server(args, EngineArgs.from_cli_args(args))
 
 
+def _dashboard(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from moe.dashboard import build_dashboard_app
+
+    app = build_dashboard_app(args.recording)  # FileNotFoundError / ValueError: reported by main()
+    host = f"[{args.host}]" if ":" in args.host else args.host
+    print(f"moe dashboard: {args.recording} at http://{host}:{args.port}/dashboard/", flush=True)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    return 0
+
+
 # `moe bench NAME` -> (module whose main(argv) it runs, one line for `moe bench --help`).
 BENCHMARKS = {
     "throughput": ("moe.bench.throughput", "offline throughput of LLM.generate (vLLM's flags; CPU-sized defaults)"),
@@ -154,13 +166,22 @@ def build_parser() -> argparse.ArgumentParser:
     tune = sub.add_parser("tune-moe", add_help=False,
                           help="tune the Triton expert kernel on this GPU and write a config file (needs a CUDA GPU)")
     tune.set_defaults(func=lambda a: _run_module_main("kernels.triton_moe.tune", a.rest))
+
+    dash = sub.add_parser("dashboard", help="a web dashboard of an expert-load recording: moe dashboard RECORDING",
+                          description="Serve a web page that shows an expert-load recording (JSON lines); "
+                                      "a recording still being written updates live.",
+                          formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    dash.add_argument("recording", help="the expert-load recording file (.jsonl)")
+    dash.add_argument("--host", default="127.0.0.1", help="address to listen on (loopback: this machine only)")
+    dash.add_argument("--port", type=int, default=8050, help="port to listen on")
+    dash.set_defaults(func=_dashboard)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s")
     args, rest = build_parser().parse_known_args(argv)
-    if args.func in (_generate, _serve) and rest:
+    if args.func in (_generate, _serve, _dashboard) and rest:
         build_parser().error(f"unrecognized arguments: {' '.join(rest)}")
     args.rest = rest
     try:

@@ -1,0 +1,112 @@
+"""HTTP routes of the expert-load dashboard, and an app that serves a saved (or growing) recording.
+
+Routes under a prefix (default /dashboard):
+    GET {prefix} and {prefix}/       the page
+    GET {prefix}/data.json?since=K   get_payload(K): the meta, windows with index >= K, rebalances
+    GET {prefix}/static/NAME         app.js, style.css, plotly.min.js (a fixed list: no paths)
+"""
+from __future__ import annotations
+
+import html
+import logging
+import os
+import threading
+from typing import Callable
+
+from fastapi import FastAPI, HTTPException, Query
+from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, RedirectResponse
+
+from moe.expert_load_file import RecordingTail, read_recording, recording_to_dashboard_json
+
+logger = logging.getLogger(__name__)
+
+STATIC_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "static")
+
+
+def plotly_js_path() -> str:
+    """plotly.min.js as the installed plotly package ships it (no CDN: the page works offline)."""
+    import plotly
+
+    path = os.path.join(os.path.dirname(plotly.__file__), "package_data", "plotly.min.js")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"plotly.min.js not found at {path!r}: reinstall the plotly package")
+    return path
+
+
+# The only files the static route serves: name -> (path getter, media type).
+_STATIC_FILES: dict[str, tuple[Callable[[], str], str]] = {
+    "app.js": (lambda: os.path.join(STATIC_DIR, "app.js"), "text/javascript"),
+    "style.css": (lambda: os.path.join(STATIC_DIR, "style.css"), "text/css"),
+    "plotly.min.js": (plotly_js_path, "text/javascript"),
+}
+
+
+def _page(prefix: str) -> str:
+    with open(os.path.join(STATIC_DIR, "index.html"), encoding="utf-8") as f:
+        return f.read().replace("{{PREFIX}}", html.escape(prefix, quote=True))
+
+
+def add_dashboard_routes(app: FastAPI, get_payload: Callable[[int], dict], prefix: str = "/dashboard") -> None:
+    """Mounts the dashboard on `app`; get_payload(since) returns the data.json dict (see
+    moe.expert_load_file.windows_to_dashboard_json). It is called from a worker thread."""
+    prefix = "/" + prefix.strip("/")
+    if prefix == "/":
+        raise ValueError("the dashboard prefix must not be empty, e.g. '/dashboard'")
+
+    def page() -> HTMLResponse:
+        return HTMLResponse(_page(prefix), headers={"Cache-Control": "no-cache"})
+
+    app.add_api_route(prefix, page, methods=["GET"], include_in_schema=False)
+    app.add_api_route(prefix + "/", page, methods=["GET"], include_in_schema=False)
+
+    # A plain def: FastAPI runs it in its thread pool, so a payload that reads a file does not block the loop.
+    def data(since: int = Query(0, ge=0)) -> JSONResponse:
+        return JSONResponse(get_payload(since), headers={"Cache-Control": "no-store"})
+
+    app.add_api_route(prefix + "/data.json", data, methods=["GET"], include_in_schema=False)
+
+    def static(name: str) -> FileResponse:
+        entry = _STATIC_FILES.get(name)
+        if entry is None:
+            raise HTTPException(status_code=404, detail=f"no static file {name!r}")
+        path_of, media_type = entry
+        return FileResponse(path_of(), media_type=media_type, headers={"Cache-Control": "max-age=3600"})
+
+    # {name:path} so that any slash-bearing name reaches the lookup above and is refused there.
+    app.add_api_route(prefix + "/static/{name:path}", static, methods=["GET"], include_in_schema=False)
+
+
+def build_dashboard_app(recording_path: str) -> FastAPI:
+    """An app serving the dashboard of a recording file, re-read whenever it grows (a live recording).
+    Raises FileNotFoundError / ValueError at once when the file is missing or not a recording."""
+    recording_path = os.fspath(recording_path)
+    read_recording(recording_path)  # fail now, with the file and line, rather than on the first poll
+    tail = RecordingTail(recording_path)
+    tail.poll()
+    lock = threading.Lock()
+    state = {"error": None}
+
+    def get_payload(since: int) -> dict:
+        with lock:
+            try:
+                tail.poll()
+                state["error"] = None
+            except (OSError, ValueError) as e:
+                # Keep serving what was read; the page shows the problem.
+                if state["error"] != str(e):
+                    logger.warning("dashboard: %s", e)
+                state["error"] = str(e)
+            if tail.recording is None:  # the file was rewritten and its meta line is not there yet
+                return {"meta": None, "windows": [], "rebalances": 0, "last_index": -1, "error": state["error"]}
+            payload = recording_to_dashboard_json(tail.recording, since)
+        payload["error"] = state["error"]
+        return payload
+
+    app = FastAPI(title="moe expert-load dashboard")
+    add_dashboard_routes(app, get_payload)
+
+    @app.get("/", include_in_schema=False)
+    def root() -> RedirectResponse:
+        return RedirectResponse("/dashboard/")
+
+    return app

@@ -1,0 +1,45 @@
+"""Synthetic expert-load recordings with a skewed load (a few hot experts), for the dashboard tests.
+
+Shape legend: L = MoE layers, E = experts, P = EP ranks.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from moe.expert_load_file import ExpertLoadMeta, ExpertLoadWindow
+
+LAYERS = [1, 3, 5, 7]  # decoder-layer indices of the MoE layers (not 0..L-1, so a mix-up shows)
+NUM_EXPERTS = 16
+EP_SIZE = 2
+TOP_K = 4
+WINDOW_STEPS = 8
+
+
+def make_meta(model: str = "synthetic/skewed-moe") -> ExpertLoadMeta:
+    return ExpertLoadMeta(model=model, layers=LAYERS, num_experts=NUM_EXPERTS, ep_size=EP_SIZE,
+                          num_physical_experts=NUM_EXPERTS, window_steps=WINDOW_STEPS)
+
+
+def make_window(index: int, rng: np.random.Generator, tokens: int = 300) -> ExpertLoadWindow:
+    """One window: `tokens` tokens per layer, each routed to TOP_K distinct experts drawn with a Zipf-like
+    skew whose hot experts differ per layer; experts live on ranks contiguously (E / P each)."""
+    L, E, P = len(LAYERS), NUM_EXPERTS, EP_SIZE
+    counts_LE = np.zeros((L, E), dtype=np.int64)
+    for l in range(L):
+        weights_E = 1.0 / (1.0 + np.arange(E)) ** 1.2
+        prob_E = np.roll(weights_E, 3 * l + index % 2)
+        prob_E /= prob_E.sum()
+        n = tokens + int(rng.integers(0, 50))
+        for _ in range(n):
+            counts_LE[l, rng.choice(E, size=TOP_K, replace=False, p=prob_E)] += 1
+    per_rank_LP = counts_LE.reshape(L, P, E // P).sum(axis=2)
+    step_start = index * WINDOW_STEPS
+    return ExpertLoadWindow.build(index, step_start, step_start + WINDOW_STEPS, 1.7e9 + index, counts_LE,
+                                  per_rank_LP)
+
+
+def hottest(counts_LE: np.ndarray, n: int = 10) -> list[tuple[int, int, int, float]]:
+    """(row, expert, count, share of the row) of the n largest counts; ties to the lower row, then expert."""
+    cells = [(int(c), r, e) for (r, e), c in np.ndenumerate(counts_LE) if c > 0]
+    cells.sort(key=lambda t: (-t[0], t[1], t[2]))
+    return [(r, e, c, c / int(counts_LE[r].sum())) for c, r, e in cells[:n]]
