@@ -38,8 +38,8 @@ def _map_count_kernel(ids_ptr, phys_ptr, log_to_phys_ptr, replicas_ptr, log_coun
     in_range = offs < N
     ids = tl.load(ids_ptr + offs, mask=in_range, other=0).to(tl.int64)
     replicas = tl.load(replicas_ptr + ids, mask=in_range, other=1)
-    flat = offs.to(tl.int64) + row_offset * K  # (row, k) in the step's batch: the same on every TP rank
-    phys = tl.load(log_to_phys_ptr + ids * R + flat % replicas, mask=in_range, other=0)
+    row = offs.to(tl.int64) // K + row_offset  # the row in the step's batch: the same on every TP rank
+    phys = tl.load(log_to_phys_ptr + ids * R + row % replicas, mask=in_range, other=0)
     tl.store(phys_ptr + offs, phys.to(phys_ptr.dtype.element_ty), mask=in_range)
     valid = in_range & ((offs // K + row_offset) // RPT < tl.load(num_valid_ptr))
     one = tl.full([BLOCK], 1, tl.int64)
@@ -82,9 +82,11 @@ def map_to_physical_and_count(ids_TK: torch.Tensor, log_to_phys_ER: torch.Tensor
                               row_offset: int = 0, rows_per_token: int = 1) -> torch.Tensor:
     """The physical expert of each routed slot (EPLB replicas), counting both kinds of load.
 
-    Slot (t, k) of logical expert e takes replica ((row_offset + t) * K + k) % replica_count_E[e]
-    of log_to_phys_ER[e]: deterministic, and consecutive slots of a hot expert spread over its
-    replicas. Returns [T, K] physical ids in the dtype of ids_TK.
+    Row t's slot of logical expert e takes replica (row_offset + t) % replica_count_E[e] of
+    log_to_phys_ER[e]: deterministic, and consecutive rows choosing a hot expert spread over its
+    replicas (a row chooses an expert at most once, so the row alone decides; (t * K + k) would
+    send every row's k-th choice to the same replica when K and the count share a factor).
+    Returns [T, K] physical ids in the dtype of ids_TK.
 
     log_to_phys_ER: [E, R] int64 physical ids (columns past an expert's count unused);
     replica_count_E: [E] int64 >= 1; log_counts_E [E] / phys_counts_P [P] int64 (in place).
@@ -101,8 +103,8 @@ def map_to_physical_and_count(ids_TK: torch.Tensor, log_to_phys_ER: torch.Tensor
             num_valid, T * K, row_offset, R=R, K=K, RPT=rows_per_token, BLOCK=BLOCK)
         return phys_TK
     ids = ids_TK.reshape(-1).long()
-    flat = torch.arange(T * K, device=ids.device) + row_offset * K
-    phys = log_to_phys_ER[ids, flat % replica_count_E[ids]]
+    row = torch.arange(T * K, device=ids.device) // K + row_offset
+    phys = log_to_phys_ER[ids, row % replica_count_E[ids]]
     valid = _valid_pairs(T, K, num_valid, row_offset, rows_per_token, ids.device)
     log_counts_E.index_add_(0, ids, valid)
     phys_counts_P.index_add_(0, phys, valid)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import logging
 from dataclasses import dataclass
 
@@ -22,6 +23,45 @@ EXPERT_PLACEMENT_STRATEGIES = ("linear", "round_robin")
 DISTRIBUTED_EXECUTOR_BACKENDS = (None, "uni", "mp", "external_launcher")
 # The expert-layer backends of kernels/fused_moe.py; None picks the best one for the device.
 MOE_BACKENDS = (None, "torch", "triton", "deepspeed")
+
+
+@dataclass(frozen=True)
+class EPLBConfig:
+    """Expert-parallel load balancing (vLLM's `eplb_config` keys and defaults): every
+    `step_interval` engine steps the experts are re-placed from the load of the last `window_size`
+    steps, with `num_redundant_experts` extra physical slots for replicas of the hottest experts."""
+    window_size: int = 1000
+    step_interval: int = 3000
+    num_redundant_experts: int = 0
+    log_balancedness: bool = False
+
+    @classmethod
+    def parse(cls, value: "EPLBConfig | dict | str | None") -> "EPLBConfig":
+        """From a dict, a JSON string (the CLI's --eplb-config) or None (the defaults)."""
+        if value is None or isinstance(value, EPLBConfig):
+            return value or cls()
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"eplb_config must be a JSON object, got {value!r} ({exc})") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"eplb_config must be a dict with keys {_EPLB_KEYS}, got {type(value).__name__}")
+        unknown = sorted(set(value) - set(_EPLB_KEYS))
+        if unknown:
+            raise ValueError(f"eplb_config has unknown key(s) {unknown}; the keys are {_EPLB_KEYS}")
+        for key in ("window_size", "step_interval", "num_redundant_experts"):
+            v = value.get(key)
+            low = 0 if key == "num_redundant_experts" else 1
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < low):
+                raise ValueError(f"eplb_config['{key}'] must be an integer >= {low}, got {v!r}")
+        flag = value.get("log_balancedness", False)
+        if not isinstance(flag, bool):
+            raise ValueError(f"eplb_config['log_balancedness'] must be true or false, got {flag!r}")
+        return cls(**value)
+
+
+_EPLB_KEYS = tuple(f.name for f in dataclasses.fields(EPLBConfig))
 
 
 @dataclass
@@ -69,6 +109,18 @@ class EngineArgs:
     # (None: 1, 2, 4, 8, 16, ... up to max_num_seqs); enforce_eager=True captures none.
     enforce_eager: bool = False
     cudagraph_capture_sizes: list[int] | None = None
+    # Expert load: counted on the device in every MoE layer, folded into a window every
+    # expert_load_window_steps engine steps (LLM.get_expert_load, the recording, /metrics).
+    record_expert_load: bool = True
+    expert_load_window_steps: int = 100
+    # EPLB (expert parallelism only): a dict/JSON with EPLBConfig's keys.
+    enable_eplb: bool = False
+    eplb_config: dict | str | None = None
+
+    @property
+    def eplb(self) -> EPLBConfig | None:
+        """The parsed EPLB settings when enable_eplb, else None."""
+        return EPLBConfig.parse(self.eplb_config) if self.enable_eplb else None
 
     def resolve_device(self) -> torch.device:
         if self.device == "auto":
@@ -124,6 +176,17 @@ class EngineArgs:
         if isinstance(self.max_logprobs, bool) or not isinstance(self.max_logprobs, int) or self.max_logprobs < -1:
             raise ValueError(f"max_logprobs must be an integer >= 0, or -1 for the whole vocabulary, "
                              f"got {self.max_logprobs!r}")
+        if self.expert_load_window_steps < 1:
+            raise ValueError(f"expert_load_window_steps must be >= 1, got {self.expert_load_window_steps}")
+        eplb = EPLBConfig.parse(self.eplb_config)  # bad keys or values fail even with EPLB off
+        if self.enable_eplb:
+            if not self.enable_expert_parallel or self.tensor_parallel_size * self.data_parallel_size < 2:
+                raise ValueError("enable_eplb needs expert parallelism: set enable_expert_parallel=True with "
+                                 "tensor_parallel_size x data_parallel_size >= 2")
+            if self.expert_placement_strategy != "linear":
+                raise ValueError("enable_eplb places experts itself: leave expert_placement_strategy 'linear'")
+        elif self.eplb_config is not None and eplb.num_redundant_experts:
+            logger.warning("eplb_config is given but enable_eplb is False: no rebalancing, no redundant experts")
         if self.trust_remote_code:
             logger.warning("trust_remote_code=True is accepted for vLLM compatibility, but no remote code runs: "
                            "the engine only serves its built-in architectures")
@@ -139,6 +202,10 @@ class EngineArgs:
                                     help="checkpoint folder, or 'tiny-qwen3-moe'")
             elif f.type in ("bool", bool):
                 parser.add_argument(*flags, action=argparse.BooleanOptionalAction, default=f.default)
+            elif f.name == "eplb_config":
+                parser.add_argument(*flags, type=str, default=None,
+                                    help='JSON, e.g. \'{"window_size": 1000, "step_interval": 3000, '
+                                         '"num_redundant_experts": 32, "log_balancedness": true}\'')
             elif str(f.type).startswith("list[int]"):
                 parser.add_argument(*flags, type=int, nargs="+", default=f.default)
             else:

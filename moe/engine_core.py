@@ -14,12 +14,18 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from moe.data_parallel import DataParallelScheduler
 from moe.executor import Executor, InProcessExecutor, make_executor
+from moe.eplb_driver import EplbDriver
+from moe.expert_load import ExpertLoadTracker, physical_slot_ranks
+from moe.expert_load_file import ExpertLoadMeta
 from moe.model_info import ModelInfo
 from moe.sampling_params import SamplingParams
 from moe.step_recovery import StepRecovery
 from scheduler import plan_groups, Request, RequestStatus, Scheduler, SchedulerConfig
+from routing.placement import expert_owner_ranks
 from scheduler.output import EngineCoreOutput
 
 logger = logging.getLogger("moe.engine")
@@ -54,6 +60,8 @@ class CoreStepResult:
     queue_times: dict[str, float] = field(default_factory=dict)
     # Why a failed step finished a request with finish_reason "error".
     errors: dict[str, str] = field(default_factory=dict)
+    # Expert-load windows closed after this step (ExpertLoadWindow.to_json()), for metrics and the dashboard.
+    expert_load_windows: list[dict] = field(default_factory=list)
 
 
 class EngineCore:
@@ -96,6 +104,65 @@ class EngineCore:
             if isinstance(self.executor, InProcessExecutor) and isinstance(self.scheduler, Scheduler) else None
         self.num_steps = 0
         self._arrival: dict[str, float] = {}  # requests not scheduled yet -> arrival time
+        self.expert_load, self.eplb = self._start_expert_load(info)
+
+    def _start_expert_load(self, info: ModelInfo) -> tuple[ExpertLoadTracker | None, EplbDriver | None]:
+        """The expert-load windows over every rank's counters (None without MoE layers or with
+        record_expert_load=False), and EPLB when asked for."""
+        args = info.args
+        if not (args.record_expert_load or args.enable_eplb):
+            return None, None
+        snap = self.executor.expert_load_snapshot()  # start-up forwards are in it: the baseline
+        if snap is None:
+            return None, None
+        E, P = snap["logical"].shape[1], snap["physical"].shape[1]
+        ep = args.tensor_parallel_size * args.data_parallel_size if args.enable_expert_parallel else 1
+        if ep == 1:
+            slot_rank = np.zeros(P, dtype=np.int64)
+        else:
+            owner = None if args.enable_eplb else expert_owner_ranks(E, ep, args.expert_placement_strategy).numpy()
+            slot_rank = physical_slot_ranks(P, ep, owner)
+        meta = ExpertLoadMeta(model=args.model, layers=snap["layers"], num_experts=E, ep_size=ep,
+                              num_physical_experts=P, window_steps=args.expert_load_window_steps)
+        tracker = ExpertLoadTracker(meta, slot_rank, snap, self.num_steps)
+        eplb = None
+        if args.enable_eplb:
+            groups = getattr(info.model_config, "n_group", None) or 1  # DeepSeek's expert groups
+            eplb = EplbDriver(args.eplb, tracker, self.executor, num_groups=groups)
+        return tracker, eplb
+
+    def fold_expert_load(self) -> dict | None:
+        """Close an expert-load window over the steps since the last one (its JSON, or None)."""
+        if self.expert_load is None:
+            return None
+        window = self.expert_load.fold(self.executor.expert_load_snapshot(), self.num_steps)
+        if window is None:
+            return None
+        eplb = self.info.args.eplb
+        if eplb is not None and eplb.log_balancedness:
+            logger.info("EPLB: balancedness %.4f over steps %d..%d (mean over %d MoE layers)",
+                        float(window.balancedness.mean()), window.step_start, window.step_end,
+                        len(window.balancedness))
+        return window.to_json()
+
+    def rebalance_experts(self) -> None:
+        """EPLB now, from the load of the last window_size steps (between steps)."""
+        if self.eplb is None:
+            raise RuntimeError("rebalance_experts needs enable_eplb=True")
+        self.fold_expert_load()
+        self.eplb.rebalance(self.num_steps)
+
+    def _after_step(self, result: CoreStepResult) -> None:
+        tracker = self.expert_load
+        if tracker is None:
+            return
+        due_rebalance = self.eplb is not None and self.eplb.due(self.num_steps)
+        if self.num_steps % tracker.meta.window_steps == 0 or due_rebalance:
+            window = self.fold_expert_load()
+            if window is not None:
+                result.expert_load_windows.append(window)
+        if due_rebalance:
+            self.eplb.rebalance(self.num_steps)
 
     def _check_kv_cache_size(self, num_blocks: int) -> None:
         """Enough KV blocks for one request of max_model_len, with advice for the device in use."""
@@ -167,6 +234,7 @@ class EngineCore:
             finished = [co.req_id for co in result.outputs if co.finish_reason is not None]
             if finished:
                 self.recovery.forget(finished)
+        self._after_step(result)
         result.stats = self.stats()
         return result
 

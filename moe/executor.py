@@ -40,6 +40,15 @@ class Executor(ABC):
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.execute_models([scheduler_output])[0]
 
+    @abstractmethod
+    def expert_load_snapshot(self) -> dict | None:
+        """Cumulative expert counts summed over every rank (moe.expert_counters.sum_snapshots),
+        None when nothing is recorded. Call between steps."""
+
+    @abstractmethod
+    def apply_expert_placement(self, phys_to_log_by_layer: dict[int, list[int]]) -> int:
+        """EPLB: install a placement on every rank (moves expert weights); slots received in all."""
+
     def shutdown(self) -> None:
         pass
 
@@ -70,6 +79,12 @@ class InProcessExecutor(Executor):
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.worker.runner.execute_model(scheduler_output)
+
+    def expert_load_snapshot(self) -> dict | None:
+        return self.worker.expert_load_snapshot()
+
+    def apply_expert_placement(self, phys_to_log_by_layer: dict[int, list[int]]) -> int:
+        return self.worker.apply_expert_placement(phys_to_log_by_layer)
 
     def shutdown(self) -> None:
         # Drop the model and the KV cache now, not when the LLM is collected: a second LLM in

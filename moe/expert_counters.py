@@ -57,8 +57,9 @@ class ExpertLoadCounters:
 
     def snapshot(self) -> dict:
         """Cumulative counts as numpy (a device -> host copy: call between steps)."""
-        return {"layers": list(self.layers), "logical": self.logical_LE.cpu().numpy(),
-                "physical": self.physical_LP.cpu().numpy()}
+        # copy=True: on the CPU .cpu() would hand out the live buffer itself
+        return {"layers": list(self.layers), "logical": self.logical_LE.to("cpu", copy=True).numpy(),
+                "physical": self.physical_LP.to("cpu", copy=True).numpy()}
 
 
 def moe_layer_index(module_name: str) -> int:

@@ -11,6 +11,7 @@ from tqdm.auto import tqdm
 from moe.config import EngineArgs
 from moe.engine import LLMEngine
 from moe.errors import RequestFailed
+from moe.expert_load import ExpertLoad, ExpertLoadAPI
 from moe.metrics import Metric
 from moe.outputs import RequestOutput
 from moe.sampling_params import SamplingParams
@@ -147,3 +148,31 @@ class LLM:
     def reset_prefix_cache(self) -> None:
         with self._lock:
             self.llm_engine.scheduler.kv.reset_prefix_cache()
+
+    # ---- expert load ---------------------------------------------------------------------
+    def get_expert_load(self) -> ExpertLoad:
+        """Tokens routed to each expert of each MoE layer since start-up or the last reset
+        (moe/expert_load.py's ExpertLoad: counts [layers, experts], layers, per_rank, balancedness)."""
+        with self._lock:
+            return self._expert_load().get()
+
+    def reset_expert_load(self) -> None:
+        with self._lock:
+            self._expert_load().reset()
+
+    def start_expert_load_recording(self, path: str) -> None:
+        """Write a window of expert load every expert_load_window_steps steps to `path` (JSON lines;
+        `moe dashboard PATH` shows it)."""
+        with self._lock:
+            self._expert_load().start_recording(path)
+
+    def stop_expert_load_recording(self) -> None:
+        with self._lock:
+            self._expert_load().stop_recording()
+
+    def _expert_load(self) -> "ExpertLoadAPI":
+        core = self.llm_engine.core
+        if core.expert_load is None:
+            raise RuntimeError("no expert load is recorded: the model has no MoE layer, or record_expert_load=False")
+        return ExpertLoadAPI(core)
+

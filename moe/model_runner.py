@@ -28,6 +28,7 @@ from models.layers.attention import use_triton_attention
 from moe.block_tables import BlockTables
 from moe.cuda_graphs import DecodeGraphs, default_capture_sizes
 from moe.distributed import get_parallel_state, pp_recv, pp_send
+from moe.expert_counters import ExpertLoadCounters
 from moe.sampler import SamplingBatch, sample
 from moe.step_buffers import StepBuffers
 from moe.step_inputs import RequestState, StepBatch, buffer_metadata, host_metadata, upload
@@ -89,6 +90,7 @@ class ModelRunner:
         self.limits: tuple[int, int, int] | None = None  # max_num_seqs, max_model_len, max_num_batched_tokens
         self.buffers: StepBuffers | None = None
         self.graphs: DecodeGraphs | None = None
+        self.counters: ExpertLoadCounters | None = None  # set by the worker when expert load is recorded
 
     def configure(self, max_num_seqs: int, max_model_len: int, max_num_batched_tokens: int) -> None:
         """The engine's limits, which size the step buffers and the CUDA graphs."""
@@ -253,10 +255,13 @@ class ModelRunner:
         pp_send(out)
         return None
 
-    def _run_batch(self, batch: StepBatch):
+    def _run_batch(self, batch: StepBatch, counted: bool = True):
         """Hidden states of the batch's tokens (None off the last pipeline stage): a CUDA-graph
-        replay for a decode-only step within the captured sizes, else an eager forward."""
+        replay for a decode-only step within the captured sizes, else an eager forward.
+        counted: whether the expert-load counters count its tokens (not a dummy batch's)."""
         T, B = len(batch.input_ids_T), len(batch.req_ids)
+        if self.counters is not None:  # a graph's padding rows lie past T: not counted
+            self.counters.set_num_valid(T if counted else 0)
         if self.buffers is None or not self.buffers.fits(T, B, max(t.shape[1] for t in batch.tables)):
             meta = host_metadata(batch, self.device, self.block_size, device_fields=self.gpu_inputs)
             return self._forward(torch.from_numpy(batch.input_ids_T).to(self.device),
@@ -274,7 +279,7 @@ class ModelRunner:
         if self.dummy_blocks is None:
             raise RuntimeError("a dummy batch needs the reserved KV blocks (allocate_kv_cache first)")
         batch = StepBatch.one_token(self.dummy_blocks)
-        self._run_batch(batch)
+        self._run_batch(batch, counted=False)
 
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput, dummy: bool = False) -> ModelRunnerOutput:

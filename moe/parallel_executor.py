@@ -55,6 +55,7 @@ from moe.config import EngineArgs
 from moe.distributed import (ParallelLayout, collective_timeout, init_parallel_state,
                              reset_parallel_state)
 from moe.executor import Executor
+from moe.expert_counters import sum_snapshots
 from moe.model_runner import ModelRunnerOutput
 from moe.worker import Worker, WorkerSpec, worker_main
 from scheduler import KVCacheGroup, SchedulerOutput
@@ -285,6 +286,13 @@ class MultiprocExecutor(Executor):
         self._last_sampled = [o.sampled for o in outs]
         return outs
 
+    def expert_load_snapshot(self) -> dict | None:
+        snaps = [s for s in self._call_all("expert_load_snapshot").values() if s is not None]
+        return sum_snapshots(snaps) if snaps else None
+
+    def apply_expert_placement(self, phys_to_log_by_layer: dict[int, list[int]]) -> int:
+        return sum(self._call_all("apply_expert_placement", phys_to_log_by_layer).values())
+
     def shutdown(self) -> None:
         self._finalizer()
 
@@ -348,6 +356,17 @@ class TorchrunExecutor(Executor):
         if not self.worker.runner.is_driver:
             self.worker.runner.apply_sampled(outs[s.dp_rank].sampled)
         return outs
+
+    def expert_load_snapshot(self) -> dict | None:
+        gathered: list = [None] * self.layout.world_size
+        dist.all_gather_object(gathered, self.worker.expert_load_snapshot(), group=self.state.cpu_group)
+        snaps = [s for s in gathered if s is not None]
+        return sum_snapshots(snaps) if snaps else None
+
+    def apply_expert_placement(self, phys_to_log_by_layer: dict[int, list[int]]) -> int:
+        moved = torch.tensor([self.worker.apply_expert_placement(phys_to_log_by_layer)], dtype=torch.int64)
+        dist.all_reduce(moved, group=self.state.cpu_group)
+        return int(moved.item())
 
     def shutdown(self) -> None:
         if self._closed:

@@ -21,8 +21,10 @@ from models.config import ModelConfig
 from models.fp8 import resolve_fp8_experts
 from models.loader import init_dummy_weights, load_weights
 from moe.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineArgs
+from moe.distributed import get_parallel_state
+from moe.expert_counters import attach_expert_counters, moe_layer_index
 from moe.model_runner import ModelRunner, ModelRunnerOutput
-from moe.moe_block import MoEParallelConfig
+from moe.moe_block import FusedMoE, MoEParallelConfig
 from scheduler import KVCacheGroup, SchedulerOutput
 
 logger = logging.getLogger("moe.worker")
@@ -42,7 +44,9 @@ def build_model(model_cls: type, config: ModelConfig, model_path: str, args: Eng
                 device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
     """The model of this rank (the process's ParallelState decides the shard)."""
     config = _with_fp8_experts_choice(model_cls, config, args, device)
-    moe_parallel = MoEParallelConfig.from_parallel_state(kernel_backend=args.moe_backend)
+    eplb = args.eplb
+    moe_parallel = MoEParallelConfig.from_parallel_state(
+        kernel_backend=args.moe_backend, eplb_redundant_experts=eplb.num_redundant_experts if eplb else None)
     with torch.device(device), _default_dtype(dtype):
         model = model_cls(config, moe_parallel=moe_parallel)
     if args.load_format == "dummy":
@@ -67,7 +71,6 @@ def _with_fp8_experts_choice(model_cls: type, config: ModelConfig, args: EngineA
 
 
 def _is_rank_zero() -> bool:
-    from moe.distributed import get_parallel_state
     return get_parallel_state().rank == 0
 
 
@@ -91,6 +94,11 @@ class Worker:
         self.runner = ModelRunner(self.model, device, spec.args.block_size, spec.eos_token_ids,
                                   spec.config.vocab_size, enforce_eager=spec.args.enforce_eager,
                                   cudagraph_capture_sizes=spec.args.cudagraph_capture_sizes)
+        # Expert-load counters in every MoE layer (EPLB needs them); without expert parallelism
+        # the TP ranks of a replica see the same tokens and only TP rank 0 counts.
+        if spec.args.record_expert_load or spec.args.enable_eplb:
+            self.runner.counters = attach_expert_counters(self.model, device,
+                                                          counts_here=get_parallel_state().tp_rank == 0)
 
     # ---- KV cache ----------------------------------------------------------------------
     def determine_num_blocks(self, max_num_seqs: int, max_model_len: int, max_num_batched_tokens: int) -> int:
@@ -135,6 +143,23 @@ class Worker:
         tensor parallelism: every rank captures the same sizes)."""
         self.runner.allocate_kv_cache(groups)
         self.runner.capture_cuda_graphs()
+
+    # ---- expert load and EPLB -------------------------------------------------------------
+    def expert_load_snapshot(self) -> dict | None:
+        """This rank's cumulative expert counts (moe/expert_counters.py), None without MoE layers
+        or recording."""
+        counters = self.runner.counters
+        return counters.snapshot() if counters is not None else None
+
+    def apply_expert_placement(self, phys_to_log_by_layer: dict[int, list[int]]) -> int:
+        """EPLB: install a placement in this rank's MoE layers (decoder-layer index -> the logical
+        expert of each physical slot); collective over each layer's EP group. Returns the slots
+        this rank received."""
+        moved = 0
+        for name, module in self.model.named_modules():
+            if isinstance(module, FusedMoE) and module.eplb is not None:
+                moved += module.apply_placement(phys_to_log_by_layer[moe_layer_index(name)])
+        return moved
 
     # ---- steps -------------------------------------------------------------------------
     def execute(self, so: SchedulerOutput, prev_sampled: dict[str, list[int]] | None = None,

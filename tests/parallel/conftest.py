@@ -47,10 +47,22 @@ def parallel_ckpt(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="session")
-def reference(parallel_ckpt):
-    """Greedy tokens and logprobs of one process (fp32)."""
+def single_process_run(parallel_ckpt):
+    """Greedy tokens and logprobs of one process (fp32), and its expert load (the counts the
+    single-process tests check against the router's choices)."""
     llm = LLM(parallel_ckpt, dtype="float32", device="cpu")
-    return summarize(llm.generate(prompts(), sampling_params(), use_tqdm=False))
+    outs = summarize(llm.generate(prompts(), sampling_params(), use_tqdm=False))
+    return outs, llm.get_expert_load()
+
+
+@pytest.fixture(scope="session")
+def reference(single_process_run):
+    return single_process_run[0]
+
+
+@pytest.fixture(scope="session")
+def reference_load(single_process_run):
+    return single_process_run[1]
 
 
 def assert_same_as_reference(got, reference) -> None:

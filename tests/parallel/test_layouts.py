@@ -22,7 +22,7 @@ LAYOUTS = {
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_layout_matches_single_process(parallel_ckpt, reference, layout):
+def test_layout_matches_single_process(parallel_ckpt, reference, reference_load, layout):
     kwargs = LAYOUTS[layout]
     llm = LLM(parallel_ckpt, dtype="float32", device="cpu", **kwargs)
     try:
@@ -32,6 +32,14 @@ def test_layout_matches_single_process(parallel_ckpt, reference, layout):
                                                     * kwargs.get("data_parallel_size", 1))
         got = summarize(llm.generate(prompts(), sampling_params(), use_tqdm=False))
         assert_same_as_reference(got, reference)
+        # Each token counts once over the ranks: not per TP rank, not for the dummy batches.
+        load = llm.get_expert_load()
+        assert load.layers == reference_load.layers
+        assert load.counts.tolist() == reference_load.counts.tolist()
+        ep = engine.executor.layout.world_size // kwargs.get("pipeline_parallel_size", 1) \
+            if kwargs.get("enable_expert_parallel") else 1
+        assert load.per_rank.shape == (len(load.layers), ep)
+        assert (load.per_rank.sum(axis=1) == load.counts.sum(axis=1)).all()
         if kwargs.get("data_parallel_size", 1) > 1:
             # Requests were dealt to both replicas, and both finished.
             assert [s.num_running + s.num_waiting for s in engine.schedulers] == [0, 0]

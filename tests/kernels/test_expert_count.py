@@ -1,0 +1,63 @@
+"""The expert-load counting kernels (kernels/expert_count.py): Triton under the interpreter and
+the torch reference against numpy, with padding rows, tensor-parallel row offsets and rows that
+are (token, expert) pairs; the EPLB replica map and move plan (moe/expert_replicas.py)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import kernels.expert_count as ec
+from moe.expert_replicas import ExpertReplicas, plan_moves
+
+
+def _expected_counts(ids_TK, E, num_valid, row_offset, rows_per_token):
+    T, K = ids_TK.shape
+    rows = (np.arange(T) + row_offset) // rows_per_token < num_valid
+    return np.bincount(ids_TK[rows].reshape(-1), minlength=E)
+
+
+@pytest.mark.parametrize("T,K,E,num_valid,row_offset,rpt", [
+    (7, 2, 8, 7, 0, 1), (9, 4, 16, 5, 0, 1), (6, 1, 4, 0, 0, 1), (8, 3, 8, 10, 3, 1), (12, 1, 8, 3, 0, 2),
+    (0, 2, 4, 0, 0, 1)])
+@pytest.mark.parametrize("triton_path", [False, True])
+def test_count_experts(monkeypatch, T, K, E, num_valid, row_offset, rpt, triton_path):
+    if triton_path:  # (tests/kernels/conftest.py sets TRITON_INTERPRET=1)
+        monkeypatch.setattr(ec, "_use_triton", lambda t: True)
+    g = torch.Generator().manual_seed(T * 31 + K)
+    ids = torch.randint(0, E, (T, K), generator=g, dtype=torch.int32)
+    counts = torch.full((E,), 5, dtype=torch.int64)  # counts add to what is there
+    ec.count_experts(ids, counts, torch.tensor([num_valid]), row_offset, rpt)
+    want = 5 + _expected_counts(ids.numpy(), E, num_valid, row_offset, rpt)
+    assert counts.tolist() == want.tolist()
+
+
+@pytest.mark.parametrize("triton_path", [False, True])
+def test_map_to_physical_spreads_over_replicas_and_counts_both(monkeypatch, triton_path):
+    if triton_path:  # (tests/kernels/conftest.py sets TRITON_INTERPRET=1)
+        monkeypatch.setattr(ec, "_use_triton", lambda t: True)
+    E, P, T = 4, 7, 10
+    phys_to_log = [0, 1, 2, 3, 0, 0, 2]  # expert 0 has three slots, expert 2 two
+    rep = ExpertReplicas(phys_to_log, E, torch.device("cpu"))
+    ids = torch.tensor([[0, 2]] * T, dtype=torch.int64)
+    log_c, phys_c = torch.zeros(E, dtype=torch.int64), torch.zeros(P, dtype=torch.int64)
+    phys = ec.map_to_physical_and_count(ids, rep.log_to_phys_ER, rep.replica_count_E, log_c, phys_c,
+                                        torch.tensor([6]), row_offset=0)
+    assert all(phys_to_log[p] == e for p, e in zip(phys.reshape(-1).tolist(), ids.reshape(-1).tolist()))
+    # row t takes replica t % count: K = 2 shares a factor with expert 2's two slots, yet both are used
+    assert phys[:, 0].tolist() == [[0, 4, 5][t % 3] for t in range(T)]
+    assert phys[:, 1].tolist() == [[2, 6][t % 2] for t in range(T)]
+    assert log_c.tolist() == [6, 0, 6, 0]  # only the 6 valid rows
+    assert phys_c.sum().item() == 12 and phys_c[[0, 4, 5]].sum().item() == 6 and phys_c[[0, 4, 5]].min() > 0
+
+
+def test_replica_map_rejects_a_placement_that_drops_an_expert():
+    with pytest.raises(ValueError, match=r"logical experts \[3\] have no physical slot"):
+        ExpertReplicas([0, 1, 2, 2], 4, torch.device("cpu"))
+
+
+def test_plan_moves_prefers_a_local_copy():
+    old, new = [0, 1, 2, 3, 0, 1], [0, 1, 0, 3, 2, 1]  # 3 slots per rank
+    assert plan_moves(old, new, 3) == [(0, 2), (2, 4)]  # slot 2 copies rank 0's own 0; slot 4 gets 2 from rank 0
+
+
