@@ -121,6 +121,62 @@ def test_chat_equals_offline_chat(client, llm):
     assert all(t.logprob == pytest.approx(t.top_logprobs[0].logprob) for t in content)  # greedy: the top token
 
 
+def test_chat_continue_final_message_and_echo_equal_offline(server, client, llm, model_dir):
+    """continue_final_message: the prompt transformers renders with continue_final_message=True,
+    generated offline (greedy) from its tokens; echo prepends the continued message's content."""
+    from transformers import PreTrainedTokenizerFast
+
+    partial = "I am fine, and"
+    messages = [*MESSAGES, {"role": "assistant", "content": partial}]
+    text = PreTrainedTokenizerFast.from_pretrained(model_dir).apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=False, continue_final_message=True)
+    assert text.endswith(partial)
+    ids = llm.get_tokenizer().encode(text, add_special_tokens=False)
+    ref = llm.generate({"prompt_token_ids": ids}, greedy(8, ignore_eos=True), use_tqdm=False)[0]
+    common = dict(model=MODEL_NAME, messages=messages, max_tokens=8, temperature=0.0)
+    resp = client.chat.completions.create(**common, extra_body={
+        "ignore_eos": True, "continue_final_message": True, "add_generation_prompt": False})
+    assert resp.choices[0].message.content == ref.outputs[0].text
+    assert resp.usage.prompt_tokens == len(ids)
+    # add_generation_prompt left out: continue_final_message turns it off (as vLLM accepts it)
+    resp = client.chat.completions.create(**common, extra_body={
+        "ignore_eos": True, "continue_final_message": True, "echo": True})
+    assert resp.choices[0].message.content == partial + ref.outputs[0].text
+    assert resp.choices[0].message.role == "assistant"
+    stream = client.chat.completions.create(**common, stream=True, extra_body={
+        "ignore_eos": True, "continue_final_message": True, "add_generation_prompt": False, "echo": True})
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == partial + ref.outputs[0].text
+    # echo after a user message: the reply is the assistant's, a different role, so nothing is prepended
+    want = llm.chat(MESSAGES, greedy(6, ignore_eos=True), use_tqdm=False)[0].outputs[0].text
+    resp = client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, max_tokens=6, temperature=0.0,
+                                          extra_body={"ignore_eos": True, "echo": True})
+    assert resp.choices[0].message.content == want
+    # add_generation_prompt false alone: the offline chat with the same switch
+    want = llm.chat(MESSAGES, greedy(6, ignore_eos=True), add_generation_prompt=False,
+                    use_tqdm=False)[0].outputs[0].text
+    resp = client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, max_tokens=6, temperature=0.0,
+                                          extra_body={"ignore_eos": True, "add_generation_prompt": False})
+    assert resp.choices[0].message.content == want and resp.choices[0].message.role == "user"
+
+
+def test_chat_continue_final_message_with_generation_prompt_is_400(server):
+    body = {"model": MODEL_NAME, "messages": MESSAGES, "max_tokens": 2, "continue_final_message": True,
+            "add_generation_prompt": True}
+    r = httpx.post(f"{server.url}/v1/chat/completions", json=body, headers=headers(), timeout=30)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert "continue_final_message" in err["message"] and "add_generation_prompt" in err["message"]
+    assert err["code"] == 400
+
+
+def test_best_of_is_ignored_as_by_vllm(client, llm):
+    """vLLM's current server has no best_of (dropped with its V1 engine): the field is ignored."""
+    want = offline_texts(llm, PROMPTS[3], greedy(5, ignore_eos=True))
+    resp = client.completions.create(model=MODEL_NAME, prompt=PROMPTS[3], max_tokens=5, temperature=0.0,
+                                     best_of=3, extra_body={"ignore_eos": True})
+    assert [c.text for c in resp.choices] == want
+
+
 def test_models_health_version(server, client):
     assert [m.id for m in client.models.list().data] == [MODEL_NAME]
     assert httpx.get(f"{server.url}/health", timeout=5).status_code == 200
