@@ -266,6 +266,9 @@ def main(argv: list[str] | None = None) -> int:
     os.makedirs(args.out_dir, exist_ok=True)
     # A `timeout` around this script sends SIGTERM: unwind, so that the finally blocks stop the server.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    from moe.bench.serve import _raise_open_files_limit
+
+    _raise_open_files_limit()  # inherited by the servers: a connection per request, all at once
     deadline = Deadline(args.deadline_s)
     tokenizer = pick_tokenizer(args.checkpoint, args.tokenizer)
     engine_cli = [*shlex.split(args.engine_args), "--tokenizer", tokenizer]
