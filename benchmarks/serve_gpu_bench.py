@@ -31,6 +31,8 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:  # run as a script: this checkout's packages, not an installed copy
+    sys.path.insert(0, ROOT)
 GPU_ENGINE_ARGS = "--load-format dummy --max-model-len 4096 --max-num-seqs 256 --max-num-batched-tokens 8192"
 LATENCIES = ("ttft", "tpot", "itl")
 
