@@ -22,6 +22,9 @@
 #                 -> $OUT/engine.json; RUNS= picks the qwen3 runs (tp2 needs two GPUs)
 #   parallel-fp8  an FP8 DeepSeek-V3 tiny checkpoint under TP2 and TP2+EP2 vs one GPU and its
 #                 dequantised twin (.gpu_ckpts/deepseek_v3_fp8[_twin])
+#   serve         benchmarks/serve_gpu_bench.py: offline vs `moe serve` (1 and 4 API processes) on the
+#                 Qwen3-30B-A3B shape (SERVE_CKPT, default .gpu_ckpts/qwen3_30b_a3b; SERVE_ARGS adds flags,
+#                 e.g. "--num-prompts 500") -> $OUT/serve/summary.json
 set -u
 OUT=${OUT:-gpu_out}
 mkdir -p "$OUT"
@@ -69,6 +72,8 @@ for stage in "$@"; do
     parallel-fp8) step parallel-fp8 timeout 300 python3 benchmarks/gpu_parallel_check.py \
            .gpu_ckpts/deepseek_v3_fp8 --layouts tp2 tp2_ep2 --twin .gpu_ckpts/deepseek_v3_fp8_twin \
            --out "$OUT/parallel_fp8.json" ;;
+    serve) step serve timeout 590 python3 benchmarks/serve_gpu_bench.py ${SERVE_CKPT:-.gpu_ckpts/qwen3_30b_a3b} \
+           --out-dir "$OUT/serve" --deadline-s 570 ${SERVE_ARGS:-} ;;
     *) echo "unknown stage $stage" | tee -a "$LOG" ;;
   esac
 done

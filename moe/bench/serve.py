@@ -1,8 +1,12 @@
 """`moe bench serve`: an online-serving benchmark against a running OpenAI-compatible server
 (`moe serve` or `vllm serve`), with vLLM's `bench serve` flags, so both run the same workload.
 
-Random dataset: --num-prompts prompts of --random-input-len random token ids (sent as token ids,
-so no tokenizer is needed here), each asking for exactly --random-output-len tokens (ignore_eos).
+Random dataset: --num-prompts prompts of --random-input-len random tokens, each asking for exactly
+--random-output-len tokens (ignore_eos). As vLLM's, the prompts are sent as TEXT (so the server
+tokenises them) when a tokenizer is at hand: --tokenizer, else --model or the server's model root
+(/v1/models) when it is a local folder with tokenizer.json; the text is random tokens decoded and
+adjusted until it encodes to exactly the length asked. Without a tokenizer (or with
+--prompt-format token-ids) the prompts are random token ids below --vocab-size.
 Requests arrive at --request-rate per second (inf: all at once; else Poisson, or gamma with
 --burstiness), at most --max-concurrency in flight. Every request streams, so the client sees
 each token's arrival: TTFT (first token), TPOT ((e2e - TTFT) / (output tokens - 1)), ITL (between
@@ -55,7 +59,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--metric-percentiles", default="99", help="comma-separated percentiles, e.g. 50,90,99")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--vocab-size", type=int, default=500,
-                   help="prompt token ids are drawn from [1, vocab-size): below every model's vocabulary by default")
+                   help="token-ids prompts are drawn from [1, vocab-size): below every model's vocabulary by default")
+    p.add_argument("--tokenizer", default=None, help="folder with tokenizer.json, for text prompts (default: "
+                   "--model or the server's model root, when a local folder)")
+    p.add_argument("--prompt-format", default="auto", choices=["auto", "text", "token-ids"],
+                   help="auto: text when a tokenizer is found, else token ids")
     p.add_argument("--save-result", action="store_true", help="write the results as JSON")
     p.add_argument("--result-dir", default=".")
     p.add_argument("--result-filename", default=None)
@@ -64,21 +72,71 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def random_requests(args: argparse.Namespace) -> list[tuple[list[int], int]]:
-    """(prompt token ids, output length) per request, seeded."""
+def random_requests(args: argparse.Namespace, tokenizer=None) -> list[tuple[str | list[int], int]]:
+    """(prompt, output length) per request, seeded: a text of the drawn token length when a
+    tokenizer is given, else token ids."""
     rng = random.Random(args.seed)
-    vocab = args.vocab_size
 
     def length(n: int) -> int:
         r = args.random_range_ratio
         return max(1, rng.randint(int(n * (1 - r)), int(n * (1 + r)))) if r else n
 
-    return [([rng.randrange(1, vocab) for _ in range(length(args.random_input_len))], length(args.random_output_len))
-            for _ in range(args.num_prompts)]
+    lengths = [(length(args.random_input_len), length(args.random_output_len)) for _ in range(args.num_prompts)]
+    if tokenizer is None:
+        return [([rng.randrange(1, args.vocab_size) for _ in range(n_in)], n_out) for n_in, n_out in lengths]
+    pieces = _round_trip_tokens(tokenizer)
+    return [(_text_of_length(tokenizer, rng, pieces, n_in), n_out) for n_in, n_out in lengths]
 
 
-async def _one_request(http, args, model: str, prompt: list[int], output_len: int) -> RequestResult:
-    res = RequestResult(prompt_len=len(prompt))
+def _round_trip_tokens(tokenizer) -> list[int]:
+    """Token ids whose text alone encodes back to them (no special tokens, no partial UTF-8)."""
+    backend = tokenizer.backend
+    ids = list(range(backend.get_vocab_size(with_added_tokens=False)))
+    texts = backend.decode_batch([[i] for i in ids], skip_special_tokens=True)
+    encoded = backend.encode_batch(texts, add_special_tokens=False)
+    good = [i for i, t, e in zip(ids, texts, encoded) if t and "\ufffd" not in t and e.ids == [i]]
+    if not good:
+        raise ValueError(f"no token of the tokenizer at {tokenizer.path} encodes back to itself: use "
+                         "--prompt-format token-ids")
+    return good
+
+
+def _text_of_length(tokenizer, rng: random.Random, pieces: list[int], n: int, rounds: int = 30) -> str:
+    """Random text that the server's tokenizer encodes (as it encodes a prompt) to n tokens:
+    random tokens decoded, re-encoded (neighbours may merge), then cut or topped up, until exact."""
+    ids = [rng.choice(pieces) for _ in range(n)]
+    for _ in range(rounds):
+        text = tokenizer.decode(ids)
+        got = tokenizer.encode(text)
+        if len(got) == n:
+            return text
+        ids = got[:n] if len(got) > n else got + [rng.choice(pieces) for _ in range(n - len(got))]
+    raise ValueError(f"no random text of exactly {n} tokens found in {rounds} rounds")
+
+
+def find_tokenizer(args: argparse.Namespace, server_root: str | None):
+    """The tokenizer text prompts are made with, or None for token-id prompts."""
+    from moe.tokenizer import load_tokenizer
+
+    if args.prompt_format == "token-ids":
+        return None
+    if args.tokenizer is not None:
+        tok = load_tokenizer(args.tokenizer) if os.path.exists(args.tokenizer) else None
+        if tok is None:
+            raise ValueError(f"--tokenizer {args.tokenizer}: no tokenizer.json there")
+        return tok
+    for folder in (args.model, server_root):
+        tok = load_tokenizer(folder) if folder and os.path.isdir(folder) else None
+        if tok is not None:
+            return tok
+    if args.prompt_format == "text":
+        raise ValueError("--prompt-format text needs a tokenizer: pass --tokenizer FOLDER")
+    print("no tokenizer found (--tokenizer): sending random token ids as the prompts")
+    return None
+
+
+async def _one_request(http, args, model: str, prompt: str | list[int], output_len: int) -> RequestResult:
+    res = RequestResult(prompt_len=0 if isinstance(prompt, str) else len(prompt))
     body = {"model": model, "prompt": prompt, "max_tokens": output_len, "temperature": 0.0, "ignore_eos": True,
             "stream": True, "stream_options": {"include_usage": True}}
     start = time.perf_counter()
@@ -97,6 +155,7 @@ async def _one_request(http, args, model: str, prompt: list[int], output_len: in
                     return res
                 if chunk.get("usage"):
                     res.output_tokens = chunk["usage"]["completion_tokens"]
+                    res.prompt_len = chunk["usage"]["prompt_tokens"]  # as the server counted them
                 if not chunk.get("choices") or not chunk["choices"][0].get("text"):
                     continue
                 now = time.perf_counter()
@@ -129,8 +188,10 @@ async def run_benchmark(args: argparse.Namespace) -> dict:
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     limits = httpx.Limits(max_connections=args.max_concurrency or args.num_prompts)
     async with httpx.AsyncClient(base_url=base, headers=headers, timeout=args.timeout, limits=limits) as http:
-        model = args.model or (await http.get("/v1/models")).json()["data"][0]["id"]
-        requests = random_requests(args)
+        served = (await http.get("/v1/models")).json()["data"][0]
+        model = args.model or served["id"]
+        tokenizer = find_tokenizer(args, served.get("root"))
+        requests = random_requests(args, tokenizer)
         sem = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
         bar = tqdm(total=len(requests), disable=args.disable_tqdm, desc="requests")
 
@@ -150,7 +211,9 @@ async def run_benchmark(args: argparse.Namespace) -> dict:
         results = await asyncio.gather(*tasks)
         duration = time.perf_counter() - start
         bar.close()
-    return summarize(args, model, results, duration)
+    summary = summarize(args, model, results, duration)
+    summary["prompt_format"] = "token-ids" if tokenizer is None else "text"
+    return summary
 
 
 def summarize(args: argparse.Namespace, model: str, results: list[RequestResult], duration: float) -> dict:
@@ -199,12 +262,22 @@ def print_summary(s: dict) -> None:
     print("=" * 50)
 
 
+def _raise_open_files_limit() -> None:
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = 65536 if hard == resource.RLIM_INFINITY else min(hard, 65536)
+    if soft != resource.RLIM_INFINITY and soft < want:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.num_prompts < 1 or args.random_input_len < 1 or args.random_output_len < 1:
         raise ValueError("--num-prompts, --random-input-len and --random-output-len must be >= 1")
     if args.request_rate <= 0 or (args.max_concurrency is not None and args.max_concurrency < 1):
         raise ValueError("--request-rate must be > 0 and --max-concurrency >= 1")
+    _raise_open_files_limit()  # one connection per request in flight
     summary = asyncio.run(run_benchmark(args))
     print_summary(summary)
     if args.save_result:

@@ -196,10 +196,47 @@ class ChatHandler(_Handler):
     def _prepare(self, body: ChatCompletionRequest):
         if not body.messages:
             raise ValueError("messages is required: a non-empty list of {'role': ..., 'content': ...}")
-        prompt = self.engine.input.process_chat(flatten_content(body.messages), body.add_generation_prompt,
-                                                body.chat_template, **(body.chat_template_kwargs or {}))
+        messages = flatten_content(body.messages)
+        kwargs = body.chat_template_kwargs or {}
+        if body.continue_final_message:
+            prompt = self._continue_final(messages, body.generation_prompt(), body.chat_template, kwargs)
+        else:
+            prompt = self.engine.input.process_chat(messages, body.generation_prompt(), body.chat_template, **kwargs)
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         return [prompt], body.sampling_params(max_tokens, body.chat_logprobs())
+
+    def _continue_final(self, messages: list[dict], add_generation_prompt: bool, template: str | None,
+                        kwargs: dict) -> ProcessedPrompt:
+        """The conversation rendered so that it ends inside the last message (the model continues
+        it): a marker appended to that message's content shows where its text ends."""
+        if add_generation_prompt:
+            raise ValueError("continue_final_message needs add_generation_prompt false")
+        content = messages[-1].get("content")
+        if not isinstance(content, str):
+            raise ValueError("continue_final_message: the last message needs a text content to continue")
+        marker = f"<moe-continue-{uuid.uuid4().hex}>"
+        marked = [*messages[:-1], {**messages[-1], "content": content + marker}]
+        text = self.engine.input.render_chat(marked, False, template, **kwargs)
+        if text.count(marker) != 1:
+            raise ValueError("continue_final_message: the chat template does not render the last message's "
+                             "content as given, so there is no end of it to continue from")
+        text = text[:text.index(marker)]
+        tok = self.engine.info.tokenizer
+        if tok is None:
+            raise ValueError("chat needs a tokenizer: this model folder has no tokenizer.json")
+        # The template writes the special tokens itself, as for any chat prompt.
+        return self.engine.input.process_prompt({"prompt": text,
+                                                 "prompt_token_ids": tok.encode(text, add_special_tokens=False)})
+
+    @staticmethod
+    def _echo(body: ChatCompletionRequest) -> str:
+        """With echo: the last message's content when the reply continues that role (vLLM's rule)."""
+        if not body.echo or not body.messages:
+            return ""
+        last = flatten_content(body.messages[-1:])[0]
+        if last.get("role") != body.response_role():
+            return ""
+        return last.get("content") or ""
 
     def _logprobs(self, body, token_ids: list[int], entries: list) -> dict | None:
         if not body.logprobs:
@@ -217,11 +254,14 @@ class ChatHandler(_Handler):
         return {"content": content}
 
     def _choice(self, body, index: int, c: _Choice, prompt: ProcessedPrompt) -> dict:
-        return {"index": index, "message": {"role": "assistant", "content": c.text},
+        return {"index": index, "message": {"role": body.response_role(), "content": self._echo(body) + c.text},
                 "logprobs": self._logprobs(body, c.token_ids, c.logprobs),
                 "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
 
     def _chunk(self, body, index: int, o: CompletionOutput, prompt: ProcessedPrompt, first: bool) -> dict:
-        delta = {"role": "assistant", "content": o.text} if first else {"content": o.text}
+        if first:
+            delta = {"role": body.response_role(), "content": self._echo(body) + o.text}
+        else:
+            delta = {"content": o.text}
         return {"index": index, "delta": delta, "logprobs": self._logprobs(body, o.token_ids, o.logprobs or []),
                 "finish_reason": o.finish_reason, "stop_reason": o.stop_reason}

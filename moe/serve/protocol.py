@@ -1,15 +1,19 @@
 """The OpenAI request bodies `moe serve` accepts (pydantic), their SamplingParams, and the error body.
 
-Unknown fields are ignored (as by vLLM); values are range-checked by SamplingParams, so a bad one
-fails with the same message offline and served.
+Unknown fields are ignored with a warning naming them (as by vLLM; `best_of` among them: vLLM's
+server dropped it with V1, and `n` is what gives several samples); values are range-checked by
+SamplingParams, so a bad one fails with the same message offline and served.
 """
 from __future__ import annotations
 
+import logging
 from typing import Any, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from moe.sampling_params import SamplingParams
+
+logger = logging.getLogger("moe.serve")
 
 
 class ErrorResponse(Exception):
@@ -57,6 +61,15 @@ class _SamplingRequest(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
 
+    @model_validator(mode="before")
+    @classmethod
+    def _warn_ignored_fields(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            ignored = sorted(k for k in data if k not in cls.model_fields)
+            if ignored:
+                logger.warning("fields of the request ignored: %s", ", ".join(map(str, ignored)))
+        return data
+
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """Unset values take OpenAI's defaults (temperature 1, top_p 1)."""
         return SamplingParams(
@@ -100,8 +113,27 @@ class ChatCompletionRequest(_SamplingRequest):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    echo: bool = False
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+
+    def generation_prompt(self) -> bool:
+        """Whether the template adds the assistant's turn opener. continue_final_message turns it
+        off unless add_generation_prompt was sent true too: that pair is refused, as by vLLM."""
+        if not self.continue_final_message:
+            return self.add_generation_prompt
+        if self.add_generation_prompt and "add_generation_prompt" in self.model_fields_set:
+            raise ErrorResponse("Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
+                                param="continue_final_message")
+        return False
+
+    def response_role(self) -> str:
+        """The role of the generated message: the assistant after a generation prompt, else the
+        last message's (its continuation), as vLLM answers."""
+        if self.generation_prompt() or not self.messages:
+            return "assistant"
+        return str(self.messages[-1].get("role", "assistant"))
 
     def chat_logprobs(self) -> int | None:
         if not self.logprobs:

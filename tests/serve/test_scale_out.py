@@ -74,6 +74,7 @@ def test_bench_serve_against_the_server(server, tmp_path, monkeypatch, capsys):
     assert rc == 0
     result = json.loads((tmp_path / "r.json").read_text())
     assert result["completed"] == 6 and result["failed"] == 0 and result["model_id"] == MODEL_NAME
+    assert result["prompt_format"] == "text"  # the tokenizer of the server's model root, as vLLM sends text
     assert result["total_input_tokens"] == 6 * 8 and result["total_output_tokens"] == 6 * 4
     for name in ("ttft", "tpot", "itl", "e2el"):
         assert 0 < result[f"median_{name}_ms"] <= result[f"p99_{name}_ms"]

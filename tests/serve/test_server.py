@@ -22,7 +22,8 @@ MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "c
 
 @pytest.fixture(scope="module")
 def server(model_dir, tmp_path_factory):
-    srv = ServerProcess(model_dir, str(tmp_path_factory.mktemp("log") / "serve.log"))
+    # Room in one batch for every stream of the concurrency test (a later flag wins over helpers' 32).
+    srv = ServerProcess(model_dir, str(tmp_path_factory.mktemp("log") / "serve.log"), extra=["--max-num-seqs", "80"])
     yield srv
     srv.stop()
 
@@ -120,6 +121,62 @@ def test_chat_equals_offline_chat(client, llm):
     assert all(t.logprob == pytest.approx(t.top_logprobs[0].logprob) for t in content)  # greedy: the top token
 
 
+def test_chat_continue_final_message_and_echo_equal_offline(server, client, llm, model_dir):
+    """continue_final_message: the prompt transformers renders with continue_final_message=True,
+    generated offline (greedy) from its tokens; echo prepends the continued message's content."""
+    from transformers import PreTrainedTokenizerFast
+
+    partial = "I am fine, and"
+    messages = [*MESSAGES, {"role": "assistant", "content": partial}]
+    text = PreTrainedTokenizerFast.from_pretrained(model_dir).apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=False, continue_final_message=True)
+    assert text.endswith(partial)
+    ids = llm.get_tokenizer().encode(text, add_special_tokens=False)
+    ref = llm.generate({"prompt_token_ids": ids}, greedy(8, ignore_eos=True), use_tqdm=False)[0]
+    common = dict(model=MODEL_NAME, messages=messages, max_tokens=8, temperature=0.0)
+    resp = client.chat.completions.create(**common, extra_body={
+        "ignore_eos": True, "continue_final_message": True, "add_generation_prompt": False})
+    assert resp.choices[0].message.content == ref.outputs[0].text
+    assert resp.usage.prompt_tokens == len(ids)
+    # add_generation_prompt left out: continue_final_message turns it off (as vLLM accepts it)
+    resp = client.chat.completions.create(**common, extra_body={
+        "ignore_eos": True, "continue_final_message": True, "echo": True})
+    assert resp.choices[0].message.content == partial + ref.outputs[0].text
+    assert resp.choices[0].message.role == "assistant"
+    stream = client.chat.completions.create(**common, stream=True, extra_body={
+        "ignore_eos": True, "continue_final_message": True, "add_generation_prompt": False, "echo": True})
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == partial + ref.outputs[0].text
+    # echo after a user message: the reply is the assistant's, a different role, so nothing is prepended
+    want = llm.chat(MESSAGES, greedy(6, ignore_eos=True), use_tqdm=False)[0].outputs[0].text
+    resp = client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, max_tokens=6, temperature=0.0,
+                                          extra_body={"ignore_eos": True, "echo": True})
+    assert resp.choices[0].message.content == want
+    # add_generation_prompt false alone: the offline chat with the same switch
+    want = llm.chat(MESSAGES, greedy(6, ignore_eos=True), add_generation_prompt=False,
+                    use_tqdm=False)[0].outputs[0].text
+    resp = client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, max_tokens=6, temperature=0.0,
+                                          extra_body={"ignore_eos": True, "add_generation_prompt": False})
+    assert resp.choices[0].message.content == want and resp.choices[0].message.role == "user"
+
+
+def test_chat_continue_final_message_with_generation_prompt_is_400(server):
+    body = {"model": MODEL_NAME, "messages": MESSAGES, "max_tokens": 2, "continue_final_message": True,
+            "add_generation_prompt": True}
+    r = httpx.post(f"{server.url}/v1/chat/completions", json=body, headers=headers(), timeout=30)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert "continue_final_message" in err["message"] and "add_generation_prompt" in err["message"]
+    assert err["code"] == 400
+
+
+def test_best_of_is_ignored_as_by_vllm(client, llm):
+    """vLLM's current server has no best_of (dropped with its V1 engine): the field is ignored."""
+    want = offline_texts(llm, PROMPTS[3], greedy(5, ignore_eos=True))
+    resp = client.completions.create(model=MODEL_NAME, prompt=PROMPTS[3], max_tokens=5, temperature=0.0,
+                                     best_of=3, extra_body={"ignore_eos": True})
+    assert [c.text for c in resp.choices] == want
+
+
 def test_models_health_version(server, client):
     assert [m.id for m in client.models.list().data] == [MODEL_NAME]
     assert httpx.get(f"{server.url}/health", timeout=5).status_code == 200
@@ -154,17 +211,23 @@ def test_wrong_api_key_is_401(server):
         openai.OpenAI(base_url=f"{server.url}/v1", api_key="wrong", max_retries=0).models.list()
 
 
+NUM_STREAMS, NUM_QUITTERS, STREAM_TOKENS, QUITTER_TOKENS = 64, 8, 8, 200
+
+
 def test_concurrent_streams_with_disconnects_free_the_kv_cache(server, llm):
-    """12 clients stream to the end, 4 hang up after two chunks of a long request: the others get
-    the offline text, the 4 are aborted (no success counted), and the KV cache ends empty."""
-    prompts = [f"{PROMPTS[i % 4]} {i}" for i in range(16)]
-    want = offline_texts(llm, prompts[:12], greedy(16, ignore_eos=True))
+    """64 clients stream to the end while 8 others hang up after two chunks of a long request: the
+    64 get the offline (greedy) text, the 8 are aborted (no success counted), and the KV cache
+    ends empty. Loopback only; every loop is bounded in chunks and the whole run in time."""
+    total = NUM_STREAMS + NUM_QUITTERS
+    prompts = [f"{PROMPTS[i % 4]} {i}" for i in range(total)]
+    want = offline_texts(llm, prompts[:NUM_STREAMS], greedy(STREAM_TOKENS, ignore_eos=True))
     before = scrape_metrics(server.url)
 
     async def one(http, i):
-        quitter = i >= 12
-        body = {"model": MODEL_NAME, "prompt": prompts[i], "max_tokens": 200 if quitter else 16,
-                "temperature": 0, "ignore_eos": True, "stream": True}
+        quitter = i >= NUM_STREAMS
+        max_tokens = QUITTER_TOKENS if quitter else STREAM_TOKENS
+        body = {"model": MODEL_NAME, "prompt": prompts[i], "max_tokens": max_tokens, "temperature": 0,
+                "ignore_eos": True, "stream": True}
         text, chunks = "", 0
         async with http.stream("POST", "/v1/completions", json=body) as r:
             assert r.status_code == 200
@@ -173,16 +236,40 @@ def test_concurrent_streams_with_disconnects_free_the_kv_cache(server, llm):
                     continue
                 text += json.loads(line[6:])["choices"][0]["text"]
                 chunks += 1
+                assert chunks <= max_tokens, "more chunks than tokens"
                 if quitter and chunks == 2:
                     return None  # leaving the block closes the connection mid-stream
         return text
 
+    peak = {"running": 0.0}
+
+    async def watch(http, streams):
+        """The most requests the engine ran at once (its gauge), sampled until the streams end."""
+        from prometheus_client.parser import text_string_to_metric_families
+
+        for _ in range(2000):  # bounded: 2000 x 20 ms at most
+            if streams.done():
+                return
+            text = (await http.get("/metrics")).text
+            for fam in text_string_to_metric_families(text):
+                for sample in fam.samples:
+                    if sample.name == "moe:num_requests_running":
+                        peak["running"] = max(peak["running"], sample.value)
+            await asyncio.sleep(0.02)
+
     async def main():
-        async with httpx.AsyncClient(base_url=server.url, headers=headers(), timeout=60) as http:
-            return await asyncio.wait_for(asyncio.gather(*(one(http, i) for i in range(16))), 60)
+        limits = httpx.Limits(max_connections=total + 1, max_keepalive_connections=total + 1)
+        async with httpx.AsyncClient(base_url=server.url, headers=headers(), timeout=60, limits=limits) as http:
+            streams = asyncio.gather(*(one(http, i) for i in range(total)))
+            watcher = asyncio.create_task(watch(http, streams))
+            try:
+                return await asyncio.wait_for(streams, 90)
+            finally:
+                await asyncio.wait_for(watcher, 30)
 
     texts = asyncio.run(main())
-    assert texts[:12] == want and texts[12:] == [None] * 4
+    assert peak["running"] >= NUM_STREAMS  # all in one batch, not queued behind each other
+    assert texts[:NUM_STREAMS] == want and texts[NUM_STREAMS:] == [None] * NUM_QUITTERS
     deadline = time.monotonic() + 10
     while True:
         m = scrape_metrics(server.url)
@@ -191,10 +278,11 @@ def test_concurrent_streams_with_disconnects_free_the_kv_cache(server, llm):
         time.sleep(0.2)
     assert m["moe:kv_cache_usage_perc"] == 0 and m["moe:num_requests_running"] == 0
     assert m["moe:num_requests_waiting"] == 0
-    assert m["moe:request_success_total"] - before["moe:request_success_total"] == 12
-    # the quitters stopped early: far fewer than their 4 x 200 tokens were generated
+    assert m["moe:request_success_total"] - before["moe:request_success_total"] == NUM_STREAMS
+    # the quitters stopped early: far fewer than their tokens were generated
     generated = m["moe:generation_tokens_total"] - before["moe:generation_tokens_total"]
-    assert 12 * 16 <= generated < 12 * 16 + 4 * 200 - 100
+    finished = NUM_STREAMS * STREAM_TOKENS
+    assert finished <= generated < finished + NUM_QUITTERS * QUITTER_TOKENS // 2
 
 
 def test_metrics_count_requests_and_latencies(server, client):
