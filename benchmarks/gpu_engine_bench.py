@@ -305,13 +305,14 @@ def profile_prefill(llm: LLM, num_prompts: int = 16, prompt_len: int = 512) -> d
             "floor_over_time": floor / step, "top_kernels": table}
 
 
-def qwen3(results: dict, eager: bool, runs: list[str], tp: int = 1) -> None:
+def qwen3(results: dict, eager: bool, runs: list[str], tp: int = 1, record: bool = True, tag_suffix: str = "") -> None:
     max_model_len = 4096
     t0 = time.perf_counter()
     llm = LLM(_dummy_model(max_model_len), device="cuda", load_format="dummy", max_model_len=max_model_len,
               max_num_seqs=256, max_num_batched_tokens=8192, enable_prefix_caching=False, enforce_eager=eager,
-              tensor_parallel_size=tp)
-    tag = ("eager" if eager else "graphs") + ("" if tp == 1 else f"-tp{tp}")
+              tensor_parallel_size=tp, record_expert_load=record)
+    tag = ("eager" if eager else "graphs") + ("" if tp == 1 else f"-tp{tp}") + ("" if record else "-norecord") \
+        + tag_suffix
     results[f"qwen3/{tag}/start_s"] = time.perf_counter() - t0
     print(f"Qwen3-30B-A3B shape ({tag}) ready in {results[f'qwen3/{tag}/start_s']:.1f} s", flush=True)
     jobs = {
@@ -329,6 +330,10 @@ def qwen3(results: dict, eager: bool, runs: list[str], tp: int = 1) -> None:
         results[f"qwen3/{tag}/{name}"] = r
         shown = {k: round(v, 3) if isinstance(v, float) else v for k, v in r.items() if k != "top_kernels"}
         print(f"qwen3 {tag} {name}: {json.dumps(shown)}", flush=True)
+    if record:
+        load = llm.get_expert_load()
+        results[f"qwen3/{tag}/expert_load"] = {"tokens_per_layer": load.counts.sum(axis=1).tolist()[:4],
+                                               "max_share": float(load.counts.max() / max(load.counts.sum(), 1))}
     llm.shutdown()
 
 
@@ -365,7 +370,7 @@ def families(results: dict) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("stages", nargs="+", choices=["parity", "qwen3", "eager", "families", "tp2"])
+    parser.add_argument("stages", nargs="+", choices=["parity", "qwen3", "eager", "families", "tp2", "recording"])
     parser.add_argument("--checkpoints", nargs="*", default=[".gpu_ckpts/qwen3_moe", ".gpu_ckpts/deepseek_v3",
                                                              ".gpu_ckpts/llama4_mm"])
     parser.add_argument("--runs", nargs="*", default=["decode256", "tpot1", "tpot32", "tput_256x2048x512",
@@ -381,6 +386,9 @@ def main(argv: list[str] | None = None) -> int:
                 qwen3(results, eager=False, runs=args.runs)
             elif stage == "families":
                 families(results)
+            elif stage == "recording":  # expert-load recording on, off, on again (the spread)
+                for i, record in enumerate((True, False, True, False)):
+                    qwen3(results, eager=False, runs=["decode256", "tpot1"], record=record, tag_suffix=f"-{i // 2}")
             elif stage == "tp2":
                 parity(results, args.checkpoints[:1], tp=2)
                 for tp in (1, 2):

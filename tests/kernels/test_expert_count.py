@@ -61,3 +61,41 @@ def test_plan_moves_prefers_a_local_copy():
     assert plan_moves(old, new, 3) == [(0, 2), (2, 4)]  # slot 2 copies rank 0's own 0; slot 4 gets 2 from rank 0
 
 
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_counts_in_a_graph_skip_padding_rows():
+    """On the GPU, captured once at a padded size: each replay counts only num_valid rows."""
+    E, T, K = 128, 64, 8
+    dev = torch.device("cuda")
+    ids = torch.randint(0, E, (T, K), device=dev, dtype=torch.int32)
+    counts = torch.zeros(E, dtype=torch.int64, device=dev)
+    num_valid = torch.zeros(1, dtype=torch.int64, device=dev)
+    ec.count_experts(ids, counts, num_valid)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        ec.count_experts(ids, counts, num_valid)
+    want = np.zeros(E, dtype=np.int64)
+    for n in (64, 5, 0, 33):
+        num_valid.fill_(n)
+        graph.replay()
+        want += np.bincount(ids[:n].reshape(-1).cpu().numpy(), minlength=E)
+    torch.cuda.synchronize()
+    assert counts.cpu().tolist() == want.tolist()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_map_to_physical_equals_the_reference():
+    E, P, T, K = 64, 80, 300, 8
+    phys_to_log = list(range(E)) + list(range(16))
+    dev = torch.device("cuda")
+    ids = torch.stack([torch.randperm(E)[:K] for _ in range(T)]).to(dev)
+    out = []
+    for device in (dev, torch.device("cpu")):
+        rep = ExpertReplicas(phys_to_log, E, device)
+        lc, pc = torch.zeros(E, dtype=torch.int64, device=device), torch.zeros(P, dtype=torch.int64, device=device)
+        phys = ec.map_to_physical_and_count(ids.to(device), rep.log_to_phys_ER, rep.replica_count_E, lc, pc,
+                                            torch.tensor([250], device=device), row_offset=7)
+        out.append((phys.cpu(), lc.cpu(), pc.cpu()))
+    for a, b in zip(*out):
+        assert torch.equal(a, b)

@@ -18,7 +18,8 @@ PROMPTS = ["hello world", "the quick brown fox jumps", "a"]
 # ---- the engine -----------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def llm():
-    return LLM("tiny-qwen3-moe", expert_load_window_steps=3)
+    # eager: the hooks of the independent count do not run inside a CUDA-graph replay
+    return LLM("tiny-qwen3-moe", expert_load_window_steps=3, enforce_eager=True)
 
 
 def _hooked_counts(llm):
@@ -74,6 +75,20 @@ def test_recording_file_round_trips(llm, tmp_path):
     size = len(open(path).read())
     llm.generate(PROMPTS[:1], SamplingParams(max_tokens=4, temperature=0), use_tqdm=False)
     assert len(open(path).read()) == size
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_graph_padding_and_start_up_are_not_counted():
+    """Three sequences decode in the graph of size 4: its padding row must not count, nor must
+    the profiling forward and the graph warm-ups."""
+    llm = LLM("tiny-qwen3-moe", device="cuda", cudagraph_capture_sizes=[4, 8])
+    assert llm.get_expert_load().counts.sum() == 0
+    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=9, temperature=0, ignore_eos=True), use_tqdm=False)
+    load = llm.get_expert_load()
+    K = llm.llm_engine.info.model_config.num_experts_per_tok
+    tokens = sum(len(o.prompt_token_ids) + len(o.outputs[0].token_ids) - 1 for o in outs)
+    assert load.counts.sum(axis=1).tolist() == [K * tokens] * len(load.layers)
+    llm.shutdown()
 
 
 def test_recording_can_be_turned_off():
