@@ -318,12 +318,23 @@ class FusedMoE(nn.Module):
         self.eplb.set(list(phys_to_log))
         return moved
 
-    def forward(self, x_TD: torch.Tensor, routing: RouterOutput, rows_per_token: int = 1) -> torch.Tensor:
+    def router_count_target(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(counts_E, num_valid) for a router that counts this layer's load in its own kernel: only
+        where every row is counted as routed (no expert parallelism, so no row split or EPLB)."""
+        if self._counts and not self.use_ep:
+            c = self.load_counters
+            return c.logical_LE[self.load_row], c.num_valid
+        return None
+
+    def forward(self, x_TD: torch.Tensor, routing: RouterOutput, rows_per_token: int = 1,
+                counted: bool = False) -> torch.Tensor:
         """rows_per_token: how many rows of x_TD make one token of the step (Llama-4's
-        scaled-input path sends one row per (token, expert) pair); only the load counting uses it."""
+        scaled-input path sends one row per (token, expert) pair); only the load counting uses it.
+        counted: the router already counted this routing (router_count_target)."""
         if self.use_ep:
             return self._forward_ep(x_TD, routing, rows_per_token)
-        self._route_ids(routing.topk_ids_TK, 0, rows_per_token)
+        if not counted:
+            self._route_ids(routing.topk_ids_TK, 0, rows_per_token)
         y_TD = self._experts(x_TD, routing.topk_weights_TK, routing.topk_ids_TK, None)
         return tp_all_reduce(y_TD) if self.reduce_over_tp else y_TD
 
@@ -378,13 +389,19 @@ class MoEBlock(nn.Module):
         self.experts = experts
         self.shared_experts = shared_experts
         self.apply_router_weight_on_input = apply_router_weight_on_input
+        fn = getattr(router_fn, "func", router_fn)  # through functools.partial
+        self._router_counts = bool(getattr(fn, "counts_routing", False)) and not apply_router_weight_on_input
 
     def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
-        routing = self.router_fn(self.gate(x_TD))
+        logits = self.gate(x_TD)
+        # A router that counts expert load itself (softmax_topk: inside its Triton launch) gets
+        # the layer's counters; the experts then do not count again.
+        target = self.experts.router_count_target() if self._router_counts else None
+        routing = self.router_fn(logits) if target is None else self.router_fn(logits, count=target)
         if self.apply_router_weight_on_input:
             y_TD = self._experts_on_scaled_input(x_TD, routing)
         else:
-            y_TD = self.experts(x_TD, routing)
+            y_TD = self.experts(x_TD, routing, counted=target is not None)
         if self.shared_experts is not None:
             y_TD = y_TD + self.shared_experts(x_TD)
         return y_TD

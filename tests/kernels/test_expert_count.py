@@ -11,6 +11,17 @@ import kernels.expert_count as ec
 from moe.expert_replicas import ExpertReplicas, plan_moves
 
 
+def _device(monkeypatch, triton_path: bool) -> torch.device:
+    """Where the Triton path runs: the GPU, or the CPU under the interpreter (tests/kernels/conftest.py)."""
+    if triton_path and torch.cuda.is_available():
+        return torch.device("cuda")
+    if triton_path:
+        monkeypatch.setattr(ec, "_use_triton", lambda t: True)
+    elif torch.cuda.is_available():
+        monkeypatch.setattr(ec, "_use_triton", lambda t: False)  # the reference, on CPU tensors anyway
+    return torch.device("cpu")
+
+
 def _expected_counts(ids_TK, E, num_valid, row_offset, rows_per_token):
     T, K = ids_TK.shape
     rows = (np.arange(T) + row_offset) // rows_per_token < num_valid
@@ -22,27 +33,25 @@ def _expected_counts(ids_TK, E, num_valid, row_offset, rows_per_token):
     (0, 2, 4, 0, 0, 1)])
 @pytest.mark.parametrize("triton_path", [False, True])
 def test_count_experts(monkeypatch, T, K, E, num_valid, row_offset, rpt, triton_path):
-    if triton_path:  # (tests/kernels/conftest.py sets TRITON_INTERPRET=1)
-        monkeypatch.setattr(ec, "_use_triton", lambda t: True)
+    dev = _device(monkeypatch, triton_path)
     g = torch.Generator().manual_seed(T * 31 + K)
     ids = torch.randint(0, E, (T, K), generator=g, dtype=torch.int32)
-    counts = torch.full((E,), 5, dtype=torch.int64)  # counts add to what is there
-    ec.count_experts(ids, counts, torch.tensor([num_valid]), row_offset, rpt)
+    counts = torch.full((E,), 5, dtype=torch.int64, device=dev)  # counts add to what is there
+    ec.count_experts(ids.to(dev), counts, torch.tensor([num_valid], device=dev), row_offset, rpt)
     want = 5 + _expected_counts(ids.numpy(), E, num_valid, row_offset, rpt)
     assert counts.tolist() == want.tolist()
 
 
 @pytest.mark.parametrize("triton_path", [False, True])
 def test_map_to_physical_spreads_over_replicas_and_counts_both(monkeypatch, triton_path):
-    if triton_path:  # (tests/kernels/conftest.py sets TRITON_INTERPRET=1)
-        monkeypatch.setattr(ec, "_use_triton", lambda t: True)
+    dev = _device(monkeypatch, triton_path)
     E, P, T = 4, 7, 10
     phys_to_log = [0, 1, 2, 3, 0, 0, 2]  # expert 0 has three slots, expert 2 two
-    rep = ExpertReplicas(phys_to_log, E, torch.device("cpu"))
-    ids = torch.tensor([[0, 2]] * T, dtype=torch.int64)
-    log_c, phys_c = torch.zeros(E, dtype=torch.int64), torch.zeros(P, dtype=torch.int64)
+    rep = ExpertReplicas(phys_to_log, E, dev)
+    ids = torch.tensor([[0, 2]] * T, dtype=torch.int64, device=dev)
+    log_c, phys_c = torch.zeros(E, dtype=torch.int64, device=dev), torch.zeros(P, dtype=torch.int64, device=dev)
     phys = ec.map_to_physical_and_count(ids, rep.log_to_phys_ER, rep.replica_count_E, log_c, phys_c,
-                                        torch.tensor([6]), row_offset=0)
+                                        torch.tensor([6], device=dev), row_offset=0)
     assert all(phys_to_log[p] == e for p, e in zip(phys.reshape(-1).tolist(), ids.reshape(-1).tolist()))
     # row t takes replica t % count: K = 2 shares a factor with expert 2's two slots, yet both are used
     assert phys[:, 0].tolist() == [[0, 4, 5][t % 3] for t in range(T)]

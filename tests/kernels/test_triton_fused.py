@@ -319,6 +319,18 @@ def test_softmax_topk(renormalize, T, E, K, dtype, poisoned_empty):
 
 
 @needs_triton_device
+@pytest.mark.parametrize("T,E,K,num_valid", [(37, 60, 4, 37), (20, 128, 8, 13), (9, 16, 2, 0)])
+def test_softmax_topk_counts_the_rows_below_num_valid(T, E, K, num_valid):
+    logits = randn(T, E, dtype=torch.float32, seed=T)
+    counts = torch.full((E,), 3, dtype=torch.int64, device=DEV)
+    _, ids = softmax_topk_triton(logits, K, True, (counts, torch.tensor([num_valid], device=DEV)))
+    want = 3 + torch.bincount(ids[:num_valid].reshape(-1).long().cpu(), minlength=E)
+    assert counts.cpu().tolist() == want.tolist()
+    _, ids_plain = softmax_topk_triton(logits, K, True)
+    assert torch.equal(ids, ids_plain)
+
+
+@needs_triton_device
 def test_softmax_topk_ties_take_lowest_id(poisoned_empty):
     logits = torch.zeros(2, 12, device=DEV)
     logits[1, [3, 7, 9]] = 1.0

@@ -13,13 +13,14 @@ from moe.expert_load_file import read_recording
 from moe.moe_block import FusedMoE
 
 PROMPTS = ["hello world", "the quick brown fox jumps", "a"]
+SMALL_KV = dict(kv_cache_memory_bytes=32 << 20)  # on a GPU, several engines share its memory
 
 
 # ---- the engine -----------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def llm():
     # eager: the hooks of the independent count do not run inside a CUDA-graph replay
-    return LLM("tiny-qwen3-moe", expert_load_window_steps=3, enforce_eager=True)
+    return LLM("tiny-qwen3-moe", expert_load_window_steps=3, enforce_eager=True, **SMALL_KV)
 
 
 def _hooked_counts(llm):
@@ -81,7 +82,7 @@ def test_recording_file_round_trips(llm, tmp_path):
 def test_cuda_graph_padding_and_start_up_are_not_counted():
     """Three sequences decode in the graph of size 4: its padding row must not count, nor must
     the profiling forward and the graph warm-ups."""
-    llm = LLM("tiny-qwen3-moe", device="cuda", cudagraph_capture_sizes=[4, 8])
+    llm = LLM("tiny-qwen3-moe", device="cuda", cudagraph_capture_sizes=[4, 8], **SMALL_KV)
     assert llm.get_expert_load().counts.sum() == 0
     outs = llm.generate(PROMPTS, SamplingParams(max_tokens=9, temperature=0, ignore_eos=True), use_tqdm=False)
     load = llm.get_expert_load()
@@ -92,7 +93,7 @@ def test_cuda_graph_padding_and_start_up_are_not_counted():
 
 
 def test_recording_can_be_turned_off():
-    llm = LLM("tiny-qwen3-moe", record_expert_load=False)
+    llm = LLM("tiny-qwen3-moe", record_expert_load=False, **SMALL_KV)
     assert llm.llm_engine.core.executor.runner.counters is None
     with pytest.raises(RuntimeError, match="record_expert_load=False"):
         llm.get_expert_load()
