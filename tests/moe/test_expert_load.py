@@ -46,7 +46,7 @@ def test_counts_equal_the_routers_choices(llm):
     E, K = load.counts.shape[1], llm.llm_engine.info.model_config.num_experts_per_tok
     assert load.counts.dtype == np.int64 and load.counts.shape == (len(mods), E)
     for row, m in enumerate(mods):
-        want = np.bincount(torch.cat(seen[id(m)]).numpy(), minlength=E)
+        want = np.bincount(torch.cat(seen[id(m)]).cpu().numpy(), minlength=E)
         assert load.counts[row].tolist() == want.tolist()
     # every token that went through the model counts K times per layer
     tokens = sum(len(o.prompt_token_ids) + len(o.outputs[0].token_ids) - 1 for o in outs)
