@@ -100,6 +100,7 @@ class CoreProcessClient:
         self._ctx = zmq.asyncio.Context()
         self._socket = None
         self._task: asyncio.Task | None = None
+        self.expert_load_meta: dict | None = None  # from the "ready" answer
 
     def _exit_status(self) -> str | None:
         """None while the core runs, else how it ended."""
@@ -131,6 +132,7 @@ class CoreProcessClient:
                 message = decode(await self._socket.recv())
                 if message[0] == "ready":
                     self.pid = message[1]["pid"]
+                    self.expert_load_meta = message[1].get("expert_load_meta")
                     break
         self._task = asyncio.create_task(self._output_loop())
 

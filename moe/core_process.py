@@ -52,8 +52,10 @@ class CoreServer:
         elif kind == "hello":
             if identity not in self.clients:
                 self.clients.append(identity)
+            tracker = self.core.expert_load
             self.socket.send_multipart([identity, encode(["ready", {
-                "pid": os.getpid(), "num_blocks": self.core.scheduler.kv.num_blocks}])])
+                "pid": os.getpid(), "num_blocks": self.core.scheduler.kv.num_blocks,
+                "expert_load_meta": tracker.meta.to_json() if tracker is not None else None}])])
             return
         else:
             logger.warning("unknown message %r from a client: ignored", kind)
@@ -63,7 +65,8 @@ class CoreServer:
     def step(self) -> None:
         result = self.core.step()
         # Each client gets its own sequences' outputs, queue times and errors.
-        parts: dict[bytes, CoreStepResult] = {c: CoreStepResult(stats=result.stats) for c in self.clients}
+        parts: dict[bytes, CoreStepResult] = {
+            c: CoreStepResult(stats=result.stats, expert_load_windows=result.expert_load_windows) for c in self.clients}
         for co in result.outputs:
             owner = self.owner.pop(co.req_id, None) if co.finished else self.owner.get(co.req_id)
             if owner is not None:
@@ -75,11 +78,17 @@ class CoreServer:
                     part = parts.setdefault(owner, CoreStepResult(stats=result.stats))
                     getattr(part, field_name)[rid] = value
         for identity, part in parts.items():
-            if part.outputs or part.queue_times or part.errors:
+            if part.outputs or part.queue_times or part.errors or part.expert_load_windows:
                 self.socket.send_multipart([identity, pack_step(part)])
         self.stats_dirty = True
 
     def send_stats(self) -> None:
+        # Gone idle: the expert load of the last steps goes out now, not after the next request.
+        window = self.core.fold_expert_load()
+        if window is not None:
+            data = pack_step(CoreStepResult(stats=self.core.stats(), expert_load_windows=[window]))
+            for identity in self.clients:
+                self.socket.send_multipart([identity, data])
         data = encode(["stats", pack_stats(self.core.stats())])
         for identity in self.clients:
             self.socket.send_multipart([identity, data])

@@ -38,6 +38,8 @@ class LLMEngine:
         self.output = OutputProcessor(self.info.tokenizer, self.metrics, log_stats=not args.disable_log_stats,
                                       stats_interval_s=_STATS_INTERVAL_S,
                                       record_latencies=not args.disable_log_stats)
+        if self.core.expert_load is not None:
+            self.output.expert_load_layers = self.core.expert_load.meta.layers
         self._shut_down = False
 
     # What callers and tests read of the model and the core.

@@ -58,6 +58,24 @@ class EngineMetrics:
         self.request_queue_time = histogram("moe:request_queue_time_seconds",
                                             "Arrival at the engine core to first scheduling.", _REQUEST_BUCKETS)
 
+        # Expert load per MoE layer (and per expert-parallel rank), not per expert: the series
+        # count stays sane; the recording and the dashboard have the per-expert view.
+        self.expert_load_balancedness = Gauge(
+            "moe:expert_load_balancedness", "Mean / max of the per-EP-rank load in the last expert-load window.",
+            ["model_name", "layer"], registry=self.registry, multiprocess_mode="mostrecent")
+        self.expert_load_tokens = Counter(
+            "moe:expert_load_tokens", "Routed (token, expert) slots each expert-parallel rank processed.",
+            ["model_name", "layer", "ep_rank"], registry=self.registry)
+        self._model_name = model_name
+
+    def observe_expert_load(self, layers: list[int], window: dict, count_totals: bool = True) -> None:
+        """One expert-load window (moe/expert_load_file.py's JSON form) of the MoE layers `layers`."""
+        for layer, bal, per_rank in zip(layers, window["balancedness"], window["per_rank"]):
+            self.expert_load_balancedness.labels(self._model_name, str(layer)).set(bal)
+            if count_totals:
+                for rank, n in enumerate(per_rank):
+                    self.expert_load_tokens.labels(self._model_name, str(layer), str(rank)).inc(n)
+
     def snapshot(self) -> list[Metric]:
         out = []
         for family in self.registry.collect():

@@ -117,6 +117,8 @@ class OutputProcessor:
         self._generation_total = 0
         self._last_stats_log = time.monotonic()
         self._last_logged_generation = 0
+        self.expert_load_layers: list[int] | None = None  # the MoE layers of the expert-load windows
+        self.expert_balancedness: float | None = None     # mean over layers, last window
 
     def has_request(self, request_id: str) -> bool:
         return request_id in self.parents or request_id in self.child_to_parent
@@ -239,6 +241,10 @@ class OutputProcessor:
             for queue_s in result.queue_times.values():
                 m.request_queue_time.observe(queue_s)
         self.update_stats(result.stats)
+        for window in result.expert_load_windows:
+            self.expert_balancedness = sum(window["balancedness"]) / max(len(window["balancedness"]), 1)
+            if self.expert_load_layers is not None:
+                m.observe_expert_load(self.expert_load_layers, window, self.count_core_totals)
 
     def update_stats(self, s: SchedulerStats) -> None:
         m, t = self.metrics, self._totals
@@ -264,11 +270,13 @@ class OutputProcessor:
         if elapsed < self.stats_interval_s:
             return
         s = self.stats
+        expert = "" if self.expert_balancedness is None else \
+            f", Expert load balancedness: {self.expert_balancedness:.3f}"
         logger.info(
             "Avg generation throughput: %.1f tokens/s, Running: %d reqs, Waiting: %d reqs, KV cache usage: "
-            "%.1f%%, Prefix cache hit rate: %.1f%%, total_cumulative_preemption_cnt=%d",
+            "%.1f%%, Prefix cache hit rate: %.1f%%, total_cumulative_preemption_cnt=%d%s",
             (self._generation_total - self._last_logged_generation) / elapsed, s.num_running, s.num_waiting,
             100 * s.kv_cache_usage, 100 * s.prefix_cache_hits / s.prefix_cache_queries
-            if s.prefix_cache_queries else 0.0, s.num_preemptions)
+            if s.prefix_cache_queries else 0.0, s.num_preemptions, expert)
         self._last_logged_generation = self._generation_total
         self._last_stats_log = now

@@ -7,7 +7,9 @@ Every message is one msgpack array whose first item names it:
                      ["abort", [id, ...]]               finish sequences as aborted (blocks freed)
                      ["stop", [id, ...]]                finish sequences a stop string ended
     core -> client   ["ready", {"pid", "num_blocks"}]
-                     ["step", outputs, stats, queue_times, errors]   the client's sequences of one step
+                     ["step", outputs, stats, queue_times, errors, expert_load_windows]
+                                                        the client's sequences of one step (and the
+                                                        expert-load windows closed after it, to all)
                      ["stats", stats]                   the scheduler's state, sent when idle
                      ["dead", error]                    the core failed and is exiting
 
@@ -84,9 +86,9 @@ def unpack_output(item: list) -> EngineCoreOutput:
 def pack_step(result: CoreStepResult) -> bytes:
     """A step's result (the part of it for one client)."""
     return encode(["step", [pack_output(co) for co in result.outputs], pack_stats(result.stats),
-                   result.queue_times, result.errors])
+                   result.queue_times, result.errors, result.expert_load_windows])
 
 
 def unpack_step(message: list) -> CoreStepResult:
-    _, outputs, stats, queue_times, errors = message
-    return CoreStepResult([unpack_output(o) for o in outputs], unpack_stats(stats), queue_times, errors)
+    _, outputs, stats, queue_times, errors, windows = message
+    return CoreStepResult([unpack_output(o) for o in outputs], unpack_stats(stats), queue_times, errors, windows)

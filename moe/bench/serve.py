@@ -156,7 +156,9 @@ async def _one_request(http, args, model: str, prompt: str | list[int], output_l
                 if chunk.get("usage"):
                     res.output_tokens = chunk["usage"]["completion_tokens"]
                     res.prompt_len = chunk["usage"]["prompt_tokens"]  # as the server counted them
-                if not chunk.get("choices") or not chunk["choices"][0].get("text"):
+                # Every chunk with a choice carries the step's new tokens, also when they decode to
+                # no text yet (a partial character, or ids a dummy model draws outside its tokenizer).
+                if not chunk.get("choices"):
                     continue
                 now = time.perf_counter()
                 if res.ttft == 0.0:

@@ -40,6 +40,7 @@ def build_app(args: EngineArgs, served_model_name: str | None = None, api_key: s
 
     import moe
     from moe.core_client import EngineDeadError
+    from moe.dashboard import add_dashboard_routes
     from moe.serve.async_llm import AsyncLLM
     from moe.serve.handlers import ChatHandler, CompletionHandler
 
@@ -136,6 +137,8 @@ def build_app(args: EngineArgs, served_model_name: str | None = None, api_key: s
             multiprocess.MultiProcessCollector(registry)
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
+    # The live expert-load dashboard (/dashboard) over the windows the engine cores send.
+    add_dashboard_routes(app, engine.expert_load_payload)
     return app
 
 

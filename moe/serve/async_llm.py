@@ -14,12 +14,17 @@ import asyncio
 import itertools
 import logging
 import time
+from collections import deque
 from functools import partial
 from typing import AsyncIterator
+
+from fastapi import HTTPException
 
 from moe.config import EngineArgs
 from moe.core_client import CoreProcessClient, EngineDeadError, launch_cores
 from moe.engine_core import CoreStepResult, SchedulerStats
+from moe.expert_load import KEPT_WINDOWS
+from moe.expert_load_file import ExpertLoadMeta, ExpertLoadWindow, windows_to_dashboard_json
 from moe.input_processor import InputProcessor, ProcessedPrompt
 from moe.metrics import EngineMetrics
 from moe.model_info import resolve_model_info
@@ -54,9 +59,28 @@ class AsyncLLM:
         self._core_of: dict[str, int] = {}  # request id -> the core running it
         self._queues: dict[str, asyncio.Queue] = {}
         self._counter = itertools.count()
+        self.expert_load_meta: ExpertLoadMeta | None = None  # from the cores, at start
+        self.expert_load_windows: deque[ExpertLoadWindow] = deque(maxlen=KEPT_WINDOWS)
+        self._window_index = itertools.count()
 
     async def start(self, timeout_s: float = 600.0) -> None:
         await asyncio.gather(*(c.start(timeout_s) for c in self.clients))
+        meta = self.clients[0].expert_load_meta
+        if meta is not None:
+            self.expert_load_meta = ExpertLoadMeta.from_json(meta)
+            self.output.expert_load_layers = self.expert_load_meta.layers
+
+    def expert_load_payload(self, since: int = 0) -> dict:
+        """The live dashboard's data: the windows the cores sent (renumbered in arrival order:
+        with -dp, several cores' windows interleave)."""
+        if self.expert_load_meta is None:
+            raise HTTPException(404, "this model records no expert load (no MoE layer, or record_expert_load off)")
+        return windows_to_dashboard_json(self.expert_load_meta, list(self.expert_load_windows), since)
+
+    def _keep_expert_windows(self, windows: list[dict]) -> None:
+        for w in windows:
+            w = dict(w, index=next(self._window_index))
+            self.expert_load_windows.append(ExpertLoadWindow.from_json(w, self.expert_load_meta))
 
     @property
     def dead(self) -> str | None:
@@ -120,6 +144,8 @@ class AsyncLLM:
 
     def _on_result(self, core: int, result: CoreStepResult) -> None:
         result.stats = self._aggregate_stats(core, result.stats)
+        if result.expert_load_windows and self.expert_load_meta is not None:
+            self._keep_expert_windows(result.expert_load_windows)
         processed = self.output.process(result)
         # A request's sequences all run on one core: the one that sent these outputs.
         self.clients[core].stop(processed.stopped)

@@ -4,7 +4,9 @@ processes used, and /metrics summed over them (not multiplied, not lost)."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
+import time
 
 import httpx
 import pytest
@@ -31,7 +33,7 @@ def server(model_dir, tmp_path_factory):
     srv.stop()
 
 
-def test_two_api_servers_two_replicas_same_answers_and_summed_metrics(server, llm):
+def test_two_api_servers_two_replicas_same_answers_and_summed_metrics(server, llm, model_dir):
     want = [o.outputs[0].text for o in llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=6,
                                                                              ignore_eos=True), use_tqdm=False)]
 
@@ -57,6 +59,23 @@ def test_two_api_servers_two_replicas_same_answers_and_summed_metrics(server, ll
     assert m["moe:generation_tokens_total"] == 6 * len(PROMPTS)
     assert m["moe:time_to_first_token_seconds_count"] == len(PROMPTS)
     assert m["moe:kv_cache_usage_perc"] == 0
+    # Expert load: each routed slot once, whichever core ran it and however many API processes listen
+    # (the cores send their last window when they go idle).
+    top_k = json.load(open(f"{model_dir}/config.json"))["num_experts_per_tok"]
+    layers = len(httpx.get(f"{server.url}/dashboard/data.json", timeout=5).json()["meta"]["layers"])
+    want = top_k * layers * sum(body["usage"]["prompt_tokens"] + 6 - 1 for _, body in results)
+    deadline = time.monotonic() + 10
+    while _expert_tokens_total(server.url) < want and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _expert_tokens_total(server.url) == want
+
+
+def _expert_tokens_total(url: str) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"{url}/metrics", timeout=5.0).text
+    return sum(s.value for fam in text_string_to_metric_families(text) for s in fam.samples
+               if s.name == "moe:expert_load_tokens_total")
 
 
 def test_bench_serve_against_the_server(server, tmp_path, monkeypatch, capsys):

@@ -304,6 +304,40 @@ def test_metrics_count_requests_and_latencies(server, client):
     assert delta("moe:e2e_request_latency_seconds_sum") > delta("moe:time_to_first_token_seconds_sum") > 0
 
 
+def _expert_tokens_total(url: str) -> float:
+    """moe:expert_load_tokens summed over its (layer, ep_rank) series."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"{url}/metrics", timeout=5.0).text
+    return sum(s.value for fam in text_string_to_metric_families(text) for s in fam.samples
+               if s.name == "moe:expert_load_tokens_total")
+
+
+def test_expert_load_on_the_dashboard_and_in_metrics(server, client, model_dir):
+    """The live dashboard's data and /metrics count each routed (token, expert) slot once."""
+    top_k = json.load(open(f"{model_dir}/config.json"))["num_experts_per_tok"]
+    page = httpx.get(f"{server.url}/dashboard/", timeout=5.0)
+    assert page.status_code == 200 and "<html" in page.text.lower()
+    seen = httpx.get(f"{server.url}/dashboard/data.json", timeout=5.0).json()
+    layers = seen["meta"]["layers"]
+    before = _expert_tokens_total(server.url)
+    resp = client.completions.create(model=MODEL_NAME, prompt=PROMPTS[1], max_tokens=5, temperature=0.0,
+                                     extra_body={"ignore_eos": True})
+    want = top_k * (resp.usage.prompt_tokens + resp.usage.completion_tokens - 1)  # the last token is not fed
+    deadline, got = time.monotonic() + 10, []
+    while time.monotonic() < deadline:  # the core sends its last window when it goes idle
+        data = httpx.get(f"{server.url}/dashboard/data.json", params={"since": seen["last_index"] + 1},
+                         timeout=5.0).json()
+        got = [sum(sum(w["counts"][row]) for w in data["windows"]) for row in range(len(layers))]
+        if got == [want] * len(layers):
+            break
+        time.sleep(0.1)
+    assert got == [want] * len(layers)
+    assert _expert_tokens_total(server.url) - before == want * len(layers)
+    text = httpx.get(f"{server.url}/metrics", timeout=5.0).text
+    assert all(f'moe:expert_load_balancedness{{layer="{layer}",model_name=' in text for layer in layers)
+
+
 def test_client_gone_before_the_response_aborts_its_request(server):
     """A non-streaming client that hangs up: its request is aborted (not finished), blocks freed."""
     before = scrape_metrics(server.url)
