@@ -10,41 +10,12 @@ in the step's batch, for a tensor-parallel rank that took a slice of it; rows_pe
 each row is one (token, expert) pair, as Llama-4's scaled-input path makes them). Nothing is
 read back to the host.
 
-On CUDA one Triton launch (atomic adds into the resident int64 counters); elsewhere the torch
-reference, which is also the oracle of the tests.
+On CUDA one Triton launch (kernels/triton_fused/expert_count.py: atomic adds into the resident
+int64 counters); elsewhere the torch reference, which is also the oracle of the tests.
 """
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
-
-
-@triton.jit(do_not_specialize=["N", "row_offset"])
-def _count_kernel(ids_ptr, counts_ptr, num_valid_ptr, N, row_offset, K: tl.constexpr, RPT: tl.constexpr,
-                  BLOCK: tl.constexpr):
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    num_valid = tl.load(num_valid_ptr)
-    valid = (offs < N) & ((offs // K + row_offset) // RPT < num_valid)
-    ids = tl.load(ids_ptr + offs, mask=valid, other=0).to(tl.int64)
-    tl.atomic_add(counts_ptr + ids, tl.full([BLOCK], 1, tl.int64), mask=valid)
-
-
-@triton.jit(do_not_specialize=["N", "row_offset"])
-def _map_count_kernel(ids_ptr, phys_ptr, log_to_phys_ptr, replicas_ptr, log_counts_ptr, phys_counts_ptr,
-                      num_valid_ptr, N, row_offset, R: tl.constexpr, K: tl.constexpr, RPT: tl.constexpr,
-                      BLOCK: tl.constexpr):
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    in_range = offs < N
-    ids = tl.load(ids_ptr + offs, mask=in_range, other=0).to(tl.int64)
-    replicas = tl.load(replicas_ptr + ids, mask=in_range, other=1)
-    row = offs.to(tl.int64) // K + row_offset  # the row in the step's batch: the same on every TP rank
-    phys = tl.load(log_to_phys_ptr + ids * R + row % replicas, mask=in_range, other=0)
-    tl.store(phys_ptr + offs, phys.to(phys_ptr.dtype.element_ty), mask=in_range)
-    valid = in_range & ((offs // K + row_offset) // RPT < tl.load(num_valid_ptr))
-    one = tl.full([BLOCK], 1, tl.int64)
-    tl.atomic_add(log_counts_ptr + ids, one, mask=valid)
-    tl.atomic_add(phys_counts_ptr + phys, one, mask=valid)
 
 
 def _valid_pairs(T: int, K: int, num_valid: torch.Tensor, row_offset: int, rows_per_token: int,
@@ -68,10 +39,9 @@ def count_experts(ids_TK: torch.Tensor, counts_E: torch.Tensor, num_valid: torch
     if T == 0:
         return
     if _use_triton(ids_TK):
-        ids = ids_TK.contiguous()
-        BLOCK = 1024
-        _count_kernel[(triton.cdiv(T * K, BLOCK),)](ids, counts_E, num_valid, T * K, row_offset, K=K,
-                                                    RPT=rows_per_token, BLOCK=BLOCK)
+        from kernels.triton_fused.expert_count import count_experts_triton
+
+        count_experts_triton(ids_TK.contiguous(), counts_E, num_valid, row_offset, rows_per_token)
         return
     valid = _valid_pairs(T, K, num_valid, row_offset, rows_per_token, ids_TK.device)
     counts_E.index_add_(0, ids_TK.reshape(-1).long(), valid)
@@ -95,12 +65,11 @@ def map_to_physical_and_count(ids_TK: torch.Tensor, log_to_phys_ER: torch.Tensor
     phys_TK = torch.empty_like(ids_TK)
     if T == 0:
         return phys_TK
-    R = log_to_phys_ER.shape[1]
     if _use_triton(ids_TK):
-        BLOCK = 1024
-        _map_count_kernel[(triton.cdiv(T * K, BLOCK),)](
-            ids_TK.contiguous(), phys_TK, log_to_phys_ER.contiguous(), replica_count_E, log_counts_E, phys_counts_P,
-            num_valid, T * K, row_offset, R=R, K=K, RPT=rows_per_token, BLOCK=BLOCK)
+        from kernels.triton_fused.expert_count import map_to_physical_and_count_triton
+
+        map_to_physical_and_count_triton(ids_TK.contiguous(), phys_TK, log_to_phys_ER.contiguous(), replica_count_E,
+                                         log_counts_E, phys_counts_P, num_valid, row_offset, rows_per_token)
         return phys_TK
     ids = ids_TK.reshape(-1).long()
     row = torch.arange(T * K, device=ids.device) // K + row_offset
