@@ -116,6 +116,11 @@ def validate_parallel(args: EngineArgs, cfg, model_cls: type | None = None) -> N
         if num_experts % (dp * tp):
             raise ValueError(f"data_parallel_size={dp} x tensor_parallel_size={tp} (the expert-parallel size "
                              f"with enable_expert_parallel) does not divide the {num_experts} experts")
+        eplb = args.eplb
+        if eplb is not None and (num_experts + eplb.num_redundant_experts) % (dp * tp):
+            raise ValueError(f"EPLB: {num_experts} experts + eplb_config['num_redundant_experts']="
+                             f"{eplb.num_redundant_experts} physical slots do not divide over the {dp * tp} "
+                             "expert-parallel ranks (data_parallel_size x tensor_parallel_size)")
     elif num_experts:
         moe_inter = getattr(cfg, "moe_intermediate_size", 0) or getattr(cfg, "intermediate_size_moe", 0)
         if moe_inter and moe_inter % tp:

@@ -124,3 +124,12 @@ def test_eplb_needs_expert_parallelism():
     args.validate()
     assert args.eplb == EPLBConfig(num_redundant_experts=4, log_balancedness=True)
     assert EngineArgs(model="m").eplb is None and EPLBConfig.parse(None) == EPLBConfig(1000, 3000, 0, False)
+
+
+def test_redundant_experts_must_divide_over_the_ranks():
+    """Checked before any worker starts, with the model's expert count in the message."""
+    with pytest.raises(ValueError, match=r"16 experts \+ eplb_config\['num_redundant_experts'\]=3 physical slots "
+                                         r"do not divide over the 2 expert-parallel ranks"):
+        LLM("tiny-qwen3-moe", enable_expert_parallel=True, data_parallel_size=2, enable_eplb=True,
+            eplb_config={"num_redundant_experts": 3})
+
