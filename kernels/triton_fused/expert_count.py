@@ -21,7 +21,7 @@ def _count_kernel(ids_ptr, counts_ptr, num_valid_ptr, N, row_offset, K: tl.const
     num_valid = tl.load(num_valid_ptr)
     valid = (offs < N) & ((offs // K + row_offset) // RPT < num_valid)
     ids = tl.load(ids_ptr + offs, mask=valid, other=0).to(tl.int64)
-    tl.atomic_add(counts_ptr + ids, tl.full([BLOCK], 1, tl.int64), mask=valid)
+    tl.atomic_add(counts_ptr + ids, tl.full([BLOCK], 1, tl.int64), mask=valid, sem="relaxed")
 
 
 @triton.jit(do_not_specialize=["N", "row_offset"])
@@ -37,8 +37,8 @@ def _map_count_kernel(ids_ptr, phys_ptr, log_to_phys_ptr, replicas_ptr, log_coun
     tl.store(phys_ptr + offs, phys.to(phys_ptr.dtype.element_ty), mask=in_range)
     valid = in_range & ((offs // K + row_offset) // RPT < tl.load(num_valid_ptr))
     one = tl.full([BLOCK], 1, tl.int64)
-    tl.atomic_add(log_counts_ptr + ids, one, mask=valid)
-    tl.atomic_add(phys_counts_ptr + phys, one, mask=valid)
+    tl.atomic_add(log_counts_ptr + ids, one, mask=valid, sem="relaxed")
+    tl.atomic_add(phys_counts_ptr + phys, one, mask=valid, sem="relaxed")
 
 
 

@@ -52,9 +52,10 @@ def _softmax_topk_kernel(logits_ptr, w_ptr, ids_ptr, counts_ptr, num_valid_ptr, 
     offs = rows[:, None] * K + kcols[None, :]
     tl.store(w_ptr + offs, weights, mask=out_mask)
     tl.store(ids_ptr + offs, ids, mask=out_mask)
-    if COUNT:  # expert load (kernels/expert_count.py): the rows below num_valid, no extra launch
+    if COUNT:  # expert load (kernels/expert_count.py): the rows below num_valid, no extra launch;
+        # relaxed: a plain reduction, no ordering fence per add (nothing reads the counts in the step)
         counted = out_mask & (rows < tl.load(num_valid_ptr))[:, None]
-        tl.atomic_add(counts_ptr + ids, tl.full([BLOCK_T, BLOCK_K], 1, tl.int64), mask=counted)
+        tl.atomic_add(counts_ptr + ids, tl.full([BLOCK_T, BLOCK_K], 1, tl.int64), mask=counted, sem="relaxed")
 
 
 def softmax_topk_triton(logits_TE: torch.Tensor, top_k: int, renormalize: bool,
