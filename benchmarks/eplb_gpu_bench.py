@@ -152,12 +152,15 @@ def compare_tokens(a: dict, b: dict) -> dict:
 # ---- the cases ----------------------------------------------------------------------------
 def _engine_kwargs(args: argparse.Namespace, model: str) -> dict:
     dp = args.data_parallel_size
-    has_weights = os.path.isdir(model) and any(f.endswith(".safetensors") for f in os.listdir(model))
+    from moe.model_info import resolve_model_path
+
+    path = resolve_model_path(model)  # a config-only folder has no weights: dummy ones
+    has_weights = os.path.isdir(path) and any(f.endswith(".safetensors") for f in os.listdir(path))
     kw = dict(device=args.device, data_parallel_size=dp, enable_expert_parallel=True,
               max_model_len=args.prompt_len + args.decode_steps + 1,
               max_num_seqs=args.max_num_seqs or math.ceil(args.num_requests / dp),
               max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=False,
-              enforce_eager=args.enforce_eager, load_format="auto" if args.tiny or has_weights else "dummy")
+              enforce_eager=args.enforce_eager, load_format="auto" if has_weights else "dummy")
     if args.device == "cpu":
         kw["dtype"] = "float32"
     else:
@@ -302,7 +305,7 @@ def main(argv: list[str] | None = None) -> int:
     for name, redundant in cases:
         left = end - time.monotonic()
         if left < 1.2 * slowest or left < 5:
-            results["cases"][name] = {"skipped": f"--deadline-s: {left:.0f} s left, the slowest case took "
+            results["cases"][name] = {"skipped": f"--deadline-s: {max(left, 0):.0f} s left, the slowest case took "
                                                  f"{slowest:.0f} s"}
             failed = True
             continue
