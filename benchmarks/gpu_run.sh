@@ -25,6 +25,8 @@
 #   serve         benchmarks/serve_gpu_bench.py: offline vs `moe serve` (1 and 4 API processes) on the
 #                 Qwen3-30B-A3B shape (SERVE_CKPT, default .gpu_ckpts/qwen3_30b_a3b; SERVE_ARGS adds flags,
 #                 e.g. "--num-prompts 500") -> $OUT/serve/summary.json
+#   eplb          (two GPUs) benchmarks/eplb_gpu_bench.py: DP2+EP on the Qwen3-30B-A3B shape, a skewed workload,
+#                 balancedness and decode-step time before/after one EPLB rebalance (EPLB_ARGS adds flags) -> $OUT/eplb.json
 set -u
 OUT=${OUT:-gpu_out}
 mkdir -p "$OUT"
@@ -75,6 +77,7 @@ for stage in "$@"; do
            --out "$OUT/parallel_fp8.json" ;;
     serve) step serve timeout 590 python3 benchmarks/serve_gpu_bench.py ${SERVE_CKPT:-.gpu_ckpts/qwen3_30b_a3b} \
            --out-dir "$OUT/serve" --deadline-s 570 ${SERVE_ARGS:-} ;;
+    eplb) step eplb timeout 580 python3 benchmarks/eplb_gpu_bench.py --out "$OUT/eplb.json" ${EPLB_ARGS:-} ;;
     *) echo "unknown stage $stage" | tee -a "$LOG" ;;
   esac
 done
