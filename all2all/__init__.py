@@ -1,5 +1,5 @@
 """Token dispatchers for expert parallelism: the protocol (`Dispatcher`, `DispatchResult`) and
-its backends `local`, `allgather_reducescatter`, `all_to_all`, built by `make_dispatcher`."""
+its backends `local`, `allgather_reducescatter`, `all_to_all`, `low_latency`, built by `make_dispatcher`."""
 from all2all.allgather_reducescatter import AllGatherReduceScatterDispatcher
 from all2all.all_to_all import AllToAllDispatcher
 from all2all.base import DispatchResult, Dispatcher
@@ -11,9 +11,10 @@ from all2all.factory import (
     make_dispatcher,
 )
 from all2all.local import LocalDispatcher
+from all2all.low_latency import LowLatencyDispatcher
 
 __all__ = [
     "DispatchResult", "Dispatcher", "LocalDispatcher", "AllGatherReduceScatterDispatcher",
-    "AllToAllDispatcher", "make_dispatcher", "choose_backend", "expected_distinct_ranks",
+    "AllToAllDispatcher", "LowLatencyDispatcher", "make_dispatcher", "choose_backend", "expected_distinct_ranks",
     "DISPATCHER_BACKENDS", "AUTO_A2A_MAX_BYTES_RATIO",
 ]

@@ -25,14 +25,17 @@ from all2all.allgather_reducescatter import AllGatherReduceScatterDispatcher
 from all2all.all_to_all import AllToAllDispatcher
 from all2all.base import Dispatcher, group_size_and_rank
 from all2all.local import LocalDispatcher
+from all2all.low_latency import LowLatencyDispatcher
 
-DISPATCHER_BACKENDS = ("local", "allgather_reducescatter", "all_to_all", "auto")
+# "low_latency" (fixed capacity, no host sync, CUDA-graph capturable) is only used when named.
+DISPATCHER_BACKENDS = ("local", "allgather_reducescatter", "all_to_all", "low_latency", "auto")
 AUTO_A2A_MAX_BYTES_RATIO = 0.75
 
 _CLASSES: dict[str, type[Dispatcher]] = {
     "local": LocalDispatcher,
     "allgather_reducescatter": AllGatherReduceScatterDispatcher,
     "all_to_all": AllToAllDispatcher,
+    "low_latency": LowLatencyDispatcher,
 }
 
 
@@ -63,7 +66,8 @@ def choose_backend(ep_size: int, num_experts: int, top_k: int | None = None,
 
 def make_dispatcher(backend: str, group: dist.ProcessGroup | None, num_experts: int,
                     placement: str = "linear", *, top_k: int | None = None,
-                    expected_ranks_per_token: float | None = None) -> Dispatcher:
+                    expected_ranks_per_token: float | None = None,
+                    capacity: int | None = None) -> Dispatcher:
     """Build the dispatcher of one EP group.
 
     Args:
@@ -73,6 +77,8 @@ def make_dispatcher(backend: str, group: dist.ProcessGroup | None, num_experts: 
         num_experts: global expert count E, divisible by the group size.
         placement: "linear" or "round_robin" expert placement (routing.placement).
         top_k, expected_ranks_per_token: inputs of the "auto" rule, ignored otherwise.
+        capacity: rows per destination of "low_latency" (all2all/low_latency.py: T <= capacity
+            on every rank); None = its default. Ignored by the other backends.
     Raises:
         ValueError: unknown backend (the message lists the choices), "local" on a group of more
             than one rank, bad placement or divisibility.
@@ -82,4 +88,6 @@ def make_dispatcher(backend: str, group: dist.ProcessGroup | None, num_experts: 
     if backend == "auto":
         ep_size, _ = group_size_and_rank(group)
         backend = choose_backend(ep_size, num_experts, top_k, expected_ranks_per_token)
+    if backend == "low_latency":
+        return LowLatencyDispatcher(group, num_experts, placement, capacity=capacity)
     return _CLASSES[backend](group, num_experts, placement)
