@@ -47,6 +47,21 @@ def count_experts(ids_TK: torch.Tensor, counts_E: torch.Tensor, num_valid: torch
     counts_E.index_add_(0, ids_TK.reshape(-1).long(), valid)
 
 
+def count_layers(ids_LTK: torch.Tensor, counts_LE: torch.Tensor, num_valid: torch.Tensor) -> None:
+    """counts_LE[l, e] += the valid slots of layer l's ids choosing e: every layer of a step in one
+    launch (ids_LTK: [L, T, K] int32/int64, rows contiguous per layer; rows t < num_valid count)."""
+    L, T, K = ids_LTK.shape
+    if T == 0 or L == 0:
+        return
+    if _use_triton(ids_LTK):
+        from kernels.triton_fused.expert_count import count_layers_triton
+
+        count_layers_triton(ids_LTK, counts_LE, num_valid)
+        return
+    valid = _valid_pairs(T, K, num_valid, 0, 1, ids_LTK.device).expand(L, T * K)
+    counts_LE.scatter_add_(1, ids_LTK.reshape(L, T * K).long(), valid)
+
+
 def map_to_physical_and_count(ids_TK: torch.Tensor, log_to_phys_ER: torch.Tensor, replica_count_E: torch.Tensor,
                               log_counts_E: torch.Tensor, phys_counts_P: torch.Tensor, num_valid: torch.Tensor,
                               row_offset: int = 0, rows_per_token: int = 1) -> torch.Tensor:

@@ -22,7 +22,7 @@ import re
 import numpy as np
 import torch
 
-from kernels.expert_count import count_experts, map_to_physical_and_count
+from kernels.expert_count import count_experts, count_layers, map_to_physical_and_count
 from moe.moe_block import FusedMoE
 
 _LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
@@ -40,6 +40,41 @@ class ExpertLoadCounters:
         self.physical_LP = torch.zeros(len(layers), num_physical, dtype=torch.int64, device=device) \
             if replicated else self.logical_LE
         self.num_valid = torch.zeros(1, dtype=torch.int64, device=device)
+        # The step buffer of routed ids [L, max_tokens, K]: a router that writes its ids there
+        # (softmax_topk) leaves the counting to one launch for all layers after the forward
+        # (count_pending) instead of one per layer. Sized by `reserve` (the engine's token
+        # budget) before any CUDA graph captures views of it.
+        self.max_tokens = 0
+        self.ids_LTK: torch.Tensor | None = None
+        self._pending: tuple[int, int] | None = None  # (T, rows written) of the forward in flight
+
+    def reserve(self, max_tokens: int) -> None:
+        """The most rows a forward may have (the step buffer is made at the first routing)."""
+        if max_tokens > self.max_tokens:
+            self.max_tokens, self.ids_LTK = max_tokens, None
+
+    def ids_out(self, row: int, T: int, K: int) -> torch.Tensor | None:
+        """Where layer `row` writes its [T, K] routed ids to be counted after the forward; None
+        (count in the layer) for a forward larger than reserved."""
+        if T > self.max_tokens:
+            return None
+        if self.ids_LTK is None or self.ids_LTK.shape[2] != K:
+            self.ids_LTK = torch.zeros(len(self.layers), self.max_tokens, K, dtype=torch.int32,
+                                       device=self.logical_LE.device)
+        written = self._pending[1] + 1 if self._pending is not None else 1
+        self._pending = (T, written)
+        return self.ids_LTK[row, :T]
+
+    def count_pending(self) -> None:
+        """After a forward: count the ids the layers wrote into the step buffer, one launch."""
+        if self._pending is None:
+            return
+        T, written = self._pending
+        self._pending = None
+        if written != len(self.layers):
+            raise RuntimeError(f"{written} of {len(self.layers)} MoE layers wrote routed ids this forward: "
+                               "the step buffer is counted for all layers or none")
+        count_layers(self.ids_LTK[:, :T], self.logical_LE, self.num_valid)
 
     def set_num_valid(self, n: int) -> None:
         """Rows of the coming forward that are real tokens (0 for a dummy batch)."""

@@ -95,6 +95,8 @@ class ModelRunner:
     def configure(self, max_num_seqs: int, max_model_len: int, max_num_batched_tokens: int) -> None:
         """The engine's limits, which size the step buffers and the CUDA graphs."""
         self.limits = (max_num_seqs, max_model_len, max_num_batched_tokens)
+        if self.counters is not None:
+            self.counters.reserve(max(max_num_batched_tokens, max_num_seqs))
 
     # ---- KV cache ----------------------------------------------------------------------
     def kv_cache_bytes_per_block(self) -> int:
@@ -244,12 +246,17 @@ class ModelRunner:
         """The model on this rank's stage: final hidden states [T, D] on the last stage, None on
         the others (their activations went to the next stage)."""
         if self.pp_size == 1:
-            return self.model(input_ids, positions, meta)
+            out = self.model(input_ids, positions, meta)
+            if self.counters is not None:
+                self.counters.count_pending()  # inside a graph capture too: replays count
+            return out
         intermediate = None
         if not self.is_first_stage:
             intermediate = self.model.make_empty_intermediate_tensors(input_ids.shape[0], self.kv_dtype, self.device)
             pp_recv(intermediate)
         out = self.model(input_ids, positions, meta, intermediate_tensors=intermediate)
+        if self.counters is not None:
+            self.counters.count_pending()
         if self.is_last_stage:
             return out
         pp_send(out)

@@ -318,19 +318,19 @@ class FusedMoE(nn.Module):
         self.eplb.set(list(phys_to_log))
         return moved
 
-    def router_count_target(self) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(counts_E, num_valid) for a router that counts this layer's load in its own kernel: only
-        where every row is counted as routed (no expert parallelism, so no row split or EPLB)."""
+    def routed_ids_out(self, T: int, K: int) -> torch.Tensor | None:
+        """[T, K] int32 for the router to write this layer's ids into, counted after the forward
+        (moe/expert_counters.py); only where every row counts as routed (no expert parallelism, so
+        no row split or EPLB). None: the layer counts its own routing."""
         if self._counts and not self.use_ep:
-            c = self.load_counters
-            return c.logical_LE[self.load_row], c.num_valid
+            return self.load_counters.ids_out(self.load_row, T, K)
         return None
 
     def forward(self, x_TD: torch.Tensor, routing: RouterOutput, rows_per_token: int = 1,
                 counted: bool = False) -> torch.Tensor:
         """rows_per_token: how many rows of x_TD make one token of the step (Llama-4's
         scaled-input path sends one row per (token, expert) pair); only the load counting uses it.
-        counted: the router already counted this routing (router_count_target)."""
+        counted: the routing's ids are counted after the forward (routed_ids_out)."""
         if self.use_ep:
             return self._forward_ep(x_TD, routing, rows_per_token)
         if not counted:
@@ -390,18 +390,20 @@ class MoEBlock(nn.Module):
         self.shared_experts = shared_experts
         self.apply_router_weight_on_input = apply_router_weight_on_input
         fn = getattr(router_fn, "func", router_fn)  # through functools.partial
-        self._router_counts = bool(getattr(fn, "counts_routing", False)) and not apply_router_weight_on_input
+        self.top_k = getattr(router_fn, "keywords", {}).get("top_k")
+        self._router_writes_ids = bool(getattr(fn, "writes_ids_into", False)) and self.top_k is not None \
+            and not apply_router_weight_on_input
 
     def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
         logits = self.gate(x_TD)
-        # A router that counts expert load itself (softmax_topk: inside its Triton launch) gets
-        # the layer's counters; the experts then do not count again.
-        target = self.experts.router_count_target() if self._router_counts else None
-        routing = self.router_fn(logits) if target is None else self.router_fn(logits, count=target)
+        # A router that can write its ids into the expert-load step buffer (softmax_topk) does so:
+        # the counting is then one launch for all layers after the forward, not one per layer.
+        out_ids = self.experts.routed_ids_out(x_TD.shape[0], self.top_k) if self._router_writes_ids else None
+        routing = self.router_fn(logits) if out_ids is None else self.router_fn(logits, out_ids=out_ids)
         if self.apply_router_weight_on_input:
             y_TD = self._experts_on_scaled_input(x_TD, routing)
         else:
-            y_TD = self.experts(x_TD, routing, counted=target is not None)
+            y_TD = self.experts(x_TD, routing, counted=out_ids is not None)
         if self.shared_experts is not None:
             y_TD = y_TD + self.shared_experts(x_TD)
         return y_TD

@@ -8,7 +8,6 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.expert_count import count_experts
 from kernels.triton_fused import fused_kernels_serve
 
 
@@ -26,25 +25,25 @@ def use_triton_fused(x: torch.Tensor) -> bool:
 
 
 def softmax_topk(router_logits_TE: torch.Tensor, top_k: int, renormalize: bool,
-                 count: tuple[torch.Tensor, torch.Tensor] | None = None) -> RouterOutput:
+                 out_ids: torch.Tensor | None = None) -> RouterOutput:
     """Qwen-style router: softmax over all experts in fp32, keep the top-k, optionally renormalise.
     On CUDA (E <= 512, top_k <= 16) one Triton launch; among equal probabilities it takes the
     lowest expert id first, where torch.topk's order is unspecified.
 
-    count: (counts_E, num_valid) to record the expert load of the rows below num_valid (the
-    Triton kernel does it in the same launch; see kernels/expert_count.py)."""
+    out_ids: a contiguous [T, top_k] int32 tensor that receives the ids (the expert-load counters'
+    step buffer, counted once per step for all layers: moe/expert_counters.py)."""
     E = router_logits_TE.shape[-1]
     if router_logits_TE.dim() == 2 and E <= 512 and top_k <= 16 and use_triton_fused(router_logits_TE):
         from kernels.triton_fused.router import softmax_topk_triton
 
-        return RouterOutput(*softmax_topk_triton(router_logits_TE, top_k, renormalize, count))
+        return RouterOutput(*softmax_topk_triton(router_logits_TE, top_k, renormalize, out_ids))
     probs = torch.softmax(router_logits_TE, dim=-1, dtype=torch.float32)
     weights, ids = torch.topk(probs, top_k, dim=-1)
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
-    if count is not None:
-        count_experts(ids, *count)
+    if out_ids is not None:
+        return RouterOutput(weights, out_ids.copy_(ids))
     return RouterOutput(weights, ids.to(torch.int32))
 
-# softmax_topk takes `count`: a MoEBlock may hand it the layer's expert-load counters.
-softmax_topk.counts_routing = True
+# softmax_topk takes `out_ids`: a MoEBlock may have it write into the expert-load step buffer.
+softmax_topk.writes_ids_into = True

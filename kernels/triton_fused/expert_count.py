@@ -42,6 +42,21 @@ def _map_count_kernel(ids_ptr, phys_ptr, log_to_phys_ptr, replicas_ptr, log_coun
 
 
 
+@triton.jit(do_not_specialize=["N", "stride_l"])
+def _count_layers_kernel(ids_ptr, counts_ptr, num_valid_ptr, N, stride_l, E, K: tl.constexpr, BLOCK: tl.constexpr):
+    layer = tl.program_id(1)
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    valid = (offs < N) & (offs // K < tl.load(num_valid_ptr))
+    ids = tl.load(ids_ptr + layer * stride_l + offs, mask=valid, other=0).to(tl.int64)
+    tl.atomic_add(counts_ptr + layer * E + ids, tl.full([BLOCK], 1, tl.int64), mask=valid, sem="relaxed")
+
+
+def count_layers_triton(ids_LTK: torch.Tensor, counts_LE: torch.Tensor, num_valid: torch.Tensor) -> None:
+    L, T, K = ids_LTK.shape
+    _count_layers_kernel[(triton.cdiv(T * K, BLOCK), L)](ids_LTK, counts_LE, num_valid, T * K, ids_LTK.stride(0),
+                                                         counts_LE.shape[1], K=K, BLOCK=BLOCK)
+
+
 def count_experts_triton(ids_TK: torch.Tensor, counts_E: torch.Tensor, num_valid: torch.Tensor, row_offset: int,
                          rows_per_token: int) -> None:
     T, K = ids_TK.shape

@@ -23,8 +23,8 @@ MAX_TOP_K = 16
 # The row count changes with the batch: not specialised on, so every batch size shares one
 # compiled kernel (no compile while a CUDA graph of a new size is captured).
 @triton.jit(do_not_specialize=["T"])
-def _softmax_topk_kernel(logits_ptr, w_ptr, ids_ptr, counts_ptr, num_valid_ptr, T, E, stride_t,
-                         K: tl.constexpr, RENORMALIZE: tl.constexpr, COUNT: tl.constexpr,
+def _softmax_topk_kernel(logits_ptr, w_ptr, ids_ptr, T, E, stride_t,
+                         K: tl.constexpr, RENORMALIZE: tl.constexpr,
                          BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
     rows = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
     row_mask = rows < T
@@ -52,20 +52,15 @@ def _softmax_topk_kernel(logits_ptr, w_ptr, ids_ptr, counts_ptr, num_valid_ptr, 
     offs = rows[:, None] * K + kcols[None, :]
     tl.store(w_ptr + offs, weights, mask=out_mask)
     tl.store(ids_ptr + offs, ids, mask=out_mask)
-    if COUNT:  # expert load (kernels/expert_count.py): the rows below num_valid, no extra launch;
-        # relaxed: a plain reduction, no ordering fence per add (nothing reads the counts in the step)
-        counted = out_mask & (rows < tl.load(num_valid_ptr))[:, None]
-        tl.atomic_add(counts_ptr + ids, tl.full([BLOCK_T, BLOCK_K], 1, tl.int64), mask=counted, sem="relaxed")
 
 
 def softmax_topk_triton(logits_TE: torch.Tensor, top_k: int, renormalize: bool,
-                        count: tuple[torch.Tensor, torch.Tensor] | None = None
-                        ) -> tuple[torch.Tensor, torch.Tensor]:
+                        out_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(weights_TK fp32, ids_TK int32) of the top_k softmax probabilities of each row, descending.
 
     logits_TE: [T, E] fp32/fp16/bf16, any row stride; E <= 512, top_k <= min(E, 16).
-    count: (counts_E int64, num_valid [1] int64): also add each chosen expert of the rows below
-    num_valid to counts_E (expert-load recording in the same launch).
+    out_ids: a contiguous [T, top_k] int32 tensor to write the ids into (the expert-load
+    counters' step buffer); a new one when None.
     """
     check_float("logits", logits_TE)
     if logits_TE.dim() != 2:
@@ -77,13 +72,11 @@ def softmax_topk_triton(logits_TE: torch.Tensor, top_k: int, renormalize: bool,
         raise ValueError(f"top_k must be in 1..{min(E, MAX_TOP_K)} (E={E}, at most {MAX_TOP_K}), got {top_k}")
     logits = unit_last_stride(logits_TE)
     weights = torch.empty(T, top_k, dtype=torch.float32, device=logits.device)
-    ids = torch.empty(T, top_k, dtype=torch.int32, device=logits.device)
+    ids = torch.empty(T, top_k, dtype=torch.int32, device=logits.device) if out_ids is None else out_ids
     if T > 0:
         BLOCK_E = triton.next_power_of_2(E)
         BLOCK_T = max(1, min(8, 1024 // BLOCK_E))
-        counts, num_valid = count if count is not None else (ids, ids)  # unused without COUNT
         _softmax_topk_kernel[(triton.cdiv(T, BLOCK_T),)](
-            logits, weights, ids, counts, num_valid, T, E, logits.stride(0), K=top_k,
-            RENORMALIZE=bool(renormalize), COUNT=count is not None,
+            logits, weights, ids, T, E, logits.stride(0), K=top_k, RENORMALIZE=bool(renormalize),
             BLOCK_T=BLOCK_T, BLOCK_E=BLOCK_E, BLOCK_K=triton.next_power_of_2(top_k), num_warps=4)
     return weights, ids

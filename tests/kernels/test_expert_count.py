@@ -42,6 +42,21 @@ def test_count_experts(monkeypatch, T, K, E, num_valid, row_offset, rpt, triton_
     assert counts.tolist() == want.tolist()
 
 
+@pytest.mark.parametrize("L,T,K,E,num_valid", [(3, 7, 2, 8, 5), (4, 16, 8, 128, 16), (2, 5, 1, 4, 0)])
+@pytest.mark.parametrize("triton_path", [False, True])
+def test_count_layers_counts_every_layer_in_one_call(monkeypatch, L, T, K, E, num_valid, triton_path):
+    dev = _device(monkeypatch, triton_path)
+    g = torch.Generator().manual_seed(L * 7 + T)
+    buf = torch.randint(0, E, (L, T + 3, K), generator=g, dtype=torch.int32)  # rows past T: not this step's
+    counts = torch.full((L, E), 2, dtype=torch.int64)
+    want = counts.numpy().copy()
+    for layer in range(L):
+        want[layer] += np.bincount(buf[layer, :num_valid].reshape(-1).numpy(), minlength=E)
+    counts = counts.to(dev)
+    ec.count_layers(buf.to(dev)[:, :T], counts, torch.tensor([num_valid], device=dev))
+    assert counts.cpu().tolist() == want.tolist()
+
+
 @pytest.mark.parametrize("triton_path", [False, True])
 def test_map_to_physical_spreads_over_replicas_and_counts_both(monkeypatch, triton_path):
     dev = _device(monkeypatch, triton_path)
