@@ -61,16 +61,17 @@ def _pack_kernel(x_ptr, w_ptr, ids_ptr, owner_ptr, tok_ptr, counts_ptr, pad_ptr,
     words = tl.load(x_ptr + tok * W + cols, mask=in_w & valid, other=0)
     tl.store(out_w_ptr + n * out_w_stride + cols, words, mask=in_w)
     if tl.program_id(1) == 0:
+        # New names: the compiler refuses to rebind `tok` / `valid` to another shape in this block.
         k = tl.arange(0, KP)
         km = k < K
-        tok = tl.load(tok_ptr + n + 0 * k)
-        valid = tok >= 0
-        tok = tl.where(valid, tok, 0)
-        ids = tl.load(ids_ptr + tok * K + k, mask=km & valid, other=0).to(tl.int64)
-        w = tl.load(w_ptr + tok * K + k, mask=km & valid, other=0.0).to(tl.float32)
+        tok_k = tl.load(tok_ptr + n + 0 * k)
+        valid_k = tok_k >= 0
+        tok_k = tl.where(valid_k, tok_k, 0)
+        ids = tl.load(ids_ptr + tok_k * K + k, mask=km & valid_k, other=0).to(tl.int64)
+        w = tl.load(w_ptr + tok_k * K + k, mask=km & valid_k, other=0.0).to(tl.float32)
         owner = tl.load(owner_ptr + ids, mask=km, other=-1)
-        w = tl.where(valid & (owner == p), w, 0.0)
-        ids = tl.where(valid, ids, tl.load(pad_ptr + p + 0 * k))
+        w = tl.where(valid_k & (owner == p), w, 0.0)
+        ids = tl.where(valid_k, ids, tl.load(pad_ptr + p + 0 * k))
         meta = out_m_ptr + n * out_m_stride
         tl.store(meta + k, w.to(tl.int32, bitcast=True), mask=km)
         tl.store(meta + K + k, ids.to(tl.int32), mask=km)
