@@ -79,6 +79,8 @@ def move_expert_weights(params: list[torch.Tensor], old: list[int], new: list[in
     with the same arguments but its own ep_rank). params: per-slot tensors [S, ...] (weights and
     FP8 scales alike), updated in place. Returns the number of slots this rank received."""
     lo = ep_rank * slots_per_rank
+    # Moved as raw bytes: FP8 weights travel like any other (gloo has no float8 type).
+    params = [p.view(torch.uint8) for p in params]
     moves = plan_moves(old, new, slots_per_rank)
     incoming = [(src, dst) for src, dst in moves if dst // slots_per_rank == ep_rank]
     # Everything that leaves or is copied is read from the old weights: snapshot what a later

@@ -271,12 +271,12 @@ class OutputProcessor:
             return
         s = self.stats
         expert = "" if self.expert_balancedness is None else \
-            f", Expert load balancedness: {self.expert_balancedness:.3f}"
+            f"Expert load balancedness: {self.expert_balancedness:.3f}, "
         logger.info(
             "Avg generation throughput: %.1f tokens/s, Running: %d reqs, Waiting: %d reqs, KV cache usage: "
-            "%.1f%%, Prefix cache hit rate: %.1f%%, total_cumulative_preemption_cnt=%d%s",
+            "%.1f%%, Prefix cache hit rate: %.1f%%, %stotal_cumulative_preemption_cnt=%d",
             (self._generation_total - self._last_logged_generation) / elapsed, s.num_running, s.num_waiting,
             100 * s.kv_cache_usage, 100 * s.prefix_cache_hits / s.prefix_cache_queries
-            if s.prefix_cache_queries else 0.0, s.num_preemptions, expert)
+            if s.prefix_cache_queries else 0.0, expert, s.num_preemptions)
         self._last_logged_generation = self._generation_total
         self._last_stats_log = now

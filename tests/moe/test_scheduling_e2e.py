@@ -65,9 +65,11 @@ def test_periodic_stats_line_counts_preemptions(qwen3_ckpt, caplog, monkeypatch)
     import moe.engine
 
     monkeypatch.setattr(moe.engine, "_STATS_INTERVAL_S", 0.0)
-    llm = LLM(qwen3_ckpt, device="cpu", disable_log_stats=False, **CONFIGS["tiny_cache_preempts"])
+    llm = LLM(qwen3_ckpt, device="cpu", disable_log_stats=False, expert_load_window_steps=2,
+              **CONFIGS["tiny_cache_preempts"])
     with caplog.at_level("INFO", logger="moe"):
         llm.generate(_prompts(), _params(), use_tqdm=False)
     stats = [r.getMessage() for r in caplog.records if "Avg generation throughput" in r.getMessage()]
     assert stats and "total_cumulative_preemption_cnt=" in stats[-1]
+    assert "Expert load balancedness: 1.000, " in stats[-1]  # one rank: balanced by definition
     assert int(stats[-1].rsplit("=", 1)[1]) == llm.llm_engine.scheduler.num_preemptions > 0
