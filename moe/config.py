@@ -17,9 +17,7 @@ DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bf
           "float16": torch.float16, "half": torch.float16}
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
-# all2all's "low_latency" dispatcher is not offered to the engine yet: it needs the step's largest
-# per-rank token count on every rank (the runner's CUDA-graph integration, still to come).
-ALL2ALL_BACKENDS = ("auto", "allgather_reducescatter", "all_to_all")
+ALL2ALL_BACKENDS = ("auto", "allgather_reducescatter", "all_to_all", "low_latency")
 EXPERT_PLACEMENT_STRATEGIES = ("linear", "round_robin")
 # None: in-process for one rank, "mp" (spawned workers) for more, "external_launcher" under torchrun.
 DISTRIBUTED_EXECUTOR_BACKENDS = (None, "uni", "mp", "external_launcher")

@@ -29,6 +29,7 @@ from moe.block_tables import BlockTables
 from moe.cuda_graphs import DecodeGraphs, default_capture_sizes
 from moe.distributed import get_parallel_state, pp_recv, pp_send
 from moe.expert_counters import ExpertLoadCounters
+from moe.moe_block import DispatchStep
 from moe.sampler import SamplingBatch, sample
 from moe.step_buffers import StepBuffers
 from moe.step_inputs import RequestState, StepBatch, buffer_metadata, host_metadata, upload
@@ -80,21 +81,27 @@ class ModelRunner:
         self.dummy_blocks: list[int] | None = None  # per KV-cache group
         # The GPU path: step inputs through reused pinned/device buffers, Triton attention, and
         # CUDA graphs for decode-only steps (not across pipeline stages, nor with a token
-        # dispatcher, whose count exchange syncs with the host).
+        # dispatcher whose count exchange syncs with the host: under expert parallelism only the
+        # fixed-capacity "low_latency" one is captured, for steps whose every replica fits it).
         self.gpu_inputs = use_triton_attention(torch.empty(0, device=device))
-        graphs_ok = self.gpu_inputs and ps.pp_size == 1 and not (ps.enable_expert_parallel and ps.ep_size > 1)
+        ep = ps.enable_expert_parallel and ps.ep_size > 1
+        self.graphs_need_capacity = ep and ps.all2all_backend == "low_latency"
+        graphs_ok = self.gpu_inputs and ps.pp_size == 1 and (not ep or self.graphs_need_capacity)
         if self.gpu_inputs and not enforce_eager and not graphs_ok:
-            logger.info("CUDA graphs are off for pipeline or expert parallelism: steps run eagerly")
+            logger.info("CUDA graphs are off for pipeline parallelism, and for expert parallelism unless "
+                        "all2all_backend='low_latency': steps run eagerly")
         self.use_cuda_graphs = graphs_ok and not enforce_eager and device.type == "cuda"
         self.cudagraph_capture_sizes = cudagraph_capture_sizes
         self.limits: tuple[int, int, int] | None = None  # max_num_seqs, max_model_len, max_num_batched_tokens
         self.buffers: StepBuffers | None = None
         self.graphs: DecodeGraphs | None = None
         self.counters: ExpertLoadCounters | None = None  # set by the worker when expert load is recorded
+        self.dispatch_step = DispatchStep()  # sized by configure
 
     def configure(self, max_num_seqs: int, max_model_len: int, max_num_batched_tokens: int) -> None:
         """The engine's limits, which size the step buffers and the CUDA graphs."""
         self.limits = (max_num_seqs, max_model_len, max_num_batched_tokens)
+        self.dispatch_step.capacity = max(max_num_seqs, max(self.cudagraph_capture_sizes or [1]))
         if self.counters is not None:
             self.counters.reserve(max(max_num_batched_tokens, max_num_seqs))
 
@@ -162,6 +169,7 @@ class ModelRunner:
     def _graph_forward(self, b: int) -> torch.Tensor:
         """The model on b decode rows read from the step buffers (what a graph captures)."""
         buf = self.buffers
+        self.dispatch_step.max_tokens = b  # every rank captures the same sizes in the same order
         meta = buffer_metadata(buf, self.num_kv_groups, b, b, 1, list(range(b + 1)), [1] * b, decode_only=True)
         return self._forward(buf.dev_view("input_ids", b), buf.dev_view("positions", b), meta)
 
@@ -273,7 +281,9 @@ class ModelRunner:
             meta = host_metadata(batch, self.device, self.block_size, device_fields=self.gpu_inputs)
             return self._forward(torch.from_numpy(batch.input_ids_T).to(self.device),
                                  torch.from_numpy(batch.positions_T).to(self.device), meta)
-        padded = self.graphs.padded_size(B) if self.graphs is not None and batch.decode_only else None
+        replayable = batch.decode_only and self.graphs is not None and (
+            not self.graphs_need_capacity or self.dispatch_step.max_tokens <= self.dispatch_step.capacity)
+        padded = self.graphs.padded_size(B) if replayable else None
         meta = upload(self.buffers, batch, self.block_size, padded)
         if padded is not None:
             return self.graphs.replay(padded)[:B]

@@ -35,7 +35,7 @@ from torch import nn
 
 import kernels
 from models.layers.weights import ParamLoader, attach_loader, new_param
-from all2all import Dispatcher, make_dispatcher
+from all2all import Dispatcher, LowLatencyDispatcher, make_dispatcher
 from moe.distributed import ParallelState, get_parallel_state, tp_all_gather_rows, tp_all_reduce, tp_row_chunk
 from moe.expert_replicas import ExpertReplicas, initial_phys_to_log, move_expert_weights
 from kernels.expert_count import map_to_physical_and_count
@@ -44,6 +44,22 @@ from routing.placement import local_expert_ids
 
 logger = logging.getLogger("moe.moe_block")
 _FALLBACKS_LOGGED: set[tuple[int, int, tuple[int, int]]] = set()
+
+
+@dataclass
+class DispatchStep:
+    """What a fixed-capacity dispatcher (all2all_backend "low_latency") needs from the runner:
+    its capacity (rows per destination: the decode batch, max_num_seqs) and, each step, the most
+    tokens any data-parallel replica runs (identical on every rank, so every rank takes the same
+    path: low-latency when the TP slices fit the capacity, else the all-to-all fallback)."""
+    capacity: int = 256
+    max_tokens: int | None = None
+
+
+def attach_dispatch_step(model: nn.Module, step: DispatchStep) -> None:
+    for m in model.modules():
+        if isinstance(m, FusedMoE):
+            m.dispatch_step = step
 
 
 @dataclass(frozen=True)
@@ -210,6 +226,7 @@ class FusedMoE(nn.Module):
         self.eplb: ExpertReplicas | None = None
         self.num_physical_experts = num_experts
         self.load_counters, self.load_row, self._counts = None, 0, False
+        self.dispatch_step: DispatchStep | None = None  # set by the runner (attach_dispatch_step)
         if self.use_ep and pc.eplb_redundant_experts is not None:
             P = num_experts + pc.eplb_redundant_experts
             if P % pc.ep_size:
@@ -263,8 +280,9 @@ class FusedMoE(nn.Module):
             pc = self.parallel
             # Under EPLB the dispatcher moves tokens to physical slots, placed linearly.
             placement = "linear" if self.eplb is not None else pc.expert_placement_strategy
+            capacity = self.dispatch_step.capacity if self.dispatch_step is not None else None
             self.dispatcher = make_dispatcher(pc.all2all_backend, pc.ep_group, self.num_physical_experts,
-                                              placement, top_k=self.top_k or top_k)
+                                              placement, top_k=self.top_k or top_k, capacity=capacity)
         return self.dispatcher
 
     # ---- expert load and EPLB ---------------------------------------------------------------
@@ -343,7 +361,14 @@ class FusedMoE(nn.Module):
         lo, hi, _ = tp_row_chunk(T)  # the TP ranks split the (replicated) rows
         disp = self._get_dispatcher(routing.topk_ids_TK.shape[1])
         ids_TK = self._route_ids(routing.topk_ids_TK[lo:hi], lo, rows_per_token)
-        recv = disp.dispatch(x_TD[lo:hi], routing.topk_weights_TK[lo:hi], ids_TK)
+        if isinstance(disp, LowLatencyDispatcher):
+            # the most rows any EP rank dispatches: its replica's step tokens (x K rows per token on
+            # Llama-4's scaled-input path), split over its TP ranks
+            step = self.dispatch_step
+            most = -(-step.max_tokens * rows_per_token // self.parallel.tp_size) if step and step.max_tokens else None
+            recv = disp.dispatch(x_TD[lo:hi], routing.topk_weights_TK[lo:hi], ids_TK, max_tokens_across_ranks=most)
+        else:
+            recv = disp.dispatch(x_TD[lo:hi], routing.topk_weights_TK[lo:hi], ids_TK)
         y_RD = self._experts(recv.x_RD, recv.topk_weights_RK, recv.topk_ids_RK,
                              disp.expert_map_on(x_TD.device))
         y_ND = disp.combine(y_RD, recv)

@@ -123,6 +123,12 @@ def _layout(args: EngineArgs) -> ParallelLayout:
     return ParallelLayout(args.tensor_parallel_size, args.pipeline_parallel_size, args.data_parallel_size)
 
 
+def step_max_tokens(sos: list[SchedulerOutput]) -> int:
+    """The most tokens any replica runs this step (a dummy batch runs one): the bound a fixed-capacity
+    dispatcher checks, identical on every rank (all2all/low_latency.py)."""
+    return max(max((so.total_num_scheduled_tokens for so in sos), default=0), 1)
+
+
 def _dummy_flags(layout: ParallelLayout, enable_ep: bool, sos: list[SchedulerOutput]) -> list[bool]:
     """Replicas that must run a dummy batch: empty while another replica works and the MoE
     collectives span replicas (EP with DP > 1)."""
@@ -277,8 +283,9 @@ class MultiprocExecutor(Executor):
         layout = self.layout
         dummy = _dummy_flags(layout, self.args.enable_expert_parallel, scheduler_outputs)
         self.num_dummy_batches += sum(dummy)
+        max_tokens = step_max_tokens(scheduler_outputs)
         for d, so in enumerate(scheduler_outputs):
-            payload = pickle.dumps(("execute", (so, self._last_sampled[d], dummy[d])),
+            payload = pickle.dumps(("execute", (so, self._last_sampled[d], dummy[d], max_tokens)),
                                    protocol=pickle.HIGHEST_PROTOCOL)
             self._send(layout.replica_ranks(d), payload)
         replies = self._gather(range(layout.world_size), self.step_timeout_s, "running")
@@ -344,7 +351,8 @@ class TorchrunExecutor(Executor):
     def execute_models(self, scheduler_outputs: list[SchedulerOutput]) -> list[ModelRunnerOutput]:
         s, layout = self.state, self.layout
         dummy = _dummy_flags(layout, self.args.enable_expert_parallel, scheduler_outputs)
-        mine = self.worker.execute(scheduler_outputs[s.dp_rank], None, dummy[s.dp_rank])
+        mine = self.worker.execute(scheduler_outputs[s.dp_rank], None, dummy[s.dp_rank],
+                                   step_max_tokens(scheduler_outputs))
         digest = zlib.crc32(repr([sorted(so.num_scheduled_tokens.items()) for so in scheduler_outputs]).encode())
         gathered: list = [None] * layout.world_size
         dist.all_gather_object(gathered, (digest, mine), group=s.cpu_group)

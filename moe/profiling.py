@@ -30,6 +30,7 @@ def profile_forward(runner, num_tokens: int, max_model_len: int) -> None:
         scheduled[f"profile-{i}"] = n
         next_block += nb
     so = SchedulerOutput(new_reqs, CachedRequestData(), scheduled, num_tokens)
+    runner.dispatch_step.max_tokens = num_tokens  # every rank profiles the same step
     runner.execute_model(so)
     finish = SchedulerOutput([], CachedRequestData(), {}, 0, finished_req_ids=set(scheduled))
     runner.execute_model(finish)

@@ -24,7 +24,7 @@ from moe.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineArgs
 from moe.distributed import get_parallel_state
 from moe.expert_counters import attach_expert_counters, moe_layer_index
 from moe.model_runner import ModelRunner, ModelRunnerOutput
-from moe.moe_block import FusedMoE, MoEParallelConfig
+from moe.moe_block import FusedMoE, MoEParallelConfig, attach_dispatch_step
 from scheduler import KVCacheGroup, SchedulerOutput
 
 logger = logging.getLogger("moe.worker")
@@ -94,6 +94,9 @@ class Worker:
         self.runner = ModelRunner(self.model, device, spec.args.block_size, spec.eos_token_ids,
                                   spec.config.vocab_size, enforce_eager=spec.args.enforce_eager,
                                   cudagraph_capture_sizes=spec.args.cudagraph_capture_sizes)
+        # A fixed-capacity dispatcher (all2all_backend="low_latency") is sized to a decode batch
+        # and told each step's largest replica batch (moe/moe_block.py DispatchStep).
+        attach_dispatch_step(self.model, self.runner.dispatch_step)
         # Expert-load counters in every MoE layer (EPLB needs them); without expert parallelism
         # the TP ranks of a replica see the same tokens and only TP rank 0 counts.
         if spec.args.record_expert_load or spec.args.enable_eplb:
@@ -163,12 +166,15 @@ class Worker:
 
     # ---- steps -------------------------------------------------------------------------
     def execute(self, so: SchedulerOutput, prev_sampled: dict[str, list[int]] | None = None,
-                dummy: bool = False) -> ModelRunnerOutput | None:
+                dummy: bool = False, max_tokens: int | None = None) -> ModelRunnerOutput | None:
         """One step of this rank's DP replica. `prev_sampled`: the tokens the replica's driver
-        rank sampled last step (applied here on the other ranks). Returns the sampled tokens on
-        the driver rank, None elsewhere."""
+        rank sampled last step (applied here on the other ranks). `max_tokens`: the most tokens
+        any replica runs this step (for a fixed-capacity dispatcher). Returns the sampled tokens
+        on the driver rank, None elsewhere."""
         if prev_sampled and not self.runner.is_driver:
             self.runner.apply_sampled(prev_sampled)
+        if max_tokens is not None:
+            self.runner.dispatch_step.max_tokens = max_tokens
         out = self.runner.execute_model(so, dummy=dummy)
         return out if self.runner.is_driver else None
 

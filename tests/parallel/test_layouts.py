@@ -13,6 +13,9 @@ LAYOUTS = {
     "tp2": dict(tensor_parallel_size=2),
     "tp2_ep2": dict(tensor_parallel_size=2, enable_expert_parallel=True),
     "dp2_ep2_all_to_all": dict(data_parallel_size=2, enable_expert_parallel=True, all2all_backend="all_to_all"),
+    # Capacity max_num_seqs=4: decode steps take the fixed-capacity path, prefills fall back.
+    "dp2_ep2_low_latency": dict(data_parallel_size=2, enable_expert_parallel=True, all2all_backend="low_latency",
+                                max_num_seqs=4),
     # Small blocks and token budget: chunked prefill over several steps through both stages.
     "tp2_pp2": dict(tensor_parallel_size=2, pipeline_parallel_size=2, block_size=4, max_num_batched_tokens=16),
     "dp2_tp2_ep4_round_robin": dict(data_parallel_size=2, tensor_parallel_size=2, enable_expert_parallel=True,
