@@ -20,6 +20,8 @@
 #                 (needs benchmarks/vllm_kernel/ carried: benchmarks/fetch_vllm_kernel.py) -> $OUT/kernel_vllm.json
 #   engine        benchmarks/gpu_engine_bench.py $ENGINE (default: parity qwen3 eager families)
 #                 -> $OUT/engine.json; RUNS= picks the qwen3 runs (tp2 needs two GPUs)
+#   ep-graphs     DP=2 + EP with the low_latency dispatcher and CUDA graphs vs one GPU (needs 2 GPUs),
+#                 and the dispatch kernels' GPU tests
 #   parallel-fp8  an FP8 DeepSeek-V3 tiny checkpoint under TP2 and TP2+EP2 vs one GPU and its
 #                 dequantised twin (.gpu_ckpts/deepseek_v3_fp8[_twin])
 #   serve         benchmarks/serve_gpu_bench.py: offline vs `moe serve` (1 and 4 API processes) on the
@@ -72,6 +74,8 @@ for stage in "$@"; do
            --out "$OUT/kernel_vllm.json" ;;
     engine) step engine timeout 580 python3 benchmarks/gpu_engine_bench.py ${ENGINE:-parity qwen3 eager families} \
            ${RUNS:+--runs $RUNS} --out "$OUT/engine.json" ;;
+    ep-graphs) step ep-graphs timeout 300 python3 -m pytest -q -p no:cacheprovider \
+           tests/parallel/test_low_latency_graphs_gpu.py tests/kernels/test_triton_dispatch.py ;;
     parallel-fp8) step parallel-fp8 timeout 300 python3 benchmarks/gpu_parallel_check.py \
            .gpu_ckpts/deepseek_v3_fp8 --layouts tp2 tp2_ep2 --twin .gpu_ckpts/deepseek_v3_fp8_twin \
            --out "$OUT/parallel_fp8.json" ;;
