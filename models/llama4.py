@@ -11,6 +11,8 @@ What differs from Qwen3-MoE:
 - hub layout: fused 3-D experts `experts.gate_up_proj [E, D, 2F]` / `experts.down_proj [E, F, D]`
   (transposed relative to our w13 [E, 2F, D] / w2 [E, D, F]); multimodal checkpoints nest the
   text model under `language_model.` and its config under `text_config`.
+- vision: the tower (models/llama4_vision.py) is built and loaded only when `config.load_vision`
+  is set (by the engine, before the model is built); otherwise its tensors are skipped.
 
 Legend: T tokens, D hidden, E experts, F expert intermediate size, K top-k.
 """
@@ -32,9 +34,11 @@ from models.layers.linear import QKVParallelLinear, ReplicatedLinear, RowParalle
 from models.layers.mlp import SwiGLUMLP
 from models.layers.norm import RMSNorm
 from models.layers.rotary import get_rope
+from models.llama4_vision import VISION_CHECKPOINT_PREFIXES, Llama4VisionConfig, Llama4VisionEncoder, \
+    merge_image_features
 from models.loader import GATE_UP_RULES, QKV_RULES, NameRule
 from moe.moe_block import ExpertWeightLoader, FusedMoE, MoEBlock, MoEParallelConfig
-from moe.pipeline import (IntermediateTensors, skip_other_stage_tensor, tied_lm_head_rules)
+from moe.pipeline import IntermediateTensors, first_stage, skip_other_stage_tensor, tied_lm_head_rules
 from routing.llama4_router import llama4_topk
 
 logger = logging.getLogger("moe.models.llama4")
@@ -42,7 +46,6 @@ logger = logging.getLogger("moe.models.llama4")
 _DEFAULT_ROPE_THETA = 500000.0  # transformers' Llama4TextConfig.default_theta
 # Top-level keys of a multimodal config.json that the text model inherits when text_config lacks them.
 _INHERITED_KEYS = ("torch_dtype", "dtype", "eos_token_id", "bos_token_id", "tie_word_embeddings")
-_VISION_PREFIXES = ("vision_model.", "multi_modal_projector.")
 
 
 @dataclass
@@ -60,10 +63,19 @@ class Llama4TextConfig(ModelConfig):
     attn_scale: float = 0.1
     attention_bias: bool = False
     nested_checkpoint: bool = False          # weights under `language_model.` (multimodal checkpoint)
+    vision: Llama4VisionConfig | None = None  # the checkpoint's vision tower, if it has one
+    vision_error: str | None = None          # why `vision_config` could not be parsed (raised only if used)
+    load_vision: bool = False                # build + load the vision tower (else its tensors are skipped)
 
     @classmethod
     def from_hf(cls, cfg: dict, architecture: str) -> "Llama4TextConfig":
         nested = isinstance(cfg.get("text_config"), dict)
+        vision, vision_error = None, None
+        if isinstance(cfg.get("vision_config"), dict):
+            try:  # a text-only load must not fail on the vision part
+                vision = Llama4VisionConfig.from_hf(cfg)
+            except (ValueError, TypeError) as e:
+                vision_error = str(e)
         if nested:
             cfg = {**{k: cfg[k] for k in _INHERITED_KEYS if k in cfg}, **cfg["text_config"]}
         if "rope_theta" not in cfg and "rope_theta" not in (cfg.get("rope_parameters") or {}):
@@ -107,6 +119,8 @@ class Llama4TextConfig(ModelConfig):
             attn_scale=float(cfg.get("attn_scale", 0.1)),
             attention_bias=bool(cfg.get("attention_bias", False)),
             nested_checkpoint=nested,
+            vision=vision,
+            vision_error=vision_error,
         )
         check_moe_fields("num_local_experts", config.num_local_experts, config.num_experts_per_tok)
         return config
@@ -215,9 +229,10 @@ class _LanguageModel(nn.Module):
 
 
 class Llama4ForCausalLM(nn.Module):
-    """Text-only Llama-4. Built from a `Llama4ForConditionalGeneration` checkpoint it holds its
+    """Llama-4 text model. Built from a `Llama4ForConditionalGeneration` checkpoint it holds its
     modules under `language_model` so that parameter names match the nested checkpoint names;
-    the vision tower's tensors are skipped."""
+    the vision tower's tensors are skipped unless `config.load_vision` (then `vision_encoder`
+    holds the tower, on the first pipeline stage, and `embed_with_images` merges its features)."""
     config_class = Llama4TextConfig
     supports_pp = True  # builds only its pipeline stage (moe/pipeline.py)
 
@@ -233,6 +248,13 @@ class Llama4ForCausalLM(nn.Module):
         self.make_empty_intermediate_tensors = model.make_empty_intermediate_tensors
         self._prefix = "language_model." if cfg.nested_checkpoint else ""
         self._logged_vision_skip = False
+        self.vision_encoder = None
+        if cfg.load_vision:
+            if cfg.vision is None:
+                raise ValueError(f"load_vision is set but the {cfg.architecture} checkpoint has no usable "
+                                 f"vision_config{': ' + cfg.vision_error if cfg.vision_error else ''}")
+            if first_stage():  # images are embedded where the token embeddings are
+                self.vision_encoder = Llama4VisionEncoder(cfg.vision)
 
     @property
     def _lm(self) -> nn.Module:
@@ -244,6 +266,15 @@ class Llama4ForCausalLM(nn.Module):
         stage's IntermediateTensors for the next one."""
         return self._lm.model(input_ids, positions, meta, intermediate_tensors)
 
+    def embed_with_images(self, input_ids: torch.Tensor, pixel_values: torch.Tensor) -> torch.Tensor:
+        """input_ids [T] with image tokens, pixel_values [tiles, C, H, W] -> inputs_embeds [T, D]:
+        the token embeddings with the image features at the image tokens (first stage only)."""
+        if self.vision_encoder is None:
+            raise ValueError("this model was built without its vision tower (set config.load_vision)")
+        embeds = self._lm.model.embed_tokens(input_ids)
+        return merge_image_features(embeds, input_ids, self.vision_encoder(pixel_values),
+                                    self.config.vision.image_token_index)
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self._lm.lm_head.compute_logits(hidden)
 
@@ -253,7 +284,11 @@ class Llama4ForCausalLM(nn.Module):
     def weight_name_rules(self) -> list[NameRule]:
         # First match wins: the shared-expert rules must precede the generic gate/up/down ones.
         p = self._prefix
-        return tied_lm_head_rules(self.config.tie_word_embeddings, f"{p}model.embed_tokens", f"{p}lm_head") + [
+        # Vision tensors only take the encoder's prefix: their names are the encoder's own (a rule
+        # maps a name once, so these come first and keep q_proj etc. away from the text QKV rules).
+        vision = [NameRule(f"vision_encoder.{n}", n) for n in ("vision_model", "multi_modal_projector")] \
+            if self.vision_encoder is not None else []
+        return vision + tied_lm_head_rules(self.config.tie_word_embeddings, f"{p}model.embed_tokens", f"{p}lm_head") + [
             NameRule("feed_forward.gate", "feed_forward.router"),
             NameRule("shared_experts.gate_up_proj", "shared_expert.gate_proj", 0),
             NameRule("shared_experts.gate_up_proj", "shared_expert.up_proj", 1),
@@ -263,7 +298,9 @@ class Llama4ForCausalLM(nn.Module):
         ] + QKV_RULES + GATE_UP_RULES
 
     def ignore_checkpoint_name(self, name: str) -> bool:
-        if name.startswith(_VISION_PREFIXES):
+        if name.startswith(VISION_CHECKPOINT_PREFIXES):
+            if self.vision_encoder is not None:
+                return False
             if not self._logged_vision_skip:
                 logger.info("Skipping the vision tower (vision_model.*, multi_modal_projector.*) of the "
                             "%s checkpoint: only the text model is loaded", self.config.architecture)
