@@ -369,7 +369,10 @@ def test_killed_engine_core_gives_5xx_and_failing_health(server):
 
     t = threading.Thread(target=in_flight)
     t.start()
-    time.sleep(1.0)  # the request is generating
+    # Kill as soon as the request runs: its 250 tokens take ~1 s here, a fixed sleep could outlast it.
+    deadline = time.monotonic() + 5
+    while scrape_metrics(server.url)["moe:num_requests_running"] < 1 and time.monotonic() < deadline:
+        time.sleep(0.01)
     import os
     import signal
 
