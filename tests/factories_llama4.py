@@ -42,6 +42,22 @@ def make_llama4_model(seed: int = 0, **overrides):
     return model
 
 
+def save_resharded(model, path: str, shards: int) -> None:
+    """model.save_pretrained(path), its safetensors then rewritten as `shards` files."""
+    from safetensors.torch import load_file
+
+    os.makedirs(path, exist_ok=True)
+    model.save_pretrained(path)
+    tensors = {}
+    for f in sorted(os.listdir(path)):
+        if f.endswith(".safetensors"):
+            tensors.update(load_file(os.path.join(path, f)))
+            os.remove(os.path.join(path, f))
+        elif f.endswith(".index.json"):
+            os.remove(os.path.join(path, f))
+    write_safetensors(path, tensors, shards)
+
+
 def save_llama4_checkpoint(model, path: str, layout: str = "text", shards: int = 1,
                            config_edits: dict | None = None) -> str:
     """Save `model` as a hub checkpoint in `path`.
@@ -57,18 +73,9 @@ def save_llama4_checkpoint(model, path: str, layout: str = "text", shards: int =
         mm = Llama4ForConditionalGeneration(Llama4Config(text_config=model.config.to_dict(),
                                                          vision_config=_TINY_VISION)).float().eval()
         mm.language_model.load_state_dict(model.state_dict())
-        mm.save_pretrained(path)
+        save_resharded(mm, path, shards)
     else:
-        model.save_pretrained(path)
-    tensors = {}
-    from safetensors.torch import load_file
-    for f in sorted(os.listdir(path)):
-        if f.endswith(".safetensors"):
-            tensors.update(load_file(os.path.join(path, f)))
-            os.remove(os.path.join(path, f))
-        elif f.endswith(".index.json"):
-            os.remove(os.path.join(path, f))
-    write_safetensors(path, tensors, shards)
+        save_resharded(model, path, shards)
     if config_edits:
         cfg_path = os.path.join(path, "config.json")
         with open(cfg_path) as f:

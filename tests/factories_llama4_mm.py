@@ -7,12 +7,11 @@ initialises biases to 0 and LayerNorms to 1, which would hide a missing bias or 
 """
 from __future__ import annotations
 
-import os
 
 import torch
 
-from tests.factories import perturb_norms, save_tokenizer, write_safetensors
-from tests.factories_llama4 import LLAMA4_TINY
+from tests.factories import perturb_norms, save_tokenizer
+from tests.factories_llama4 import LLAMA4_TINY, save_resharded
 
 IMAGE_TOKEN_ID = 500  # inside LLAMA4_TINY's vocabulary of 512
 LLAMA4_TINY_VISION = dict(
@@ -58,17 +57,6 @@ def make_llama4_mm_model(seed: int = 0, vision_overrides: dict | None = None, **
 
 def save_llama4_mm_checkpoint(model, path: str, shards: int = 1) -> str:
     """Save `model` as a hub checkpoint (config.json, safetensors in `shards` files, tokenizer)."""
-    from safetensors.torch import load_file
-
-    os.makedirs(path, exist_ok=True)
-    model.save_pretrained(path)
-    tensors = {}
-    for f in sorted(os.listdir(path)):
-        if f.endswith(".safetensors"):
-            tensors.update(load_file(os.path.join(path, f)))
-            os.remove(os.path.join(path, f))
-        elif f.endswith(".index.json"):
-            os.remove(os.path.join(path, f))
-    write_safetensors(path, tensors, shards)
+    save_resharded(model, path, shards)
     save_tokenizer(path, model.config.text_config.vocab_size)
     return path
