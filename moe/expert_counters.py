@@ -7,8 +7,9 @@ Counting happens inside the forward (kernels/expert_count.py): no host synchroni
 is captured into the decode CUDA graphs like any other kernel. The runner tells the counters how
 many rows of each step are real (`set_num_valid`): rows past that (a CUDA graph's padding) and
 whole dummy batches (num_valid 0) are not counted. What start-up runs (the memory-profiling
-forward, graph warm-ups) is taken away by `snapshot_baseline` in the engine, not here: the
-counters only ever grow, and readers take differences.
+forward, graph warm-ups; num_valid is still 0 then) is also left out by the engine core, whose
+windows start from a snapshot taken after start-up: the counters only ever grow, and readers
+take differences.
 
 Who counts, so that each token counts once over the ranks: with expert parallelism every rank
 counts the rows it dispatches (its tensor-parallel slice of its replica's batch); without it the
