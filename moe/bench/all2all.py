@@ -103,10 +103,12 @@ def run_bench(tokens=(8, 32), hidden: int = 64, num_experts: int = 16, top_k: in
     """
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     rank = dist.get_rank(group)
-    dispatchers = {b: make_dispatcher(b, group, num_experts, placement, top_k=top_k) for b in backends}
-    a2a = dispatchers.get("all_to_all") or make_dispatcher("all_to_all", group, num_experts, placement)
+    fixed = {b: make_dispatcher(b, group, num_experts, placement, top_k=top_k) for b in backends if b != "low_latency"}
+    a2a = fixed.get("all_to_all") or make_dispatcher("all_to_all", group, num_experts, placement)
     rows = []
     for T in tokens:
+        dispatchers = {b: fixed[b] if b in fixed else _low_latency(group, num_experts, placement, T)
+                       for b in backends}
         for routing in routings:
             g = torch.Generator().manual_seed(seed * 1000003 + rank)
             weights_TK, ids_TK = make_routing(routing, T, num_experts, top_k, n_group, topk_group, g, device)
@@ -140,6 +142,12 @@ def run_bench(tokens=(8, 32), hidden: int = 64, num_experts: int = 16, top_k: in
     return rows
 
 
+def _low_latency(group, num_experts: int, placement: str, tokens_per_rank: int):
+    """The fixed-capacity dispatcher sized to the call (capacity = tokens per rank, at least 1), as
+    the engine sizes it to its decode batch."""
+    return make_dispatcher("low_latency", group, num_experts, placement, capacity=max(tokens_per_rank, 1))
+
+
 def _bench_steps(T: int, routing: str, hidden: int, num_experts: int, top_k: int, dtype,
                  backends, placement: str, n_group: int, topk_group: int, seed: int, group, device):
     """(name, step) for each backend and "bare" at one size, inputs made and warmed once."""
@@ -149,7 +157,8 @@ def _bench_steps(T: int, routing: str, hidden: int, num_experts: int, top_k: int
     x_TD = torch.randn(T, hidden, generator=g).to(device=device, dtype=dtype)
     steps = []
     for b in backends:
-        disp = make_dispatcher(b, group, num_experts, placement, top_k=top_k)
+        disp = _low_latency(group, num_experts, placement, T) if b == "low_latency" else \
+            make_dispatcher(b, group, num_experts, placement, top_k=top_k)
         y_RD = disp.dispatch(x_TD, weights_TK, ids_TK).x_RD.contiguous()  # identity experts
 
         def step(disp=disp, y_RD=y_RD):
@@ -256,7 +265,8 @@ def parse_args(argv=None, cuda: bool | None = None) -> argparse.Namespace:
     p.add_argument("--dtype", choices=sorted(DTYPES))
     p.add_argument("--routing", nargs="+", choices=["random", "group_limited"], default=["random", "group_limited"])
     p.add_argument("--backends", nargs="+", default=["allgather_reducescatter", "all_to_all"],
-                   choices=["allgather_reducescatter", "all_to_all", "auto"])
+                   choices=["allgather_reducescatter", "all_to_all", "auto", "low_latency"],
+                   help="low_latency runs with capacity = tokens per rank")
     p.add_argument("--placement", choices=["linear", "round_robin"], default="linear")
     p.add_argument("--n-group", type=int, help="expert groups of group_limited routing")
     p.add_argument("--topk-group", type=int, help="groups kept per token (group_limited)")

@@ -11,14 +11,14 @@ def _bench_worker(rank: int, world_size: int):
     import torch
     return run_bench(tokens=TOKENS, hidden=32, num_experts=16, top_k=4, dtype=torch.bfloat16,
                      routings=("random", "group_limited"),
-                     backends=("allgather_reducescatter", "all_to_all", "auto"),
+                     backends=("allgather_reducescatter", "all_to_all", "auto", "low_latency"),
                      iters=2, warmup=1, device="cpu")
 
 
 def test_bench_core_on_two_gloo_ranks():
     per_rank = run_ranks(_bench_worker, 2, timeout_s=40.0, collective_timeout_s=15.0)
     rows = per_rank[0]
-    impls = ["allgather_reducescatter", "all_to_all", "auto", "bare"]
+    impls = ["allgather_reducescatter", "all_to_all", "auto", "low_latency", "bare"]
     assert [(r["tokens_per_rank"], r["routing"], r["impl"]) for r in rows] == [
         (t, routing, impl) for t in TOKENS for routing in ("random", "group_limited") for impl in impls]
     assert all(r["median_us"] > 0 for r in rows)
