@@ -131,3 +131,23 @@ def scrape_metrics(url: str) -> dict[str, float]:
     text = httpx.get(f"{url}/metrics", timeout=5.0).text
     return {s.name: s.value for fam in text_string_to_metric_families(text) for s in fam.samples
             if not s.name.endswith("_bucket")}
+
+
+def expert_tokens_total(url: str) -> float:
+    """moe:expert_load_tokens summed over its (layer, ep_rank) series (scrape_metrics keeps one sample per name)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"{url}/metrics", timeout=5.0).text
+    return sum(s.value for fam in text_string_to_metric_families(text) for s in fam.samples
+               if s.name == "moe:expert_load_tokens_total")
+
+
+def wait_until_idle(url: str, timeout_s: float, poll_s: float = 0.1) -> dict[str, float]:
+    """Metrics once no request runs and the KV cache is empty again, or when timeout_s has passed."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        m = scrape_metrics(url)
+        if m["moe:kv_cache_usage_perc"] == 0 and m["moe:num_requests_running"] == 0 or time.monotonic() > deadline:
+            return m
+        time.sleep(poll_s)
+

@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from moe import SamplingParams
-from tests.serve.helpers import MODEL_NAME, ServerProcess, headers, process_tree, scrape_metrics
+from tests.serve.helpers import MODEL_NAME, ServerProcess, expert_tokens_total, headers, process_tree, scrape_metrics
 
 PROMPTS = [f"Hello there {i}" for i in range(12)]
 
@@ -65,17 +65,9 @@ def test_two_api_servers_two_replicas_same_answers_and_summed_metrics(server, ll
     layers = len(httpx.get(f"{server.url}/dashboard/data.json", timeout=5).json()["meta"]["layers"])
     want = top_k * layers * sum(body["usage"]["prompt_tokens"] + 6 - 1 for _, body in results)
     deadline = time.monotonic() + 10
-    while _expert_tokens_total(server.url) < want and time.monotonic() < deadline:
+    while expert_tokens_total(server.url) < want and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert _expert_tokens_total(server.url) == want
-
-
-def _expert_tokens_total(url: str) -> float:
-    from prometheus_client.parser import text_string_to_metric_families
-
-    text = httpx.get(f"{url}/metrics", timeout=5.0).text
-    return sum(s.value for fam in text_string_to_metric_families(text) for s in fam.samples
-               if s.name == "moe:expert_load_tokens_total")
+    assert expert_tokens_total(server.url) == want
 
 
 def test_bench_serve_against_the_server(server, tmp_path, monkeypatch, capsys):

@@ -14,7 +14,8 @@ import openai
 import pytest
 
 from moe import SamplingParams
-from tests.serve.helpers import API_KEY, MODEL_NAME, ServerProcess, headers, scrape_metrics
+from tests.serve.helpers import (API_KEY, MODEL_NAME, ServerProcess, expert_tokens_total, headers,
+                                 scrape_metrics, wait_until_idle)
 
 PROMPTS = ["Hello, world!", "The quick brown fox", "Mixture-of-experts models route", "Numbers: 1 2 3"]
 MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "How are you today?"}]
@@ -270,12 +271,7 @@ def test_concurrent_streams_with_disconnects_free_the_kv_cache(server, llm):
     texts = asyncio.run(main())
     assert peak["running"] >= NUM_STREAMS  # all in one batch, not queued behind each other
     assert texts[:NUM_STREAMS] == want and texts[NUM_STREAMS:] == [None] * NUM_QUITTERS
-    deadline = time.monotonic() + 10
-    while True:
-        m = scrape_metrics(server.url)
-        if m["moe:kv_cache_usage_perc"] == 0 and m["moe:num_requests_running"] == 0 or time.monotonic() > deadline:
-            break
-        time.sleep(0.2)
+    m = wait_until_idle(server.url, 10, poll_s=0.2)
     assert m["moe:kv_cache_usage_perc"] == 0 and m["moe:num_requests_running"] == 0
     assert m["moe:num_requests_waiting"] == 0
     assert m["moe:request_success_total"] - before["moe:request_success_total"] == NUM_STREAMS
@@ -304,15 +300,6 @@ def test_metrics_count_requests_and_latencies(server, client):
     assert delta("moe:e2e_request_latency_seconds_sum") > delta("moe:time_to_first_token_seconds_sum") > 0
 
 
-def _expert_tokens_total(url: str) -> float:
-    """moe:expert_load_tokens summed over its (layer, ep_rank) series."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    text = httpx.get(f"{url}/metrics", timeout=5.0).text
-    return sum(s.value for fam in text_string_to_metric_families(text) for s in fam.samples
-               if s.name == "moe:expert_load_tokens_total")
-
-
 def test_expert_load_on_the_dashboard_and_in_metrics(server, client, model_dir):
     """The live dashboard's data and /metrics count each routed (token, expert) slot once."""
     top_k = json.load(open(f"{model_dir}/config.json"))["num_experts_per_tok"]
@@ -320,7 +307,7 @@ def test_expert_load_on_the_dashboard_and_in_metrics(server, client, model_dir):
     assert page.status_code == 200 and "<html" in page.text.lower()
     seen = httpx.get(f"{server.url}/dashboard/data.json", timeout=5.0).json()
     layers = seen["meta"]["layers"]
-    before = _expert_tokens_total(server.url)
+    before = expert_tokens_total(server.url)
     resp = client.completions.create(model=MODEL_NAME, prompt=PROMPTS[1], max_tokens=5, temperature=0.0,
                                      extra_body={"ignore_eos": True})
     want = top_k * (resp.usage.prompt_tokens + resp.usage.completion_tokens - 1)  # the last token is not fed
@@ -333,7 +320,7 @@ def test_expert_load_on_the_dashboard_and_in_metrics(server, client, model_dir):
             break
         time.sleep(0.1)
     assert got == [want] * len(layers)
-    assert _expert_tokens_total(server.url) - before == want * len(layers)
+    assert expert_tokens_total(server.url) - before == want * len(layers)
     text = httpx.get(f"{server.url}/metrics", timeout=5.0).text
     assert all(f'moe:expert_load_balancedness{{layer="{layer}",model_name=' in text for layer in layers)
 
@@ -344,12 +331,7 @@ def test_client_gone_before_the_response_aborts_its_request(server):
     with pytest.raises(httpx.TimeoutException):
         httpx.post(f"{server.url}/v1/completions", headers=headers(), timeout=0.3, json={
             "model": MODEL_NAME, "prompt": "hi", "max_tokens": 250, "ignore_eos": True, "temperature": 0})
-    deadline = time.monotonic() + 5
-    while True:
-        m = scrape_metrics(server.url)
-        if m["moe:num_requests_running"] == 0 and m["moe:kv_cache_usage_perc"] == 0 or time.monotonic() > deadline:
-            break
-        time.sleep(0.1)
+    m = wait_until_idle(server.url, 5)
     assert m["moe:num_requests_running"] == 0 and m["moe:kv_cache_usage_perc"] == 0
     assert m["moe:request_success_total"] == before["moe:request_success_total"]
     assert m["moe:generation_tokens_total"] - before["moe:generation_tokens_total"] < 250
