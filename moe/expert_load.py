@@ -12,19 +12,17 @@ difference from the snapshot taken at that reset, so nothing on the devices is e
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections import deque
 from dataclasses import dataclass
 
 import numpy as np
 
-from moe.expert_load_file import (ExpertLoadMeta, ExpertLoadWindow, RecordingWriter, balancedness_of,
-                                  windows_to_dashboard_json)
+from moe.expert_load_file import ExpertLoadMeta, ExpertLoadWindow, RecordingWriter, balancedness_of
 
 logger = logging.getLogger("moe.expert_load")
 
-KEPT_WINDOWS = 2000  # in memory, for the live dashboard and EPLB's load window
+KEPT_WINDOWS = 2000  # in memory: EPLB's load window here, the live dashboard in the API process
 
 
 @dataclass
@@ -66,7 +64,6 @@ class ExpertLoadTracker:
         self._last, self._last_step = snapshot, step
         self._baseline, self._baseline_step = snapshot, step
         self._writer: RecordingWriter | None = None
-        self._lock = threading.Lock()  # the live dashboard reads the windows from another thread
 
     def per_rank_of(self, physical_LP: np.ndarray) -> np.ndarray:
         """[L, G] rows per rank: physical counts summed by the rank of their slot."""
@@ -82,12 +79,11 @@ class ExpertLoadTracker:
         counts = snapshot["logical"] - self._last["logical"]
         per_rank = self.per_rank_of(snapshot["physical"] - self._last["physical"])
         window = ExpertLoadWindow.build(self._next_index, self._last_step, step, time.time(), counts, per_rank)
-        with self._lock:
-            self.windows.append(window)
-            self._next_index += 1
-            self._last, self._last_step = snapshot, step
-            if self._writer is not None:
-                self._writer.write_window(window)
+        self.windows.append(window)
+        self._next_index += 1
+        self._last, self._last_step = snapshot, step
+        if self._writer is not None:
+            self._writer.write_window(window)
         return window
 
     def totals(self) -> ExpertLoad:
@@ -104,38 +100,29 @@ class ExpertLoadTracker:
     def recent_counts(self, steps: int) -> np.ndarray:
         """[L, E] logical counts of the windows that end within the last `steps` steps."""
         total = np.zeros((self.meta.num_layers, self.meta.num_experts), dtype=np.int64)
-        with self._lock:
-            for w in self.windows:
-                if w.step_end > self._last_step - steps:
-                    total += w.counts
+        for w in self.windows:
+            if w.step_end > self._last_step - steps:
+                total += w.counts
         return total
 
     def note_placement(self, phys_to_log_LP: np.ndarray) -> None:
         """EPLB moved experts after the newest window."""
-        with self._lock:
-            self.rebalances += 1
-            if self._writer is not None:
-                self._writer.write_placement(self._next_index - 1, phys_to_log_LP)
+        self.rebalances += 1
+        if self._writer is not None:
+            self._writer.write_placement(self._next_index - 1, phys_to_log_LP)
 
-    # ---- the recording file and the dashboard -----------------------------------------------
+    # ---- the recording file -----------------------------------------------
     def start_recording(self, path: str) -> None:
         """Write every window from now on to `path` (JSON lines, moe/expert_load_file.py)."""
-        with self._lock:
-            if self._writer is not None:
-                self._writer.close()
-            self._writer = RecordingWriter(path, self.meta)
+        if self._writer is not None:
+            self._writer.close()
+        self._writer = RecordingWriter(path, self.meta)
         logger.info("Recording expert load to %s (a window every %d steps)", path, self.meta.window_steps)
 
     def stop_recording(self) -> None:
-        with self._lock:
-            if self._writer is not None:
-                self._writer.close()
-                self._writer = None
-
-    def dashboard_payload(self, since: int = 0) -> dict:
-        with self._lock:
-            windows = list(self.windows)
-        return windows_to_dashboard_json(self.meta, windows, since, self.rebalances)
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
 
 
 class ExpertLoadAPI:
