@@ -261,19 +261,33 @@ class Llama4ForCausalLM(nn.Module):
         return self.language_model if self.config.nested_checkpoint else self
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                intermediate_tensors: IntermediateTensors | None = None):
+                intermediate_tensors: IntermediateTensors | None = None, inputs_embeds: torch.Tensor | None = None):
         """input_ids, positions [T] -> final hidden states [T, D] (last pipeline stage), or this
-        stage's IntermediateTensors for the next one."""
-        return self._lm.model(input_ids, positions, meta, intermediate_tensors)
+        stage's IntermediateTensors for the next one. inputs_embeds [T, D] (first stage): the
+        embeddings to use instead of the ids' (with image features merged in)."""
+        return self._lm.model(input_ids, positions, meta, intermediate_tensors, inputs_embeds)
+
+    # ---- images (first pipeline stage, built with load_vision) ------------------------------
+    @property
+    def image_token_id(self) -> int:
+        """The prompt token whose positions take image features (<|patch|>)."""
+        return self.config.vision.image_token_index
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self._lm.model.embed_tokens(input_ids)
+
+    def encode_images(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        """pixel_values [tiles, C, H, W] (the tiles of one or more images, in order) -> image
+        features [tiles * tokens_per_tile, D] in the text model's hidden size."""
+        if self.vision_encoder is None:
+            raise ValueError("this model was built without its vision tower (set config.load_vision)")
+        return self.vision_encoder(pixel_values)
 
     def embed_with_images(self, input_ids: torch.Tensor, pixel_values: torch.Tensor) -> torch.Tensor:
         """input_ids [T] with image tokens, pixel_values [tiles, C, H, W] -> inputs_embeds [T, D]:
         the token embeddings with the image features at the image tokens (first stage only)."""
-        if self.vision_encoder is None:
-            raise ValueError("this model was built without its vision tower (set config.load_vision)")
-        embeds = self._lm.model.embed_tokens(input_ids)
-        return merge_image_features(embeds, input_ids, self.vision_encoder(pixel_values),
-                                    self.config.vision.image_token_index)
+        return merge_image_features(self.embed_input_ids(input_ids), input_ids, self.encode_images(pixel_values),
+                                    self.image_token_id)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self._lm.lm_head.compute_logits(hidden)

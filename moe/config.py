@@ -23,6 +23,9 @@ EXPERT_PLACEMENT_STRATEGIES = ("linear", "round_robin")
 DISTRIBUTED_EXECUTOR_BACKENDS = (None, "uni", "mp", "external_launcher")
 # The expert-layer backends of kernels/fused_moe.py; None picks the best one for the device.
 MOE_BACKENDS = (None, "torch", "triton", "deepspeed")
+MM_ENCODER_TP_MODES = ("weights", "data")
+MM_PROCESSOR_CACHE_TYPES = ("lru", "shm")
+MM_MODALITIES = ("image",)
 
 
 @dataclass(frozen=True)
@@ -62,6 +65,27 @@ class EPLBConfig:
 
 
 _EPLB_KEYS = tuple(f.name for f in dataclasses.fields(EPLBConfig))
+
+
+def parse_mm_limits(value: dict | str | None) -> dict[str, int]:
+    """limit_mm_per_prompt as {modality: count}; raises naming a bad key or count."""
+    if value is None:
+        return {}
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"limit_mm_per_prompt must be a JSON object like '{{\"image\": 2}}', got {value!r} "
+                             f"({exc})") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"limit_mm_per_prompt must be a dict like {{'image': 2}}, got {type(value).__name__}")
+    unknown = sorted(set(value) - set(MM_MODALITIES))
+    if unknown:
+        raise ValueError(f"limit_mm_per_prompt has unsupported modality {unknown}; supported: {MM_MODALITIES}")
+    for key, count in value.items():
+        if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+            raise ValueError(f"limit_mm_per_prompt['{key}'] must be an integer >= 0, got {count!r}")
+    return dict(value)
 
 
 @dataclass
@@ -116,6 +140,22 @@ class EngineArgs:
     # EPLB (expert parallelism only): a dict/JSON with EPLBConfig's keys.
     enable_eplb: bool = False
     eplb_config: dict | str | None = None
+    # Multimodal checkpoints (Llama-4): images per prompt ({"image": N} or its JSON; {"image": 0}
+    # serves the text model alone, without the vision tower), how the vision encoder uses tensor
+    # parallelism ("weights": its linears split; "data": each TP rank encodes its share of the
+    # tiles with the whole encoder), and the cache of processed images ("lru" in the API process
+    # with only keys sent to the engine core on a hit, or "shm": a shared-memory store the workers
+    # read; 0 GiB turns it off).
+    limit_mm_per_prompt: dict | str | None = None
+    mm_encoder_tp_mode: str = "weights"
+    mm_processor_cache_gb: float = 4.0
+    mm_processor_cache_type: str = "lru"
+    mm_shm_cache_max_object_size_mb: int = 128
+
+    def image_limit(self, default: int) -> int:
+        """Images allowed per prompt (limit_mm_per_prompt["image"], else the model's default)."""
+        limits = parse_mm_limits(self.limit_mm_per_prompt)
+        return limits.get("image", default)
 
     @property
     def eplb(self) -> EPLBConfig | None:
@@ -178,6 +218,17 @@ class EngineArgs:
                              f"got {self.max_logprobs!r}")
         if self.expert_load_window_steps < 1:
             raise ValueError(f"expert_load_window_steps must be >= 1, got {self.expert_load_window_steps}")
+        parse_mm_limits(self.limit_mm_per_prompt)
+        if self.mm_encoder_tp_mode not in MM_ENCODER_TP_MODES:
+            raise ValueError(f"mm_encoder_tp_mode must be one of {MM_ENCODER_TP_MODES}, got {self.mm_encoder_tp_mode!r}")
+        if self.mm_processor_cache_type not in MM_PROCESSOR_CACHE_TYPES:
+            raise ValueError(f"mm_processor_cache_type must be one of {MM_PROCESSOR_CACHE_TYPES}, "
+                             f"got {self.mm_processor_cache_type!r}")
+        if not self.mm_processor_cache_gb >= 0:
+            raise ValueError(f"mm_processor_cache_gb must be >= 0 (0 turns the cache off), got "
+                             f"{self.mm_processor_cache_gb!r}")
+        if self.mm_shm_cache_max_object_size_mb < 1:
+            raise ValueError(f"mm_shm_cache_max_object_size_mb must be >= 1, got {self.mm_shm_cache_max_object_size_mb}")
         eplb = EPLBConfig.parse(self.eplb_config)  # bad keys or values fail even with EPLB off
         if self.enable_eplb:
             if not self.enable_expert_parallel or self.tensor_parallel_size * self.data_parallel_size < 2:
@@ -202,6 +253,9 @@ class EngineArgs:
                                     help="checkpoint folder, or 'tiny-qwen3-moe'")
             elif f.type in ("bool", bool):
                 parser.add_argument(*flags, action=argparse.BooleanOptionalAction, default=f.default)
+            elif f.name == "limit_mm_per_prompt":
+                parser.add_argument(*flags, type=str, default=None,
+                                    help='JSON, e.g. \'{"image": 2}\' (\'{"image": 0}\': text only)')
             elif f.name == "eplb_config":
                 parser.add_argument(*flags, type=str, default=None,
                                     help='JSON, e.g. \'{"window_size": 1000, "step_interval": 3000, '

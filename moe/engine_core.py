@@ -39,6 +39,7 @@ class CoreRequest:
     max_tokens: int
     params: SamplingParams
     eos_token_ids: tuple[int, ...] = ()
+    mm_items: list = field(default_factory=list)  # the prompt's images (moe/multimodal/inputs.py's ImageItem)
 
 
 @dataclass
@@ -94,7 +95,7 @@ class EngineCore:
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=info.max_num_batched_tokens,
             max_model_len=self.max_model_len, block_size=args.block_size, num_blocks=num_blocks,
             enable_chunked_prefill=args.enable_chunked_prefill, enable_prefix_caching=args.enable_prefix_caching,
-            kv_cache_groups=groups))
+            kv_cache_groups=groups, encoder_cache_size=self._encoder_cache_size(info)))
             for _ in range(args.data_parallel_size)]
         self.scheduler = self.schedulers[0] if len(self.schedulers) == 1 else DataParallelScheduler(self.schedulers)
         self.executor.initialize_cache(groups)
@@ -105,6 +106,14 @@ class EngineCore:
         self.num_steps = 0
         self._arrival: dict[str, float] = {}  # requests not scheduled yet -> arrival time
         self.expert_load, self.eplb = self._start_expert_load(info)
+
+    @staticmethod
+    def _encoder_cache_size(info: ModelInfo) -> int:
+        """Image embeddings the runner may hold at once (vLLM's rule: the step's token budget, and
+        at least one largest image); 0 without images."""
+        if not info.image_limit:
+            return 0
+        return max(info.max_num_batched_tokens, info.max_image_embeds)
 
     def _start_expert_load(self, info: ModelInfo) -> tuple[ExpertLoadTracker | None, EplbDriver | None]:
         """The expert-load windows over every rank's counters (None without MoE layers or with
@@ -191,7 +200,7 @@ class EngineCore:
         p = req.params
         self.scheduler.add_request(Request(
             req.request_id, req.prompt_token_ids, req.max_tokens, req.eos_token_ids, tuple(p.stop_token_ids),
-            p.ignore_eos, p.min_tokens, p))
+            p.ignore_eos, p.min_tokens, p, mm_items=req.mm_items))
         self._arrival[req.request_id] = time.monotonic()
 
     def abort_requests(self, request_ids: list[str], status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 import numbers
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from moe.chat_template import ChatTemplate
 from moe.engine_core import CoreRequest
@@ -24,6 +24,12 @@ def _is_token_id(value) -> bool:
 class ProcessedPrompt:
     prompt: str | None
     prompt_token_ids: list[int]
+    mm_items: list = field(default_factory=list)  # its images (moe/multimodal/inputs.py's ImageItem)
+
+
+# Content parts of a chat message that carry an image, and the key holding the image: OpenAI's
+# image_url ({"url": data URL} or the URL itself), vLLM's image_pil, transformers' image.
+_IMAGE_PARTS = {"image_url": "image_url", "image_pil": "image_pil", "image": "image"}
 
 
 def child_request_id(request_id: str, index: int, n: int) -> str:
@@ -40,9 +46,31 @@ class InputProcessor:
         self.max_logprobs = info.max_logprobs
         self._warned_max_tokens_cap = False
         self._chat_template: ChatTemplate | None | bool = False  # False: not loaded yet
+        self._images = None  # moe.multimodal.processing.ImageProcessing, made at the first image
+
+    @property
+    def images(self):
+        if self._images is None:
+            if not self.info.image_limit:
+                raise ValueError(f"the model at {self.info.model_path!r} takes no images (text only"
+                                 f"{', limit_mm_per_prompt turned them off' if self.info.args.limit_mm_per_prompt else ''})")
+            from moe.multimodal.processing import ImageProcessing
+            args = self.info.args
+            self._images = ImageProcessing(self.info.model_path, self.tokenizer, self.info.image_limit,
+                                           args.mm_processor_cache_gb)
+        return self._images
 
     def process_prompt(self, prompt) -> ProcessedPrompt:
-        """A string, {"prompt": str} or {"prompt_token_ids": [...]} -> validated token ids."""
+        """A string, {"prompt": str} or {"prompt_token_ids": [...]} (either dict with
+        "multi_modal_data": {"image": image or [images]}) -> validated token ids, with each
+        <|image|> of the prompt expanded into its image's tokens."""
+        p = self._tokenize(prompt)
+        mm_data = prompt.get("multi_modal_data") if isinstance(prompt, dict) else None
+        if mm_data is not None:
+            p.prompt_token_ids, p.mm_items = self.images.process(p.prompt_token_ids, mm_data)
+        return self._check_tokens(p)
+
+    def _tokenize(self, prompt) -> ProcessedPrompt:
         text = None
         if isinstance(prompt, str):
             text = prompt
@@ -50,7 +78,7 @@ class InputProcessor:
             ids = prompt["prompt_token_ids"]
             if not isinstance(ids, (list, tuple)) or not all(_is_token_id(t) for t in ids):
                 raise ValueError("prompt_token_ids must be a list of integers (not bools)")
-            return self._check_tokens(ProcessedPrompt(prompt.get("prompt"), [int(t) for t in ids]))
+            return ProcessedPrompt(prompt.get("prompt"), [int(t) for t in ids])
         elif isinstance(prompt, dict) and "prompt" in prompt:
             text = prompt["prompt"]
         else:
@@ -66,7 +94,7 @@ class InputProcessor:
         if self.tokenizer is None:
             raise ValueError("this model folder has no tokenizer.json: pass {'prompt_token_ids': [...]} "
                              "or tokenizer=<folder with tokenizer.json>")
-        return self._check_tokens(ProcessedPrompt(text, self.tokenizer.encode(text)))
+        return ProcessedPrompt(text, self.tokenizer.encode(text))
 
     @property
     def chat_template(self) -> ChatTemplate | None:
@@ -91,9 +119,13 @@ class InputProcessor:
                      chat_template: str | None = None, **kwargs) -> ProcessedPrompt:
         if self.tokenizer is None:
             raise ValueError("chat needs a tokenizer: this model folder has no tokenizer.json")
+        messages, images = split_chat_images(messages)
         text = self.render_chat(messages, add_generation_prompt, chat_template, **kwargs)
         # The template writes the special tokens itself (as transformers' apply_chat_template does).
-        return self._check_tokens(ProcessedPrompt(text, self.tokenizer.encode(text, add_special_tokens=False)))
+        p = ProcessedPrompt(text, self.tokenizer.encode(text, add_special_tokens=False))
+        if images:
+            p.prompt_token_ids, p.mm_items = self.images.process(p.prompt_token_ids, {"image": images})
+        return self._check_tokens(p)
 
     def _check_tokens(self, p: ProcessedPrompt) -> ProcessedPrompt:
         ids, vocab = p.prompt_token_ids, self.vocab_size
@@ -139,5 +171,33 @@ class InputProcessor:
         max_tokens = self._max_tokens(request_id, params, len(p.prompt_token_ids))
         return [CoreRequest(child_request_id(request_id, i, params.n), p.prompt_token_ids, max_tokens,
                             params if params.n == 1 or params.seed is None else params.clone(seed=params.seed + i),
-                            self.info.eos_token_ids)
+                            self.info.eos_token_ids, p.mm_items)
                 for i in range(params.n)]
+
+
+def split_chat_images(messages: list[dict]) -> tuple[list[dict], list]:
+    """The conversation with each image part as {"type": "image"} (what chat templates render as the
+    model's image placeholder), and the images in order of appearance."""
+    if not isinstance(messages, list):
+        return messages, []
+    images, out = [], []
+    for m in messages:
+        content = m.get("content") if isinstance(m, dict) else None
+        if not isinstance(content, list):
+            out.append(m)
+            continue
+        parts = []
+        for part in content:
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind in _IMAGE_PARTS:
+                value = part.get(_IMAGE_PARTS[kind])
+                if kind == "image_url" and isinstance(value, dict):
+                    value = value.get("url")
+                if value is None:
+                    raise ValueError(f"a chat content part of type {kind!r} has no {_IMAGE_PARTS[kind]!r}")
+                images.append(value)
+                parts.append({"type": "image"})
+            else:
+                parts.append(part)
+        out.append({**m, "content": parts})
+    return out, images

@@ -65,6 +65,8 @@ class ModelInfo:
     dtype: torch.dtype
     tokenizer: Tokenizer | None
     eos_token_ids: tuple[int, ...]
+    image_limit: int = 0   # images per prompt (0: the model takes none, or limit_mm_per_prompt turned them off)
+    max_image_embeds: int = 0  # encoder features of the largest image the processor makes
 
     @property
     def max_logprobs(self) -> int:
@@ -82,6 +84,8 @@ def resolve_model_info(args: EngineArgs) -> ModelInfo:
         raise ValueError(f"max_model_len={max_model_len} exceeds the model's "
                          f"max_position_embeddings={cfg.max_position_embeddings}")
     cfg.limit_positions(max_model_len)
+    image_limit = resolve_images(args, cfg)
+    max_image_embeds = max_image_embeddings(model_path, cfg) if image_limit else 0
     tokenizer = load_tokenizer(args.tokenizer or model_path)
     if args.tokenizer is not None and tokenizer is None:
         raise OSError(f"no tokenizer.json found at tokenizer={args.tokenizer!r}")
@@ -89,7 +93,34 @@ def resolve_model_info(args: EngineArgs) -> ModelInfo:
         args, model_path, model_cls, cfg, max_model_len,
         args.max_num_batched_tokens or (8192 if args.enable_chunked_prefill else max(8192, max_model_len)),
         args.resolve_device(), args.resolve_dtype(cfg.torch_dtype), tokenizer,
-        eos_token_ids(model_path, tokenizer, cfg.eos_token_ids))
+        eos_token_ids(model_path, tokenizer, cfg.eos_token_ids), image_limit, max_image_embeds)
+
+
+# Images per prompt when limit_mm_per_prompt does not say (vLLM's limit for Llama-4 too).
+DEFAULT_IMAGE_LIMIT = 10
+
+
+def resolve_images(args: EngineArgs, cfg) -> int:
+    """How many images a prompt may hold; builds the vision tower (config.load_vision) when > 0."""
+    has_vision = getattr(cfg, "vision", None) is not None
+    limit = args.image_limit(DEFAULT_IMAGE_LIMIT if has_vision else 0)
+    if not limit:
+        return 0
+    if not has_vision:
+        why = getattr(cfg, "vision_error", None)
+        raise ValueError(f"limit_mm_per_prompt={args.limit_mm_per_prompt!r}: the model "
+                         f"({type(cfg).__name__}) takes no images" + (f" (its vision_config: {why})" if why else ""))
+    cfg.load_vision = True
+    cfg.vision.mm_encoder_tp_mode = args.mm_encoder_tp_mode
+    return limit
+
+
+def max_image_embeddings(model_path: str, cfg) -> int:
+    """The most tiles the image processor makes of one image (max_patches + the global tile) x
+    the features per tile."""
+    from moe.multimodal.llama4_image_processor import Llama4ImageProcessor
+
+    return (Llama4ImageProcessor.from_pretrained(model_path).max_patches + 1) * cfg.vision.tokens_per_tile
 
 
 def validate_parallel(args: EngineArgs, cfg, model_cls: type | None = None) -> None:

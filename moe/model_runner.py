@@ -70,6 +70,8 @@ class ModelRunner:
         self.eos_token_ids = list(eos_token_ids)
         self.vocab_size = vocab_size
         self.requests: dict[str, RequestState] = {}
+        # Requests holding image features (a step of theirs embeds them instead of ids).
+        self.requests_with_features: set[str] = set()
         self.block_tables: BlockTables | None = None  # made with the KV cache (its group count)
         self.kv_caches: list[torch.Tensor] = []
         ps = get_parallel_state()
@@ -126,6 +128,7 @@ class ModelRunner:
         self.kv_caches = []
         self.num_kv_groups = len(groups)
         self.requests.clear()  # their blocks belonged to the previous cache
+        self.requests_with_features.clear()
         self.block_tables = BlockTables(len(groups))
         self.graphs = None  # captured over the previous cache tensors
         # The dummy batch writes to one extra block per group, never handed out by the scheduler.
@@ -179,6 +182,7 @@ class ModelRunner:
             attn.kv_cache = None
         self.kv_caches, self.graphs, self.buffers = [], None, None
         self.requests.clear()
+        self.requests_with_features.clear()
 
     def kv_cache_chunk_sizes(self) -> list[int | None]:
         """Per attention layer of this rank: its chunked-local window, or None."""
@@ -191,10 +195,17 @@ class ModelRunner:
             state = self.requests.pop(req_id, None)
             if state is not None:
                 tables.remove(state.row)
+                self.requests_with_features.discard(req_id)
+        for req_id, index in so.free_encoder_inputs:
+            state = self.requests.get(req_id)
+            if state is not None:
+                state.encoder_outputs.pop(index, None)
+                if not state.encoder_outputs:
+                    self.requests_with_features.discard(req_id)
         for new in so.scheduled_new_reqs:
             self.requests[new.req_id] = RequestState(list(new.token_ids), new.num_prompt_tokens,
                                                      new.sampling_params, tables.add(new.block_ids),
-                                                     new.num_computed_tokens)
+                                                     new.num_computed_tokens, new.mm_items)
         cached = so.scheduled_cached_reqs
         for req_id, new_blocks, num_computed in zip(cached.req_ids, cached.new_block_ids, cached.num_computed_tokens):
             state = self.requests[req_id]
@@ -250,11 +261,60 @@ class ModelRunner:
             if state is not None:
                 state.token_ids.extend(tokens)
 
-    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata):
+    # ---- images -------------------------------------------------------------------------
+    def _encode_images(self, so: SchedulerOutput) -> None:
+        """The encoder over every image scheduled this step, in one batch of tiles; each image's
+        features are kept in its request's state until the scheduler frees them."""
+        owners, pixels = [], []
+        for req_id, indices in so.scheduled_encoder_inputs.items():
+            state = self.requests[req_id]
+            self.requests_with_features.add(req_id)
+            for index in indices:
+                owners.append((state, index))
+                pixels.append(state.mm_items[index].pixel_values)
+        features = self.model.encode_images(torch.cat(pixels).to(self.device, self.kv_dtype))
+        for (state, index), f in zip(owners, features.split([s.mm_items[i].num_embeds for s, i in owners])):
+            state.encoder_outputs[index] = f
+
+    def _inputs_embeds(self, batch: StepBatch, input_ids: torch.Tensor) -> torch.Tensor | None:
+        """The token embeddings with the image features at the image tokens of this step's chunks
+        (None when no chunk touches an image: the model embeds the ids itself)."""
+        rows, picks = [], []
+        for b, state in enumerate(batch.states):
+            if not state.encoder_outputs:
+                continue
+            start = state.num_computed_tokens
+            end, row0 = start + int(batch.num_tokens_B[b]), int(batch.query_start_loc[b])
+            for index, features in state.encoder_outputs.items():
+                positions = self._embed_positions(state, index)
+                inside = np.nonzero((positions >= start) & (positions < end))[0]
+                if len(inside):
+                    rows.append(positions[inside] - start + row0)
+                    picks.append(features[torch.from_numpy(inside).to(features.device)])
+        if not rows:
+            return None
+        embeds = self.model.embed_input_ids(input_ids)
+        embeds[torch.from_numpy(np.concatenate(rows)).to(embeds.device)] = torch.cat(picks).to(embeds.dtype)
+        return embeds
+
+    def _embed_positions(self, state: RequestState, index: int) -> np.ndarray:
+        """Prompt positions of an image's feature tokens (the model's image token inside its span)."""
+        item = state.mm_items[index]
+        span = np.asarray(state.token_ids[item.offset:item.end])
+        positions = item.offset + np.nonzero(span == self.model.image_token_id)[0]
+        if len(positions) != item.num_embeds:
+            raise ValueError(f"an image's span holds {len(positions)} image tokens, but its encoder gives "
+                             f"{item.num_embeds} features")
+        return positions
+
+    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                 inputs_embeds: torch.Tensor | None = None):
         """The model on this rank's stage: final hidden states [T, D] on the last stage, None on
-        the others (their activations went to the next stage)."""
+        the others (their activations went to the next stage). inputs_embeds: the first stage's
+        input embeddings instead of the ids' (a step that reads image features)."""
+        embeds = {} if inputs_embeds is None else {"inputs_embeds": inputs_embeds}
         if self.pp_size == 1:
-            out = self.model(input_ids, positions, meta)
+            out = self.model(input_ids, positions, meta, **embeds)
             if self.counters is not None:
                 self.counters.count_pending()  # inside a graph capture too: replays count
             return out
@@ -262,7 +322,7 @@ class ModelRunner:
         if not self.is_first_stage:
             intermediate = self.model.make_empty_intermediate_tensors(input_ids.shape[0], self.kv_dtype, self.device)
             pp_recv(intermediate)
-        out = self.model(input_ids, positions, meta, intermediate_tensors=intermediate)
+        out = self.model(input_ids, positions, meta, intermediate_tensors=intermediate, **embeds)
         if self.counters is not None:
             self.counters.count_pending()
         if self.is_last_stage:
@@ -270,24 +330,28 @@ class ModelRunner:
         pp_send(out)
         return None
 
-    def _run_batch(self, batch: StepBatch, counted: bool = True):
+    def _run_batch(self, batch: StepBatch, counted: bool = True, with_images: bool = False):
         """Hidden states of the batch's tokens (None off the last pipeline stage): a CUDA-graph
         replay for a decode-only step within the captured sizes, else an eager forward.
-        counted: whether the expert-load counters count its tokens (not a dummy batch's)."""
+        counted: whether the expert-load counters count its tokens (not a dummy batch's).
+        with_images: some request of the batch holds image features (this stage embeds them)."""
         T, B = len(batch.input_ids_T), len(batch.req_ids)
         if self.counters is not None:  # a graph's padding rows lie past T: not counted
             self.counters.set_num_valid(T if counted else 0)
         if self.buffers is None or not self.buffers.fits(T, B, max(t.shape[1] for t in batch.tables)):
             meta = host_metadata(batch, self.device, self.block_size, device_fields=self.gpu_inputs)
-            return self._forward(torch.from_numpy(batch.input_ids_T).to(self.device),
-                                 torch.from_numpy(batch.positions_T).to(self.device), meta)
-        replayable = batch.decode_only and self.graphs is not None and (
+            input_ids = torch.from_numpy(batch.input_ids_T).to(self.device)
+            embeds = self._inputs_embeds(batch, input_ids) if with_images else None
+            return self._forward(input_ids, torch.from_numpy(batch.positions_T).to(self.device), meta, embeds)
+        replayable = batch.decode_only and self.graphs is not None and not with_images and (
             not self.graphs_need_capacity or self.dispatch_step.max_tokens <= self.dispatch_step.capacity)
         padded = self.graphs.padded_size(B) if replayable else None
         meta = upload(self.buffers, batch, self.block_size, padded)
         if padded is not None:
             return self.graphs.replay(padded)[:B]
-        return self._forward(self.buffers.dev_view("input_ids", T), self.buffers.dev_view("positions", T), meta)
+        input_ids = self.buffers.dev_view("input_ids", T)
+        embeds = self._inputs_embeds(batch, input_ids) if with_images else None
+        return self._forward(input_ids, self.buffers.dev_view("positions", T), meta, embeds)
 
     @torch.inference_mode()
     def execute_dummy(self) -> None:
@@ -308,7 +372,12 @@ class ModelRunner:
                 self.execute_dummy()
             return ModelRunnerOutput()
         batch = StepBatch.build(so, self.requests, self.block_tables)
-        hidden = self._run_batch(batch)
+        with_images = False
+        if self.is_first_stage:  # images are embedded where the token embeddings are
+            if so.scheduled_encoder_inputs:
+                self._encode_images(so)
+            with_images = bool(self.requests_with_features)
+        hidden = self._run_batch(batch, with_images=with_images)
         out = ModelRunnerOutput()
         sample_rows = batch.sample_rows
         if not sample_rows or hidden is None:

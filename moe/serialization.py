@@ -3,7 +3,8 @@
 Every message is one msgpack array whose first item names it:
 
     client -> core   ["hello"]                          register; the core answers "ready"
-                     ["add", [request, ...]]            request = [id, prompt ids, max_tokens, eos ids, params]
+                     ["add", [request, ...]]            request = [id, prompt ids, max_tokens, eos ids, params,
+                                                        images]
                      ["abort", [id, ...]]               finish sequences as aborted (blocks freed)
                      ["stop", [id, ...]]                finish sequences a stop string ended
     core -> client   ["ready", {"pid", "num_blocks"}]
@@ -13,7 +14,8 @@ Every message is one msgpack array whose first item names it:
                      ["stats", stats]                   the scheduler's state, sent when idle
                      ["dead", error]                    the core failed and is exiting
 
-params is SamplingParams' fields as a map; an output is [id, new token ids, logprobs, finish_reason,
+params is SamplingParams' fields as a map; images is one [hash, offset, length, num_embeds, pixels]
+per image of the prompt, pixels = [dtype name, shape, raw bytes]; an output is [id, new token ids, logprobs, finish_reason,
 stop_reason, num_cached_tokens] with logprobs null or one [token, logprob, rank, top ids, top
 logprobs] per new token; stats is SchedulerStats' fields in order.
 """
@@ -22,9 +24,12 @@ from __future__ import annotations
 import dataclasses
 
 import msgpack
+import numpy as np
+import torch
 
 from moe.engine_core import CoreRequest, CoreStepResult, SchedulerStats
 from moe.model_runner import TokenLogprobs
+from moe.multimodal.inputs import ImageItem
 from moe.sampling_params import SamplingParams
 from scheduler.output import EngineCoreOutput
 
@@ -50,15 +55,32 @@ def decode(data: bytes) -> list:
 
 
 # ---- requests ----------------------------------------------------------------------------
+def pack_tensor(t: torch.Tensor) -> list:
+    """[dtype name, shape, raw bytes]: bf16 travels as its 16-bit patterns."""
+    t = t.detach().cpu().contiguous()
+    raw = t.view(torch.int16) if t.dtype == torch.bfloat16 else t
+    return [str(t.dtype).removeprefix("torch."), list(t.shape), raw.numpy().tobytes()]
+
+
+def unpack_tensor(item: list) -> torch.Tensor:
+    dtype_name, shape, data = item
+    dtype = getattr(torch, dtype_name)
+    if dtype == torch.bfloat16:
+        return torch.from_numpy(np.frombuffer(data, dtype=np.int16).copy()).view(torch.bfloat16).reshape(shape)
+    return torch.from_numpy(np.frombuffer(data, dtype=torch.empty(0, dtype=dtype).numpy().dtype).copy()).reshape(shape)
+
+
 def pack_request(req: CoreRequest) -> list:
     p = req.params
+    images = [[m.mm_hash, m.offset, m.length, m.num_embeds, pack_tensor(m.pixel_values)] for m in req.mm_items]
     return [req.request_id, req.prompt_token_ids, req.max_tokens, list(req.eos_token_ids),
-            {name: getattr(p, name) for name in _PARAM_FIELDS}]
+            {name: getattr(p, name) for name in _PARAM_FIELDS}, images]
 
 
 def unpack_request(item: list) -> CoreRequest:
-    request_id, prompt_token_ids, max_tokens, eos, params = item
-    return CoreRequest(request_id, prompt_token_ids, max_tokens, SamplingParams(**params), tuple(eos))
+    request_id, prompt_token_ids, max_tokens, eos, params, images = item
+    items = [ImageItem(h, offset, length, n, unpack_tensor(pixels)) for h, offset, length, n, pixels in images]
+    return CoreRequest(request_id, prompt_token_ids, max_tokens, SamplingParams(**params), tuple(eos), items)
 
 
 # ---- step results ------------------------------------------------------------------------

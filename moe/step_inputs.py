@@ -8,7 +8,7 @@ Legend: T tokens of the step, B sequences, m the longest block table of the step
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -28,6 +28,9 @@ class RequestState:
     params: SamplingParams
     row: int  # its row of the runner's BlockTables
     num_computed_tokens: int
+    mm_items: list | tuple = ()  # the prompt's images (moe/multimodal/inputs.py's ImageItem)
+    # Encoder features [num_embeds, D] of the images whose tokens are being computed, by item index.
+    encoder_outputs: dict = field(default_factory=dict)
 
 
 @dataclass

@@ -89,7 +89,7 @@ class StepRecovery:
         back = [r for r in s.running if r.request_id in ids]
         s.running[:] = [r for r in s.running if r.request_id not in ids]
         for request in back:
-            s.kv.free(request)
+            s.free_resources(request)
             request.num_computed_tokens = 0
             request.status = RequestStatus.WAITING
             s._runner_knows.discard(request.request_id)

@@ -9,8 +9,12 @@ from collections import OrderedDict
 from typing import Iterable, Sequence
 
 
-def hash_block_tokens(parent_hash: int | None, token_ids: Sequence[int]) -> int:
-    """Chained block hash: equal only when the whole prefix up to this block is equal."""
+def hash_block_tokens(parent_hash: int | None, token_ids: Sequence[int], extra_keys: tuple = ()) -> int:
+    """Chained block hash: equal only when the whole prefix up to this block is equal. extra_keys:
+    what else the block's KV depends on (the hashes of the images whose tokens it holds: image
+    tokens are the same ids for every image)."""
+    if extra_keys:
+        return hash((parent_hash, tuple(token_ids), extra_keys))
     return hash((parent_hash, tuple(token_ids)))
 
 

@@ -86,7 +86,9 @@ class KVCacheManager:
         while (len(hashes) + 1) * bs <= len(tokens):
             start = len(hashes) * bs
             parent = hashes[-1] if hashes else None
-            hashes.append(hash_block_tokens(parent, tokens[start:start + bs]))
+            extra = tuple(m.mm_hash for m in request.mm_items if m.overlaps(start, start + bs)) \
+                if request.mm_items else ()
+            hashes.append(hash_block_tokens(parent, tokens[start:start + bs], extra))
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:
         """Longest cached prefix of full blocks; at least one token is always left to compute

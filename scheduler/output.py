@@ -14,6 +14,7 @@ class NewRequestData:
     sampling_params: Any
     block_ids: list[list[int]]    # one list per KV-cache group (group 0 = full attention)
     num_computed_tokens: int      # tokens already in the KV cache (prefix-cache hits) before this step
+    mm_items: list | tuple = ()   # the prompt's images (moe/multimodal/inputs.py's ImageItem), in order
 
 
 @dataclass
@@ -41,6 +42,10 @@ class SchedulerOutput:
     preempted_req_ids: set[str] = field(default_factory=set)
     # Requests finished or aborted since the last step: the runner drops their state.
     finished_req_ids: set[str] = field(default_factory=set)
+    # Images whose encoder features the runner computes this step: request id -> item indices.
+    scheduled_encoder_inputs: dict[str, list[int]] = field(default_factory=dict)
+    # Encoder features the runner drops before the step (their tokens are all computed).
+    free_encoder_inputs: list[tuple[str, int]] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:

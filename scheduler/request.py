@@ -44,7 +44,7 @@ class Request:
     __slots__ = ("request_id", "prompt_token_ids", "num_prompt_tokens", "all_token_ids", "max_tokens",
                  "eos_token_ids", "stop_token_ids", "ignore_eos", "min_tokens", "sampling_params",
                  "arrival_time", "status", "num_computed_tokens", "num_cached_tokens", "num_preemptions",
-                 "stop_reason", "block_hashes", "stopping_tokens")
+                 "stop_reason", "block_hashes", "stopping_tokens", "mm_items")
 
     def __init__(
         self,
@@ -57,6 +57,7 @@ class Request:
         min_tokens: int = 0,
         sampling_params: Any = None,
         arrival_time: float | None = None,
+        mm_items: list | tuple = (),
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -78,6 +79,9 @@ class Request:
         self.block_hashes: list[int] = []
         # Every token that can end the request (EOS unless ignored, plus stop_token_ids).
         self.stopping_tokens = frozenset(self.stop_token_ids + (() if ignore_eos else self.eos_token_ids))
+        # Images of the prompt in order (moe/multimodal/inputs.py's ImageItem): their spans and
+        # hashes steer the encoder budget and the prefix-cache keys; the runner gets the pixels.
+        self.mm_items = mm_items
 
     @property
     def num_tokens(self) -> int:

@@ -6,6 +6,7 @@ import logging
 from collections import deque
 from dataclasses import dataclass
 
+from scheduler.encoder_cache import EncoderCacheManager
 from scheduler.kv_cache_manager import KVCacheManager
 from scheduler.kv_cache_spec import KVCacheGroup
 from scheduler.output import CachedRequestData, EngineCoreOutput, NewRequestData, SchedulerOutput
@@ -25,6 +26,8 @@ class SchedulerConfig:
     enable_prefix_caching: bool = True
     # Block counts per KV-cache group (kv_cache_spec.plan_groups); None = one full-attention group.
     kv_cache_groups: list[KVCacheGroup] | None = None
+    # Embeddings of image features the runner may hold (and compute per step); 0: no images.
+    encoder_cache_size: int = 0
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size", "num_blocks"):
@@ -48,6 +51,7 @@ class Scheduler:
         self.config = config
         self.kv = KVCacheManager(config.num_blocks, config.block_size, config.enable_prefix_caching,
                                  config.kv_cache_groups)
+        self.encoder = EncoderCacheManager(config.encoder_cache_size) if config.encoder_cache_size else None
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -60,6 +64,13 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
+        if request.mm_items:
+            if self.encoder is None:
+                raise ValueError(f"request {request.request_id!r} has images, but this engine runs no image encoder")
+            too_big = [m.num_embeds for m in request.mm_items if m.num_embeds > self.encoder.capacity]
+            if too_big:
+                raise ValueError(f"an image of request {request.request_id!r} has {too_big[0]} embeddings, more than "
+                                 f"the encoder cache holds ({self.encoder.capacity})")
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
@@ -77,9 +88,15 @@ class Scheduler:
                 self.waiting.remove(request)
             self._free_request(request, status)
 
+    def free_resources(self, request: Request) -> None:
+        """Its KV blocks and its images' encoder outputs."""
+        self.kv.free(request)
+        if self.encoder is not None:
+            self.encoder.free(request)
+
     def _free_request(self, request: Request, status: RequestStatus) -> None:
         request.status = status
-        self.kv.free(request)
+        self.free_resources(request)
         del self.requests[request.request_id]
         self._runner_knows.discard(request.request_id)
         self._finished_since_last_step.add(request.request_id)
@@ -97,7 +114,7 @@ class Scheduler:
 
     # ---- one step ----------------------------------------------------------------------
     def _preempt(self, request: Request) -> None:
-        self.kv.free(request)
+        self.free_resources(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
@@ -117,6 +134,11 @@ class Scheduler:
         new_reqs: list[NewRequestData] = []
         cached_reqs = CachedRequestData()
         preempted: set[str] = set()
+        encoder = self.encoder
+        encoder_budget = encoder.capacity if encoder is not None else 0
+        scheduled_encoder: dict[str, list[int]] = {}
+        if encoder is not None:
+            encoder.free_all_passed(self.requests)
 
         # Running requests first (decodes and unfinished prefill chunks), in arrival order.
         # The hot loop of a large decode batch: names bound locally, cached requests recorded inline.
@@ -130,6 +152,12 @@ class Scheduler:
             if num_new <= 0:  # nothing to compute (cannot happen after update); keep the order
                 i += 1
                 continue
+            to_encode = None
+            if request.mm_items:
+                num_new, to_encode = encoder.plan(request, request.num_computed_tokens, num_new, encoder_budget)
+                if num_new <= 0:  # its next image waits for room in the encoder cache
+                    i += 1
+                    continue
             while True:
                 new_blocks = allocate(request, num_new)
                 if new_blocks is not None:
@@ -142,6 +170,8 @@ class Scheduler:
             if new_blocks is None:
                 break
             req_id = request.request_id
+            if to_encode:
+                encoder_budget -= self._encode(request, to_encode, scheduled_encoder)
             num_scheduled[req_id] = num_new
             budget -= num_new
             if req_id in runner_knows:
@@ -164,9 +194,16 @@ class Scheduler:
                 if not cfg.enable_chunked_prefill:
                     break
                 num_new = budget
+            to_encode = None
+            if request.mm_items:
+                num_new, to_encode = encoder.plan(request, num_hit, num_new, encoder_budget)
+                if num_new <= 0 or (num_new < request.num_tokens - num_hit and not cfg.enable_chunked_prefill):
+                    break  # its first image waits for room in the encoder cache
             new_blocks = self.kv.allocate_slots(request, num_new, hit_blocks)
             if new_blocks is None:
                 break
+            if to_encode:
+                encoder_budget -= self._encode(request, to_encode, scheduled_encoder)
             self.waiting.popleft()
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_hit
@@ -186,9 +223,17 @@ class Scheduler:
             total_num_scheduled_tokens=total,
             preempted_req_ids=preempted,
             finished_req_ids=self._finished_since_last_step,
+            scheduled_encoder_inputs=scheduled_encoder,
+            free_encoder_inputs=encoder.take_freed() if encoder is not None else [],
         )
         self._finished_since_last_step = set()
         return out
+
+    def _encode(self, request: Request, indices: list[int], scheduled: dict[str, list[int]]) -> int:
+        """Hold the images computed this step; their embeddings (what they take of the budget)."""
+        self.encoder.allocate(request, indices)
+        scheduled[request.request_id] = indices
+        return sum(request.mm_items[i].num_embeds for i in indices)
 
     def _record(self, request: Request, new_blocks, num_new: int,
                 new_reqs: list[NewRequestData], cached_reqs: CachedRequestData) -> None:
@@ -202,7 +247,8 @@ class Scheduler:
             self._runner_knows.add(request.request_id)
             new_reqs.append(NewRequestData(
                 request.request_id, list(request.all_token_ids), request.num_prompt_tokens,
-                request.sampling_params, self.kv.block_ids(request), request.num_computed_tokens))
+                request.sampling_params, self.kv.block_ids(request), request.num_computed_tokens,
+                request.mm_items))
         # The KV of these tokens is written during the step that is being planned now.
         request.num_computed_tokens += num_new
 

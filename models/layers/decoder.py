@@ -49,10 +49,13 @@ class DecoderStack(nn.Module):
     def stage_layers(self) -> list[nn.Module]:
         return list(self.layers[self.start_layer:self.end_layer])
 
-    def forward(self, input_ids, positions, meta, intermediate_tensors: IntermediateTensors | None = None):
-        """Final hidden states [T, D] on the last stage, else IntermediateTensors for the next."""
+    def forward(self, input_ids, positions, meta, intermediate_tensors: IntermediateTensors | None = None,
+                inputs_embeds=None):
+        """Final hidden states [T, D] on the last stage, else IntermediateTensors for the next.
+        inputs_embeds [T, D]: the first stage's input instead of the ids' embeddings (images)."""
         if intermediate_tensors is None:
-            x, residual = self.embed_tokens(input_ids), None
+            x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+            residual = None
         else:
             x, residual = intermediate_tensors["hidden_states"], intermediate_tensors["residual"]
         for layer in self.stage_layers():

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import AsyncIterator
 
 from moe.core_client import EngineDeadError
-from moe.input_processor import ProcessedPrompt
+from moe.input_processor import ProcessedPrompt, split_chat_images
 from moe.outputs import CompletionOutput, RequestOutput
 from moe.serve.protocol import ChatCompletionRequest, CompletionRequest, ErrorResponse, flatten_content
 
@@ -211,6 +211,7 @@ class ChatHandler(_Handler):
         it): a marker appended to that message's content shows where its text ends."""
         if add_generation_prompt:
             raise ValueError("continue_final_message needs add_generation_prompt false")
+        messages, images = split_chat_images(messages)
         content = messages[-1].get("content")
         if not isinstance(content, str):
             raise ValueError("continue_final_message: the last message needs a text content to continue")
@@ -225,8 +226,10 @@ class ChatHandler(_Handler):
         if tok is None:
             raise ValueError("chat needs a tokenizer: this model folder has no tokenizer.json")
         # The template writes the special tokens itself, as for any chat prompt.
-        return self.engine.input.process_prompt({"prompt": text,
-                                                 "prompt_token_ids": tok.encode(text, add_special_tokens=False)})
+        prompt = {"prompt": text, "prompt_token_ids": tok.encode(text, add_special_tokens=False)}
+        if images:
+            prompt["multi_modal_data"] = {"image": images}
+        return self.engine.input.process_prompt(prompt)
 
     @staticmethod
     def _echo(body: ChatCompletionRequest) -> str:

@@ -143,12 +143,17 @@ class ChatCompletionRequest(_SamplingRequest):
         return self.top_logprobs or 0
 
 
+_IMAGE_PART_TYPES = ("image_url", "image_pil", "image")
+
+
 def flatten_content(messages: list[dict]) -> list[dict]:
-    """Message content given as a list of parts ([{"type": "text", "text": ...}]) joined into one string."""
+    """Message content given as a list of parts ([{"type": "text", "text": ...}]) joined into one
+    string; a content with image parts stays a list (the chat template places the images)."""
     out = []
     for m in messages:
         content = m.get("content")
-        if isinstance(content, list):
+        if isinstance(content, list) and not any(isinstance(part, dict) and part.get("type") in _IMAGE_PART_TYPES
+                                                 for part in content):
             texts = [part.get("text", "") for part in content if isinstance(part, dict) and part.get("type") == "text"]
             m = {**m, "content": "\n".join(texts)}
         out.append(m)

@@ -1,0 +1,79 @@
+"""A prompt's images -> `ImageItem`s and the prompt ids with each `<|image|>` expanded.
+
+Runs where prompts are processed (the caller's process offline, the API processes under `moe
+serve`): decode each image (PIL image, bytes or base64 data URL), check the count against
+limit_mm_per_prompt, run the checkpoint's image processor (or take its output from the processor
+cache, keyed by the image's hash), and expand the placeholders into the image's tokens.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+from moe.multimodal.hashing import hash_image
+from moe.multimodal.images import load_image
+from moe.multimodal.inputs import ImageItem, check_items_in_prompt
+from moe.multimodal.llama4_image_processor import Llama4ImageProcessor
+from moe.multimodal.llama4_prompt import Llama4ImageTokens
+from moe.multimodal.processor_cache import ProcessorCache
+
+GiB = 1 << 30
+
+
+def images_of(mm_data) -> list:
+    """multi_modal_data ({"image": one image or a list}) -> the raw images, in order."""
+    if not isinstance(mm_data, dict):
+        raise ValueError(f"multi_modal_data must be a dict like {{'image': image_or_list}}, got {type(mm_data).__name__}")
+    unknown = sorted(set(mm_data) - {"image"})
+    if unknown:
+        raise ValueError(f"multi_modal_data has unsupported modality {unknown}: only 'image' is supported")
+    images = mm_data.get("image")
+    if images is None:
+        return []
+    return list(images) if isinstance(images, (list, tuple)) else [images]
+
+
+class ImageProcessing:
+    def __init__(self, model_path: str, tokenizer, image_limit: int, cache_gb: float = 4.0) -> None:
+        if tokenizer is None:
+            raise ValueError("images need the model's tokenizer (tokenizer.json) to expand <|image|>")
+        self.model_id = os.path.realpath(model_path)
+        self.image_limit = image_limit
+        self.processor = Llama4ImageProcessor.from_pretrained(model_path)
+        self.tokens = Llama4ImageTokens.from_tokenizer(tokenizer, _read_json(os.path.join(model_path,
+                                                                                          "processor_config.json")))
+        self.processor_kwargs = self.processor.processor_kwargs()
+        self.cache = ProcessorCache(int(cache_gb * GiB))
+
+    def process(self, prompt_token_ids: list[int], mm_data) -> tuple[list[int], list[ImageItem]]:
+        raw = images_of(mm_data)
+        if len(raw) > self.image_limit:
+            raise ValueError(f"the prompt has {len(raw)} images, more than limit_mm_per_prompt allows "
+                             f"({{'image': {self.image_limit}}})")
+        if not raw:
+            return prompt_token_ids, []
+        processed, hashes = [], []
+        for i, obj in enumerate(raw):
+            try:
+                image = load_image(obj)
+            except ValueError as e:
+                raise ValueError(f"image {i} of the prompt: {e}") from None
+            key = hash_image(image, self.model_id, self.processor_kwargs)
+            item = self.cache.get(key)
+            if item is None:
+                item = self.processor([image])[0]
+                self.cache.put(key, item)
+            processed.append(item)
+            hashes.append(key)
+        ids, placeholders = self.tokens.expand(prompt_token_ids, processed)
+        items = [ImageItem(h, p.offset, p.length, p.num_embeds, img.pixel_values)
+                 for h, p, img in zip(hashes, placeholders, processed)]
+        check_items_in_prompt(items, len(ids))
+        return ids, items
+
+
+def _read_json(path: str) -> dict:
+    if not os.path.isfile(path):
+        return {}
+    with open(path) as f:
+        return json.load(f)
