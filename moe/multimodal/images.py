@@ -43,7 +43,7 @@ def _decode_bytes(data: bytes, max_pixels: int | None) -> Image.Image:
             _check_size(image, max_pixels)  # from the header, before decoding the pixels
             image.load()
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
-        raise ValueError(f"the image is too large to decode safely ({e})") from None
+        raise ValueError(f"the image is too large to decode safely, a decompression-bomb guard ({e})") from None
     except _ImageSizeError:
         raise
     except Image.UnidentifiedImageError:
