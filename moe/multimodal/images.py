@@ -72,13 +72,13 @@ def _decode_data_url(url: str, max_pixels: int | None) -> Image.Image:
     return _decode_bytes(data, max_pixels)
 
 
-def load_image(obj, max_pixels: int | None = -1) -> Image.Image:
+def load_image(obj, max_pixels: int | None = None) -> Image.Image:
     """A decoded PIL image from a PIL image, encoded image bytes, or a `data:image/...;base64,` URL.
 
-    max_pixels: width*height above which the image is refused; -1 (default) means PIL's
-    `Image.MAX_IMAGE_PIXELS` at call time, None means no limit.
+    max_pixels: width*height above which the image is refused; None means PIL's `Image.MAX_IMAGE_PIXELS`
+    at call time (PIL's own decompression-bomb check, which reads that global, applies in any case).
     """
-    if max_pixels == -1:
+    if max_pixels is None:
         max_pixels = Image.MAX_IMAGE_PIXELS
     if isinstance(obj, Image.Image):
         _check_size(obj, max_pixels)
