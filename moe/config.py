@@ -220,7 +220,8 @@ class EngineArgs:
             raise ValueError(f"expert_load_window_steps must be >= 1, got {self.expert_load_window_steps}")
         parse_mm_limits(self.limit_mm_per_prompt)
         if self.mm_encoder_tp_mode not in MM_ENCODER_TP_MODES:
-            raise ValueError(f"mm_encoder_tp_mode must be one of {MM_ENCODER_TP_MODES}, got {self.mm_encoder_tp_mode!r}")
+            raise ValueError(f"mm_encoder_tp_mode must be one of {MM_ENCODER_TP_MODES}, "
+                             f"got {self.mm_encoder_tp_mode!r}")
         if self.mm_processor_cache_type not in MM_PROCESSOR_CACHE_TYPES:
             raise ValueError(f"mm_processor_cache_type must be one of {MM_PROCESSOR_CACHE_TYPES}, "
                              f"got {self.mm_processor_cache_type!r}")
@@ -228,7 +229,8 @@ class EngineArgs:
             raise ValueError(f"mm_processor_cache_gb must be >= 0 (0 turns the cache off), got "
                              f"{self.mm_processor_cache_gb!r}")
         if self.mm_shm_cache_max_object_size_mb < 1:
-            raise ValueError(f"mm_shm_cache_max_object_size_mb must be >= 1, got {self.mm_shm_cache_max_object_size_mb}")
+            raise ValueError(f"mm_shm_cache_max_object_size_mb must be >= 1, "
+                             f"got {self.mm_shm_cache_max_object_size_mb}")
         eplb = EPLBConfig.parse(self.eplb_config)  # bad keys or values fail even with EPLB off
         if self.enable_eplb:
             if not self.enable_expert_parallel or self.tensor_parallel_size * self.data_parallel_size < 2:

@@ -52,8 +52,8 @@ class InputProcessor:
     def images(self):
         if self._images is None:
             if not self.info.image_limit:
-                raise ValueError(f"the model at {self.info.model_path!r} takes no images (text only"
-                                 f"{', limit_mm_per_prompt turned them off' if self.info.args.limit_mm_per_prompt else ''})")
+                why = ", limit_mm_per_prompt turned them off" if self.info.args.limit_mm_per_prompt else ""
+                raise ValueError(f"the model at {self.info.model_path!r} takes no images (text only{why})")
             from moe.multimodal.processing import ImageProcessing
             args = self.info.args
             self._images = ImageProcessing(self.info.model_path, self.tokenizer, self.info.image_limit,

@@ -14,10 +14,11 @@ Every message is one msgpack array whose first item names it:
                      ["stats", stats]                   the scheduler's state, sent when idle
                      ["dead", error]                    the core failed and is exiting
 
-params is SamplingParams' fields as a map; images is one [hash, offset, length, num_embeds, pixels]
-per image of the prompt, pixels = [dtype name, shape, raw bytes]; an output is [id, new token ids, logprobs, finish_reason,
-stop_reason, num_cached_tokens] with logprobs null or one [token, logprob, rank, top ids, top
-logprobs] per new token; stats is SchedulerStats' fields in order.
+params is SamplingParams' fields as a map; images is one [hash, offset, length, num_embeds,
+pixels] per image of the prompt, pixels = [dtype name, shape, raw bytes]; an output is [id, new
+token ids, logprobs, finish_reason, stop_reason, num_cached_tokens] with logprobs null or one
+[token, logprob, rank, top ids, top logprobs] per new token; stats is SchedulerStats' fields in
+order.
 """
 from __future__ import annotations
 

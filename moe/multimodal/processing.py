@@ -23,7 +23,8 @@ GiB = 1 << 30
 def images_of(mm_data) -> list:
     """multi_modal_data ({"image": one image or a list}) -> the raw images, in order."""
     if not isinstance(mm_data, dict):
-        raise ValueError(f"multi_modal_data must be a dict like {{'image': image_or_list}}, got {type(mm_data).__name__}")
+        raise ValueError(f"multi_modal_data must be a dict like {{'image': image_or_list}}, "
+                         f"got {type(mm_data).__name__}")
     unknown = sorted(set(mm_data) - {"image"})
     if unknown:
         raise ValueError(f"multi_modal_data has unsupported modality {unknown}: only 'image' is supported")
@@ -65,7 +66,7 @@ class ImageProcessing:
                 self.cache.put(key, item)
             processed.append(item)
             hashes.append(key)
-        ids, placeholders = self.tokens.expand(prompt_token_ids, processed)
+        ids, placeholders = self.tokens.expand_image_placeholders(prompt_token_ids, processed)
         items = [ImageItem(h, p.offset, p.length, p.num_embeds, img.pixel_values)
                  for h, p, img in zip(hashes, placeholders, processed)]
         check_items_in_prompt(items, len(ids))

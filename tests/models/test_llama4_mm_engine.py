@@ -1,0 +1,192 @@
+"""Images end to end: `LLM.generate` / `LLM.chat` with images on a tiny random multimodal Llama-4
+checkpoint against transformers' Llama4ForConditionalGeneration, greedy tokens and logprobs.
+
+The reference is fed the prompt ids and pixel values our input side made (our processor is checked
+against transformers' own in test_llama4_processor.py); it recomputes the whole sequence at every
+step, the images included. Budgets small enough to cut chunks through an image's tokens, batches
+mixing text-only and image prompts, several images per prompt of different aspect ratios.
+"""
+from __future__ import annotations
+
+import base64
+import io
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from moe import LLM, SamplingParams
+from tests.factories_llama4_mm import TOKEN_IDS, make_llama4_mm_model, save_llama4_mm_checkpoint
+
+MAX_TOKENS = 5
+
+
+@pytest.fixture(scope="module")
+def hf_mm():
+    return make_llama4_mm_model(seed=3)
+
+
+@pytest.fixture(scope="module")
+def ckpt(hf_mm, tmp_path_factory):
+    return save_llama4_mm_checkpoint(hf_mm, str(tmp_path_factory.mktemp("llama4_mm_engine")), shards=2)
+
+
+def make_llm(ckpt: str, **kw) -> LLM:
+    args = dict(dtype="float32", device="cpu", max_model_len=256, block_size=8, max_num_seqs=4,
+                kv_cache_memory_bytes=1 << 24)
+    args.update(kw)
+    return LLM(ckpt, **args)
+
+
+@pytest.fixture(scope="module")
+def llm(ckpt):
+    return make_llm(ckpt)
+
+
+def picture(height: int, width: int, seed: int, mode: str = "RGB") -> Image.Image:
+    pixels = np.random.default_rng(seed).integers(0, 256, size=(height, width, 3), dtype=np.uint8)
+    return Image.fromarray(pixels).convert(mode)
+
+
+def data_url(image: Image.Image) -> str:
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=2)
+
+
+@torch.no_grad()
+def hf_greedy(hf_mm, ids: list[int], pixel_values: torch.Tensor | None) -> tuple[list[int], list[float]]:
+    """Greedy tokens and their logprobs, the whole sequence (and every image) recomputed per step."""
+    ids, tokens, logprobs = list(ids), [], []
+    for _ in range(MAX_TOKENS):
+        kwargs = {} if pixel_values is None else {"pixel_values": pixel_values.float()}
+        logits = hf_mm(input_ids=torch.tensor([ids]), **kwargs).logits[0, -1].float()
+        lp = torch.log_softmax(logits, -1)
+        token = int(lp.argmax())
+        tokens.append(token)
+        logprobs.append(float(lp[token]))
+        ids.append(token)
+    return tokens, logprobs
+
+
+def reference(hf_mm, llm: LLM, prompt) -> tuple[list[int], list[float]]:
+    p = llm.llm_engine.input.process_prompt(prompt)
+    pixels = torch.cat([m.pixel_values for m in p.mm_items]) if p.mm_items else None
+    return hf_greedy(hf_mm, p.prompt_token_ids, pixels)
+
+
+def ours(out) -> tuple[list[int], list[float]]:
+    c = out.outputs[0]
+    return list(c.token_ids), [c.logprobs[i][t].logprob for i, t in enumerate(c.token_ids)]
+
+
+def assert_matches(hf_mm, llm: LLM, prompts: list) -> None:
+    outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    for prompt, out in zip(prompts, outs):
+        want_tokens, want_lps = reference(hf_mm, llm, prompt)
+        got_tokens, got_lps = ours(out)
+        assert got_tokens == want_tokens
+        np.testing.assert_allclose(got_lps, want_lps, atol=2e-4, rtol=0)
+
+
+def image_prompt(text_before: str, images: list, text_after: str = " what is shown?") -> dict:
+    placeholders = "<|image|>" * len(images)
+    return {"prompt": f"<|header_start|>user<|header_end|>{text_before}{placeholders}{text_after}",
+            "multi_modal_data": {"image": images if len(images) != 1 else images[0]}}
+
+
+def test_one_image_matches_hf(hf_mm, llm):
+    assert_matches(hf_mm, llm, [image_prompt("look:", [picture(90, 130, 0)])])
+
+
+def test_two_images_of_different_aspect_ratios_match_hf(hf_mm, llm):
+    prompt = {"prompt": "<|image|> the first, and then <|image|> the second",
+              "multi_modal_data": {"image": [picture(150, 40, 1), picture(56, 56, 2)]}}
+    assert_matches(hf_mm, llm, [prompt])
+
+
+def test_batch_mixing_text_and_image_prompts_matches_hf(hf_mm, llm):
+    prompts = ["a prompt of text only, a little longer than the others",
+               image_prompt("one", [picture(30, 200, 4)]),
+               {"prompt_token_ids": [1, 5, 6, 7, TOKEN_IDS["<|image|>"], 9, 10],
+                "multi_modal_data": {"image": picture(120, 100, 5, mode="L")}},
+               "short"]
+    assert_matches(hf_mm, llm, prompts)
+
+
+@pytest.mark.parametrize("budget", [8, 13])
+def test_chunks_cutting_through_image_tokens_match_hf(hf_mm, ckpt, budget):
+    """Token budgets far below an image's span: every image is split over several chunks (and the
+    encoder cache, max(budget, largest image), holds one image at a time)."""
+    small = make_llm(ckpt, max_num_batched_tokens=budget)
+    prompts = [image_prompt("x", [picture(100, 170, 6), picture(60, 60, 7)]), image_prompt("y", [picture(80, 50, 8)])]
+    assert_matches(hf_mm, small, prompts)
+    small.shutdown()
+
+
+def test_chat_with_image_parts_equals_generate(hf_mm, llm):
+    image = picture(70, 110, 9)
+    conversation = [{"role": "user", "content": [
+        {"type": "text", "text": "Describe "},
+        {"type": "image_url", "image_url": {"url": data_url(image)}},
+        {"type": "text", "text": " and "},
+        {"type": "image_pil", "image_pil": picture(40, 40, 10)},
+    ]}]
+    chat_out = llm.chat(conversation, GREEDY, use_tqdm=False)[0]
+    text = llm.llm_engine.input.render_chat([{"role": "user", "content": [
+        {"type": "text", "text": "Describe "}, {"type": "image"}, {"type": "text", "text": " and "},
+        {"type": "image"}]}])
+    ids = llm.get_tokenizer().encode(text, add_special_tokens=False)
+    prompt = {"prompt_token_ids": ids, "multi_modal_data": {"image": [image, picture(40, 40, 10)]}}
+    assert ours(chat_out) == ours(llm.generate(prompt, GREEDY, use_tqdm=False)[0])
+    assert ours(chat_out)[0] == reference(hf_mm, llm, prompt)[0]
+
+
+def test_same_text_different_images_give_different_outputs(llm):
+    a = llm.generate(image_prompt("z", [picture(56, 56, 11)]), GREEDY, use_tqdm=False)[0]
+    b = llm.generate(image_prompt("z", [picture(56, 56, 12)]), GREEDY, use_tqdm=False)[0]
+    assert ours(a)[1] != ours(b)[1]
+
+
+# ---- bad input -------------------------------------------------------------------------------
+def test_bad_images_get_clear_errors(llm):
+    cases = [
+        ({"prompt": "<|image|> hi", "multi_modal_data": {"image": b"not an image"}}, "image 0 of the prompt"),
+        ({"prompt": "<|image|> hi", "multi_modal_data": {"image": "https://example.com/a.png"}}, "network"),
+        ({"prompt": "<|image|> hi", "multi_modal_data": {"image": [picture(20, 20, 0)] * 2}}, "2"),
+        ({"prompt": "hi", "multi_modal_data": {"image": picture(20, 20, 0)}}, "1"),
+        ({"prompt": "<|image|> hi", "multi_modal_data": {"video": picture(20, 20, 0)}}, "unsupported modality"),
+        ({"prompt": "<|image|> hi", "multi_modal_data": [picture(20, 20, 0)]}, "must be a dict"),
+    ]
+    for prompt, match in cases:
+        with pytest.raises(ValueError, match=match):
+            llm.generate(prompt, GREEDY, use_tqdm=False)
+    # Nothing was queued by the failures: the engine still serves.
+    assert not llm.llm_engine.has_unfinished_requests()
+    assert_ok = llm.generate(image_prompt("ok", [picture(20, 20, 0)]), GREEDY, use_tqdm=False)[0]
+    assert len(assert_ok.outputs[0].token_ids) == MAX_TOKENS
+
+
+def test_limit_mm_per_prompt(ckpt):
+    one = make_llm(ckpt, limit_mm_per_prompt={"image": 1})
+    with pytest.raises(ValueError, match="more than limit_mm_per_prompt"):
+        one.generate(image_prompt("two", [picture(20, 20, 0), picture(20, 20, 1)]), GREEDY, use_tqdm=False)
+    one.shutdown()
+    text_only = make_llm(ckpt, limit_mm_per_prompt='{"image": 0}')
+    assert text_only.llm_engine.executor.model.vision_encoder is None  # the tower is not even loaded
+    with pytest.raises(ValueError, match="takes no images"):
+        text_only.generate(image_prompt("one", [picture(20, 20, 0)]), GREEDY, use_tqdm=False)
+    text_only.shutdown()
+
+
+def test_text_model_rejects_images(tmp_path):
+    with pytest.raises(ValueError, match="takes no images"):
+        LLM("tiny-qwen3-moe", device="cpu", limit_mm_per_prompt={"image": 1})
+    text = LLM("tiny-qwen3-moe", device="cpu", kv_cache_memory_bytes=1 << 24)
+    with pytest.raises(ValueError, match="takes no images"):
+        text.generate({"prompt": "hi", "multi_modal_data": {"image": picture(20, 20, 0)}}, use_tqdm=False)
+    text.shutdown()
