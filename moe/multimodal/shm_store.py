@@ -117,6 +117,7 @@ def _dtype_from_name(name: str) -> torch.dtype:
 
 
 _ATTACH_LOCK = threading.Lock()
+_MAPPINGS_KEPT_FOR_VIEWS: list = []  # mmaps closed while zero-copy views were alive (see close)
 
 
 def _attach_untracked(name: str) -> SharedMemory:
@@ -170,7 +171,6 @@ class SharedMemoryObjectStore:
         w[0:6] = [_SEGMENT_MAGIC, _VERSION, num_readers, capacity, data_offset, os.getpid()]
         w[_CONTROL_WORDS:_CONTROL_WORDS + num_readers] = 0
         self.max_object_bytes = min(max_object_bytes, capacity)
-        self.reader_index = None
         self._fifo: deque[_Entry] = deque()
         self._by_key: dict[str, _Entry] = {}
         self._next_seq = 1
@@ -185,8 +185,11 @@ class SharedMemoryObjectStore:
         self.capacity_bytes = capacity
         self._data_offset = data_offset
         self._words = np.frombuffer(shm.buf, dtype=np.int64)  # every 8-aligned word of the segment
-        self._bytes = torch.frombuffer(shm.buf, dtype=torch.uint8)
+        # Through numpy, so every tensor view holds a buffer export: closing the mapping under live
+        # views then fails (BufferError, handled in close) instead of leaving them dangling.
+        self._bytes = torch.from_numpy(np.frombuffer(shm.buf, dtype=np.uint8))
         self._obj_header_bytes = _round_up((_OBJECT_WORDS + num_readers) * 8)
+        self.reader_index: int | None = None
         self._closed = False
 
     @classmethod
@@ -389,8 +392,16 @@ class SharedMemoryObjectStore:
                 pass
         try:
             self._shm.close()
-        except BufferError:  # zero-copy views are alive: the mapping goes when they do
-            pass
+        except BufferError:
+            # Zero-copy views are alive and point into the mapping, which must stay mapped: keep the
+            # mmap until the process exits, and take it from SharedMemory so its finaliser does not
+            # try to close it again and fail.
+            shm = self._shm
+            _MAPPINGS_KEPT_FOR_VIEWS.append((shm._buf, shm._mmap))
+            shm._buf = shm._mmap = None
+            if shm._fd >= 0:
+                os.close(shm._fd)
+                shm._fd = -1
 
     def __enter__(self) -> "SharedMemoryObjectStore":
         return self
