@@ -140,6 +140,20 @@ def _attach_untracked(name: str) -> SharedMemory:
             resource_tracker.register = register
 
 
+def _check_shm_space(size: int) -> None:
+    """A segment larger than /dev/shm's free space is created fine but kills the writer with SIGBUS
+    when a write first touches a missing page: refuse it up front (containers often mount 64 MB)."""
+    try:
+        st = os.statvfs("/dev/shm")
+    except OSError:  # no /dev/shm (not Linux): nothing to check
+        return
+    free = st.f_bavail * st.f_frsize
+    if size > free:
+        raise ValueError(f"shared-memory store of {size / 2**20:.1f} MiB does not fit in /dev/shm "
+                         f"({free / 2**20:.1f} MiB free): lower the capacity or enlarge /dev/shm "
+                         f"(docker run --shm-size)")
+
+
 def _pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -165,6 +179,7 @@ class SharedMemoryObjectStore:
         if max_object_bytes <= 0:
             raise ValueError(f"max_object_bytes must be > 0, got {max_object_bytes}")
         data_offset = _round_up((_CONTROL_WORDS + num_readers) * 8)
+        _check_shm_space(data_offset + capacity)
         shm = SharedMemory(name=name, create=True, size=data_offset + capacity)
         self._init_common(shm, writer=True, num_readers=num_readers, capacity=capacity, data_offset=data_offset)
         w = self._words
@@ -186,8 +201,11 @@ class SharedMemoryObjectStore:
         self._data_offset = data_offset
         self._words = np.frombuffer(shm.buf, dtype=np.int64)  # every 8-aligned word of the segment
         # Through numpy, so every tensor view holds a buffer export: closing the mapping under live
-        # views then fails (BufferError, handled in close) instead of leaving them dangling.
-        self._bytes = torch.from_numpy(np.frombuffer(shm.buf, dtype=np.uint8))
+        # views then fails (BufferError, handled in close) instead of leaving them dangling. Copies go
+        # through numpy too: one single-threaded memcpy (torch's copy_ splits large copies over its
+        # intra-op threads, which costs milliseconds when the cores are busy).
+        self._np_bytes = np.frombuffer(shm.buf, dtype=np.uint8)
+        self._bytes = torch.from_numpy(self._np_bytes)
         self._obj_header_bytes = _round_up((_OBJECT_WORDS + num_readers) * 8)
         self.reader_index: int | None = None
         self._closed = False
@@ -270,9 +288,9 @@ class SharedMemoryObjectStore:
         self._words[w0 + _OBJECT_WORDS:w0 + _OBJECT_WORDS + self.num_readers] = 0
         m0 = base + self._obj_header_bytes
         if meta_bytes:
-            self._bytes[m0:m0 + len(meta_bytes)].copy_(torch.frombuffer(bytearray(meta_bytes), dtype=torch.uint8))
+            self._np_bytes[m0:m0 + len(meta_bytes)] = np.frombuffer(meta_bytes, dtype=np.uint8)
         for spec, src in zip(specs, flat):
-            self._bytes[base + spec.offset:base + spec.offset + spec.nbytes].copy_(src)
+            np.copyto(self._np_bytes[base + spec.offset:base + spec.offset + spec.nbytes], src.numpy())
         self._words[w0:w0 + _OBJECT_WORDS] = [_OBJECT_MAGIC, seq, size, len(meta_bytes)]
         handle = ShmHandle(key, offset, size, seq, tuple(specs))
         entry = _Entry(handle, issued=1)
@@ -341,15 +359,15 @@ class SharedMemoryObjectStore:
         obj: dict[str, Any] = {}
         if meta_len:
             m0 = base + self._obj_header_bytes
-            obj.update(json.loads(self._bytes[m0:m0 + meta_len].numpy().tobytes()))
+            obj.update(json.loads(self._np_bytes[m0:m0 + meta_len].tobytes()))
         for spec in h.tensors:
-            src = self._bytes[base + spec.offset:base + spec.offset + spec.nbytes]
+            start, end = base + spec.offset, base + spec.offset + spec.nbytes
             dtype = _dtype_from_name(spec.dtype)
             if copy:
                 out = torch.empty(spec.shape, dtype=dtype)
-                out.reshape(-1).view(torch.uint8).copy_(src)
+                np.copyto(out.reshape(-1).view(torch.uint8).numpy(), self._np_bytes[start:end])
             else:
-                out = src.view(dtype).reshape(spec.shape)
+                out = self._bytes[start:end].view(dtype).reshape(spec.shape)
             obj[spec.name] = out
         if copy and not self.is_writer:
             self.release(h)
@@ -384,7 +402,7 @@ class SharedMemoryObjectStore:
         self._closed = True
         if not self.is_writer and self.reader_index is not None:
             self._words[_CONTROL_WORDS + self.reader_index] = 0
-        self._words = self._bytes = None
+        self._words = self._bytes = self._np_bytes = None
         if self.is_writer:
             try:
                 self._shm.unlink()
