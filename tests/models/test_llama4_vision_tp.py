@@ -188,3 +188,61 @@ def test_tp1_is_the_replicated_path(ckpts, single_process, mode):
     got = _run(encoder)
     for batch in TILE_BATCHES:
         assert torch.equal(got["features"][batch], single_process["split"]["features"][batch])
+
+
+# ---- benchmarks/vision_encoder_gpu_bench.py kept runnable (its --device cpu --tiny smoke mode) ------
+
+def _bench_report(path) -> dict:
+    import json
+
+    with open(path) as f:
+        report = json.load(f)
+    assert report["tiny"] and report["tiles_per_image"] == 5 and report["tokens_per_tile"] == 4
+    for mode in ("weights", "data"):
+        rows = report["results"][mode]["rows"]
+        assert [(r["images"], r["tiles"]) for r in rows] == [(1, 5), (3, 15)]
+        assert all(r["median_ms"] > 0 and r["tiles_per_s"] == pytest.approx(5 * r["images_per_s"], rel=1e-2)
+                   for r in rows)
+    assert report["check"]["feature_abs_mean"] > 0.05
+    return report
+
+
+def test_bench_scout_shape_is_valid():
+    from benchmarks.vision_encoder_gpu_bench import SCOUT_VISION
+
+    cfg = Llama4VisionConfig(**SCOUT_VISION)
+    cfg.check()
+    assert (cfg.tokens_per_tile, cfg.head_dim, cfg.num_attention_heads % 8) == (144, 88, 0)
+
+
+def test_bench_script_one_process(tmp_path):
+    from benchmarks.vision_encoder_gpu_bench import main
+
+    out = tmp_path / "tp1.json"
+    assert main(["--device", "cpu", "--tiny", "--output-json", str(out)]) == 0
+    report = _bench_report(out)
+    assert report["tp_size"] == 1 and report["dtype"] == "bf16"
+    assert report["check"]["max_abs_diff"] == 0.0 and report["check"]["ok"]  # TP 1: the same code
+    # A failed check fails the run (after writing the JSON).
+    assert main(["--device", "cpu", "--tiny", "--check-tol", "-1", "--output-json", str(out)]) == 1
+    assert not _bench_report(out)["check"]["ok"]
+
+
+def test_bench_script_torchrun_two_ranks(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    from tests.all2all.a2a_harness import free_port
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    out = tmp_path / "tp2.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
+           "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+           os.path.join(root, "benchmarks", "vision_encoder_gpu_bench.py"), "--device", "cpu", "--tiny",
+           "--dtype", "fp32", "--output-json", str(out)]
+    proc = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = _bench_report(out)
+    assert report["tp_size"] == 2 and report["dtype"] == "fp32"
+    assert report["check"]["ok"] and report["check"]["rel_diff"] < 1e-5  # weights mode == data mode
