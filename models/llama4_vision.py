@@ -14,7 +14,17 @@ the last encoder layer's output (`vision_feature_layer` -1, `vision_feature_sele
 
 Parameter names are the checkpoint's: the module's children are `vision_model` and
 `multi_modal_projector`, as at the top level of a `Llama4ForConditionalGeneration` checkpoint.
-Single-rank: every parameter is replicated (tensor parallelism of the encoder is a later step).
+
+Tensor parallelism (vLLM's `mm_encoder_tp_mode`, a field of the config; both modes are the plain
+single-rank code when tensor_parallel_size is 1):
+* "weights": the linears are split over the TP ranks like the text model's. Per encoder layer
+  q/k/v column-parallel (heads split; num_attention_heads must divide by TP), o_proj row-parallel,
+  MLP fc1 column / fc2 row; the adapter MLP (fc1 column / fc2 row) when projector_input_dim
+  divides by TP and the projector (column, outputs gathered) when the text hidden size does,
+  else those stay replicated. Patch embedding, class/positional embeddings, LayerNorms replicated.
+* "data": every rank holds all the weights and runs only its share of the tiles (the batch padded
+  with zero tiles to a multiple of TP); the features are all-gathered over the TP group, so
+  every rank returns the features of all tiles.
 
 Legend: N tiles (all images' tiles together), C image channels, P patches per tile (grid G x G),
 S = P + 1 positions (patches + CLS), D vision hidden, H heads, d head dim (D / H), Q tokens per
@@ -29,13 +39,21 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models.layers.linear import ReplicatedLinear
+from models.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from models.layers.weights import ReplicatedLoader, attach_loader, new_param
+from moe.distributed import get_parallel_state, tp_all_gather_rows, tp_row_chunk
 
 # Top-level checkpoint prefixes of the vision tower of a Llama4ForConditionalGeneration checkpoint.
 VISION_CHECKPOINT_PREFIXES = ("vision_model.", "multi_modal_projector.")
 _LAYER_NORM_EPS = 1e-5           # transformers builds nn.LayerNorm(hidden) and ignores `norm_eps`
 _DEFAULT_IMAGE_TOKEN_INDEX = 200092  # transformers' Llama4Config.image_token_index
+MM_ENCODER_TP_MODES = ("weights", "data")
+
+
+def _check_tp_mode(mode) -> None:
+    if mode not in MM_ENCODER_TP_MODES:
+        raise ValueError(f"mm_encoder_tp_mode={mode!r} is not supported: use 'weights' (the encoder's linears split "
+                         "over the tensor-parallel ranks) or 'data' (weights replicated, tiles split over the ranks)")
 
 
 def _square_size(value, name: str) -> int:
@@ -69,6 +87,11 @@ class Llama4VisionConfig:
     vision_feature_select_strategy: str = "default"
     text_hidden_size: int = 5120     # the projector's output (text_config.hidden_size)
     image_token_index: int = _DEFAULT_IMAGE_TOKEN_INDEX
+    # Not in config.json: set from the engine argument of the same name (see the module docstring).
+    mm_encoder_tp_mode: str = "weights"
+
+    def __post_init__(self) -> None:
+        _check_tp_mode(self.mm_encoder_tp_mode)
 
     @classmethod
     def from_hf(cls, cfg: dict) -> "Llama4VisionConfig":
@@ -119,6 +142,7 @@ class Llama4VisionConfig:
         """The shapes the tower needs agree; raises naming the field (vision_config.*)."""
         def bad(msg: str) -> ValueError:
             return ValueError(f"vision_config: {msg}")
+        _check_tp_mode(self.mm_encoder_tp_mode)  # a field that may have been set after construction
         if self.hidden_size % self.num_attention_heads:
             raise bad(f"hidden_size={self.hidden_size} is not divisible by num_attention_heads="
                       f"{self.num_attention_heads}")
@@ -181,16 +205,32 @@ def apply_pair_rotation(x_NHSd: torch.Tensor, cos_Sh: torch.Tensor, sin_Sh: torc
     return out.flatten(-2).to(x_NHSd.dtype)
 
 
+def _column(in_features: int, out_features: int, bias: bool, split: bool,
+            gather_output: bool = False) -> nn.Module:
+    """Column-parallel (outputs split over the TP ranks) when `split`, else replicated."""
+    if split:
+        return ColumnParallelLinear(in_features, [out_features], bias=bias, gather_output=gather_output)
+    return ReplicatedLinear(in_features, out_features, bias=bias)
+
+
+def _row(in_features: int, out_features: int, bias: bool, split: bool) -> nn.Module:
+    """Row-parallel (inputs split, partial outputs all-reduced) when `split`, else replicated."""
+    return RowParallelLinear(in_features, out_features, bias=bias) if split else ReplicatedLinear(
+        in_features, out_features, bias=bias)
+
+
 class VisionAttention(nn.Module):
-    def __init__(self, cfg: Llama4VisionConfig) -> None:
+    """With `split`, this rank holds H / TP heads: q/k/v column-parallel, o_proj row-parallel."""
+
+    def __init__(self, cfg: Llama4VisionConfig, split: bool) -> None:
         super().__init__()
-        D = cfg.hidden_size
-        self.num_heads, self.head_dim = cfg.num_attention_heads, cfg.head_dim
-        self.q_proj, self.k_proj = ReplicatedLinear(D, D, bias=True), ReplicatedLinear(D, D, bias=True)
-        self.v_proj, self.o_proj = ReplicatedLinear(D, D, bias=True), ReplicatedLinear(D, D, bias=True)
+        D, tp = cfg.hidden_size, get_parallel_state().tp_size if split else 1
+        self.num_heads, self.head_dim = cfg.num_attention_heads // tp, cfg.head_dim  # local heads
+        self.q_proj, self.k_proj = _column(D, D, True, split), _column(D, D, True, split)
+        self.v_proj, self.o_proj = _column(D, D, True, split), _row(D, D, True, split)
 
     def forward(self, x_NSD: torch.Tensor, cos_Sh: torch.Tensor, sin_Sh: torch.Tensor) -> torch.Tensor:
-        def heads(t: torch.Tensor) -> torch.Tensor:  # [N, S, D] -> [N, H, S, d]
+        def heads(t: torch.Tensor) -> torch.Tensor:  # [N, S, H*d (local)] -> [N, H, S, d]
             return t.unflatten(-1, (self.num_heads, self.head_dim)).transpose(1, 2)
         q, k, v = heads(self.q_proj(x_NSD)), heads(self.k_proj(x_NSD)), heads(self.v_proj(x_NSD))
         q, k = apply_pair_rotation(q, cos_Sh, sin_Sh), apply_pair_rotation(k, cos_Sh, sin_Sh)
@@ -199,10 +239,14 @@ class VisionAttention(nn.Module):
 
 
 class VisionMLP(nn.Module):
-    def __init__(self, in_dim: int, hidden_dim: int, out_dim: int, bias: bool, gelu_after_fc2: bool) -> None:
+    """fc1 -> GELU -> fc2 (-> GELU). With `split`: fc1 column-, fc2 row-parallel (one all-reduce,
+    before the second GELU, which therefore sees the full sum)."""
+
+    def __init__(self, in_dim: int, hidden_dim: int, out_dim: int, bias: bool, gelu_after_fc2: bool,
+                 split: bool = False) -> None:
         super().__init__()
-        self.fc1 = ReplicatedLinear(in_dim, hidden_dim, bias=bias)
-        self.fc2 = ReplicatedLinear(hidden_dim, out_dim, bias=bias)
+        self.fc1 = _column(in_dim, hidden_dim, bias, split)
+        self.fc2 = _row(hidden_dim, out_dim, bias, split)
         self.gelu_after_fc2 = gelu_after_fc2
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -211,13 +255,14 @@ class VisionMLP(nn.Module):
 
 
 class VisionEncoderLayer(nn.Module):
-    def __init__(self, cfg: Llama4VisionConfig) -> None:
+    def __init__(self, cfg: Llama4VisionConfig, split: bool) -> None:
         super().__init__()
         self.input_layernorm = LayerNorm(cfg.hidden_size)
-        self.self_attn = VisionAttention(cfg)
+        self.self_attn = VisionAttention(cfg, split)
         self.post_attention_layernorm = LayerNorm(cfg.hidden_size)
+        # intermediate = hidden * k^2 (check()): divisible by TP whenever the heads are.
         self.mlp = VisionMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_size, bias=True,
-                             gelu_after_fc2=False)
+                             gelu_after_fc2=False, split=split)
 
     def forward(self, x_NSD: torch.Tensor, cos_Sh: torch.Tensor, sin_Sh: torch.Tensor) -> torch.Tensor:
         x_NSD = x_NSD + self.self_attn(self.input_layernorm(x_NSD), cos_Sh, sin_Sh)
@@ -227,9 +272,9 @@ class VisionEncoderLayer(nn.Module):
 class _Stack(nn.Module):
     """`vision_model.model`: holds `layers` (the checkpoint's nesting)."""
 
-    def __init__(self, cfg: Llama4VisionConfig) -> None:
+    def __init__(self, cfg: Llama4VisionConfig, split: bool) -> None:
         super().__init__()
-        self.layers = nn.ModuleList(VisionEncoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(VisionEncoderLayer(cfg, split) for _ in range(cfg.num_hidden_layers))
 
 
 class _PatchEmbedding(nn.Module):
@@ -261,7 +306,7 @@ def pixel_shuffle(x_NPD: torch.Tensor, ratio: float) -> torch.Tensor:
 class _VisionModel(nn.Module):
     """`vision_model.`: encoder + pixel-shuffle adapter (transformers' Llama4VisionModel)."""
 
-    def __init__(self, cfg: Llama4VisionConfig) -> None:
+    def __init__(self, cfg: Llama4VisionConfig, split: bool) -> None:
         super().__init__()
         self.config = cfg
         D, S = cfg.hidden_size, cfg.grid_size ** 2 + 1
@@ -270,10 +315,13 @@ class _VisionModel(nn.Module):
         self.positional_embedding_vlm = attach_loader(new_param(S, D), ReplicatedLoader((S, D)))
         self.layernorm_pre = LayerNorm(D)
         self.layernorm_post = LayerNorm(D)
-        self.model = _Stack(cfg)
+        self.model = _Stack(cfg, split)
+        # The adapter is split (fc1 column / fc2 row) only when its hidden width divides by TP,
+        # else replicated on every rank.
+        split_adapter = split and cfg.projector_input_dim % get_parallel_state().tp_size == 0
         self.vision_adapter = nn.Module()  # `vision_adapter.mlp.fc{1,2}` in the checkpoint
         self.vision_adapter.mlp = VisionMLP(cfg.intermediate_size, cfg.projector_input_dim, cfg.projector_output_dim,
-                                            bias=False, gelu_after_fc2=True)
+                                            bias=False, gelu_after_fc2=True, split=split_adapter)
 
     def forward(self, pixels_NCHW: torch.Tensor) -> torch.Tensor:
         cfg = self.config
@@ -291,9 +339,12 @@ class _VisionModel(nn.Module):
 class _Projector(nn.Module):
     """`multi_modal_projector.`: adapter output -> text hidden size."""
 
-    def __init__(self, cfg: Llama4VisionConfig) -> None:
+    def __init__(self, cfg: Llama4VisionConfig, split: bool) -> None:
         super().__init__()
-        self.linear_1 = ReplicatedLinear(cfg.vision_output_dim, cfg.text_hidden_size)
+        # Column-parallel with the outputs gathered when the text hidden size divides by TP, else
+        # replicated on every rank.
+        split = split and cfg.text_hidden_size % get_parallel_state().tp_size == 0
+        self.linear_1 = _column(cfg.vision_output_dim, cfg.text_hidden_size, False, split, gather_output=True)
 
 
 class Llama4VisionEncoder(nn.Module):
@@ -306,8 +357,17 @@ class Llama4VisionEncoder(nn.Module):
         super().__init__()
         cfg.check()
         self.config = cfg
-        self.vision_model = _VisionModel(cfg)
-        self.multi_modal_projector = _Projector(cfg)
+        tp = get_parallel_state().tp_size
+        # "weights": linears split over the TP ranks; "data": replicated, tiles split in forward.
+        self.split_weights = cfg.mm_encoder_tp_mode == "weights" and tp > 1
+        self.split_tiles = cfg.mm_encoder_tp_mode == "data" and tp > 1
+        if self.split_weights and cfg.num_attention_heads % tp:
+            raise ValueError(f"vision_config.num_attention_heads={cfg.num_attention_heads} is not divisible by "
+                             f"tensor_parallel_size={tp}: mm_encoder_tp_mode='weights' splits the vision encoder's "
+                             "heads over the TP ranks; use mm_encoder_tp_mode='data' (replicated encoder, tiles "
+                             "split over the ranks) or a TP size that divides the heads")
+        self.vision_model = _VisionModel(cfg, self.split_weights)
+        self.multi_modal_projector = _Projector(cfg, self.split_weights)
 
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
         """pixel_values [N, C, image_size, image_size] (the processor's normalised tiles, any float
@@ -319,8 +379,21 @@ class Llama4VisionEncoder(nn.Module):
                              f"{', '.join(map(str, want))}] (tiles of the checkpoint's image_size)")
         if not pixel_values.is_floating_point():
             raise ValueError(f"pixel_values must be floating point (normalised pixels), got {pixel_values.dtype}")
-        features_NQA = self.vision_model(pixel_values.to(self.vision_model.class_embedding.dtype))
-        return self.multi_modal_projector.linear_1(features_NQA.flatten(0, 1))
+        pixels_NCHW = pixel_values.to(self.vision_model.class_embedding.dtype)
+        if not self.split_tiles:
+            return self._features(pixels_NCHW).flatten(0, 1)
+        # Data mode: zero tiles pad the batch to a multiple of TP so every rank runs the same number
+        # of tiles (rank r: tiles [r * chunk, (r + 1) * chunk)); the gather drops the padding.
+        ps, N = get_parallel_state(), pixels_NCHW.shape[0]
+        _, _, chunk = tp_row_chunk(N)
+        start = ps.tp_rank * chunk
+        padded_NCHW = F.pad(pixels_NCHW, (0, 0, 0, 0, 0, 0, 0, chunk * ps.tp_size - N))
+        mine_NQE = self._features(padded_NCHW[start:start + chunk])
+        return tp_all_gather_rows(mine_NQE, N).flatten(0, 1)
+
+    def _features(self, pixels_NCHW: torch.Tensor) -> torch.Tensor:
+        """[N, C, H, W] -> [N, Q, E]: the tower and projector on these tiles."""
+        return self.multi_modal_projector.linear_1(self.vision_model(pixels_NCHW))
 
     # Standalone loading (models.loader.load_weights): checkpoint names are parameter names.
     def weight_name_rules(self) -> list:
