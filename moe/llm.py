@@ -12,6 +12,7 @@ from moe.config import EngineArgs
 from moe.engine import LLMEngine
 from moe.errors import RequestFailed
 from moe.expert_load import ExpertLoad, ExpertLoadAPI
+from moe.input_processor import ProcessedPrompt
 from moe.metrics import Metric
 from moe.outputs import RequestOutput
 from moe.sampling_params import SamplingParams
@@ -47,16 +48,22 @@ class LLM:
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """Generate for one prompt or a list; returns one RequestOutput per prompt, in input order.
 
-        A prompt is a string, {"prompt": str} or {"prompt_token_ids": [int, ...]}. sampling_params
+        A prompt is a string, {"prompt": str} or {"prompt_token_ids": [int, ...]}; either dict may
+        carry "multi_modal_data": {"image": image or [images]} (PIL images, encoded bytes or base64
+        data URLs), one per <|image|> placeholder of the prompt, in order. sampling_params
         is one SamplingParams for every prompt or a list of them, one per prompt (not a dict: pass
         SamplingParams(**d)). A prompt whose request fails in a step raises `RequestFailed`.
         """
-        engine = self.llm_engine
         if prompts is None:
             raise ValueError("prompts is None: pass a string, a prompt dict, or a list of them")
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
-        prompts = list(prompts)
+        return self._generate(list(prompts), None, sampling_params, use_tqdm)
+
+    def _generate(self, prompts: list, processed: list[ProcessedPrompt] | None, sampling_params,
+                  use_tqdm: bool) -> list[RequestOutput]:
+        """generate() of prompts, or of prompts processed already (chat: rendered, images expanded)."""
+        engine = self.llm_engine
         if sampling_params is None:
             sampling_params = SamplingParams()
         if isinstance(sampling_params, dict):
@@ -69,7 +76,8 @@ class LLM:
         # Validate every prompt and parameter set before queueing any: one bad input leaves nothing behind.
         for sp in params:
             engine.check_params(sp)
-        processed = [engine.process_prompt(p) for p in prompts]
+        if processed is None:
+            processed = [engine.process_prompt(p) for p in prompts]
         with self._lock:
             ids = [str(next(self._counter)) for _ in prompts]
         try:
@@ -101,7 +109,7 @@ class LLM:
         processed = [self.llm_engine.input.process_chat(conv, add_generation_prompt, chat_template,
                                                         **(chat_template_kwargs or {})) for conv in messages]
         prompts = [{"prompt": p.prompt, "prompt_token_ids": p.prompt_token_ids} for p in processed]
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return self._generate(prompts, processed, sampling_params, use_tqdm)
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         """Step the engine until every request of `ids` is done. Any caller's step serves every

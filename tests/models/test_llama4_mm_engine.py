@@ -190,3 +190,20 @@ def test_text_model_rejects_images(tmp_path):
     with pytest.raises(ValueError, match="takes no images"):
         text.generate({"prompt": "hi", "multi_modal_data": {"image": picture(20, 20, 0)}}, use_tqdm=False)
     text.shutdown()
+
+
+@pytest.mark.parametrize("mode", ["weights", "data"])
+def test_tensor_parallel_encoder_modes_match_one_process(ckpt, llm, mode):
+    """TP=2 on the CPU (gloo workers): the same tokens and logprobs as one process, with the
+    encoder's linears split ("weights") or its tiles split ("data"); a small budget cuts chunks
+    through the images, and three tiles + one (odd) go through data mode's padding."""
+    import os
+    os.environ.setdefault("MOE_COLLECTIVE_TIMEOUT_S", "60")
+    prompts = [image_prompt("a", [picture(100, 170, 6), picture(60, 60, 7)]), "text only",
+               image_prompt("b", [picture(70, 40, 13)])]
+    want = [ours(o) for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+    with make_llm(ckpt, tensor_parallel_size=2, mm_encoder_tp_mode=mode, max_num_batched_tokens=16) as tp:
+        got = [ours(o) for o in tp.generate(prompts, GREEDY, use_tqdm=False)]
+    for (want_tokens, want_lps), (got_tokens, got_lps) in zip(want, got):
+        assert got_tokens == want_tokens
+        np.testing.assert_allclose(got_lps, want_lps, atol=2e-4, rtol=0)
