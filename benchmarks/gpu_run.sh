@@ -29,6 +29,12 @@
 #   serve         benchmarks/serve_gpu_bench.py: offline vs `moe serve` (1 and 4 API processes) on the
 #                 Qwen3-30B-A3B shape (SERVE_CKPT, default .gpu_ckpts/qwen3_30b_a3b; SERVE_ARGS adds flags,
 #                 e.g. "--num-prompts 500") -> $OUT/serve/summary.json
+#   mm-fixtures   HF's Llama-4 processor (needs torchvision) on the test images -> $OUT/fixtures (installs the
+#                 carried .whl-hf wheels into /tmp/site-hf when transformers < 5.23 is missing)
+#   mm-tests      the image tests on the GPU (tokens equal the CPU path's, with and without CUDA graphs)
+#   vision        benchmarks/vision_encoder_gpu_bench.py: Scout's vision tower, 8-64 images, one GPU, and with
+#                 two GPUs mm_encoder_tp_mode weights vs data under TP=2 -> $OUT/vision_tp1.json, vision_tp2.json
+#   mm-cache      benchmarks/mm_processor_cache_bench.py on this host's CPUs -> $OUT/mm_processor_cache.json
 #   eplb          (two GPUs) benchmarks/eplb_gpu_bench.py: DP2+EP on the Qwen3-30B-A3B shape, a skewed workload,
 #                 balancedness and decode-step time before/after one EPLB rebalance (EPLB_ARGS adds flags) -> $OUT/eplb.json
 set -u
@@ -42,6 +48,14 @@ step() { echo "=== $1 ($(date +%T))" | tee -a "$LOG"; shift; "$@" 2>&1 | tee -a 
     xz -dc .dsk/libdeepspeedft.so.xz > /tmp/libdeepspeedft.so
 [ -f /tmp/libdeepspeedft.so ] && export MOE_DEEPSPEED_FT_LIB=/tmp/libdeepspeedft.so
 CFG="$OUT/configs"
+# PYTHONPATH with transformers >= 5.23 (Llama-4 multimodal): the carried .whl-hf wheels when the
+# machine's own is older or missing.
+hf_path() {
+  if python3 -c "import transformers as t; assert tuple(map(int, t.__version__.split('.')[:2])) >= (5, 23)" \
+      2>/dev/null; then echo "$PYTHONPATH"; return; fi
+  [ -d /tmp/site-hf ] || python3 -m pip install -q --no-index --no-deps --target /tmp/site-hf .whl-hf/*.whl >&2
+  echo ".:/tmp/site-hf${PYTHONPATH:+:$PYTHONPATH}"
+}
 for stage in "$@"; do
   case $stage in
     fp8) step fp8 timeout 150 python3 -m pytest -q -p no:cacheprovider \
@@ -85,6 +99,16 @@ for stage in "$@"; do
            --out "$OUT/parallel_fp8.json" ;;
     serve) step serve timeout 590 python3 benchmarks/serve_gpu_bench.py ${SERVE_CKPT:-.gpu_ckpts/qwen3_30b_a3b} \
            --out-dir "$OUT/serve" --deadline-s 570 ${SERVE_ARGS:-} ;;
+    mm-fixtures) mkdir -p "$OUT/fixtures"
+      step mm-fixtures env PYTHONPATH="$(hf_path)" timeout 200 \
+        python3 tests/fixtures/llama4_processor/make_fixtures.py "$OUT/fixtures" ;;
+    mm-tests) step mm-tests env PYTHONPATH="$(hf_path)" timeout 300 python3 -m pytest -q -p no:cacheprovider \
+           tests/models/test_llama4_mm_engine.py -k "gpu or one_image or chunks" ;;
+    vision)
+      step vision-tp1 timeout 240 python3 benchmarks/vision_encoder_gpu_bench.py --output-json "$OUT/vision_tp1.json"
+      [ "$(nvidia-smi -L | wc -l)" -ge 2 ] && step vision-tp2 timeout 300 torchrun --nproc-per-node 2 \
+           benchmarks/vision_encoder_gpu_bench.py --output-json "$OUT/vision_tp2.json" ;;
+    mm-cache) step mm-cache timeout 200 python3 benchmarks/mm_processor_cache_bench.py --out "$OUT/mm_processor_cache.json" ;;
     eplb) step eplb timeout 580 python3 benchmarks/eplb_gpu_bench.py --out "$OUT/eplb.json" ${EPLB_ARGS:-} ;;
     *) echo "unknown stage $stage" | tee -a "$LOG" ;;
   esac

@@ -57,7 +57,7 @@ class InputProcessor:
             from moe.multimodal.processing import ImageProcessing
             args = self.info.args
             self._images = ImageProcessing(self.info.model_path, self.tokenizer, self.info.image_limit,
-                                           args.mm_processor_cache_gb)
+                                           args.mm_processor_cache_gb, self.info.model_config.vision.image_size)
         return self._images
 
     def process_prompt(self, prompt) -> ProcessedPrompt:

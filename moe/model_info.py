@@ -4,6 +4,7 @@ the tokenizer and the EOS ids. The engine core and the API process each resolve 
 EngineArgs (cheap: config.json and tokenizer.json only), so nothing of it travels through a socket."""
 from __future__ import annotations
 
+import logging
 import os
 import re
 from dataclasses import dataclass
@@ -12,9 +13,11 @@ import torch
 
 from models.registry import load_model_config
 from models.tiny import TINY_MODELS, ensure_tiny_model
-from moe.config import EngineArgs
+from moe.config import EngineArgs, parse_mm_limits
 from moe.tokenizer import Tokenizer, eos_token_ids, load_tokenizer
 
+
+logger = logging.getLogger("moe.engine")
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 # What a checkpoint needs from a hub repository (not its other weights formats or docs).
@@ -102,16 +105,30 @@ DEFAULT_IMAGE_LIMIT = 10
 
 def resolve_images(args: EngineArgs, cfg) -> int:
     """How many images a prompt may hold; builds the vision tower (config.load_vision) when > 0."""
-    has_vision = getattr(cfg, "vision", None) is not None
-    limit = args.image_limit(DEFAULT_IMAGE_LIMIT if has_vision else 0)
+    vision = getattr(cfg, "vision", None)
+    why = getattr(cfg, "vision_error", None)
+    if vision is not None:
+        vision.mm_encoder_tp_mode = args.mm_encoder_tp_mode
+        try:
+            vision.check()
+        except ValueError as e:
+            vision, why = None, str(e)
+    asked = "image" in parse_mm_limits(args.limit_mm_per_prompt)
+    limit = args.image_limit(DEFAULT_IMAGE_LIMIT if vision is not None else 0)
     if not limit:
         return 0
-    if not has_vision:
-        why = getattr(cfg, "vision_error", None)
-        raise ValueError(f"limit_mm_per_prompt={args.limit_mm_per_prompt!r}: the model "
-                         f"({type(cfg).__name__}) takes no images" + (f" (its vision_config: {why})" if why else ""))
+    if vision is None:
+        if asked:
+            raise ValueError(f"limit_mm_per_prompt={args.limit_mm_per_prompt!r}: the model ({type(cfg).__name__}) "
+                             "takes no images" + (f" (its vision_config: {why})" if why else ""))
+        logger.warning("The checkpoint's vision tower cannot be built (%s): serving the text model only", why)
+        return 0
+    tp = args.tensor_parallel_size
+    if args.mm_encoder_tp_mode == "weights" and vision.num_attention_heads % tp:
+        raise ValueError(f"tensor_parallel_size={tp} does not divide the vision tower's num_attention_heads="
+                         f"{vision.num_attention_heads}: set mm_encoder_tp_mode='data' (each rank keeps the whole "
+                         "encoder and takes its share of the tiles)")
     cfg.load_vision = True
-    cfg.vision.mm_encoder_tp_mode = args.mm_encoder_tp_mode
     return limit
 
 

@@ -10,7 +10,9 @@ from __future__ import annotations
 import json
 import os
 
-from moe.multimodal.hashing import hash_image
+from PIL import Image
+
+from moe.multimodal.hashing import hash_encoded_image, hash_image
 from moe.multimodal.images import load_image
 from moe.multimodal.inputs import ImageItem, check_items_in_prompt
 from moe.multimodal.llama4_image_processor import Llama4ImageProcessor
@@ -35,12 +37,17 @@ def images_of(mm_data) -> list:
 
 
 class ImageProcessing:
-    def __init__(self, model_path: str, tokenizer, image_limit: int, cache_gb: float = 4.0) -> None:
+    def __init__(self, model_path: str, tokenizer, image_limit: int, cache_gb: float = 4.0,
+                 tile_size: int | None = None) -> None:
         if tokenizer is None:
             raise ValueError("images need the model's tokenizer (tokenizer.json) to expand <|image|>")
         self.model_id = os.path.realpath(model_path)
         self.image_limit = image_limit
         self.processor = Llama4ImageProcessor.from_pretrained(model_path)
+        if tile_size is not None and self.processor.tile_size != tile_size:
+            raise ValueError(f"the image processor makes {self.processor.tile_size}-pixel tiles "
+                             f"(preprocessor_config.json 'size', transformers' default when the file is missing), "
+                             f"but the vision tower takes {tile_size}-pixel images (vision_config.image_size)")
         self.tokens = Llama4ImageTokens.from_tokenizer(tokenizer, _read_json(os.path.join(model_path,
                                                                                           "processor_config.json")))
         self.processor_kwargs = self.processor.processor_kwargs()
@@ -55,15 +62,17 @@ class ImageProcessing:
             return prompt_token_ids, []
         processed, hashes = [], []
         for i, obj in enumerate(raw):
-            try:
-                image = load_image(obj)
-            except ValueError as e:
-                raise ValueError(f"image {i} of the prompt: {e}") from None
-            key = hash_image(image, self.model_id, self.processor_kwargs)
-            item = self.cache.get(key)
+            key, item = self._cached(obj)
             if item is None:
-                item = self.processor([image])[0]
-                self.cache.put(key, item)
+                try:
+                    image = load_image(obj)
+                except ValueError as e:
+                    raise ValueError(f"image {i} of the prompt: {e}") from None
+                if key is None:  # a PIL image: keyed by its pixels
+                    key, item = self._cached(image)
+                if item is None:
+                    item = self.processor([image])[0]
+                    self.cache.put(key, item)
             processed.append(item)
             hashes.append(key)
         ids, placeholders = self.tokens.expand_image_placeholders(prompt_token_ids, processed)
@@ -71,6 +80,20 @@ class ImageProcessing:
                  for h, p, img in zip(hashes, placeholders, processed)]
         check_items_in_prompt(items, len(ids))
         return ids, items
+
+
+    def _cached(self, obj) -> tuple[str | None, object]:
+        """(the image's key, its processed form if cached). Encoded images (bytes, data URLs) are
+        keyed by their bytes, so a hit skips decoding too; a PIL image by its pixels; else None."""
+        if isinstance(obj, Image.Image):
+            key = hash_image(obj, self.model_id, self.processor_kwargs)
+        elif isinstance(obj, (bytes, bytearray, memoryview)):
+            key = hash_encoded_image(bytes(obj), self.model_id, self.processor_kwargs)
+        elif isinstance(obj, str):
+            key = hash_encoded_image(obj.strip().encode(), self.model_id, self.processor_kwargs)
+        else:
+            return None, None
+        return key, self.cache.get(key)
 
 
 def _read_json(path: str) -> dict:

@@ -207,3 +207,19 @@ def test_tensor_parallel_encoder_modes_match_one_process(ckpt, llm, mode):
     for (want_tokens, want_lps), (got_tokens, got_lps) in zip(want, got):
         assert got_tokens == want_tokens
         np.testing.assert_allclose(got_lps, want_lps, atol=2e-4, rtol=0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("enforce_eager", [False, True])
+def test_gpu_matches_the_cpu_path(ckpt, llm, enforce_eager):
+    """The GPU path (Triton attention, step buffers, CUDA graphs for the decode steps) gives the CPU
+    path's tokens with images, chunks cut through them included."""
+    prompts = [image_prompt("a", [picture(100, 170, 6), picture(60, 60, 7)]), "text only",
+               image_prompt("b", [picture(70, 40, 13)]), image_prompt("c", [picture(300, 90, 14)])]
+    want = [ours(o) for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+    with LLM(ckpt, dtype="float32", device="cuda", max_model_len=256, block_size=8, max_num_seqs=4,
+             max_num_batched_tokens=16, gpu_memory_utilization=0.2, enforce_eager=enforce_eager) as gpu:
+        got = [ours(o) for o in gpu.generate(prompts, GREEDY, use_tqdm=False)]
+    for (want_tokens, want_lps), (got_tokens, got_lps) in zip(want, got):
+        assert got_tokens == want_tokens
+        np.testing.assert_allclose(got_lps, want_lps, atol=2e-3, rtol=0)
