@@ -25,6 +25,7 @@ import zmq.asyncio
 
 from moe.config import EngineArgs
 from moe.engine_core import CoreRequest, CoreStepResult, SchedulerStats
+from moe.multimodal.ipc import ipc_sender_cache
 from moe.serialization import decode, encode, pack_request, unpack_stats, unpack_step
 
 logger = logging.getLogger("moe.serve")
@@ -101,6 +102,8 @@ class CoreProcessClient:
         self._socket = None
         self._task: asyncio.Task | None = None
         self.expert_load_meta: dict | None = None  # from the "ready" answer
+        # The API side of the IPC cache of processed images (keys only; the core keeps the pixels).
+        self.ipc_cache = ipc_sender_cache(args)
 
     def _exit_status(self) -> str | None:
         """None while the core runs, else how it ended."""
@@ -174,7 +177,8 @@ class CoreProcessClient:
         self._socket.send(encode(message))
 
     def add_requests(self, requests: list[CoreRequest]) -> None:
-        self._send(["add", [pack_request(r) for r in requests]])
+        # Packed and sent at once, in order: the IPC cache's two sides see the same sequence.
+        self._send(["add", [pack_request(r, self.ipc_cache) for r in requests]])
 
     def abort(self, ids: list[str]) -> None:
         if ids and self.dead is None:

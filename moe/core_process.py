@@ -22,6 +22,8 @@ import zmq
 from moe.config import EngineArgs
 from moe.engine_core import CoreStepResult, EngineCore
 from moe.model_info import resolve_model_info
+from moe.multimodal.ipc import ipc_receiver_cache
+from moe.multimodal.processor_cache import ReceiverCache
 from moe.serialization import decode, encode, pack_stats, pack_step, unpack_request
 from scheduler import RequestStatus
 
@@ -36,13 +38,16 @@ class CoreServer:
         self.socket = socket
         self.clients: list[bytes] = []
         self.owner: dict[str, bytes] = {}  # sequence id -> the client that sent it
+        self.ipc_caches: dict[bytes, ReceiverCache | None] = {}  # per client: the core side of its IPC cache
         self.stats_dirty = False
 
     def handle(self, identity: bytes, message: list) -> None:
         kind = message[0]
         if kind == "add":
+            if identity not in self.ipc_caches:
+                self.ipc_caches[identity] = ipc_receiver_cache(self.core.info.args)
             for item in message[1]:
-                req = unpack_request(item)
+                req = unpack_request(item, self.ipc_caches[identity])
                 self.core.add_request(req)
                 self.owner[req.request_id] = identity
         elif kind in ("abort", "stop"):

@@ -35,6 +35,7 @@ class LLMEngine:
         self.input = InputProcessor(self.info)
         self.core = EngineCore(self.info)
         self.metrics = EngineMetrics(args.model)
+        self.input.metrics = self.metrics
         self.output = OutputProcessor(self.info.tokenizer, self.metrics, log_stats=not args.disable_log_stats,
                                       stats_interval_s=_STATS_INTERVAL_S,
                                       record_latencies=not args.disable_log_stats)

@@ -47,6 +47,7 @@ class InputProcessor:
         self._warned_max_tokens_cap = False
         self._chat_template: ChatTemplate | None | bool = False  # False: not loaded yet
         self._images = None  # moe.multimodal.processing.ImageProcessing, made at the first image
+        self.metrics = None  # EngineMetrics: processor-cache lookups are counted there when set
 
     @property
     def images(self):
@@ -67,8 +68,19 @@ class InputProcessor:
         p = self._tokenize(prompt)
         mm_data = prompt.get("multi_modal_data") if isinstance(prompt, dict) else None
         if mm_data is not None:
-            p.prompt_token_ids, p.mm_items = self.images.process(p.prompt_token_ids, mm_data)
+            p.prompt_token_ids, p.mm_items = self._process_images(p.prompt_token_ids, mm_data)
         return self._check_tokens(p)
+
+    def _process_images(self, prompt_token_ids: list[int], mm_data) -> tuple[list[int], list]:
+        images = self.images
+        cache = images.cache
+        queries, hits = cache.queries, cache.hits
+        try:
+            return images.process(prompt_token_ids, mm_data)
+        finally:
+            if self.metrics is not None:
+                self.metrics.mm_cache_queries.inc(cache.queries - queries)
+                self.metrics.mm_cache_hits.inc(cache.hits - hits)
 
     def _tokenize(self, prompt) -> ProcessedPrompt:
         text = None
@@ -124,7 +136,7 @@ class InputProcessor:
         # The template writes the special tokens itself (as transformers' apply_chat_template does).
         p = ProcessedPrompt(text, self.tokenizer.encode(text, add_special_tokens=False))
         if images:
-            p.prompt_token_ids, p.mm_items = self.images.process(p.prompt_token_ids, {"image": images})
+            p.prompt_token_ids, p.mm_items = self._process_images(p.prompt_token_ids, {"image": images})
         return self._check_tokens(p)
 
     def _check_tokens(self, p: ProcessedPrompt) -> ProcessedPrompt:

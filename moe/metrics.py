@@ -41,6 +41,12 @@ class EngineMetrics:
         self.num_preemptions = counter("moe:num_preemptions", "Cumulative number of preemptions.")
         self.prefix_cache_queries = counter("moe:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
         self.prefix_cache_hits = counter("moe:prefix_cache_hits", "Prompt tokens found in the prefix cache.")
+        self.mm_cache_queries = counter("moe:mm_cache_queries", "Images looked up in the processor cache.")
+        self.mm_cache_hits = counter("moe:mm_cache_hits", "Images found in the processor cache (not processed again).")
+        self.mm_ipc_cache_queries = counter("moe:mm_ipc_cache_queries",
+                                            "Images sent to an engine core through the IPC cache.")
+        self.mm_ipc_cache_hits = counter("moe:mm_ipc_cache_hits",
+                                         "Images sent as their hash alone (the engine core held their pixels).")
         self.request_success = counter("moe:request_success", "Requests finished.")
         self.num_requests_running = gauge("moe:num_requests_running", "Requests in the running batch.")
         self.num_requests_waiting = gauge("moe:num_requests_waiting", "Requests waiting to be scheduled.")

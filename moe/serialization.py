@@ -15,7 +15,8 @@ Every message is one msgpack array whose first item names it:
                      ["dead", error]                    the core failed and is exiting
 
 params is SamplingParams' fields as a map; images is one [hash, offset, length, num_embeds,
-pixels] per image of the prompt, pixels = [dtype name, shape, raw bytes]; an output is [id, new
+pixels] per image of the prompt, pixels = [dtype name, shape, raw bytes] or null when the core's side of
+the IPC cache holds that image (mm_processor_cache_type "lru"); an output is [id, new
 token ids, logprobs, finish_reason, stop_reason, num_cached_tokens] with logprobs null or one
 [token, logprob, rank, top ids, top logprobs] per new token; stats is SchedulerStats' fields in
 order.
@@ -31,6 +32,7 @@ import torch
 from moe.engine_core import CoreRequest, CoreStepResult, SchedulerStats
 from moe.model_runner import TokenLogprobs
 from moe.multimodal.inputs import ImageItem
+from moe.multimodal.processor_cache import ReceiverCache, SenderCache
 from moe.sampling_params import SamplingParams
 from scheduler.output import EngineCoreOutput
 
@@ -71,16 +73,25 @@ def unpack_tensor(item: list) -> torch.Tensor:
     return torch.from_numpy(np.frombuffer(data, dtype=torch.empty(0, dtype=dtype).numpy().dtype).copy()).reshape(shape)
 
 
-def pack_request(req: CoreRequest) -> list:
+def pack_request(req: CoreRequest, ipc: SenderCache | None = None) -> list:
+    """ipc: the API side of the IPC cache; an image the engine core holds already travels as its
+    hash alone (pixels null)."""
     p = req.params
-    images = [[m.mm_hash, m.offset, m.length, m.num_embeds, pack_tensor(m.pixel_values)] for m in req.mm_items]
+    images = []
+    for m in req.mm_items:
+        pixels = m.pixel_values if ipc is None else ipc.prepare(m.mm_hash, m.pixel_values)
+        images.append([m.mm_hash, m.offset, m.length, m.num_embeds, None if pixels is None else pack_tensor(pixels)])
     return [req.request_id, req.prompt_token_ids, req.max_tokens, list(req.eos_token_ids),
             {name: getattr(p, name) for name in _PARAM_FIELDS}, images]
 
 
-def unpack_request(item: list) -> CoreRequest:
+def unpack_request(item: list, ipc: ReceiverCache | None = None) -> CoreRequest:
+    """ipc: the engine-core side of the sender's IPC cache (resolves the images sent as hashes)."""
     request_id, prompt_token_ids, max_tokens, eos, params, images = item
-    items = [ImageItem(h, offset, length, n, unpack_tensor(pixels)) for h, offset, length, n, pixels in images]
+    items = []
+    for h, offset, length, n, pixels in images:
+        pixels = None if pixels is None else unpack_tensor(pixels)
+        items.append(ImageItem(h, offset, length, n, pixels if ipc is None else ipc.resolve(h, pixels)))
     return CoreRequest(request_id, prompt_token_ids, max_tokens, SamplingParams(**params), tuple(eos), items)
 
 

@@ -132,3 +132,22 @@ def save_llama4_mm_checkpoint(model, path: str, shards: int = 1) -> str:
     save_llama4_mm_tokenizer(path)
     save_llama4_mm_processor_configs(path)
     return path
+
+
+def picture(height: int, width: int, seed: int, mode: str = "RGB"):
+    """A random PIL image (uint8 noise) of the given size and mode."""
+    import numpy as np
+    from PIL import Image
+
+    pixels = np.random.default_rng(seed).integers(0, 256, size=(height, width, 3), dtype=np.uint8)
+    return Image.fromarray(pixels).convert(mode)
+
+
+def data_url(image) -> str:
+    """The image as a base64 PNG data URL (what an OpenAI client sends in an image_url part)."""
+    import base64
+    import io
+
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()

@@ -45,6 +45,7 @@ class AsyncLLM:
         self.info = resolve_model_info(args)
         self.input = InputProcessor(self.info)
         self.metrics = EngineMetrics(args.model)
+        self.input.metrics = self.metrics
         self.output = OutputProcessor(self.info.tokenizer, self.metrics, log_stats=not args.disable_log_stats,
                                       count_core_totals=server_index == 0)
         procs = [None] * len(core_addresses or [])
@@ -112,7 +113,7 @@ class AsyncLLM:
         finished = False
         core = self._core_of[request_id] = self._pick_core(len(core_requests))
         try:
-            self.clients[core].add_requests(core_requests)
+            self._add_to_core(core, core_requests)
             while not finished:
                 item = await queue.get()
                 if isinstance(item, Exception):
@@ -124,6 +125,17 @@ class AsyncLLM:
             if not finished:
                 self.abort(request_id)
             self._core_of.pop(request_id, None)
+
+    def _add_to_core(self, core: int, core_requests: list) -> None:
+        client = self.clients[core]
+        ipc = client.ipc_cache
+        if ipc is None or not any(r.mm_items for r in core_requests):
+            client.add_requests(core_requests)
+            return
+        queries, hits = ipc.queries, ipc.hits
+        client.add_requests(core_requests)
+        self.metrics.mm_ipc_cache_queries.inc(ipc.queries - queries)
+        self.metrics.mm_ipc_cache_hits.inc(ipc.hits - hits)
 
     def abort(self, request_id: str) -> None:
         ids = self.output.abort_request(request_id)

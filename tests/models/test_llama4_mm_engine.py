@@ -8,16 +8,12 @@ mixing text-only and image prompts, several images per prompt of different aspec
 """
 from __future__ import annotations
 
-import base64
-import io
-
 import numpy as np
 import pytest
 import torch
-from PIL import Image
 
 from moe import LLM, SamplingParams
-from tests.factories_llama4_mm import TOKEN_IDS, make_llama4_mm_model, save_llama4_mm_checkpoint
+from tests.factories_llama4_mm import TOKEN_IDS, data_url, make_llama4_mm_model, picture, save_llama4_mm_checkpoint
 
 MAX_TOKENS = 5
 
@@ -42,17 +38,6 @@ def make_llm(ckpt: str, **kw) -> LLM:
 @pytest.fixture(scope="module")
 def llm(ckpt):
     return make_llm(ckpt)
-
-
-def picture(height: int, width: int, seed: int, mode: str = "RGB") -> Image.Image:
-    pixels = np.random.default_rng(seed).integers(0, 256, size=(height, width, 3), dtype=np.uint8)
-    return Image.fromarray(pixels).convert(mode)
-
-
-def data_url(image: Image.Image) -> str:
-    buf = io.BytesIO()
-    image.save(buf, format="PNG")
-    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
 
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=2)
