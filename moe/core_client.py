@@ -26,6 +26,7 @@ import zmq.asyncio
 from moe.config import EngineArgs
 from moe.engine_core import CoreRequest, CoreStepResult, SchedulerStats
 from moe.multimodal.ipc import ipc_sender_cache
+from moe.multimodal.shm_transport import shm_sender
 from moe.serialization import decode, encode, pack_request, unpack_stats, unpack_step
 
 logger = logging.getLogger("moe.serve")
@@ -104,6 +105,7 @@ class CoreProcessClient:
         self.expert_load_meta: dict | None = None  # from the "ready" answer
         # The API side of the IPC cache of processed images (keys only; the core keeps the pixels).
         self.ipc_cache = ipc_sender_cache(args)
+        self.shm = None  # the shared-memory store of pixels to this core (made at start)
 
     def _exit_status(self) -> str | None:
         """None while the core runs, else how it ended."""
@@ -117,6 +119,7 @@ class CoreProcessClient:
             assert len(procs) == 1, "a client launches one core: launch several with launch_cores"
             self.proc, self.address = procs[0], addresses[0]
             self.pid = self.proc.pid
+        self.shm = shm_sender(self.args)
         self._socket = self._ctx.socket(zmq.DEALER)
         self._socket.setsockopt(zmq.LINGER, 0)
         self._socket.connect(self.address)
@@ -178,7 +181,7 @@ class CoreProcessClient:
 
     def add_requests(self, requests: list[CoreRequest]) -> None:
         # Packed and sent at once, in order: the IPC cache's two sides see the same sequence.
-        self._send(["add", [pack_request(r, self.ipc_cache) for r in requests]])
+        self._send(["add", [pack_request(r, self.ipc_cache, self.shm) for r in requests]])
 
     def abort(self, ids: list[str]) -> None:
         if ids and self.dead is None:
@@ -200,3 +203,5 @@ class CoreProcessClient:
         if self._socket is not None:
             self._socket.close()
         self._ctx.term()
+        if self.shm is not None:
+            self.shm.close()

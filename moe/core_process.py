@@ -24,6 +24,7 @@ from moe.engine_core import CoreStepResult, EngineCore
 from moe.model_info import resolve_model_info
 from moe.multimodal.ipc import ipc_receiver_cache
 from moe.multimodal.processor_cache import ReceiverCache
+from moe.multimodal.shm_transport import ShmPins, ShmPixels
 from moe.serialization import decode, encode, pack_stats, pack_step, unpack_request
 from scheduler import RequestStatus
 
@@ -39,6 +40,7 @@ class CoreServer:
         self.clients: list[bytes] = []
         self.owner: dict[str, bytes] = {}  # sequence id -> the client that sent it
         self.ipc_caches: dict[bytes, ReceiverCache | None] = {}  # per client: the core side of its IPC cache
+        self.pins = ShmPins()  # the shared-memory pixels of the running requests
         self.stats_dirty = False
 
     def handle(self, identity: bytes, message: list) -> None:
@@ -48,10 +50,19 @@ class CoreServer:
                 self.ipc_caches[identity] = ipc_receiver_cache(self.core.info.args)
             for item in message[1]:
                 req = unpack_request(item, self.ipc_caches[identity])
-                self.core.add_request(req)
+                for m in req.mm_items:
+                    if isinstance(m.pixel_values, ShmPixels):
+                        self.pins.hold(req.request_id, m.pixel_values)
+                try:
+                    self.core.add_request(req)
+                except Exception:
+                    self.pins.release(req.request_id)
+                    raise
                 self.owner[req.request_id] = identity
         elif kind in ("abort", "stop"):
             ids = [rid for rid in message[1] if self.owner.pop(rid, None) is not None]
+            for rid in ids:
+                self.pins.release(rid)
             self.core.abort_requests(ids, RequestStatus.FINISHED_ABORTED if kind == "abort"
                                      else RequestStatus.FINISHED_STOPPED)
         elif kind == "hello":
@@ -73,7 +84,11 @@ class CoreServer:
         parts: dict[bytes, CoreStepResult] = {
             c: CoreStepResult(stats=result.stats, expert_load_windows=result.expert_load_windows) for c in self.clients}
         for co in result.outputs:
-            owner = self.owner.pop(co.req_id, None) if co.finished else self.owner.get(co.req_id)
+            if co.finished:
+                owner = self.owner.pop(co.req_id, None)
+                self.pins.release(co.req_id)  # its images' pixels in shared memory may go
+            else:
+                owner = self.owner.get(co.req_id)
             if owner is not None:
                 parts.setdefault(owner, CoreStepResult(stats=result.stats)).outputs.append(co)
         for field_name in ("queue_times", "errors"):

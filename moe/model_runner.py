@@ -30,6 +30,7 @@ from moe.cuda_graphs import DecodeGraphs, default_capture_sizes
 from moe.distributed import get_parallel_state, pp_recv, pp_send
 from moe.expert_counters import ExpertLoadCounters
 from moe.moe_block import DispatchStep
+from moe.multimodal.shm_transport import pixels_of
 from moe.sampler import SamplingBatch, sample
 from moe.step_buffers import StepBuffers
 from moe.step_inputs import RequestState, StepBatch, buffer_metadata, host_metadata, upload
@@ -271,7 +272,7 @@ class ModelRunner:
             self.requests_with_features.add(req_id)
             for index in indices:
                 owners.append((state, index))
-                pixels.append(state.mm_items[index].pixel_values)
+                pixels.append(pixels_of(state.mm_items[index].pixel_values))  # shared memory is read here
         features = self.model.encode_images(torch.cat(pixels).to(self.device, self.kv_dtype))
         for (state, index), f in zip(owners, features.split([s.mm_items[i].num_embeds for s, i in owners])):
             state.encoder_outputs[index] = f

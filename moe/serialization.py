@@ -15,8 +15,9 @@ Every message is one msgpack array whose first item names it:
                      ["dead", error]                    the core failed and is exiting
 
 params is SamplingParams' fields as a map; images is one [hash, offset, length, num_embeds,
-pixels] per image of the prompt, pixels = [dtype name, shape, raw bytes] or null when the core's side of
-the IPC cache holds that image (mm_processor_cache_type "lru"); an output is [id, new
+pixels] per image of the prompt, pixels = [dtype name, shape, raw bytes], null when the core's side
+of the IPC cache holds that image (mm_processor_cache_type "lru"), or {"shm": [store, handle]} in a
+shared-memory store ("shm"); an output is [id, new
 token ids, logprobs, finish_reason, stop_reason, num_cached_tokens] with logprobs null or one
 [token, logprob, rank, top ids, top logprobs] per new token; stats is SchedulerStats' fields in
 order.
@@ -33,6 +34,7 @@ from moe.engine_core import CoreRequest, CoreStepResult, SchedulerStats
 from moe.model_runner import TokenLogprobs
 from moe.multimodal.inputs import ImageItem
 from moe.multimodal.processor_cache import ReceiverCache, SenderCache
+from moe.multimodal.shm_transport import ShmPixels, ShmSender
 from moe.sampling_params import SamplingParams
 from scheduler.output import EngineCoreOutput
 
@@ -73,14 +75,20 @@ def unpack_tensor(item: list) -> torch.Tensor:
     return torch.from_numpy(np.frombuffer(data, dtype=torch.empty(0, dtype=dtype).numpy().dtype).copy()).reshape(shape)
 
 
-def pack_request(req: CoreRequest, ipc: SenderCache | None = None) -> list:
+def pack_request(req: CoreRequest, ipc: SenderCache | None = None, shm: ShmSender | None = None) -> list:
     """ipc: the API side of the IPC cache; an image the engine core holds already travels as its
-    hash alone (pixels null)."""
+    hash alone (pixels null). shm: the shared-memory store the pixels go through ({"shm": [store,
+    handle]}) when it takes them."""
     p = req.params
     images = []
     for m in req.mm_items:
-        pixels = m.pixel_values if ipc is None else ipc.prepare(m.mm_hash, m.pixel_values)
-        images.append([m.mm_hash, m.offset, m.length, m.num_embeds, None if pixels is None else pack_tensor(pixels)])
+        placed = shm.place(m.mm_hash, m.pixel_values) if shm is not None else None
+        if placed is not None:
+            packed = {"shm": placed}
+        else:
+            pixels = m.pixel_values if ipc is None else ipc.prepare(m.mm_hash, m.pixel_values)
+            packed = None if pixels is None else pack_tensor(pixels)
+        images.append([m.mm_hash, m.offset, m.length, m.num_embeds, packed])
     return [req.request_id, req.prompt_token_ids, req.max_tokens, list(req.eos_token_ids),
             {name: getattr(p, name) for name in _PARAM_FIELDS}, images]
 
@@ -90,8 +98,12 @@ def unpack_request(item: list, ipc: ReceiverCache | None = None) -> CoreRequest:
     request_id, prompt_token_ids, max_tokens, eos, params, images = item
     items = []
     for h, offset, length, n, pixels in images:
-        pixels = None if pixels is None else unpack_tensor(pixels)
-        items.append(ImageItem(h, offset, length, n, pixels if ipc is None else ipc.resolve(h, pixels)))
+        if isinstance(pixels, dict):
+            pixels = ShmPixels(*pixels["shm"])
+        else:
+            pixels = None if pixels is None else unpack_tensor(pixels)
+            pixels = pixels if ipc is None else ipc.resolve(h, pixels)
+        items.append(ImageItem(h, offset, length, n, pixels))
     return CoreRequest(request_id, prompt_token_ids, max_tokens, SamplingParams(**params), tuple(eos), items)
 
 

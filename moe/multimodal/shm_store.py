@@ -208,11 +208,14 @@ class SharedMemoryObjectStore:
         self._bytes = torch.from_numpy(self._np_bytes)
         self._obj_header_bytes = _round_up((_OBJECT_WORDS + num_readers) * 8)
         self.reader_index: int | None = None
+        self.observer = False
         self._closed = False
 
     @classmethod
-    def attach(cls, name: str, reader_index: int) -> "SharedMemoryObjectStore":
-        """A reader of the store `name` (created by a writer), owning read-counter slot `reader_index`."""
+    def attach(cls, name: str, reader_index: int | None) -> "SharedMemoryObjectStore":
+        """A reader of the store `name` (created by a writer), owning read-counter slot `reader_index`;
+        None: an observer, which reads (copies only) without counting: some counting reader keeps
+        the objects it reads alive (the engine core pins a request's images until it finishes)."""
         shm = _attach_untracked(name)
         head = np.frombuffer(shm.buf, dtype=np.int64, count=_CONTROL_WORDS)
         magic, version, num_readers, capacity, data_offset = (int(x) for x in head[:5])
@@ -220,6 +223,11 @@ class SharedMemoryObjectStore:
         if magic != _SEGMENT_MAGIC or version != _VERSION:
             shm.close()
             raise ValueError(f"shared-memory segment {name!r} is not a moe object store (version {_VERSION})")
+        if reader_index is None:
+            self = cls.__new__(cls)
+            self._init_common(shm, writer=False, num_readers=num_readers, capacity=capacity, data_offset=data_offset)
+            self.observer = True
+            return self
         if not isinstance(reader_index, int) or not 0 <= reader_index < num_readers:
             shm.close()
             raise ValueError(f"reader_index {reader_index!r} out of range: store {name!r} has {num_readers} readers")
@@ -369,14 +377,17 @@ class SharedMemoryObjectStore:
             else:
                 out = self._bytes[start:end].view(dtype).reshape(spec.shape)
             obj[spec.name] = out
-        if copy and not self.is_writer:
+        if copy and not self.is_writer and not self.observer:
             self.release(h)
+        elif not copy and self.observer:
+            raise RuntimeError("an observer reads copies only (its views would outlive no pin of its own)")
         return obj
 
     def release(self, handle: ShmHandle | list) -> None:
         """This reader is done with `handle` (after get(copy=False), or to skip a handle unread)."""
-        if self.is_writer:
-            raise RuntimeError("release is a reader's call; the writer evicts on its own")
+        if self.is_writer or self.observer:
+            raise RuntimeError("release is a counting reader's call; the writer evicts on its own and observers "
+                               "do not count")
         if self._closed:
             raise RuntimeError("shared-memory store is closed")
         h = ShmHandle.of(handle)

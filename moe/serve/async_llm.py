@@ -128,7 +128,7 @@ class AsyncLLM:
 
     def _add_to_core(self, core: int, core_requests: list) -> None:
         client = self.clients[core]
-        ipc = client.ipc_cache
+        ipc = client.ipc_cache if client.shm is None else client.shm.store  # hits: pixels the core can reach
         if ipc is None or not any(r.mm_items for r in core_requests):
             client.add_requests(core_requests)
             return
