@@ -208,3 +208,25 @@ def test_gpu_matches_the_cpu_path(ckpt, llm, enforce_eager):
     for (want_tokens, want_lps), (got_tokens, got_lps) in zip(want, got):
         assert got_tokens == want_tokens
         np.testing.assert_allclose(got_lps, want_lps, atol=2e-3, rtol=0)
+
+
+def test_prefix_cache_shares_blocks_only_for_the_same_image(tmp_path):
+    """Without chunked-local layers prefix caching is on: a prompt with the same image hits the
+    blocks of its earlier run (up to inside the image: the rest of its features are merged from a
+    fresh encoder pass) and answers the same; the same text with another image hits only the text
+    blocks before the image, and still matches transformers."""
+    hf = make_llama4_mm_model(seed=4, attention_chunk_size=8192, layer_types=["full_attention"] * 4)
+    path = save_llama4_mm_checkpoint(hf, str(tmp_path / "ckpt"))
+    llm = make_llm(path, enable_prefix_caching=True)
+    cat, dog = picture(100, 100, 21), picture(100, 100, 22)
+    first = llm.generate(image_prompt("the same words before it", [cat]), GREEDY, use_tqdm=False)[0]
+    again = llm.generate(image_prompt("the same words before it", [cat]), GREEDY, use_tqdm=False)[0]
+    other = llm.generate(image_prompt("the same words before it", [dog]), GREEDY, use_tqdm=False)[0]
+    offset = llm.llm_engine.input.process_prompt(image_prompt("the same words before it", [cat])).mm_items[0].offset
+    block = 8
+    assert again.num_cached_tokens > offset + block  # into the image's span
+    assert offset - block < other.num_cached_tokens <= offset  # the text blocks only
+    assert ours(again)[0] == ours(first)[0]
+    np.testing.assert_allclose(ours(again)[1], ours(first)[1], atol=1e-5, rtol=0)
+    assert ours(other)[0] == reference(hf, llm, image_prompt("the same words before it", [dog]))[0]
+    llm.shutdown()
