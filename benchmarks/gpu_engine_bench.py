@@ -13,6 +13,10 @@ Stages:
   tp2      (two GPUs) tiny checkpoints' greedy tokens under tensor_parallel_size=2 (eager and CUDA
            graphs) equal the CPU's; the Qwen3-30B-A3B shape's decode step at 256 and throughput at
            (256, 2048, 512) with tensor_parallel_size=1 and 2, in the same run.
+  dp2ep    (two GPUs) the decode step at 256 running requests (128 per replica) of the Qwen3-30B-A3B
+           shape and of the DeepSeek-V3 shape cut to 4 layers, under data_parallel_size=2 + expert
+           parallelism: all2all_backend "low_latency" with CUDA graphs and eager, "all_to_all" (eager:
+           its count exchange syncs with the host), against tensor_parallel_size=2 with graphs.
   families a DeepSeek-V3 shape cut to 4 layers (1 dense + 3 MoE; bf16 experts) and a Llama-4
            Scout shape cut to 8 layers (dummy bf16 weights): decode step at 64 and 256 running
            requests and an offline throughput run, each against its floor.
@@ -158,10 +162,10 @@ def decode_step(llm: LLM, num_requests: int, prompt_len: int, out_len: int) -> d
     for i, p in enumerate(_prompts(num_requests, prompt_len, seed=1)):
         engine.add_request(f"d{i}", p, params)
     times = []
+    schedulers = engine.schedulers  # one per data-parallel replica
     while engine.has_unfinished_requests():
-        s = engine.scheduler
-        decode_only = not s.waiting and all(r.num_computed_tokens == r.num_tokens - 1 for r in s.running) \
-            and len(s.running) == num_requests
+        decode_only = all(not s.waiting and all(r.num_computed_tokens == r.num_tokens - 1 for r in s.running)
+                          for s in schedulers) and sum(len(s.running) for s in schedulers) == num_requests
         torch.cuda.synchronize()
         t = time.perf_counter()
         engine.step()
@@ -368,9 +372,39 @@ def families(results: dict) -> None:
         torch.cuda.empty_cache()
 
 
+DP2EP_LAYOUTS = {
+    "tp2": dict(tensor_parallel_size=2),
+    "dp2ep-ll-graphs": dict(data_parallel_size=2, enable_expert_parallel=True, all2all_backend="low_latency"),
+    "dp2ep-ll-eager": dict(data_parallel_size=2, enable_expert_parallel=True, all2all_backend="low_latency",
+                           enforce_eager=True),
+    "dp2ep-a2a-eager": dict(data_parallel_size=2, enable_expert_parallel=True, all2all_backend="all_to_all"),
+}
+
+
+def dp2ep(results: dict) -> None:
+    """Decode steps of DP=2 + EP layouts against TP=2, same shapes and requests (two GPUs)."""
+    shapes = (("qwen3", {**QWEN3_30B_A3B, "max_position_embeddings": 4096}), ("deepseek-v3-4L", DEEPSEEK_V3_CUT))
+    for name, cfg in shapes:
+        path = tempfile.mkdtemp()
+        with open(os.path.join(path, "config.json"), "w") as f:
+            json.dump(cfg, f)
+        for layout, kwargs in DP2EP_LAYOUTS.items():
+            t0 = time.perf_counter()
+            with LLM(path, device="cuda", load_format="dummy", max_model_len=4096, max_num_seqs=256,
+                     max_num_batched_tokens=8192, enable_prefix_caching=False, **kwargs) as llm:
+                start_s = time.perf_counter() - t0
+                r = decode_step(llm, 256, 512, 24)
+            r["start_s"] = start_s
+            results[f"{name}/{layout}/decode256"] = r
+            shown = {k: round(v, 3) if isinstance(v, float) else v for k, v in r.items()}
+            print(f"{name} {layout} decode256: {json.dumps(shown)}", flush=True)
+            torch.cuda.empty_cache()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("stages", nargs="+", choices=["parity", "qwen3", "eager", "families", "tp2", "recording"])
+    parser.add_argument("stages", nargs="+",
+                        choices=["parity", "qwen3", "eager", "families", "tp2", "recording", "dp2ep"])
     parser.add_argument("--checkpoints", nargs="*", default=[".gpu_ckpts/qwen3_moe", ".gpu_ckpts/deepseek_v3",
                                                              ".gpu_ckpts/llama4_mm"])
     parser.add_argument("--runs", nargs="*", default=["decode256", "tpot1", "tpot32", "tput_256x2048x512",
@@ -389,6 +423,8 @@ def main(argv: list[str] | None = None) -> int:
             elif stage == "recording":  # expert-load recording on, off, on again (the spread)
                 for i, record in enumerate((True, False, True, False)):
                     qwen3(results, eager=False, runs=["decode256", "tpot1"], record=record, tag_suffix=f"-{i // 2}")
+            elif stage == "dp2ep":
+                dp2ep(results)
             elif stage == "tp2":
                 parity(results, args.checkpoints[:1], tp=2)
                 for tp in (1, 2):

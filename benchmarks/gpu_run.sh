@@ -35,10 +35,13 @@
 #   vision        benchmarks/vision_encoder_gpu_bench.py: Scout's vision tower, 8-64 images, one GPU, and with
 #                 two GPUs mm_encoder_tp_mode weights vs data under TP=2 -> $OUT/vision_tp1.json, vision_tp2.json
 #   mm-cache      benchmarks/mm_processor_cache_bench.py on this host's CPUs -> $OUT/mm_processor_cache.json
+#   two-gpu       what needs two GPUs, in one call: ep-graphs, a2a-ll, vision (TP=2 pair), and the engine's
+#                 dp2ep stage (DP=2 + EP decode steps, low_latency with and without CUDA graphs, all_to_all,
+#                 against TP=2) -> $OUT/engine_dp2ep.json
 #   eplb          (two GPUs) benchmarks/eplb_gpu_bench.py: DP2+EP on the Qwen3-30B-A3B shape, a skewed workload,
 #                 balancedness and decode-step time before/after one EPLB rebalance (EPLB_ARGS adds flags) -> $OUT/eplb.json
 set -u
-OUT=${OUT:-gpu_out}
+export OUT=${OUT:-gpu_out}
 mkdir -p "$OUT"
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -108,6 +111,8 @@ for stage in "$@"; do
       step vision-tp1 timeout 240 python3 benchmarks/vision_encoder_gpu_bench.py --output-json "$OUT/vision_tp1.json"
       [ "$(nvidia-smi -L | wc -l)" -ge 2 ] && step vision-tp2 timeout 300 torchrun --nproc-per-node 2 \
            benchmarks/vision_encoder_gpu_bench.py --output-json "$OUT/vision_tp2.json" ;;
+    two-gpu) bash "$0" ep-graphs a2a-ll vision
+      step dp2ep timeout 590 python3 benchmarks/gpu_engine_bench.py dp2ep --out "$OUT/engine_dp2ep.json" ;;
     mm-cache) step mm-cache timeout 200 python3 benchmarks/mm_processor_cache_bench.py --out "$OUT/mm_processor_cache.json" ;;
     eplb) step eplb timeout 580 python3 benchmarks/eplb_gpu_bench.py --out "$OUT/eplb.json" ${EPLB_ARGS:-} ;;
     *) echo "unknown stage $stage" | tee -a "$LOG" ;;
