@@ -244,9 +244,8 @@ def profile_decode(llm: LLM, num_requests: int, prompt_len: int = 512, steps: in
     timers: dict[str, list[float]] = {}
     for obj, name, key in ((engine.scheduler, "schedule", "schedule"),
                            (engine.scheduler, "update_from_output", "update"),
-                           (runner, "_update_states", "runner_states"), (runner, "_batch", "runner_batch"),
+                           (runner, "_update_states", "runner_states"),
                            (runner, "_run_batch", "forward_launch"), (runner, "_sampling_batch", "sampling_batch"),
-                           (runner, "_upload", "upload"),
                            (engine.executor, "execute_model", "execute_model"), (engine, "step", "engine_step")):
         _wrap_timer(obj, name, key, timers)
     for _ in range(steps):
