@@ -14,6 +14,8 @@ appends exactly the tokens the driver drew, whatever the sampling parameters.
 On CUDA the step's inputs go through reused pinned/device buffers (moe/step_buffers.py,
 moe/step_inputs.py), attention runs the Triton kernels, and decode-only steps replay CUDA graphs
 captured at start-up (moe/cuda_graphs.py); elsewhere fresh tensors feed the torch references.
+Images: the encoder runs over the step's scheduled images and their features replace the image
+tokens' embeddings (moe/multimodal/encoder_runner.py); such steps run eagerly.
 """
 from __future__ import annotations
 
@@ -30,7 +32,7 @@ from moe.cuda_graphs import DecodeGraphs, default_capture_sizes
 from moe.distributed import get_parallel_state, pp_recv, pp_send
 from moe.expert_counters import ExpertLoadCounters
 from moe.moe_block import DispatchStep
-from moe.multimodal.shm_transport import pixels_of
+from moe.multimodal.encoder_runner import EncoderRunner
 from moe.sampler import SamplingBatch, sample
 from moe.step_buffers import StepBuffers
 from moe.step_inputs import RequestState, StepBatch, buffer_metadata, host_metadata, upload
@@ -71,8 +73,7 @@ class ModelRunner:
         self.eos_token_ids = list(eos_token_ids)
         self.vocab_size = vocab_size
         self.requests: dict[str, RequestState] = {}
-        # Requests holding image features (a step of theirs embeds them instead of ids).
-        self.requests_with_features: set[str] = set()
+        self.images = EncoderRunner(model, device)  # the vision encoder's side of a step
         self.block_tables: BlockTables | None = None  # made with the KV cache (its group count)
         self.kv_caches: list[torch.Tensor] = []
         ps = get_parallel_state()
@@ -129,7 +130,7 @@ class ModelRunner:
         self.kv_caches = []
         self.num_kv_groups = len(groups)
         self.requests.clear()  # their blocks belonged to the previous cache
-        self.requests_with_features.clear()
+        self.images.holding.clear()
         self.block_tables = BlockTables(len(groups))
         self.graphs = None  # captured over the previous cache tensors
         # The dummy batch writes to one extra block per group, never handed out by the scheduler.
@@ -183,7 +184,7 @@ class ModelRunner:
             attn.kv_cache = None
         self.kv_caches, self.graphs, self.buffers = [], None, None
         self.requests.clear()
-        self.requests_with_features.clear()
+        self.images.holding.clear()
 
     def kv_cache_chunk_sizes(self) -> list[int | None]:
         """Per attention layer of this rank: its chunked-local window, or None."""
@@ -196,13 +197,9 @@ class ModelRunner:
             state = self.requests.pop(req_id, None)
             if state is not None:
                 tables.remove(state.row)
-                self.requests_with_features.discard(req_id)
+                self.images.free(req_id, None)
         for req_id, index in so.free_encoder_inputs:
-            state = self.requests.get(req_id)
-            if state is not None:
-                state.encoder_outputs.pop(index, None)
-                if not state.encoder_outputs:
-                    self.requests_with_features.discard(req_id)
+            self.images.free(req_id, self.requests.get(req_id), index)
         for new in so.scheduled_new_reqs:
             self.requests[new.req_id] = RequestState(list(new.token_ids), new.num_prompt_tokens,
                                                      new.sampling_params, tables.add(new.block_ids),
@@ -262,52 +259,6 @@ class ModelRunner:
             if state is not None:
                 state.token_ids.extend(tokens)
 
-    # ---- images -------------------------------------------------------------------------
-    def _encode_images(self, so: SchedulerOutput) -> None:
-        """The encoder over every image scheduled this step, in one batch of tiles; each image's
-        features are kept in its request's state until the scheduler frees them."""
-        owners, pixels = [], []
-        for req_id, indices in so.scheduled_encoder_inputs.items():
-            state = self.requests[req_id]
-            self.requests_with_features.add(req_id)
-            for index in indices:
-                owners.append((state, index))
-                pixels.append(pixels_of(state.mm_items[index].pixel_values))  # shared memory is read here
-        features = self.model.encode_images(torch.cat(pixels).to(self.device, self.kv_dtype))
-        for (state, index), f in zip(owners, features.split([s.mm_items[i].num_embeds for s, i in owners])):
-            state.encoder_outputs[index] = f
-
-    def _inputs_embeds(self, batch: StepBatch, input_ids: torch.Tensor) -> torch.Tensor | None:
-        """The token embeddings with the image features at the image tokens of this step's chunks
-        (None when no chunk touches an image: the model embeds the ids itself)."""
-        rows, picks = [], []
-        for b, state in enumerate(batch.states):
-            if not state.encoder_outputs:
-                continue
-            start = state.num_computed_tokens
-            end, row0 = start + int(batch.num_tokens_B[b]), int(batch.query_start_loc[b])
-            for index, features in state.encoder_outputs.items():
-                positions = self._embed_positions(state, index)
-                inside = np.nonzero((positions >= start) & (positions < end))[0]
-                if len(inside):
-                    rows.append(positions[inside] - start + row0)
-                    picks.append(features[torch.from_numpy(inside).to(features.device)])
-        if not rows:
-            return None
-        embeds = self.model.embed_input_ids(input_ids)
-        embeds[torch.from_numpy(np.concatenate(rows)).to(embeds.device)] = torch.cat(picks).to(embeds.dtype)
-        return embeds
-
-    def _embed_positions(self, state: RequestState, index: int) -> np.ndarray:
-        """Prompt positions of an image's feature tokens (the model's image token inside its span)."""
-        item = state.mm_items[index]
-        span = np.asarray(state.token_ids[item.offset:item.end])
-        positions = item.offset + np.nonzero(span == self.model.image_token_id)[0]
-        if len(positions) != item.num_embeds:
-            raise ValueError(f"an image's span holds {len(positions)} image tokens, but its encoder gives "
-                             f"{item.num_embeds} features")
-        return positions
-
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                  inputs_embeds: torch.Tensor | None = None):
         """The model on this rank's stage: final hidden states [T, D] on the last stage, None on
@@ -342,7 +293,7 @@ class ModelRunner:
         if self.buffers is None or not self.buffers.fits(T, B, max(t.shape[1] for t in batch.tables)):
             meta = host_metadata(batch, self.device, self.block_size, device_fields=self.gpu_inputs)
             input_ids = torch.from_numpy(batch.input_ids_T).to(self.device)
-            embeds = self._inputs_embeds(batch, input_ids) if with_images else None
+            embeds = self.images.inputs_embeds(batch, input_ids) if with_images else None
             return self._forward(input_ids, torch.from_numpy(batch.positions_T).to(self.device), meta, embeds)
         replayable = batch.decode_only and self.graphs is not None and not with_images and (
             not self.graphs_need_capacity or self.dispatch_step.max_tokens <= self.dispatch_step.capacity)
@@ -351,7 +302,7 @@ class ModelRunner:
         if padded is not None:
             return self.graphs.replay(padded)[:B]
         input_ids = self.buffers.dev_view("input_ids", T)
-        embeds = self._inputs_embeds(batch, input_ids) if with_images else None
+        embeds = self.images.inputs_embeds(batch, input_ids) if with_images else None
         return self._forward(input_ids, self.buffers.dev_view("positions", T), meta, embeds)
 
     @torch.inference_mode()
@@ -376,8 +327,8 @@ class ModelRunner:
         with_images = False
         if self.is_first_stage:  # images are embedded where the token embeddings are
             if so.scheduled_encoder_inputs:
-                self._encode_images(so)
-            with_images = bool(self.requests_with_features)
+                self.images.encode(so, self.requests, self.kv_dtype)
+            with_images = bool(self.images.holding)
         hidden = self._run_batch(batch, with_images=with_images)
         out = ModelRunnerOutput()
         sample_rows = batch.sample_rows
