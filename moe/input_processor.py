@@ -48,6 +48,9 @@ class InputProcessor:
         self._chat_template: ChatTemplate | None | bool = False  # False: not loaded yet
         self._images = None  # moe.multimodal.processing.ImageProcessing, made at the first image
         self.metrics = None  # EngineMetrics: processor-cache lookups are counted there when set
+        # moe serve with one engine core: the IPC cache's sender, whose keys stand for the pixels
+        # the core holds (this process then keeps no pixels of its own between requests).
+        self.ipc_sender = None
 
     @property
     def images(self):
@@ -59,6 +62,8 @@ class InputProcessor:
             args = self.info.args
             self._images = ImageProcessing(self.info.model_path, self.tokenizer, self.info.image_limit,
                                            args.mm_processor_cache_gb, self.info.model_config.vision.image_size)
+            if self.ipc_sender is not None:
+                self._images.use_keys_only(self.ipc_sender)
         return self._images
 
     def process_prompt(self, prompt) -> ProcessedPrompt:
@@ -73,14 +78,13 @@ class InputProcessor:
 
     def _process_images(self, prompt_token_ids: list[int], mm_data) -> tuple[list[int], list]:
         images = self.images
-        cache = images.cache
-        queries, hits = cache.queries, cache.hits
+        queries, hits = images.queries, images.hits
         try:
             return images.process(prompt_token_ids, mm_data)
         finally:
             if self.metrics is not None:
-                self.metrics.mm_cache_queries.inc(cache.queries - queries)
-                self.metrics.mm_cache_hits.inc(cache.hits - hits)
+                self.metrics.mm_cache_queries.inc(images.queries - queries)
+                self.metrics.mm_cache_hits.inc(images.hits - hits)
 
     def _tokenize(self, prompt) -> ProcessedPrompt:
         text = None

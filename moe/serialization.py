@@ -86,7 +86,8 @@ def pack_request(req: CoreRequest, ipc: SenderCache | None = None, shm: ShmSende
         if placed is not None:
             packed = {"shm": placed}
         else:
-            pixels = m.pixel_values if ipc is None else ipc.prepare(m.mm_hash, m.pixel_values)
+            pixels = m.pixel_values if ipc is None else ipc.prepare(
+                m.mm_hash, m.pixel_values, (tuple(m.pixel_values.shape), m.pixel_values.dtype, m.layout))
             packed = None if pixels is None else pack_tensor(pixels)
         images.append([m.mm_hash, m.offset, m.length, m.num_embeds, packed])
     return [req.request_id, req.prompt_token_ids, req.max_tokens, list(req.eos_token_ids),

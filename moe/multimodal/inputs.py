@@ -21,6 +21,10 @@ class ImageItem:
     length: int                  # how many prompt tokens the image spans (through <|image_end|>)
     num_embeds: int              # how many of them take encoder features (tiles x tokens per tile)
     pixel_values: torch.Tensor   # [tiles, C, H, W] as the processor made them (bf16 for Llama-4)
+    # API side only (never sent): the tile layout (rows, cols) and the image as given, so that an
+    # image the engine core no longer holds can be processed again (keys-only IPC cache).
+    layout: tuple[int, int] | None = None
+    source: object = None
 
     @property
     def end(self) -> int:

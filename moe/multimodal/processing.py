@@ -10,14 +10,15 @@ from __future__ import annotations
 import json
 import os
 
+import torch
 from PIL import Image
 
 from moe.multimodal.hashing import hash_encoded_image, hash_image
 from moe.multimodal.images import load_image
 from moe.multimodal.inputs import ImageItem, check_items_in_prompt
-from moe.multimodal.llama4_image_processor import Llama4ImageProcessor
+from moe.multimodal.llama4_image_processor import Llama4ImageProcessor, ProcessedImage
 from moe.multimodal.llama4_prompt import Llama4ImageTokens
-from moe.multimodal.processor_cache import ProcessorCache
+from moe.multimodal.processor_cache import ProcessorCache, SenderCache
 
 GiB = 1 << 30
 
@@ -52,6 +53,15 @@ class ImageProcessing:
                                                                                           "processor_config.json")))
         self.processor_kwargs = self.processor.processor_kwargs()
         self.cache = ProcessorCache(int(cache_gb * GiB))
+        # Keys-only mode (moe serve, one engine core, mm_processor_cache_type "lru"): the engine
+        # core holds the pixels and this side keeps only the IPC cache's keys and layouts.
+        self.keys_only: SenderCache | None = None
+        self.queries = self.hits = 0  # lookups of processed images, and those that skipped the processor
+
+    def use_keys_only(self, sender: SenderCache) -> None:
+        """Keep only keys and layouts here (the core's side of `sender` holds the pixels)."""
+        self.keys_only = sender
+        self.cache = ProcessorCache(0)
 
     def process(self, prompt_token_ids: list[int], mm_data) -> tuple[list[int], list[ImageItem]]:
         raw = images_of(mm_data)
@@ -76,11 +86,19 @@ class ImageProcessing:
             processed.append(item)
             hashes.append(key)
         ids, placeholders = self.tokens.expand_image_placeholders(prompt_token_ids, processed)
-        items = [ImageItem(h, p.offset, p.length, p.num_embeds, img.pixel_values)
-                 for h, p, img in zip(hashes, placeholders, processed)]
+        items = [ImageItem(h, p.offset, p.length, p.num_embeds, img.pixel_values, img.aspect_ratio,
+                           source=obj if self.keys_only is not None else None)
+                 for h, p, img, obj in zip(hashes, placeholders, processed, raw)]
         check_items_in_prompt(items, len(ids))
         return ids, items
 
+    def restore_evicted(self, items: list[ImageItem], sender: SenderCache) -> None:
+        """Keys-only mode, right before sending: an image processed as a hit (its pixels a shape on
+        the meta device) whose key the engine core has evicted since, because other requests were
+        sent in between, is processed again from the image as it was given."""
+        for item in items:
+            if item.pixel_values.is_meta and item.mm_hash not in sender:
+                item.pixel_values = self.processor([load_image(item.source)])[0].pixel_values
 
     def _cached(self, obj) -> tuple[str | None, object]:
         """(the image's key, its processed form if cached). Encoded images (bytes, data URLs) are
@@ -93,7 +111,18 @@ class ImageProcessing:
             key = hash_encoded_image(obj.strip().encode(), self.model_id, self.processor_kwargs)
         else:
             return None, None
-        return key, self.cache.get(key)
+        return key, self._lookup(key)
+
+    def _lookup(self, key: str) -> ProcessedImage | None:
+        self.queries += 1
+        if self.keys_only is not None:
+            meta = self.keys_only.metadata(key)  # (shape, dtype, layout) of pixels the core holds
+            item = None if meta is None else ProcessedImage(torch.empty(meta[0], dtype=meta[1], device="meta"),
+                                                            meta[2])
+        else:
+            item = self.cache.get(key)
+        self.hits += item is not None
+        return item
 
 
 def _read_json(path: str) -> dict:

@@ -180,15 +180,21 @@ class SenderCache(_Counted):
     def total_bytes(self) -> int:
         return self._lru.total_bytes
 
-    def prepare(self, key: Hashable, item: Any) -> Any | None:
+    def prepare(self, key: Hashable, item: Any, meta: Any = None) -> Any | None:
         """What to send for this image: None when the receiver holds `key` (send only the key),
-        else `item` itself (the receiver will store it if it fits). Call once per image, in send order."""
+        else `item` itself (the receiver will store it if it fits). Call once per image, in send order.
+        meta: small data kept with the key (what the API side needs of an item it no longer holds)."""
         self.queries += 1
         if self._lru.touch(key) is not None:
             self.hits += 1
             return None
-        self._lru.insert(key, None, self._size_fn(item))
+        self._lru.insert(key, meta, self._size_fn(item))
         return item
+
+    def metadata(self, key: Hashable) -> Any | None:
+        """The meta kept with `key` (None when absent); no LRU update, no counting."""
+        entry = self._lru._entries.get(key)
+        return None if entry is None else entry[0]
 
     def clear(self) -> None:
         """Forget every key (clear the receiver at the same point of the message stream)."""

@@ -55,6 +55,8 @@ class AsyncLLM:
         self.clients = [CoreProcessClient(args, partial(self._on_result, i), partial(self._on_stats, i), self._on_dead,
                                           address, pid, proc)
                         for i, (address, pid, proc) in enumerate(zip(core_addresses, core_pids, procs))]
+        if len(self.clients) == 1:  # one core: this process keeps only the keys of the images it holds
+            self.input.ipc_sender = self.clients[0].ipc_cache
         self._core_stats = [SchedulerStats() for _ in self.clients]
         self._sent_since_stats = [0] * len(self.clients)
         self._core_of: dict[str, int] = {}  # request id -> the core running it
@@ -132,6 +134,8 @@ class AsyncLLM:
         if ipc is None or not any(r.mm_items for r in core_requests):
             client.add_requests(core_requests)
             return
+        if client.shm is None and self.input.ipc_sender is not None:  # nothing awaits from here to the send
+            self.input.images.restore_evicted([m for r in core_requests for m in r.mm_items], client.ipc_cache)
         queries, hits = ipc.queries, ipc.hits
         client.add_requests(core_requests)
         self.metrics.mm_ipc_cache_queries.inc(ipc.queries - queries)
