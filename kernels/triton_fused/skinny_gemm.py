@@ -63,7 +63,7 @@ def skinny_config(M: int, N: int, K: int, elem_bytes: int = 2, num_sms: int = DE
     use_dot = M > 4
     tile_bytes = 8192
     if use_dot:
-        block_k = min(triton.next_power_of_2(K), 512 // elem_bytes)
+        block_k = max(16, min(triton.next_power_of_2(K), 512 // elem_bytes))  # tl.dot needs K >= 16
         block_n = 16
         num_warps, num_stages = 4, 4
     else:
