@@ -68,7 +68,7 @@ def skinny_config(M: int, N: int, K: int, elem_bytes: int = 2, num_sms: int = DE
         num_warps, num_stages = 4, 4
     else:
         block_k = min(triton.next_power_of_2(K), 4096 // elem_bytes)
-        block_n = max(1, _pow2_floor(tile_bytes // (block_k * elem_bytes)))
+        block_n = max(1, min(_pow2_floor(tile_bytes // (block_k * elem_bytes)), triton.next_power_of_2(N)))
         num_warps, num_stages = 4, 3
     n_blocks = triton.cdiv(N, block_n)
     k_steps = triton.cdiv(K, block_k)
