@@ -7,6 +7,9 @@ Legend: M rows of x (batch), N output features, K input features; T tokens, K to
         [--models qwen3 deepseek llama4] [--ms 1 2 4 8 16] [--sweep none|small|full]
     python benchmarks/bench_skinny.py --device cpu --tiny      # smoke run (TRITON_INTERPRET=1)
 
+The full default run (3 models x 5 M x ~14 configs, each compiled once) may take several
+minutes; split it with --models (one model per command) if a command has a time limit.
+
 Linear shapes (bf16 weights [N, K]): Qwen3-30B-A3B at TP=1 and TP=2, DeepSeek-V3 (MLA
 projections, router, shared expert; q_b / kv_b / o_proj at TP=8) from moe/bench/common.py, and
 Llama-4 Scout's dense layers. For every (shape, M):
@@ -154,7 +157,7 @@ class Timer:
         with torch.cuda.graph(graph):
             for c in calls:
                 c()
-        us = self.do_bench(graph.replay, warmup=10, rep=50, return_mode="median") * 1e3 / len(calls)
+        us = self.do_bench(graph.replay, warmup=5, rep=25, return_mode="median") * 1e3 / len(calls)
         del graph
         return us
 
@@ -162,7 +165,7 @@ class Timer:
         if not self.cuda:
             fn()
             return None
-        return self.do_bench(fn, warmup=10, rep=50, return_mode="median") * 1e3
+        return self.do_bench(fn, warmup=5, rep=25, return_mode="median") * 1e3
 
 
 def cold_calls(torch, w, x, fn):
@@ -284,7 +287,8 @@ def main(argv=None):
                 linear_rows.append(r)
                 print(f"{model:<14}{layer:<20}{M:>3}{N:>7}{K:>7}{r['floor_us']:>7.2f}{fmt(r['cublas_graph_us']):>8}"
                       f"{fmt(r['skinny_graph_us']):>8}{fmt(r['best_graph_us']):>8}{fmt(r['cublas_event_us']):>9}"
-                      f"{fmt(r['skinny_event_us']):>9}  {config_str(r['best_config'])}", flush=True)
+                      f"{fmt(r['skinny_event_us']):>9}  {config_str(r['best_config'])}  [{time.time() - start:.0f} s]",
+                      flush=True)
             if args.device == "cuda":
                 torch.cuda.empty_cache()
         print(f"\n{'moe_sum T':<10}{'K':>3}{'D':>6}{'torch':>8}{'triton':>8}{'torchev':>9}{'tritonev':>9}")
