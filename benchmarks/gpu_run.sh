@@ -85,7 +85,7 @@ for stage in "$@"; do
     gpu-tests) step gpu-tests timeout 300 python3 -m pytest -q -p no:cacheprovider -n 4 \
            tests/kernels/test_triton_attention.py tests/kernels/test_triton_mla.py \
            tests/kernels/test_triton_fused.py tests/kernels/test_vllm_kernel_adapter.py tests/moe/test_cuda_graphs.py \
-           tests/kernels/test_expert_count.py tests/moe/test_expert_load.py ;;
+           tests/kernels/test_expert_count.py tests/moe/test_expert_load.py tests/kernels/test_triton_skinny.py ;;
     bench-attn) step bench-attn timeout 200 python3 benchmarks/bench_attention.py --out "$OUT/attention.json" ;;
     bench-fused) step bench-fused timeout 150 python3 benchmarks/bench_fused.py --out "$OUT/fused.json" ;;
     kernel-vllm) step kernel-vllm timeout 240 python3 -m moe.bench.kernel --no-baselines --no-deepspeed \

@@ -12,10 +12,14 @@ import os
 import torch
 import triton
 
+from kernels.triton_fused.moe_sum import moe_sum
 from kernels.triton_moe.align import align_tokens
 from kernels.triton_moe.config import get_config, split_config
 from kernels.triton_moe.gemm import down_kernel, gate_up_kernel
 from kernels.triton_moe.quant import FP8_DTYPE, per_token_group_quant_fp8
+
+
+MOE_SUM_MAX_TOKENS = 256  # measured up to here
 
 
 def _run(x_TD, w13_EFD, w2_EDF, topk_weights_TK, topk_ids_TK, expert_map_E, cfg,
@@ -91,6 +95,8 @@ def _run(x_TD, w13_EFD, w2_EDF, topk_weights_TK, topk_ids_TK, expert_map_E, cfg,
         return out.to(out_dtype)  # no copy for fp32
     if K == 1:
         return out
+    if T <= MOE_SUM_MAX_TOKENS:  # one Triton launch, faster than torch's reduction there (BENCHMARKS.md §3)
+        return moe_sum(out.view(T, K, D))
     return out.view(T, K, D).sum(dim=1)  # accumulates in fp32 for half types
 
 

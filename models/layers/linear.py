@@ -8,8 +8,24 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels.triton_fused import fused_kernels_serve
 from models.layers.weights import ReplicatedLoader, Shard, ShardedLoader, attach_loader, new_param
 from moe.distributed import get_parallel_state, tp_all_gather_last_dim, tp_all_reduce
+
+
+def skinny_wins(M: int, N: int) -> bool:
+    """Where the skinny Triton GEMM (kernels/triton_fused/skinny_gemm.py) measured faster than
+    cuBLAS on an H200 in CUDA-graph replay (BENCHMARKS.md §3; Qwen3-30B-A3B's projections at TP 1
+    and 2): 1 or 2 rows, and up to 4 rows of a narrow output (the router). Elsewhere cuBLAS wins."""
+    return M <= 2 or (M <= 4 and N <= 256)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear; on CUDA with Triton, the skinny GEMM for the decode batch sizes where it wins."""
+    if x.is_cuda and x.dim() == 2 and skinny_wins(x.shape[0], weight.shape[0]) and fused_kernels_serve(x):
+        from kernels.triton_fused.skinny_gemm import skinny_linear
+        return skinny_linear(x, weight, bias)
+    return F.linear(x, weight, bias)
 
 
 def _divide(total: int, parts: int, what: str) -> int:
@@ -25,7 +41,7 @@ class ReplicatedLinear(nn.Module):
         self.bias = attach_loader(new_param(out_features), ReplicatedLoader((out_features,))) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
 
 
 class ColumnParallelLinear(nn.Module):
@@ -52,7 +68,7 @@ class ColumnParallelLinear(nn.Module):
         self.bias = attach_loader(new_param(out_local), ShardedLoader((out_local,), 0, shards)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight, self.bias)
+        y = linear(x, self.weight, self.bias)
         return tp_all_gather_last_dim(y) if self.gather_output else y
 
 
@@ -100,7 +116,7 @@ class RowParallelLinear(nn.Module):
         self.bias = attach_loader(new_param(out_features), ReplicatedLoader((out_features,))) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)
+        y = linear(x, self.weight)
         if self.reduce_results:
             y = tp_all_reduce(y)
         if self.bias is not None:
