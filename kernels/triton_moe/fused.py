@@ -19,7 +19,8 @@ from kernels.triton_moe.gemm import down_kernel, gate_up_kernel
 from kernels.triton_moe.quant import FP8_DTYPE, per_token_group_quant_fp8
 
 
-MOE_SUM_MAX_TOKENS = 256  # measured up to here
+# moe_sum up to this many tokens (measured up to here); MOE_SUM_KERNEL=0 keeps torch's sum (A/B runs).
+MOE_SUM_MAX_TOKENS = 256 if os.environ.get("MOE_SUM_KERNEL", "1") != "0" else 0
 
 
 def _run(x_TD, w13_EFD, w2_EDF, topk_weights_TK, topk_ids_TK, expert_map_E, cfg,

@@ -4,6 +4,8 @@ Weights are [out, in] as in Hugging Face checkpoints; each rank loads only its s
 """
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -11,6 +13,10 @@ from torch import nn
 from kernels.triton_fused import fused_kernels_serve
 from models.layers.weights import ReplicatedLoader, Shard, ShardedLoader, attach_loader, new_param
 from moe.distributed import get_parallel_state, tp_all_gather_last_dim, tp_all_reduce
+
+
+# MOE_SKINNY_GEMM=0 keeps cuBLAS everywhere (for A/B runs).
+_SKINNY = os.environ.get("MOE_SKINNY_GEMM", "1") != "0"
 
 
 def skinny_wins(M: int, N: int) -> bool:
@@ -22,7 +28,7 @@ def skinny_wins(M: int, N: int) -> bool:
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear; on CUDA with Triton, the skinny GEMM for the decode batch sizes where it wins."""
-    if x.is_cuda and x.dim() == 2 and skinny_wins(x.shape[0], weight.shape[0]) and fused_kernels_serve(x):
+    if _SKINNY and x.is_cuda and x.dim() == 2 and skinny_wins(x.shape[0], weight.shape[0]) and fused_kernels_serve(x):
         from kernels.triton_fused.skinny_gemm import skinny_linear
         return skinny_linear(x, weight, bias)
     return F.linear(x, weight, bias)
