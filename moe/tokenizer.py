@@ -8,7 +8,7 @@ import os
 from tokenizers import Tokenizer as _HFTokenizer
 
 
-def _read_json(path: str) -> dict:
+def read_json(path: str) -> dict:
     if not os.path.isfile(path):
         return {}
     try:
@@ -38,7 +38,7 @@ class Tokenizer:
         except Exception as e:  # the tokenizers library's message does not name the file
             raise ValueError(f"cannot load the tokenizer {file} ({e}): is it truncated or corrupt? "
                              "Download it again") from None
-        config = _read_json(os.path.join(self.path, "tokenizer_config.json"))
+        config = read_json(os.path.join(self.path, "tokenizer_config.json"))
         eos = config.get("eos_token")
         if isinstance(eos, dict):
             eos = eos.get("content")
@@ -70,7 +70,7 @@ def load_tokenizer(path: str | None) -> Tokenizer | None:
 
 def eos_token_ids(model_dir: str, tokenizer: Tokenizer | None, config_eos: list[int]) -> tuple[int, ...]:
     """EOS ids: generation_config.json first (it may list several), then config.json, then the tokenizer."""
-    gen = _as_list(_read_json(os.path.join(model_dir, "generation_config.json")).get("eos_token_id"))
+    gen = _as_list(read_json(os.path.join(model_dir, "generation_config.json")).get("eos_token_id"))
     ids = gen or list(config_eos)
     if not ids and tokenizer is not None and tokenizer.eos_token_id is not None:
         ids = [tokenizer.eos_token_id]

@@ -7,7 +7,6 @@ cache, keyed by the image's hash), and expand the placeholders into the image's 
 """
 from __future__ import annotations
 
-import json
 import os
 
 import torch
@@ -19,6 +18,7 @@ from moe.multimodal.inputs import ImageItem, check_items_in_prompt
 from moe.multimodal.llama4_image_processor import Llama4ImageProcessor, ProcessedImage
 from moe.multimodal.llama4_prompt import Llama4ImageTokens
 from moe.multimodal.processor_cache import ProcessorCache, SenderCache
+from moe.tokenizer import read_json
 
 GiB = 1 << 30
 
@@ -49,7 +49,7 @@ class ImageProcessing:
             raise ValueError(f"the image processor makes {self.processor.tile_size}-pixel tiles "
                              f"(preprocessor_config.json 'size', transformers' default when the file is missing), "
                              f"but the vision tower takes {tile_size}-pixel images (vision_config.image_size)")
-        self.tokens = Llama4ImageTokens.from_tokenizer(tokenizer, _read_json(os.path.join(model_path,
+        self.tokens = Llama4ImageTokens.from_tokenizer(tokenizer, read_json(os.path.join(model_path,
                                                                                           "processor_config.json")))
         self.processor_kwargs = self.processor.processor_kwargs()
         self.cache = ProcessorCache(int(cache_gb * GiB))
@@ -78,11 +78,8 @@ class ImageProcessing:
                     image = load_image(obj)
                 except ValueError as e:
                     raise ValueError(f"image {i} of the prompt: {e}") from None
-                if key is None:  # a PIL image: keyed by its pixels
-                    key, item = self._cached(image)
-                if item is None:
-                    item = self.processor([image])[0]
-                    self.cache.put(key, item)
+                item = self.processor([image])[0]
+                self.cache.put(key, item)
             processed.append(item)
             hashes.append(key)
         ids, placeholders = self.tokens.expand_image_placeholders(prompt_token_ids, processed)
@@ -102,7 +99,8 @@ class ImageProcessing:
 
     def _cached(self, obj) -> tuple[str | None, object]:
         """(the image's key, its processed form if cached). Encoded images (bytes, data URLs) are
-        keyed by their bytes, so a hit skips decoding too; a PIL image by its pixels; else None."""
+        keyed by their bytes, so a hit skips decoding too; a PIL image by its pixels; anything else
+        (which load_image then refuses) by nothing."""
         if isinstance(obj, Image.Image):
             key = hash_image(obj, self.model_id, self.processor_kwargs)
         elif isinstance(obj, (bytes, bytearray, memoryview)):
@@ -124,9 +122,3 @@ class ImageProcessing:
         self.hits += item is not None
         return item
 
-
-def _read_json(path: str) -> dict:
-    if not os.path.isfile(path):
-        return {}
-    with open(path) as f:
-        return json.load(f)
