@@ -11,7 +11,6 @@ Legend: T tiles, C channels (3), H/W heights/widths in pixels, N batch of 1.
 """
 from __future__ import annotations
 
-import json
 import math
 import os
 from dataclasses import dataclass
@@ -21,6 +20,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from PIL import Image
+
+from moe.tokenizer import read_json
 
 # PIL resampling codes (what preprocessor_config.json stores) -> torch interpolate modes.
 _RESAMPLE_MODES = {2: "bilinear", 3: "bicubic"}
@@ -143,16 +144,7 @@ class Llama4ImageProcessor:
 
     @classmethod
     def from_pretrained(cls, folder: str, native_uint8_resize: bool | None = None) -> Llama4ImageProcessor:
-        path = os.path.join(folder, "preprocessor_config.json")
-        config = {}
-        if os.path.isfile(path):
-            try:
-                with open(path) as f:
-                    config = json.load(f)
-            except (json.JSONDecodeError, UnicodeDecodeError) as e:
-                raise ValueError(f"{path} is not valid JSON ({e})") from None
-            if not isinstance(config, dict):
-                raise ValueError(f"{path} must hold a JSON object, got {type(config).__name__}")
+        config = read_json(os.path.join(folder, "preprocessor_config.json"))  # {} when absent
         return cls(config, native_uint8_resize=native_uint8_resize)
 
     def processor_kwargs(self) -> dict:

@@ -68,6 +68,10 @@ class _SizedLRU:
         self.total_bytes = 0
         self._entries: OrderedDict[Hashable, tuple[Any, int]] = OrderedDict()
 
+    def peek(self, key: Hashable) -> tuple[Any, int] | None:
+        """The entry of `key` without moving it; None when absent."""
+        return self._entries.get(key)
+
     def touch(self, key: Hashable) -> tuple[Any, int] | None:
         """The entry of `key`, moved to the most-recently-used end; None when absent."""
         entry = self._entries.get(key)
@@ -120,10 +124,8 @@ class _Counted:
         return self.hits / self.queries if self.queries else 0.0
 
 
-class ProcessorCache(_Counted):
-    """LRU of key -> processed item, bounded by the items' total size (size_fn, default tensor bytes).
-
-    capacity_bytes 0 turns it off: every get misses, nothing is stored."""
+class _SizedCache(_Counted):
+    """What the three caches share: an LRU bounded by size_fn(item) bytes (default: tensor bytes)."""
 
     def __init__(self, capacity_bytes: int, size_fn: Callable[[Any], int] = tensor_nbytes) -> None:
         self._lru = _SizedLRU(capacity_bytes)
@@ -136,6 +138,26 @@ class ProcessorCache(_Counted):
     @property
     def total_bytes(self) -> int:
         return self._lru.total_bytes
+
+    def clear(self) -> None:
+        """Forget everything (a sender and its receiver are cleared at the same point of their stream)."""
+        self._lru.clear()
+
+    def keys(self) -> list:
+        """Keys from least to most recently used."""
+        return self._lru.keys()
+
+    def __contains__(self, key: Hashable) -> bool:  # no LRU update, no counting
+        return key in self._lru
+
+    def __len__(self) -> int:
+        return len(self._lru)
+
+
+class ProcessorCache(_SizedCache):
+    """LRU of key -> processed item, bounded by the items' total size (size_fn, default tensor bytes).
+
+    capacity_bytes 0 turns it off: every get misses, nothing is stored."""
 
     def get(self, key: Hashable) -> Any | None:
         """The item of `key` (now most recently used), or None; counts a query (and a hit)."""
@@ -151,34 +173,9 @@ class ProcessorCache(_Counted):
         (cache off, or the item alone is larger than the capacity)."""
         return self._lru.insert(key, item, self._size_fn(item))
 
-    def clear(self) -> None:
-        self._lru.clear()
 
-    def keys(self) -> list:
-        """Keys from least to most recently used."""
-        return self._lru.keys()
-
-    def __contains__(self, key: Hashable) -> bool:  # no LRU update, no counting
-        return key in self._lru
-
-    def __len__(self) -> int:
-        return len(self._lru)
-
-
-class SenderCache(_Counted):
-    """The API-process half of the IPC pair: keys and sizes only, no items (see the module doc)."""
-
-    def __init__(self, capacity_bytes: int, size_fn: Callable[[Any], int] = tensor_nbytes) -> None:
-        self._lru = _SizedLRU(capacity_bytes)
-        self._size_fn = size_fn
-
-    @property
-    def capacity_bytes(self) -> int:
-        return self._lru.capacity_bytes
-
-    @property
-    def total_bytes(self) -> int:
-        return self._lru.total_bytes
+class SenderCache(_SizedCache):
+    """The API-process half of the IPC pair: keys, sizes and small metadata, no items (see the module doc)."""
 
     def prepare(self, key: Hashable, item: Any, meta: Any = None) -> Any | None:
         """What to send for this image: None when the receiver holds `key` (send only the key),
@@ -193,37 +190,12 @@ class SenderCache(_Counted):
 
     def metadata(self, key: Hashable) -> Any | None:
         """The meta kept with `key` (None when absent); no LRU update, no counting."""
-        entry = self._lru._entries.get(key)
+        entry = self._lru.peek(key)
         return None if entry is None else entry[0]
 
-    def clear(self) -> None:
-        """Forget every key (clear the receiver at the same point of the message stream)."""
-        self._lru.clear()
 
-    def keys(self) -> list:
-        return self._lru.keys()
-
-    def __contains__(self, key: Hashable) -> bool:
-        return key in self._lru
-
-    def __len__(self) -> int:
-        return len(self._lru)
-
-
-class ReceiverCache(_Counted):
+class ReceiverCache(_SizedCache):
     """The engine-core half of the IPC pair: holds the items the sender believes it holds."""
-
-    def __init__(self, capacity_bytes: int, size_fn: Callable[[Any], int] = tensor_nbytes) -> None:
-        self._lru = _SizedLRU(capacity_bytes)
-        self._size_fn = size_fn
-
-    @property
-    def capacity_bytes(self) -> int:
-        return self._lru.capacity_bytes
-
-    @property
-    def total_bytes(self) -> int:
-        return self._lru.total_bytes
 
     def resolve(self, key: Hashable, item: Any | None) -> Any:
         """The item of this image: `item` when the sender sent it (stored here if it fits), else the
@@ -241,14 +213,3 @@ class ReceiverCache(_Counted):
         self._lru.insert(key, item, self._size_fn(item))
         return item
 
-    def clear(self) -> None:
-        self._lru.clear()
-
-    def keys(self) -> list:
-        return self._lru.keys()
-
-    def __contains__(self, key: Hashable) -> bool:
-        return key in self._lru
-
-    def __len__(self) -> int:
-        return len(self._lru)
