@@ -230,3 +230,20 @@ def test_prefix_cache_shares_blocks_only_for_the_same_image(tmp_path):
     np.testing.assert_allclose(ours(again)[1], ours(first)[1], atol=1e-5, rtol=0)
     assert ours(other)[0] == reference(hf, llm, image_prompt("the same words before it", [dog]))[0]
     llm.shutdown()
+
+
+@pytest.mark.parametrize("layout", [dict(data_parallel_size=2), dict(pipeline_parallel_size=2),
+                                    dict(data_parallel_size=2, enable_expert_parallel=True)])
+def test_parallel_layouts_with_images_match_one_process(ckpt, llm, layout):
+    """Data-parallel replicas (each with its own encoder budget), pipeline stages (the first one
+    encodes and embeds), and DP + expert parallelism: the one-process tokens and logprobs."""
+    import os
+    os.environ.setdefault("MOE_COLLECTIVE_TIMEOUT_S", "60")
+    prompts = [image_prompt("a", [picture(100, 170, 6), picture(60, 60, 7)]), "text only",
+               image_prompt("b", [picture(70, 40, 13)]), image_prompt("c", [picture(56, 56, 2)])]
+    want = [ours(o) for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+    with make_llm(ckpt, max_num_batched_tokens=16, **layout) as par:
+        got = [ours(o) for o in par.generate(prompts, GREEDY, use_tqdm=False)]
+    for (want_tokens, want_lps), (got_tokens, got_lps) in zip(want, got):
+        assert got_tokens == want_tokens
+        np.testing.assert_allclose(got_lps, want_lps, atol=2e-4, rtol=0)
