@@ -39,6 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels.triton_fused import fused_kernels_serve
 from models.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from models.layers.weights import ReplicatedLoader, attach_loader, new_param
 from moe.distributed import get_parallel_state, tp_all_gather_rows, tp_row_chunk
@@ -232,10 +233,27 @@ class VisionAttention(nn.Module):
     def forward(self, x_NSD: torch.Tensor, cos_Sh: torch.Tensor, sin_Sh: torch.Tensor) -> torch.Tensor:
         def heads(t: torch.Tensor) -> torch.Tensor:  # [N, S, H*d (local)] -> [N, H, S, d]
             return t.unflatten(-1, (self.num_heads, self.head_dim)).transpose(1, 2)
-        q, k, v = heads(self.q_proj(x_NSD)), heads(self.k_proj(x_NSD)), heads(self.v_proj(x_NSD))
-        q, k = apply_pair_rotation(q, cos_Sh, sin_Sh), apply_pair_rotation(k, cos_Sh, sin_Sh)
+        q_NSD, k_NSD, v = self.q_proj(x_NSD), self.k_proj(x_NSD), heads(self.v_proj(x_NSD))
+        if fused_kernels_serve(x_NSD):
+            q, k = self._rotate_triton(q_NSD, k_NSD, cos_Sh, sin_Sh)
+        else:
+            q, k = apply_pair_rotation(heads(q_NSD), cos_Sh, sin_Sh), apply_pair_rotation(heads(k_NSD), cos_Sh, sin_Sh)
         out_NHSd = F.scaled_dot_product_attention(q, k, v, is_causal=False)  # every patch sees its whole tile
         return self.o_proj(out_NHSd.transpose(1, 2).flatten(2))
+
+
+    def _rotate_triton(self, q_NSD: torch.Tensor, k_NSD: torch.Tensor, cos_Sh: torch.Tensor,
+                       sin_Sh: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """apply_pair_rotation of q and k in one Triton launch (the interleaved rotary kernel of the
+        text models, each tile's position s indexing the 2-D angle table; the same fp32 arithmetic
+        without contraction, so the same bits): [N, S, H*d] -> [N, H, S, d] views."""
+        from kernels.triton_fused.rope import rope_triton
+
+        (N, S, _), H, d = q_NSD.shape, self.num_heads, self.head_dim
+        positions = torch.arange(S, device=q_NSD.device, dtype=torch.int32).repeat(N)
+        q, k = rope_triton(positions, q_NSD.reshape(N * S, H, d), k_NSD.reshape(N * S, H, d), cos_Sh, sin_Sh,
+                           d, is_neox_style=False)
+        return q.view(N, S, H, d).transpose(1, 2), k.view(N, S, H, d).transpose(1, 2)
 
 
 class VisionMLP(nn.Module):
