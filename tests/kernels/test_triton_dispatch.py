@@ -7,7 +7,6 @@ Kernel outputs start poisoned (-7 / NaN) so an element never written shows.
 """
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
@@ -15,11 +14,7 @@ import torch
 import kernels.triton_dispatch.ops as ops
 from kernels.triton_dispatch import reference as ref
 
-CUDA = torch.cuda.is_available()
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-needs_triton_device = pytest.mark.skipif(not (CUDA or INTERPRET), reason="no GPU and TRITON_INTERPRET is not set")
-needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a GPU")
-DEV = "cuda" if CUDA else "cpu"
+from tests.kernels.triton_marks import needs_triton_device, needs_cuda, DEV  # noqa: E402
 
 # (T, K, E, P, C): empty, capacity exactly T, T not a power of two, more tokens than BLOCK_T.
 SHAPES = [(0, 2, 8, 2, 4), (5, 2, 8, 2, 5), (7, 3, 12, 4, 9), (13, 1, 4, 4, 13), (150, 4, 16, 2, 160)]

@@ -10,7 +10,6 @@ allocated through a poisoned torch.empty (NaN / -7), so an element never written
 """
 from __future__ import annotations
 
-import os
 import random
 from types import SimpleNamespace
 
@@ -28,11 +27,7 @@ from kernels.triton_fused.router import softmax_topk_triton  # noqa: E402
 from models.config import RopeConfig  # noqa: E402
 from models.layers.rotary import get_rope  # noqa: E402
 
-CUDA = torch.cuda.is_available()
-DEV = "cuda" if CUDA else "cpu"
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-needs_triton_device = pytest.mark.skipif(not (CUDA or INTERPRET), reason="no GPU and TRITON_INTERPRET is not set")
-needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a GPU")
+from tests.kernels.triton_marks import CUDA, DEV, INTERPRET, needs_triton_device, needs_cuda  # noqa: E402
 GATED = (norm_mod, rotary_mod, router_mod)
 
 

@@ -7,7 +7,6 @@ and a CUDA-graph replay of the decode at the end.
 """
 from __future__ import annotations
 
-import os
 
 import numpy as np
 import pytest
@@ -25,11 +24,7 @@ from models.config import RopeConfig  # noqa: E402
 from models.layers.mla_attention import MLAAttention, MLAConfig  # noqa: E402
 from tests.factories_deepseek import mla_step_metadata  # noqa: E402
 
-CUDA = torch.cuda.is_available()
-DEV = "cuda" if CUDA else "cpu"
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-needs_triton_device = pytest.mark.skipif(not (CUDA or INTERPRET), reason="no GPU and TRITON_INTERPRET is not set")
-needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+from tests.kernels.triton_marks import DEV, needs_triton_device, needs_cuda  # noqa: E402
 
 
 def rel(out, ref):

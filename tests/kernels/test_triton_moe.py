@@ -6,7 +6,6 @@ small awkward shapes; with a GPU the same tests run on it, plus real-shape tests
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 import torch
@@ -19,11 +18,7 @@ from kernels.triton_moe import (align_tokens, align_tokens_torch, fused_experts_
 from kernels.triton_moe import config as cfgmod  # noqa: E402
 from tests.kernels.fp8_interpreter_cast import interpreter_e4m3, interpreter_qdq_groups  # noqa: E402
 
-CUDA = torch.cuda.is_available()
-DEV = "cuda" if CUDA else "cpu"
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-needs_triton_device = pytest.mark.skipif(not (CUDA or INTERPRET),
-                                         reason="no GPU and TRITON_INTERPRET is not set")
+from tests.kernels.triton_marks import CUDA, DEV, INTERPRET, needs_triton_device  # noqa: E402
 SMALL_CFG = {"BLOCK_SIZE_M": 16, "BLOCK_SIZE_N": 16, "BLOCK_SIZE_K": 16, "GROUP_SIZE_M": 2,
              "num_warps": 4, "num_stages": 1}
 

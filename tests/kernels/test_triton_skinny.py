@@ -16,7 +16,6 @@ element never written shows.
 """
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
@@ -27,11 +26,7 @@ triton = pytest.importorskip("triton")
 from kernels.triton_fused.moe_sum import moe_sum  # noqa: E402
 from kernels.triton_fused.skinny_gemm import SkinnyConfig, skinny_config, skinny_linear  # noqa: E402
 
-CUDA = torch.cuda.is_available()
-DEV = "cuda" if CUDA else "cpu"
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-needs_triton_device = pytest.mark.skipif(not (CUDA or INTERPRET), reason="no GPU and TRITON_INTERPRET is not set")
-needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a GPU")
+from tests.kernels.triton_marks import CUDA, DEV, needs_triton_device, needs_cuda  # noqa: E402
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 MANTISSA_BITS = {torch.float32: 24, torch.bfloat16: 8, torch.float16: 11}
 SMALLEST_ULP = {torch.float32: 2.0 ** -149, torch.bfloat16: 2.0 ** -133, torch.float16: 2.0 ** -24}

@@ -2,7 +2,6 @@
 gives the bits of the torch reference `apply_pair_rotation` (under TRITON_INTERPRET on the CPU)."""
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
@@ -12,9 +11,7 @@ triton = pytest.importorskip("triton")
 from models.llama4_vision import Llama4VisionConfig, VisionAttention, apply_pair_rotation, \
     vision_rope_angles  # noqa: E402
 
-CUDA = torch.cuda.is_available()
-needs_triton_device = pytest.mark.skipif(not (CUDA or os.environ.get("TRITON_INTERPRET") == "1"),
-                                         reason="no GPU and TRITON_INTERPRET is not set")
+from tests.kernels.triton_marks import CUDA, needs_triton_device  # noqa: E402
 
 
 @needs_triton_device
