@@ -265,6 +265,17 @@ def profile_decode(llm: LLM, num_requests: int, prompt_len: int = 512, steps: in
         end.record()
         torch.cuda.synchronize()
         out["graph_replay_gpu"] = start.elapsed_time(end) / 10
+        # The kernels inside the replay: their summed time against the replay's tells the gaps.
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for _ in range(3):
+                runner.graphs.replay(b)
+            torch.cuda.synchronize()
+        events = prof.key_averages()
+        out["graph_kernels_gpu"] = sum(e.self_device_time_total for e in events) / 3e3
+        out["graph_kernel_launches"] = sum(e.count for e in events if e.self_device_time_total > 0) / 3
+        out["top_kernels_graph"] = events.table(sort_by="self_cuda_time_total", row_limit=24,
+                                                max_name_column_width=60)
+        print(out["top_kernels_graph"], flush=True)
     graphs, runner.graphs = runner.graphs, None  # one eager step under the profiler
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                             torch.profiler.ProfilerActivity.CUDA]) as prof:
