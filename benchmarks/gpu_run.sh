@@ -15,7 +15,6 @@
 #   bench-full    the whole kernel bench (moe bench kernel; vLLM beside ours if benchmarks/vllm_kernel/ is carried) -> $OUT/kernel.json
 #   gpu-tests     the CUDA tests of the attention, MLA, fused small kernels and vLLM-kernel adapter
 #   bench-attn    benchmarks/bench_attention.py -> $OUT/attention.json
-#   bench-skinny-experts  benchmarks/bench_skinny_experts.py -> $OUT/skinny_experts.json
 #   ab            A/B of an environment switch: AB_VAR=1 / 0 / 1 / 0 (a fresh process each) over
 #                 gpu_engine_bench.py qwen3 --runs $AB_RUNS (default tpot1) -> $OUT/ab/
 #   bench-fused   benchmarks/bench_fused.py -> $OUT/fused.json
@@ -88,10 +87,7 @@ for stage in "$@"; do
     gpu-tests) step gpu-tests timeout 300 python3 -m pytest -q -p no:cacheprovider -n 4 \
            tests/kernels/test_triton_attention.py tests/kernels/test_triton_mla.py \
            tests/kernels/test_triton_fused.py tests/kernels/test_vllm_kernel_adapter.py tests/moe/test_cuda_graphs.py \
-           tests/kernels/test_expert_count.py tests/moe/test_expert_load.py tests/kernels/test_triton_skinny.py \
-           tests/kernels/test_triton_moe_skinny.py ;;
-    bench-skinny-experts) step bench-skinny-experts timeout 240 python3 benchmarks/bench_skinny_experts.py \
-           --out "$OUT/skinny_experts.json" ;;
+           tests/kernels/test_expert_count.py tests/moe/test_expert_load.py tests/kernels/test_triton_skinny.py ;;
     ab) mkdir -p "$OUT/ab"  # on / off / on / off, a fresh process each
       for i in 1 2 3 4; do v=$(( i % 2 ))
         step "ab $i ${AB_VAR}=$v" env "${AB_VAR}=$v" timeout 290 python3 benchmarks/gpu_engine_bench.py qwen3 \

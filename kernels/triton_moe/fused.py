@@ -16,7 +16,6 @@ from kernels.triton_fused.moe_sum import moe_sum
 from kernels.triton_moe.align import align_tokens
 from kernels.triton_moe.config import get_config, split_config
 from kernels.triton_moe.gemm import down_kernel, gate_up_kernel
-from kernels.triton_moe.skinny import SKINNY_MAX_TOKENS, fused_experts_skinny
 from kernels.triton_moe.quant import FP8_DTYPE, per_token_group_quant_fp8
 
 
@@ -112,14 +111,10 @@ def fused_experts_triton(hidden_states, w13, w2, topk_weights, topk_ids, expert_
         topk_weights: [T, K] float routed weights (applied in fp32).
         topk_ids: [T, K] int expert ids (global if `expert_map` is given, else local in [0, E)).
         expert_map: optional [E_global] int, global -> local id, -1 = not on this rank (zero).
-        config: optional launch config of the grouped GEMMs (see config.py); default: up to
-            SKINNY_MAX_TOKENS tokens the two-launch skinny path (skinny.py), else the tuned
-            file or default.
+        config: optional launch config (see config.py); default: tuned file or default.
     Returns:
         [T, D] in the dtype of `hidden_states`.
     """
-    if config is None and hidden_states.shape[0] <= SKINNY_MAX_TOKENS:
-        return fused_experts_skinny(hidden_states, w13, w2, topk_weights, topk_ids, expert_map)
     if config is None:
         E, F2, _ = w13.shape
         config = get_config(hidden_states.shape[0], E, F2 // 2, topk_ids.shape[1],
