@@ -331,6 +331,8 @@ def qwen3(results: dict, eager: bool, runs: list[str], tp: int = 1, record: bool
     print(f"Qwen3-30B-A3B shape ({tag}) ready in {results[f'qwen3/{tag}/start_s']:.1f} s", flush=True)
     jobs = {
         "decode256": lambda: decode_step(llm, 256, 512, 32),
+        "decode64": lambda: decode_step(llm, 64, 512, 32),
+        "decode128": lambda: decode_step(llm, 128, 512, 32),
         "tpot1": lambda: tpot(llm, 1, 512, 64),
         "tpot32": lambda: tpot(llm, 32, 512, 64),
         "tput_256x2048x512": lambda: throughput(llm, 256, 2048, 512, 256),
@@ -342,7 +344,7 @@ def qwen3(results: dict, eager: bool, runs: list[str], tp: int = 1, record: bool
     for name in runs:
         r = jobs[name]()
         results[f"qwen3/{tag}/{name}"] = r
-        shown = {k: round(v, 3) if isinstance(v, float) else v for k, v in r.items() if k != "top_kernels"}
+        shown = {k: round(v, 3) if isinstance(v, float) else v for k, v in r.items() if not k.startswith("top_kernels")}
         print(f"qwen3 {tag} {name}: {json.dumps(shown)}", flush=True)
     if record:
         load = llm.get_expert_load()

@@ -87,11 +87,11 @@ for stage in "$@"; do
     gpu-tests) step gpu-tests timeout 300 python3 -m pytest -q -p no:cacheprovider -n 4 \
            tests/kernels/test_triton_attention.py tests/kernels/test_triton_mla.py \
            tests/kernels/test_triton_fused.py tests/kernels/test_vllm_kernel_adapter.py tests/moe/test_cuda_graphs.py \
-           tests/kernels/test_expert_count.py tests/moe/test_expert_load.py tests/kernels/test_triton_skinny.py ;;
+           tests/kernels/test_expert_count.py tests/moe/test_expert_load.py tests/kernels/test_triton_skinny.py tests/kernels/test_pdl.py ;;
     ab) mkdir -p "$OUT/ab"  # on / off / on / off, a fresh process each
       for i in 1 2 3 4; do v=$(( i % 2 ))
         step "ab $i ${AB_VAR}=$v" env "${AB_VAR}=$v" timeout 290 python3 benchmarks/gpu_engine_bench.py qwen3 \
-             --runs ${AB_RUNS:-tpot1} --out "$OUT/ab/${i}_${AB_VAR}=$v.json"
+             --runs ${AB_RUNS:-tpot1} --out "$OUT/ab/${i}_${AB_VAR}_$v.json"
       done ;;
     bench-attn) step bench-attn timeout 200 python3 benchmarks/bench_attention.py --out "$OUT/attention.json" ;;
     bench-fused) step bench-fused timeout 150 python3 benchmarks/bench_fused.py --out "$OUT/fused.json" ;;

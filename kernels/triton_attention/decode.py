@@ -19,6 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.pdl import pdl_enter, pdl_launch
 from kernels.triton_attention.common import (
     LOG2E,
     NEG_BIG,
@@ -39,7 +40,8 @@ def _decode_split_kernel(q_ptr, kv_ptr, bt_ptr, seq_lens_ptr, o_ptr, part_o_ptr,
                          HG: tl.constexpr, HG_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
                          D_PAD: tl.constexpr, BLOCK_N: tl.constexpr, S: tl.constexpr,
                          NUM_SPLITS: tl.constexpr, USE_CHUNK: tl.constexpr,
-                         PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+                         PRECISION: tl.constexpr, UPCAST: tl.constexpr, USE_PDL: tl.constexpr):
+    pdl_enter(USE_PDL)
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -88,7 +90,8 @@ def _decode_split_kernel(q_ptr, kv_ptr, bt_ptr, seq_lens_ptr, o_ptr, part_o_ptr,
 @triton.jit
 def _decode_merge_kernel(part_o_ptr, part_lse_ptr, o_ptr, stride_ob, stride_oh, H,
                          HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
-                         NUM_SPLITS: tl.constexpr, P_PAD: tl.constexpr):
+                         NUM_SPLITS: tl.constexpr, P_PAD: tl.constexpr, USE_PDL: tl.constexpr):
+    pdl_enter(USE_PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.arange(0, P_PAD)
@@ -167,10 +170,10 @@ def paged_attention_decode_triton(q_BHd: torch.Tensor, kv_cache_2NSGd: torch.Ten
         N * S * G * d, S * G * d, G * d, scale * LOG2E, chunk_size or 1,
         HG=hg, HG_PAD=max(16, triton.next_power_of_2(hg)), HEAD_DIM=d, D_PAD=d_pad, BLOCK_N=block_n, S=S,
         NUM_SPLITS=num_splits, USE_CHUNK=chunk_size is not None, PRECISION=precision, UPCAST=upcast,
-        num_warps=4, num_stages=3)
+        num_warps=4, num_stages=3, **pdl_launch(q_BHd))
     if num_splits > 1:
         _decode_merge_kernel[(B, H)](
             part_o, part_lse, out_BHd, out_BHd.stride(0), out_BHd.stride(1), H,
             HEAD_DIM=d, D_PAD=d_pad, NUM_SPLITS=num_splits, P_PAD=triton.next_power_of_2(num_splits),
-            num_warps=4)
+            num_warps=4, **pdl_launch(out_BHd))
     return out_BHd

@@ -11,11 +11,14 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.pdl import pdl_enter, pdl_launch
+
 
 @triton.jit
 def _write_kv_kernel(k_ptr, v_ptr, kv_ptr, slot_ptr, stride_kt, stride_kg, stride_vt, stride_vg,
                      v_offset, G: tl.constexpr, HEAD_DIM: tl.constexpr,
-                     G_PAD: tl.constexpr, D_PAD: tl.constexpr):
+                     G_PAD: tl.constexpr, D_PAD: tl.constexpr, USE_PDL: tl.constexpr):
+    pdl_enter(USE_PDL)
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     if slot < 0:
@@ -56,4 +59,4 @@ def write_kv_cache_triton(k_TGd: torch.Tensor, v_TGd: torch.Tensor, kv_cache_2NS
     _write_kv_kernel[(T,)](
         k_TGd, v_TGd, kv_cache_2NSGd, slot_mapping_T, k_TGd.stride(0), k_TGd.stride(1),
         v_TGd.stride(0), v_TGd.stride(1), N * S * G * d, G=G, HEAD_DIM=d,
-        G_PAD=triton.next_power_of_2(G), D_PAD=triton.next_power_of_2(d), num_warps=4)
+        G_PAD=triton.next_power_of_2(G), D_PAD=triton.next_power_of_2(d), num_warps=4, **pdl_launch(k_TGd))

@@ -22,6 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.pdl import pdl_enter, pdl_launch
+
 _LOG2E = 1.4426950408889634
 
 
@@ -42,7 +44,8 @@ def _dot(a, b, acc, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
 
 @triton.jit
 def _write_latent_kernel(src_ptr, cache_ptr, slot_ptr, C, stride_st, stride_cn, stride_cs,
-                         S: tl.constexpr, BLOCK_C: tl.constexpr):
+                         S: tl.constexpr, BLOCK_C: tl.constexpr, USE_PDL: tl.constexpr):
+    pdl_enter(USE_PDL)
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     if slot < 0:  # padded row of a CUDA-graph batch
@@ -69,7 +72,7 @@ def write_latent_cache_triton(latent_TC: torch.Tensor, cache_NSC: torch.Tensor, 
     latent_TC = latent_TC.to(cache_NSC.dtype)
     _write_latent_kernel[(T,)](latent_TC, cache_NSC, slot_mapping_T, C, latent_TC.stride(0),
                                cache_NSC.stride(0), cache_NSC.stride(1), S=cache_NSC.shape[1],
-                               BLOCK_C=_pow2(C))
+                               BLOCK_C=_pow2(C), **pdl_launch(latent_TC))
 
 
 @triton.jit
@@ -78,8 +81,9 @@ def _mla_decode_kernel(
     H, R, P, qk_scale,
     stride_qb, stride_qh, stride_cn, stride_cs, stride_tb, stride_ob, stride_oh,
     S: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-    R_PAD: tl.constexpr, P_PAD: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    R_PAD: tl.constexpr, P_PAD: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    pdl_enter(USE_PDL)
     b = tl.program_id(0)
     head_tile = tl.program_id(1)
     split = tl.program_id(2)
@@ -139,7 +143,8 @@ def _mla_decode_kernel(
 
 @triton.jit
 def _mla_merge_kernel(part_out_ptr, part_lse_ptr, out_ptr, H, R, stride_ob, stride_oh,
-                      NUM_SPLITS: tl.constexpr, NS_PAD: tl.constexpr, R_PAD: tl.constexpr):
+                      NUM_SPLITS: tl.constexpr, NS_PAD: tl.constexpr, R_PAD: tl.constexpr, USE_PDL: tl.constexpr):
+    pdl_enter(USE_PDL)
     bh = tl.program_id(0).to(tl.int64)
     offs_s = tl.arange(0, NS_PAD)
     offs_r = tl.arange(0, R_PAD)
@@ -218,9 +223,9 @@ def mla_decode_triton(q_BHC: torch.Tensor, cache_NSC: torch.Tensor, block_tables
         out_BHR.stride(0), out_BHR.stride(1),
         S=S, NUM_SPLITS=num_splits, BLOCK_H=block_h, BLOCK_N=block_n, R_PAD=R_PAD, P_PAD=P_PAD,
         PRECISION="ieee" if q_BHC.dtype == torch.float32 else "tf32", UPCAST=upcast,
-        num_warps=warps, num_stages=2)
+        num_warps=warps, num_stages=2, **pdl_launch(q_BHC))
     if num_splits > 1:
         _mla_merge_kernel[(B * H,)](part_out, part_lse, out_BHR, H, R, out_BHR.stride(0), out_BHR.stride(1),
                                     NUM_SPLITS=num_splits, NS_PAD=triton.next_power_of_2(num_splits), R_PAD=R_PAD,
-                                    num_warps=4)
+                                    num_warps=4, **pdl_launch(out_BHR))
     return out_BHR

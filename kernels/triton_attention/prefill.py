@@ -18,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.pdl import pdl_enter, pdl_launch
 from kernels.triton_attention.common import (
     LOG2E,
     NEG_BIG,
@@ -36,7 +37,8 @@ def _prefill_kernel(q_ptr, kv_ptr, bt_ptr, qsl_ptr, seq_lens_ptr, o_ptr,
                     v_offset, stride_blk, stride_tok, scale_log2, chunk_size,
                     HG: tl.constexpr, HPP: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, S: tl.constexpr,
-                    USE_CHUNK: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+                    USE_CHUNK: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, USE_PDL: tl.constexpr):
+    pdl_enter(USE_PDL)
     QPT: tl.constexpr = BLOCK_M // HPP  # queries per tile
     pid_m = tl.program_id(0)
     pid_h = tl.program_id(1)
@@ -151,5 +153,5 @@ def paged_attention_prefill_triton(q_THd: torch.Tensor, kv_cache_2NSGd: torch.Te
         N * S * G * d, S * G * d, G * d, scale * LOG2E, chunk_size or 1,
         HG=H // G, HPP=hpp, HEAD_DIM=d, D_PAD=d_pad, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], S=S,
         USE_CHUNK=chunk_size is not None, PRECISION=precision, UPCAST=upcast,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_launch(q_THd))
     return out_THd

@@ -11,12 +11,15 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.pdl import pdl_enter, pdl_launch
+
 BLOCK = 1024
 
 
 @triton.jit(do_not_specialize=["N", "row_offset"])
 def _count_kernel(ids_ptr, counts_ptr, num_valid_ptr, N, row_offset, K: tl.constexpr, RPT: tl.constexpr,
-                  BLOCK: tl.constexpr):
+                  BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+    pdl_enter(USE_PDL)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     num_valid = tl.load(num_valid_ptr)
     valid = (offs < N) & ((offs // K + row_offset) // RPT < num_valid)
@@ -27,7 +30,8 @@ def _count_kernel(ids_ptr, counts_ptr, num_valid_ptr, N, row_offset, K: tl.const
 @triton.jit(do_not_specialize=["N", "row_offset"])
 def _map_count_kernel(ids_ptr, phys_ptr, log_to_phys_ptr, replicas_ptr, log_counts_ptr, phys_counts_ptr,
                       num_valid_ptr, N, row_offset, R: tl.constexpr, K: tl.constexpr, RPT: tl.constexpr,
-                      BLOCK: tl.constexpr):
+                      BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+    pdl_enter(USE_PDL)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     in_range = offs < N
     ids = tl.load(ids_ptr + offs, mask=in_range, other=0).to(tl.int64)
@@ -43,7 +47,9 @@ def _map_count_kernel(ids_ptr, phys_ptr, log_to_phys_ptr, replicas_ptr, log_coun
 
 
 @triton.jit(do_not_specialize=["N", "stride_l"])
-def _count_layers_kernel(ids_ptr, counts_ptr, num_valid_ptr, N, stride_l, E, K: tl.constexpr, BLOCK: tl.constexpr):
+def _count_layers_kernel(ids_ptr, counts_ptr, num_valid_ptr, N, stride_l, E, K: tl.constexpr, BLOCK: tl.constexpr,
+                         USE_PDL: tl.constexpr):
+    pdl_enter(USE_PDL)
     layer = tl.program_id(1)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     valid = (offs < N) & (offs // K < tl.load(num_valid_ptr))
@@ -54,14 +60,14 @@ def _count_layers_kernel(ids_ptr, counts_ptr, num_valid_ptr, N, stride_l, E, K: 
 def count_layers_triton(ids_LTK: torch.Tensor, counts_LE: torch.Tensor, num_valid: torch.Tensor) -> None:
     L, T, K = ids_LTK.shape
     _count_layers_kernel[(triton.cdiv(T * K, BLOCK), L)](ids_LTK, counts_LE, num_valid, T * K, ids_LTK.stride(0),
-                                                         counts_LE.shape[1], K=K, BLOCK=BLOCK)
+                                                         counts_LE.shape[1], K=K, BLOCK=BLOCK, **pdl_launch(ids_LTK))
 
 
 def count_experts_triton(ids_TK: torch.Tensor, counts_E: torch.Tensor, num_valid: torch.Tensor, row_offset: int,
                          rows_per_token: int) -> None:
     T, K = ids_TK.shape
     _count_kernel[(triton.cdiv(T * K, BLOCK),)](ids_TK, counts_E, num_valid, T * K, row_offset, K=K,
-                                                RPT=rows_per_token, BLOCK=BLOCK)
+                                                RPT=rows_per_token, BLOCK=BLOCK, **pdl_launch(ids_TK))
 
 
 def map_to_physical_and_count_triton(ids_TK: torch.Tensor, phys_TK: torch.Tensor, log_to_phys_ER: torch.Tensor,
@@ -71,4 +77,4 @@ def map_to_physical_and_count_triton(ids_TK: torch.Tensor, phys_TK: torch.Tensor
     T, K = ids_TK.shape
     _map_count_kernel[(triton.cdiv(T * K, BLOCK),)](
         ids_TK, phys_TK, log_to_phys_ER, replica_count_E, log_counts_E, phys_counts_P, num_valid, T * K, row_offset,
-        R=log_to_phys_ER.shape[1], K=K, RPT=rows_per_token, BLOCK=BLOCK)
+        R=log_to_phys_ER.shape[1], K=K, RPT=rows_per_token, BLOCK=BLOCK, **pdl_launch(ids_TK))

@@ -13,13 +13,15 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.pdl import pdl_enter, pdl_launch
 from kernels.triton_fused.common import check_float, interpreting, round_to, unit_last_stride
 
 
 # T changes with the batch: not specialised on, so every batch size shares one compiled kernel.
 @triton.jit(do_not_specialize=["T"])
 def _moe_sum_kernel(y_ptr, out_ptr, T, D, stride_yt, stride_yk, stride_ot,
-                    K: tl.constexpr, BLOCK_D: tl.constexpr, INTERPRET: tl.constexpr):
+                    K: tl.constexpr, BLOCK_D: tl.constexpr, INTERPRET: tl.constexpr, USE_PDL: tl.constexpr):
+    pdl_enter(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     mask = offs < D
@@ -50,5 +52,5 @@ def moe_sum(y_TKD: torch.Tensor) -> torch.Tensor:
     num_warps = max(1, min(4, BLOCK_D * y.element_size() // 512))
     _moe_sum_kernel[(T, triton.cdiv(D, BLOCK_D))](
         y, out, T, D, y.stride(0), y.stride(1), out.stride(0), K=K, BLOCK_D=BLOCK_D,
-        INTERPRET=interpreting(), num_warps=num_warps)
+        INTERPRET=interpreting(), num_warps=num_warps, **pdl_launch(out))
     return out

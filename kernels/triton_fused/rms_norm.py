@@ -16,6 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.pdl import pdl_enter, pdl_launch
 from kernels.triton_fused.common import (
     check_float,
     check_same_device,
@@ -31,7 +32,8 @@ from kernels.triton_fused.common import (
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, R, H,
                      stride_xt, stride_xh, stride_rt, stride_rh, eps,
                      D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
-                     HAS_RESIDUAL: tl.constexpr, INTERPRET: tl.constexpr):
+                     HAS_RESIDUAL: tl.constexpr, INTERPRET: tl.constexpr, USE_PDL: tl.constexpr):
+    pdl_enter(USE_PDL)
     rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
     cols = tl.arange(0, BLOCK_D)
     mask = (rows < R)[:, None] & (cols < D)[None, :]
@@ -97,5 +99,5 @@ def rms_norm_triton(x_TD: torch.Tensor, weight_D: torch.Tensor, eps: float,
         _rms_norm_kernel[(triton.cdiv(R, BLOCK_R),)](
             x, res, weight_D.contiguous(), out, res_out, R, H, sxt, sxh, srt, srh, float(eps),
             D=D, BLOCK_R=BLOCK_R, BLOCK_D=BLOCK_D, HAS_RESIDUAL=residual_TD is not None,
-            INTERPRET=interpreting(), num_warps=num_warps)
+            INTERPRET=interpreting(), num_warps=num_warps, **pdl_launch(x))
     return out if residual_TD is None else (out, res_out)

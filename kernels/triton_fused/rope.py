@@ -17,6 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.pdl import pdl_enter, pdl_launch
 from kernels.triton_fused.common import (
     check_float,
     check_same_device,
@@ -88,8 +89,9 @@ def _rope_kernel(pos_ptr, q_ptr, k_ptr, q_out_ptr, k_out_ptr, qw_ptr, kw_ptr, co
                  H, G, stride_qt, stride_qh, stride_kt, stride_kh, eps,
                  HEAD_DIM: tl.constexpr, ROT: tl.constexpr, NEOX: tl.constexpr, NORM: tl.constexpr,
                  BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_REST: tl.constexpr,
-                 INTERPRET: tl.constexpr):
+                 INTERPRET: tl.constexpr, USE_PDL: tl.constexpr):
     """Program (t, 0) does token t's query heads, (t, 1) its key heads."""
+    pdl_enter(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t).to(tl.int64)
     cos_row, sin_row = cos_ptr + pos * (ROT // 2), sin_ptr + pos * (ROT // 2)
@@ -136,7 +138,7 @@ def _launch(positions_T, q, k, q_out, k_out, qw, kw, eps, cos_cache, sin_cache, 
         H, G, q.stride(0), q.stride(1), k.stride(0), k.stride(1), float(eps),
         HEAD_DIM=d, ROT=rotary_dim, NEOX=bool(is_neox_style), NORM=norm, BLOCK_H=BLOCK_H,
         BLOCK_HALF=BLOCK_HALF, BLOCK_REST=BLOCK_REST, INTERPRET=interpreting(), num_warps=4,
-        enable_fp_fusion=False)
+        enable_fp_fusion=False, **pdl_launch(q))
 
 
 def rope_triton(positions_T: torch.Tensor, q_THd: torch.Tensor, k_TGd: torch.Tensor, cos_cache: torch.Tensor,

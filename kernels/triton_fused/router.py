@@ -14,6 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.pdl import pdl_enter, pdl_launch
 from kernels.triton_fused.common import check_float, unit_last_stride
 
 MAX_EXPERTS = 512
@@ -25,7 +26,8 @@ MAX_TOP_K = 16
 @triton.jit(do_not_specialize=["T"])
 def _softmax_topk_kernel(logits_ptr, w_ptr, ids_ptr, T, E, stride_t,
                          K: tl.constexpr, RENORMALIZE: tl.constexpr,
-                         BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+                         BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
+    pdl_enter(USE_PDL)
     rows = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
     row_mask = rows < T
     cols = tl.arange(0, BLOCK_E)
@@ -78,5 +80,5 @@ def softmax_topk_triton(logits_TE: torch.Tensor, top_k: int, renormalize: bool,
         BLOCK_T = max(1, min(8, 1024 // BLOCK_E))
         _softmax_topk_kernel[(triton.cdiv(T, BLOCK_T),)](
             logits, weights, ids, T, E, logits.stride(0), K=top_k, RENORMALIZE=bool(renormalize),
-            BLOCK_T=BLOCK_T, BLOCK_E=BLOCK_E, BLOCK_K=triton.next_power_of_2(top_k), num_warps=4)
+            BLOCK_T=BLOCK_T, BLOCK_E=BLOCK_E, BLOCK_K=triton.next_power_of_2(top_k), num_warps=4, **pdl_launch(logits))
     return weights, ids

@@ -29,6 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.pdl import pdl_enter, pdl_launch
 from kernels.triton_fused.common import check_float, check_same_device, interpreting, round_to, unit_last_stride
 
 MAX_M = 16
@@ -79,46 +80,66 @@ def skinny_config(M: int, N: int, K: int, elem_bytes: int = 2, num_sms: int = DE
 
 
 @triton.jit
+def _k_offsets(k0, K, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+    offs_k = k0 + tl.arange(0, BLOCK_K)
+    if EVEN_K:  # constant-true masks when the shape divides evenly keep the 16-byte loads vectorised
+        k_mask = tl.full([BLOCK_K], 1, tl.int1)
+    else:
+        k_mask = offs_k < K
+    return offs_k, k_mask
+
+
+@triton.jit
+def _skinny_step(acc, w, x_ptr, offs_k, k_mask, offs_m, m_mask, M, stride_xm,
+                 BLOCK_M: tl.constexpr, USE_DOT: tl.constexpr, INTERPRET: tl.constexpr):
+    """acc += x[:, k tile] @ w_tile^T."""
+    if USE_DOT:
+        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
+                    mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        if x_ptr.dtype.element_ty == tl.float32:
+            acc += tl.dot(x, tl.trans(w), input_precision="ieee")
+        elif INTERPRET:  # the CPU interpreter's dot mishandles bf16; half products are exact in fp32
+            acc += tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
+        else:
+            acc += tl.dot(x, tl.trans(w))
+    else:
+        w = w.to(tl.float32)
+        for m in tl.static_range(BLOCK_M):
+            row = tl.minimum(m, M - 1)  # rows past M (M=3 in a block of 4) re-read the last; never stored
+            x_m = tl.load(x_ptr + row * stride_xm + offs_k, mask=k_mask, other=0.0)
+            part = tl.sum(w * x_m.to(tl.float32)[None, :], axis=1)
+            acc = tl.where(offs_m[:, None] == m, acc + part[None, :], acc)
+    return acc
+
+
+@triton.jit
 def _skinny_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, ws_ptr, M, N, K, k_per_split,
                    stride_xm, stride_wn, stride_ym,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                    USE_DOT: tl.constexpr, IS_SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr,
-                   EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, INTERPRET: tl.constexpr):
+                   EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, INTERPRET: tl.constexpr, USE_PDL: tl.constexpr):
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
-    # Constant-true masks when the shape divides evenly: they keep the 16-byte loads vectorised.
     if EVEN_N:
         n_mask = tl.full([BLOCK_N], 1, tl.int1)
     else:
         n_mask = offs_n < N
     m_mask = offs_m < M
     w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     k_lo = pid_k * k_per_split
-    for k0 in range(k_lo, k_lo + k_per_split, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        if EVEN_K:
-            k_mask = tl.full([BLOCK_K], 1, tl.int1)
-        else:
-            k_mask = offs_k < K
+    # No kernel of a forward writes W, so its first tile (at M <= 4 usually the program's whole
+    # slab) is read before waiting for the previous kernel (kernels/pdl.py): the weight stream
+    # starts under that kernel's tail. Everything else is read after the wait.
+    offs_k, k_mask = _k_offsets(k_lo, K, BLOCK_K, EVEN_K)
+    w = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+    pdl_enter(USE_PDL)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc = _skinny_step(acc, w, x_ptr, offs_k, k_mask, offs_m, m_mask, M, stride_xm, BLOCK_M, USE_DOT, INTERPRET)
+    for k0 in range(k_lo + BLOCK_K, k_lo + k_per_split, BLOCK_K):
+        offs_k, k_mask = _k_offsets(k0, K, BLOCK_K, EVEN_K)
         w = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-        if USE_DOT:
-            x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
-                        mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-            if x_ptr.dtype.element_ty == tl.float32:
-                acc += tl.dot(x, tl.trans(w), input_precision="ieee")
-            elif INTERPRET:  # the CPU interpreter's dot mishandles bf16; half products are exact in fp32
-                acc += tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
-            else:
-                acc += tl.dot(x, tl.trans(w))
-        else:
-            w = w.to(tl.float32)
-            for m in tl.static_range(BLOCK_M):
-                row = tl.minimum(m, M - 1)  # rows past M (M=3 in a block of 4) re-read the last; never stored
-                x_m = tl.load(x_ptr + row * stride_xm + offs_k, mask=k_mask, other=0.0)
-                part = tl.sum(w * x_m.to(tl.float32)[None, :], axis=1)
-                acc = tl.where(offs_m[:, None] == m, acc + part[None, :], acc)
+        acc = _skinny_step(acc, w, x_ptr, offs_k, k_mask, offs_m, m_mask, M, stride_xm, BLOCK_M, USE_DOT, INTERPRET)
     out_mask = m_mask[:, None] & n_mask[None, :]
     if IS_SPLIT:
         ws = ws_ptr + (pid_k * M + offs_m)[:, None] * N + offs_n[None, :]
@@ -132,8 +153,9 @@ def _skinny_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, ws_ptr, M, N, K, k_per_split,
 
 @triton.jit
 def _splitk_reduce_kernel(ws_ptr, bias_ptr, y_ptr, MN, N, SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr,
-                          BLOCK: tl.constexpr, INTERPRET: tl.constexpr):
+                          BLOCK: tl.constexpr, INTERPRET: tl.constexpr, USE_PDL: tl.constexpr):
     """y[m, n] = round(sum_s ws[s, m, n] + bias[n]) over the flat M * N outputs (y contiguous)."""
+    pdl_enter(USE_PDL)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < MN
     acc = tl.zeros([BLOCK], dtype=tl.float32)
@@ -201,10 +223,10 @@ def skinny_linear(x_MK: torch.Tensor, w_NK: torch.Tensor, bias_N: torch.Tensor |
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, USE_DOT=cfg.use_dot, IS_SPLIT=is_split,
         HAS_BIAS=bias_N is not None, EVEN_K=K % k_per_split == 0,
         EVEN_N=N % cfg.block_n == 0, INTERPRET=interpreting(),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(x))
     if is_split:
         block = min(1024, triton.next_power_of_2(M * N))
         _splitk_reduce_kernel[(triton.cdiv(M * N, block),)](
             ws, bias, y, M * N, N, SPLIT_K=split_k, HAS_BIAS=bias_N is not None, BLOCK=block,
-            INTERPRET=interpreting(), num_warps=4)
+            INTERPRET=interpreting(), num_warps=4, **pdl_launch(y))
     return y

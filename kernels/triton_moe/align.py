@@ -27,6 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.pdl import pdl_enter, pdl_launch
+
 SMALL_CHUNK_ROWS = 4096  # rows the one-program path holds at a time
 # path="auto" (measured on an H200, BENCHMARKS.md §1 and §3): the one program is the faster in
 # GPU time up to ~4096 rows (8192: 29 µs against 11). Called eagerly from an idle GPU the one
@@ -76,10 +78,11 @@ def _fill_blocks(sorted_ptr, expert_ids_ptr, j, jmask, starts, counts, ends, tot
 def _align_small_kernel(ids_ptr, emap_ptr, sorted_ptr, expert_ids_ptr, npp_ptr, cursor_ptr,
                         numel, E, num_rows_padded, num_blocks,
                         BLOCK_M: tl.constexpr, NB: tl.constexpr, RP: tl.constexpr,
-                        BP: tl.constexpr, CHUNK: tl.constexpr, HAS_MAP: tl.constexpr):
+                        BP: tl.constexpr, CHUNK: tl.constexpr, HAS_MAP: tl.constexpr, USE_PDL: tl.constexpr):
     """One program, RP rows at a time: histogram -> padded prefix -> block experts from a
     histogram of the buckets' end blocks -> sentinels -> rows scattered by atomics on a cursor
     per bucket (order within an expert arbitrary)."""
+    pdl_enter(USE_PDL)
     bins = tl.arange(0, NB)
     counts = tl.zeros([NB], dtype=tl.int32)
     for start in range(0, numel, RP):
@@ -111,7 +114,8 @@ def _align_small_kernel(ids_ptr, emap_ptr, sorted_ptr, expert_ids_ptr, npp_ptr, 
 
 @triton.jit
 def _align_count_kernel(ids_ptr, emap_ptr, counts_ptr, numel, E,
-                        NB: tl.constexpr, CHUNK: tl.constexpr, HAS_MAP: tl.constexpr):
+                        NB: tl.constexpr, CHUNK: tl.constexpr, HAS_MAP: tl.constexpr, USE_PDL: tl.constexpr):
+    pdl_enter(USE_PDL)
     offs = tl.program_id(0) * CHUNK + tl.arange(0, CHUNK)
     b = _bucket_of(ids_ptr, emap_ptr, offs, offs < numel, E, NB, HAS_MAP)
     hist = tl.histogram(b, NB)
@@ -119,7 +123,8 @@ def _align_count_kernel(ids_ptr, emap_ptr, counts_ptr, numel, E,
 
 
 @triton.jit
-def _align_prefix_kernel(counts_ptr, npp_ptr, E, BLOCK_M: tl.constexpr, NB: tl.constexpr):
+def _align_prefix_kernel(counts_ptr, npp_ptr, E, BLOCK_M: tl.constexpr, NB: tl.constexpr, USE_PDL: tl.constexpr):
+    pdl_enter(USE_PDL)
     # counts_ptr holds [counts | cursor | starts | ends], NB each; cursor starts at the bucket start
     bins = tl.arange(0, NB)
     counts = tl.load(counts_ptr + bins)
@@ -138,7 +143,8 @@ def _align_prefix_kernel(counts_ptr, npp_ptr, E, BLOCK_M: tl.constexpr, NB: tl.c
 def _align_scatter_kernel(ids_ptr, emap_ptr, counts_ptr, sorted_ptr, expert_ids_ptr, npp_ptr,
                           numel, E, max_blocks, num_scatter_progs,
                           BLOCK_M: tl.constexpr, NB: tl.constexpr, CHUNK: tl.constexpr,
-                          BLK_CHUNK: tl.constexpr, HAS_MAP: tl.constexpr):
+                          BLK_CHUNK: tl.constexpr, HAS_MAP: tl.constexpr, USE_PDL: tl.constexpr):
+    pdl_enter(USE_PDL)
     pid = tl.program_id(0)
     if pid < num_scatter_progs:
         offs = pid * CHUNK + tl.arange(0, CHUNK)
@@ -199,18 +205,18 @@ def align_tokens(topk_ids_TK: torch.Tensor, num_experts: int, block_m: int,
                                   num_experts, P, B, BLOCK_M=block_m, NB=NB,
                                   RP=min(triton.next_power_of_2(max(numel, 16)), SMALL_CHUNK_ROWS),
                                   BP=triton.next_power_of_2(B + 1), CHUNK=4096,
-                                  HAS_MAP=has_map, num_warps=8)
+                                  HAS_MAP=has_map, num_warps=8, **pdl_launch(ids))
         return sorted_ids, expert_ids, npp
     chunk = 1024
     counts = torch.zeros(4 * NB, dtype=torch.int32, device=dev)
     n_chunks = triton.cdiv(numel, chunk)
     _align_count_kernel[(n_chunks,)](ids, emap, counts, numel, num_experts, NB=NB, CHUNK=chunk,
-                                     HAS_MAP=has_map, num_warps=4)
-    _align_prefix_kernel[(1,)](counts, npp, num_experts, BLOCK_M=block_m, NB=NB, num_warps=4)
+                                     HAS_MAP=has_map, num_warps=4, **pdl_launch(ids))
+    _align_prefix_kernel[(1,)](counts, npp, num_experts, BLOCK_M=block_m, NB=NB, num_warps=4, **pdl_launch(ids))
     grid = (n_chunks + triton.cdiv(B, blk_chunk),)
     _align_scatter_kernel[grid](ids, emap, counts, sorted_ids, expert_ids, npp, numel,
                                 num_experts, B, n_chunks, BLOCK_M=block_m, NB=NB, CHUNK=chunk,
-                                BLK_CHUNK=blk_chunk, HAS_MAP=has_map, num_warps=4)
+                                BLK_CHUNK=blk_chunk, HAS_MAP=has_map, num_warps=4, **pdl_launch(ids))
     return sorted_ids, expert_ids, npp
 
 

@@ -12,6 +12,7 @@ import os
 import torch
 import triton
 
+from kernels.pdl import pdl_launch
 from kernels.triton_fused.moe_sum import moe_sum
 from kernels.triton_moe.align import align_tokens
 from kernels.triton_moe.config import get_config, split_config
@@ -60,6 +61,7 @@ def _run(x_TD, w13_EFD, w2_EDF, topk_weights_TK, topk_ids_TK, expert_map_E, cfg,
         xs_strides = ws13_strides = ws2_strides = hs_strides = (0, 0, 0)
     precision = "ieee" if x_TD.dtype == torch.float32 else "tf32"
     upcast = x_TD.dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1"
+    pdl = pdl_launch(x_TD)
 
     grid = (n_mb * triton.cdiv(F, up["BLOCK_SIZE_N"]),)
     gate_up_kernel[grid](
@@ -70,7 +72,7 @@ def _run(x_TD, w13_EFD, w2_EDF, topk_weights_TK, topk_ids_TK, expert_map_E, cfg,
         BLOCK_M=BM, BLOCK_N=up["BLOCK_SIZE_N"], BLOCK_K=up["BLOCK_SIZE_K"],
         GROUP_M=up["GROUP_SIZE_M"], GN=GN, GK=GK, USE_FP8=use_fp8,
         EVEN_K=D % up["BLOCK_SIZE_K"] == 0, PRECISION=precision, UPCAST=upcast,
-        num_warps=up["num_warps"], num_stages=up["num_stages"])
+        num_warps=up["num_warps"], num_stages=up["num_stages"], **pdl)
 
     # Plain: top-1 writes the output directly, top-k > 1 writes [T*K, D], then a sum over K.
     # Atomic (config "ATOMIC_SUM", or "SPLIT_K" > 1): fp32 atomics into a zeroed [T, D], then
@@ -91,7 +93,7 @@ def _run(x_TD, w13_EFD, w2_EDF, topk_weights_TK, topk_ids_TK, expert_map_E, cfg,
         GROUP_M=down["GROUP_SIZE_M"], GN=GN, GK=GK, USE_FP8=use_fp8,
         EVEN_K=F % down["BLOCK_SIZE_K"] == 0, SPLIT_K=split, ATOMIC=atomic,
         PRECISION=precision, UPCAST=upcast,
-        num_warps=down["num_warps"], num_stages=down["num_stages"])
+        num_warps=down["num_warps"], num_stages=down["num_stages"], **pdl)
     if atomic:
         return out.to(out_dtype)  # no copy for fp32
     if K == 1:

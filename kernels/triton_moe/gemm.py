@@ -22,6 +22,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from kernels.pdl import pdl_enter
+
 
 @triton.jit
 def _block_coords(num_m_blocks, N, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
@@ -52,8 +54,9 @@ def gate_up_kernel(
     stride_xsm, stride_xsk, stride_wse, stride_wsn, stride_wsk, stride_hsm, stride_hsk,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     GN: tl.constexpr, GK: tl.constexpr, USE_FP8: tl.constexpr, EVEN_K: tl.constexpr,
-    PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr, UPCAST: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    pdl_enter(USE_PDL)
     pid_m, pid_n = _block_coords(num_m_blocks, N, BLOCK_N, GROUP_M)
     if pid_m * BLOCK_M >= tl.load(npp_ptr):
         return
@@ -122,8 +125,9 @@ def down_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     GN: tl.constexpr, GK: tl.constexpr, USE_FP8: tl.constexpr, EVEN_K: tl.constexpr,
     SPLIT_K: tl.constexpr, ATOMIC: tl.constexpr,
-    PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr, UPCAST: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    pdl_enter(USE_PDL)
     pid_m, pid_n = _block_coords(num_m_blocks, N, BLOCK_N, GROUP_M)
     if pid_m * BLOCK_M >= tl.load(npp_ptr):
         return
