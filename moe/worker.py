@@ -20,6 +20,7 @@ import torch
 from models.config import ModelConfig
 from models.fp8 import resolve_fp8_experts
 from models.loader import init_dummy_weights, load_weights
+from moe.cpu_memory import keep_freed_memory
 from moe.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineArgs
 from moe.distributed import get_parallel_state
 from moe.expert_counters import attach_expert_counters, moe_layer_index
@@ -89,6 +90,8 @@ class WorkerSpec:
 class Worker:
     def __init__(self, spec: WorkerSpec, device: torch.device) -> None:
         self.spec, self.args, self.device = spec, spec.args, device
+        if device.type == "cpu":
+            keep_freed_memory()  # activations' pages reused, not faulted in per op (moe/cpu_memory.py)
         torch.manual_seed(spec.args.seed)
         self.model = build_model(spec.model_cls, spec.config, spec.model_path, spec.args, device, spec.dtype)
         self.runner = ModelRunner(self.model, device, spec.args.block_size, spec.eos_token_ids,
