@@ -21,8 +21,8 @@ from pathlib import Path
 
 import torch
 
-from kernels.triton_moe.config import (CONFIG_DIR, config_file_name, device_name, load_configs,
-                                      nearest_bucket, split_config)
+from kernels.triton_moe.config import (CONFIG_DIR, config_file_name, default_config, device_name,
+                                      load_configs, nearest_bucket, split_config)
 from kernels.triton_moe.fused import _run
 
 # (BLOCK_N, BLOCK_K, num_warps, num_stages); gate_up holds two accumulators, so its BLOCK_N
@@ -149,8 +149,9 @@ def _time_split(cfg_up, cfg_down, problems, fp8_w, M):
     return time_calls([mk(*p) for p in problems], M, reps=14)
 
 
-def tune_one(E, D, F, K, M, dtype, budget_s, fp8_w=None, prior=None, wide=False):
-    """Best (config, ms) for T=M; `prior` (e.g. the shipped config) is tried first."""
+def tune_one(E, D, F, K, M, dtype, budget_s, fp8_w=None, prior=None, wide=False, default=None):
+    """(best config, its ms, ms of `default` or None) for T=M; `prior` (e.g. the shipped config)
+    is tried first; `default` (the untuned fallback) is timed on the same problems, for the report."""
     fp8 = fp8_w is not None
     x, w13, w2, tw, ti = make_problem(E, D, F, K, M, dtype, with_weights=not fp8)
     # a few routings, so that consecutive timed calls touch different experts
@@ -198,12 +199,17 @@ def tune_one(E, D, F, K, M, dtype, budget_s, fp8_w=None, prior=None, wide=False)
         cfg["down"] = {k: v for k, v in down_best.items() if k != "BLOCK_SIZE_M"}
         if best is None or t_tot < best[1]:
             best = (cfg, t_tot)
-    print(f"M={M}: {best[1] * 1e3:.1f} us  {best[0]}", flush=True)
-    return best
+    t_default = None
+    if default is not None:
+        up, down = split_config(default)
+        t_default = _time_split(up, down, problems, fp8_w, M)
+    shown = "" if t_default is None else f" (default config {t_default * 1e3:.1f} us)"
+    print(f"M={M}: {best[1] * 1e3:.1f} us{shown}  {best[0]}", flush=True)
+    return best[0], best[1], t_default
 
 
 def tune(E, D, F, K, Ms, dtype_name="bf16", budget_s=120.0, out_dir=CONFIG_DIR,
-         block_shape=None, wide=False):
+         block_shape=None, wide=False, report=None):
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32,
              "fp8_w8a8": torch.bfloat16}[dtype_name]
     fp8_w = None
@@ -216,7 +222,7 @@ def tune(E, D, F, K, Ms, dtype_name="bf16", budget_s=120.0, out_dir=CONFIG_DIR,
         del w13, w2
         fp8_w = ((torch.stack([q for q, _ in q13]), torch.stack([q for q, _ in q2])),
                  (torch.stack([s for _, s in q13]), torch.stack([s for _, s in q2])))
-    results = {}
+    results, rows = {}, []
     name = config_file_name(E, F, device_name(), dtype_name, block_shape)
     priors = load_configs(name)
     t0 = time.monotonic()
@@ -226,8 +232,12 @@ def tune(E, D, F, K, Ms, dtype_name="bf16", budget_s=120.0, out_dir=CONFIG_DIR,
         if share <= 0 and results:
             break
         prior = nearest_bucket(priors, M) if priors else None
-        cfg, t = tune_one(E, D, F, K, M, dtype, max(share, 1.0), fp8_w, prior, wide)
+        default = default_config(M, E, F, K, dtype_name, block_shape) if report else None
+        cfg, t, t_default = tune_one(E, D, F, K, M, dtype, max(share, 1.0), fp8_w, prior, wide, default)
         results[M] = cfg
+        rows.append({"M": M, "tuned_us": t * 1e3, "config": cfg,
+                     **({} if t_default is None else {"default_us": t_default * 1e3,
+                                                      "speedup": t_default / t})})
         torch.cuda.empty_cache()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -236,6 +246,11 @@ def tune(E, D, F, K, Ms, dtype_name="bf16", budget_s=120.0, out_dir=CONFIG_DIR,
     with open(out / name, "w") as f:
         json.dump({str(m): c for m, c in sorted(merged.items())}, f, indent=2)
     print(f"wrote {out / name}")
+    if report:
+        with open(report, "w") as f:
+            json.dump({"E": E, "D": D, "F": F, "topk": K, "dtype": dtype_name, "device": device_name(),
+                       "times": "one call, gate_up + down, CUDA-graph replay (M <= 1024) or events",
+                       "rows": rows}, f, indent=1)
     return out / name
 
 
@@ -255,10 +270,12 @@ def main(argv=None) -> int:
                         "file in use now (MOE_KERNEL_CONFIG_DIR or the shipped one)")
     p.add_argument("--wide", action="store_true",
                    help="search more decode (BLOCK_M 16) tiles, and split-K / atomic-sum downs")
+    p.add_argument("--report", default=None,
+                   help="write a JSON of the tuned and the default (untuned) config's time per M here")
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
         p.error("tuning needs a CUDA GPU")
-    tune(a.E, a.D, a.F, a.topk, a.M, a.dtype, a.budget_s, a.out_dir, a.block_shape, a.wide)
+    tune(a.E, a.D, a.F, a.topk, a.M, a.dtype, a.budget_s, a.out_dir, a.block_shape, a.wide, a.report)
     return 0
 
 

@@ -283,9 +283,12 @@ def test_tuner_writes_merged_file(tmp_path, monkeypatch):
     (tmp_path / name).write_text(json.dumps({"512": SMALL_CFG}))
     monkeypatch.setenv("MOE_KERNEL_CONFIG_DIR", str(tmp_path))
     cfgmod.load_configs.cache_clear()
-    tune(4, 64, 32, 2, [8], "bf16", budget_s=5, out_dir=tmp_path)
+    tune(4, 64, 32, 2, [8], "bf16", budget_s=5, out_dir=tmp_path, report=tmp_path / "report.json")
     got = json.loads((tmp_path / name).read_text())
     assert set(got) == {"8", "512"} and got["512"] == SMALL_CFG
+    rows = json.loads((tmp_path / "report.json").read_text())["rows"]
+    assert [r["M"] for r in rows] == [8] and rows[0]["config"] == got["8"]
+    assert rows[0]["tuned_us"] > 0 and rows[0]["default_us"] > 0
     cfgmod.load_configs.cache_clear()
 
 
