@@ -15,6 +15,8 @@
 #   bench-full    the whole kernel bench (moe bench kernel; vLLM beside ours if benchmarks/vllm_kernel/ is carried) -> $OUT/kernel.json
 #   gpu-tests     the CUDA tests of the attention, MLA, fused small kernels and vLLM-kernel adapter
 #   bench-attn    benchmarks/bench_attention.py -> $OUT/attention.json
+#   ds-flash      benchmarks/deepspeed_flash_probe.py: DeepSpeed-FastGen's blocked flash attention beside the
+#                 Triton kernels (carry .dsk/libblockedflash.so.xz) -> $OUT/deepspeed_flash.json
 #   ab            A/B of an environment switch: AB_VAR=1 / 0 / 1 / 0 (a fresh process each) over
 #                 gpu_engine_bench.py qwen3 --runs $AB_RUNS (default tpot1) -> $OUT/ab/
 #   bench-fused   benchmarks/bench_fused.py -> $OUT/fused.json
@@ -93,6 +95,7 @@ for stage in "$@"; do
         step "ab $i ${AB_VAR}=$v" env "${AB_VAR}=$v" timeout 290 python3 benchmarks/gpu_engine_bench.py qwen3 \
              --runs ${AB_RUNS:-tpot1} --out "$OUT/ab/${i}_${AB_VAR}_$v.json"
       done ;;
+    ds-flash) step ds-flash timeout 560 python3 benchmarks/deepspeed_flash_probe.py --out "$OUT/deepspeed_flash.json" ;;
     bench-attn) step bench-attn timeout 200 python3 benchmarks/bench_attention.py --out "$OUT/attention.json" ;;
     bench-fused) step bench-fused timeout 150 python3 benchmarks/bench_fused.py --out "$OUT/fused.json" ;;
     kernel-vllm) step kernel-vllm timeout 240 python3 -m moe.bench.kernel --no-baselines --no-deepspeed \
