@@ -9,8 +9,8 @@ kept by `pdl_enter`: a kernel launched with PDL waits before it reads or writes 
 sees everything its predecessor (and, transitively, every earlier kernel) wrote. Kernels
 launched without PDL (torch's, cuBLAS's, NCCL's) simply start after their predecessor ends.
 
-Off under the Triton interpreter, on GPUs before compute capability 9, and with MOE_PDL=0
-(A/B runs). CUDA-graph capture keeps the programmatic edges.
+Off under the Triton interpreter, on GPUs before compute capability 9 (and on ROCm), and with
+MOE_PDL=0 (A/B runs). CUDA-graph capture keeps the programmatic edges.
 """
 from __future__ import annotations
 
@@ -24,7 +24,8 @@ import triton.language as tl
 
 @functools.lru_cache(maxsize=None)
 def _device_supports_pdl(index: int) -> bool:
-    return torch.cuda.get_device_capability(index)[0] >= 9
+    # NVIDIA only: ROCm reports its own capability numbers and has no griddepcontrol.
+    return torch.version.hip is None and torch.cuda.get_device_capability(index)[0] >= 9
 
 
 def pdl_enabled(t: torch.Tensor) -> bool:
