@@ -302,8 +302,9 @@ def test_shipped_configs_are_valid():
 # --- GPU, real shapes -------------------------------------------------------------------------
 
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
-@pytest.mark.parametrize("E,D,F,K", [(128, 2048, 768, 8), (16, 5120, 8192, 1)])
-@pytest.mark.parametrize("T", [1, 64, 1000])
+@pytest.mark.parametrize("E,D,F,K", [(128, 2048, 768, 8), (16, 5120, 8192, 1),
+                                     (128, 2048, 384, 8), (64, 2048, 768, 8)])  # + Qwen3's TP=2 / EP=2 files
+@pytest.mark.parametrize("T", [1, 64, 1000, 4096])
 def test_real_shapes_gpu(E, D, F, K, T):
     x, w13, w2, tw, ti = make_inputs(T, D, F, E, K, torch.bfloat16, seed=T)
     out = fused_experts_triton(x, w13, w2, tw, ti)
