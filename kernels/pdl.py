@@ -5,9 +5,11 @@ first grid's last wave, then launches and ramps up the next. With PDL a kernel i
 its predecessor is still running: its programs become resident on the SMs the predecessor's tail
 leaves idle and wait there (`griddepcontrol.wait`) until the predecessor has finished and its
 memory is visible, so the launch and ramp-up overlap the tail. Correctness rests on one rule,
-kept by `pdl_enter`: a kernel launched with PDL waits before it reads or writes anything, so it
-sees everything its predecessor (and, transitively, every earlier kernel) wrote. Kernels
-launched without PDL (torch's, cuBLAS's, NCCL's) simply start after their predecessor ends.
+kept by `pdl_enter`: a kernel launched with PDL waits before it touches memory that a kernel may
+have written, so it sees everything its predecessor (and, transitively, every earlier kernel)
+wrote. The one thing read before the wait is weights (the skinny GEMM's first tile): no Triton
+kernel writes them, and a kernel launched without PDL (torch's, cuBLAS's, NCCL's, e.g. the
+copies that move weights) is only followed once it has ended.
 
 Off under the Triton interpreter, on GPUs before compute capability 9 (and on ROCm), and with
 MOE_PDL=0 (A/B runs). CUDA-graph capture keeps the programmatic edges.
