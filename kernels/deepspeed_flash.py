@@ -26,10 +26,11 @@ from __future__ import annotations
 
 import ctypes
 import math
-import os
 
 import numpy as np
 import torch
+
+from kernels.deepspeed_moe import wheel_library
 
 LIB_ENV = "MOE_DEEPSPEED_FLASH_LIB"
 _SYMBOL = "_Z11run_mha_fwdR16Flash_fwd_paramsP11CUstream_st"  # run_mha_fwd(Flash_fwd_params&, CUstream_st*)
@@ -78,16 +79,8 @@ def kv_block_size(head_dim: int, cc: tuple[int, int]) -> int:
 
 
 def library_path() -> str | None:
-    """$MOE_DEEPSPEED_FLASH_LIB if set, else libblockedflash.so of the installed `dskernels`."""
-    env = os.environ.get(LIB_ENV)
-    if env:
-        return env
-    try:
-        import dskernels
-    except ImportError:
-        return None
-    path = os.path.join(dskernels.library_path(), "libblockedflash.so")
-    return path if os.path.isfile(path) else None
+    """$MOE_DEEPSPEED_FLASH_LIB if set, else libblockedflash.so of the installed wheel, else None."""
+    return wheel_library("libblockedflash.so", LIB_ENV)
 
 
 def _run_mha_fwd():

@@ -62,17 +62,23 @@ _runners: dict[tuple[torch.dtype, int], "_MoeGemmRunner"] = {}
 _transposed: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
-def library_path() -> str | None:
-    """$MOE_DEEPSPEED_FT_LIB if set, else libdeepspeedft.so of the installed `dskernels`, else None."""
-    env = os.environ.get(LIB_ENV)
+def wheel_library(file_name: str, env_var: str) -> str | None:
+    """$env_var if set, else `file_name` in the installed `dskernels` package (the deepspeed-kernels
+    wheel), else None."""
+    env = os.environ.get(env_var)
     if env:
         return env
     try:
         import dskernels
     except ImportError:
         return None
-    path = os.path.join(dskernels.library_path(), "libdeepspeedft.so")  # library_path() = package dir
+    path = os.path.join(dskernels.library_path(), file_name)  # library_path() = package dir
     return path if os.path.isfile(path) else None
+
+
+def library_path() -> str | None:
+    """$MOE_DEEPSPEED_FT_LIB if set, else libdeepspeedft.so of the installed wheel, else None."""
+    return wheel_library("libdeepspeedft.so", LIB_ENV)
 
 
 def _library() -> ctypes.CDLL:
