@@ -163,13 +163,15 @@ def decode_step(llm: LLM, num_requests: int, prompt_len: int, out_len: int) -> d
         engine.add_request(f"d{i}", p, params)
     times = []
     schedulers = engine.schedulers  # one per data-parallel replica
+    # No device sync around a step: a synchronous step ends by waiting for its tokens anyway, and
+    # with async scheduling a step returns while the next one runs (its time is the loop's period).
     while engine.has_unfinished_requests():
-        decode_only = all(not s.waiting and all(r.num_computed_tokens == r.num_tokens - 1 for r in s.running)
+        # decode-only: nothing waiting and every request past its prompt (computed counts the
+        # token being decoded, and with async scheduling the one in flight too)
+        decode_only = all(not s.waiting and all(r.num_computed_tokens >= r.num_tokens - 1 for r in s.running)
                           for s in schedulers) and sum(len(s.running) for s in schedulers) == num_requests
-        torch.cuda.synchronize()
         t = time.perf_counter()
         engine.step()
-        torch.cuda.synchronize()
         if decode_only:
             times.append(time.perf_counter() - t)
     if not times:
@@ -324,7 +326,8 @@ def qwen3(results: dict, eager: bool, runs: list[str], tp: int = 1, record: bool
     t0 = time.perf_counter()
     llm = LLM(_dummy_model(max_model_len), device="cuda", load_format="dummy", max_model_len=max_model_len,
               max_num_seqs=256, max_num_batched_tokens=8192, enable_prefix_caching=False, enforce_eager=eager,
-              tensor_parallel_size=tp, record_expert_load=record)
+              tensor_parallel_size=tp, record_expert_load=record,
+              async_scheduling=os.environ.get("BENCH_ASYNC_SCHEDULING") == "1")  # A/B: the `ab` stage
     tag = ("eager" if eager else "graphs") + ("" if tp == 1 else f"-tp{tp}") + ("" if record else "-norecord") \
         + tag_suffix
     results[f"qwen3/{tag}/start_s"] = time.perf_counter() - t0

@@ -133,6 +133,9 @@ class EngineArgs:
     # (None: 1, 2, 4, 8, 16, ... up to max_num_seqs); enforce_eager=True captures none.
     enforce_eager: bool = False
     cudagraph_capture_sizes: list[int] | None = None
+    # Schedule and launch step N+1 before step N's tokens reach the host, so the host's work of a
+    # step overlaps the GPU's (single-process engines, text models; other layouts run synchronously).
+    async_scheduling: bool = False
     # Expert load: counted on the device in every MoE layer, folded into a window every
     # expert_load_window_steps engine steps (LLM.get_expert_load, the recording, /metrics).
     record_expert_load: bool = True

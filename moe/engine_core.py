@@ -18,13 +18,14 @@ import numpy as np
 
 from moe.data_parallel import DataParallelScheduler
 from moe.executor import Executor, InProcessExecutor, make_executor
+from moe.model_runner import ModelRunnerOutput, PendingStep
 from moe.eplb_driver import EplbDriver
 from moe.expert_load import ExpertLoadTracker, physical_slot_ranks
 from moe.expert_load_file import ExpertLoadMeta
 from moe.model_info import ModelInfo
 from moe.sampling_params import SamplingParams
 from moe.step_recovery import StepRecovery
-from scheduler import plan_groups, Request, RequestStatus, Scheduler, SchedulerConfig
+from scheduler import plan_groups, Request, RequestStatus, Scheduler, SchedulerConfig, SchedulerOutput
 from routing.placement import expert_owner_ranks
 from scheduler.output import EngineCoreOutput
 
@@ -90,12 +91,19 @@ class EngineCore:
                 f"{g.num_blocks} blocks" for g in groups))
             if args.enable_prefix_caching:
                 logger.info("Prefix caching is off: chunked-local layers release their blocks behind each chunk")
+        # Async scheduling needs the runner in this process (its sampled tokens stay on the device
+        # for the next step) and one scheduler; images keep synchronous steps.
+        self.async_scheduling = args.async_scheduling and isinstance(self.executor, InProcessExecutor) \
+            and args.data_parallel_size == 1 and not info.image_limit
+        if args.async_scheduling and not self.async_scheduling:
+            logger.warning("async_scheduling needs a single-process engine of a text model; steps run synchronously")
         # One scheduler per data-parallel replica, each over its own KV cache.
         self.schedulers = [Scheduler(SchedulerConfig(
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=info.max_num_batched_tokens,
             max_model_len=self.max_model_len, block_size=args.block_size, num_blocks=num_blocks,
             enable_chunked_prefill=args.enable_chunked_prefill, enable_prefix_caching=args.enable_prefix_caching,
-            kv_cache_groups=groups, encoder_cache_size=self._encoder_cache_size(info)))
+            kv_cache_groups=groups, encoder_cache_size=self._encoder_cache_size(info),
+            async_scheduling=self.async_scheduling))
             for _ in range(args.data_parallel_size)]
         self.scheduler = self.schedulers[0] if len(self.schedulers) == 1 else DataParallelScheduler(self.schedulers)
         self.executor.initialize_cache(groups)
@@ -104,6 +112,7 @@ class EngineCore:
         self.recovery = StepRecovery(self.scheduler) \
             if isinstance(self.executor, InProcessExecutor) and isinstance(self.scheduler, Scheduler) else None
         self.num_steps = 0
+        self._in_flight: tuple[SchedulerOutput, PendingStep] | None = None  # async scheduling
         self._arrival: dict[str, float] = {}  # requests not scheduled yet -> arrival time
         self.expert_load, self.eplb = self._start_expert_load(info)
 
@@ -212,7 +221,8 @@ class EngineCore:
         self.scheduler.finish_requests(request_ids, status)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or bool(self.recovery and self.recovery.num_held)
+        return self.scheduler.has_unfinished_requests() or bool(self.recovery and self.recovery.num_held) \
+            or self._in_flight is not None
 
     @property
     def load(self) -> int:
@@ -223,7 +233,9 @@ class EngineCore:
     def step(self) -> CoreStepResult:
         self.num_steps += 1
         result = CoreStepResult()
-        if isinstance(self.scheduler, DataParallelScheduler):
+        if self.async_scheduling:
+            self._step_async(result)
+        elif isinstance(self.scheduler, DataParallelScheduler):
             sos = self.scheduler.schedule()
             self._note_scheduled(sos, result)
             result.outputs = self.scheduler.update_from_output(sos, self.executor.execute_models(sos))
@@ -246,6 +258,61 @@ class EngineCore:
         self._after_step(result)
         result.stats = self.stats()
         return result
+
+    def _step_async(self, result: CoreStepResult) -> None:
+        """Schedule and launch this step, then wait for the previous one's tokens and apply them:
+        the host's scheduling, input building and output handling overlap the GPU's work. The
+        scheduler gives each sampling request of the step in flight a placeholder token, which this
+        step computes with its value copied on the device (ModelRunner.launch / collect). Requests
+        whose sampling needs their full token history (penalties) wait for the step in flight."""
+        runner = self.executor.runner
+        if self._in_flight is not None and self._needs_history():
+            self._finish_in_flight(result)
+        so = self.scheduler.schedule()
+        self._note_scheduled([so], result)
+        prev = self._in_flight
+        self._in_flight = None
+        try:
+            pending = runner.launch(so, prev=prev[1] if prev else None)
+        except Exception as exc:
+            if prev is not None:
+                self._in_flight = prev
+                self._finish_in_flight(result)
+            self._recover_from_failed_step(so, exc, result)
+            return
+        if pending is not None:
+            self._in_flight = (so, pending)
+        else:  # nothing samples in this step: it is done with its launch (the next step is ordered after it)
+            self._apply(so, None, result)
+        if prev is not None:
+            try:
+                out = runner.collect(prev[1])
+            except Exception as exc:
+                if self._in_flight is not None and self.recovery is not None:
+                    self.recovery.rollback(self._in_flight[0])  # queued behind the failed step
+                self._in_flight = None
+                self._recover_from_failed_step(prev[0], exc, result)
+                return
+            self._apply(prev[0], out, result)
+
+    def _finish_in_flight(self, result: CoreStepResult) -> None:
+        so, pending = self._in_flight
+        self._in_flight = None
+        self._apply(so, self.executor.runner.collect(pending), result)
+
+    def _apply(self, so: SchedulerOutput, out: ModelRunnerOutput | None, result: CoreStepResult) -> None:
+        if self.recovery is not None:
+            self.recovery.on_success(so)
+        if out is not None:
+            result.outputs.extend(self.scheduler.update_from_output(so, out.sampled, out.logprobs))
+
+    def _needs_history(self) -> bool:
+        """A running request samples with penalties (they count its generated tokens)."""
+        for request in self.scheduler.running:
+            p = request.sampling_params
+            if p is not None and (p.repetition_penalty != 1 or p.frequency_penalty or p.presence_penalty):
+                return True
+        return False
 
     def _note_scheduled(self, sos, result: CoreStepResult) -> None:
         if not self._arrival:

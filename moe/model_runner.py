@@ -57,6 +57,29 @@ class ModelRunnerOutput:
     logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
 
 
+class PendingStep:
+    """A launched step whose sampled tokens may still be on their way (ModelRunner.launch). On
+    CUDA the tokens are copied to pinned memory right after sampling, so waiting for them does not
+    wait for a later step queued behind."""
+
+    def __init__(self, batch: StepBatch, result) -> None:
+        self.batch, self.result = batch, result
+        self.sampled_B = result.sampled_B
+        self.sample_index = {batch.req_ids[i]: j for j, i in enumerate(batch.sample_rows)}
+        self._host, self._ready = None, None
+        if self.sampled_B.is_cuda:
+            self._host = torch.empty(self.sampled_B.shape, dtype=self.sampled_B.dtype, pin_memory=True)
+            self._host.copy_(self.sampled_B, non_blocking=True)
+            self._ready = torch.cuda.Event()
+            self._ready.record()
+
+    def tokens(self) -> list[int]:
+        if self._ready is None:
+            return self.sampled_B.tolist()
+        self._ready.synchronize()
+        return self._host.tolist()
+
+
 def _derived_seed(seed: int, output_index: int) -> int:
     # A seeded request's draw for its i-th token depends only on (seed, i): reproducible
     # across batch compositions and after preemption.
@@ -211,9 +234,12 @@ class ModelRunner:
                 tables.extend(state.row, group, ids)
             state.num_computed_tokens = num_computed
 
-    def _sampling_batch(self, states: list[RequestState]) -> SamplingBatch:
+    def _sampling_batch(self, states: list[RequestState], seq_lens: list[int]) -> SamplingBatch:
+        """seq_lens: each row's context after the step, so the token sampled now is output number
+        seq_len - num_prompt_tokens (also with async scheduling, where token_ids lags)."""
         dev = self.device
         params = [s.params for s in states]
+        num_out = [L - s.num_prompt_tokens for s, L in zip(states, seq_lens)]
         all_greedy = all(p.is_greedy for p in params)
         top_k = [p.top_k for p in params]
         top_p = [p.top_p for p in params]
@@ -226,8 +252,7 @@ class ModelRunner:
             if not all_greedy and any(x < 1 for x in top_p) else None,
             min_p_B=torch.tensor(min_p, dtype=torch.float32, device=dev) if not all_greedy and any(min_p) else None,
             seeds=None if all_greedy else
-            [None if p.seed is None else _derived_seed(p.seed, len(s.token_ids) - s.num_prompt_tokens)
-             for p, s in zip(params, states)],
+            [None if p.seed is None else _derived_seed(p.seed, n) for p, n in zip(params, num_out)],
             all_greedy=all_greedy,
             max_num_logprobs=max((p.logprobs for p in params if p.logprobs is not None), default=-1),
         )
@@ -244,8 +269,8 @@ class ModelRunner:
             batch.frequency_penalty_B = torch.tensor([p.frequency_penalty for p in params], device=dev)
             batch.presence_penalty_B = torch.tensor([p.presence_penalty for p in params], device=dev)
         banned = []
-        for i, (p, s) in enumerate(zip(params, states)):
-            if p.min_tokens and len(s.token_ids) - s.num_prompt_tokens < p.min_tokens:
+        for i, (p, n) in enumerate(zip(params, num_out)):
+            if p.min_tokens and n < p.min_tokens:
                 stops = ([] if p.ignore_eos else self.eos_token_ids) + list(p.stop_token_ids)
                 if stops:
                     banned.append((i, stops))
@@ -282,28 +307,46 @@ class ModelRunner:
         pp_send(out)
         return None
 
-    def _run_batch(self, batch: StepBatch, counted: bool = True, with_images: bool = False):
+    def _run_batch(self, batch: StepBatch, counted: bool = True, with_images: bool = False,
+                   prev: PendingStep | None = None):
         """Hidden states of the batch's tokens (None off the last pipeline stage): a CUDA-graph
         replay for a decode-only step within the captured sizes, else an eager forward.
         counted: whether the expert-load counters count its tokens (not a dummy batch's).
-        with_images: some request of the batch holds image features (this stage embeds them)."""
+        with_images: some request of the batch holds image features (this stage embeds them).
+        prev: the step in flight whose sampled tokens are this batch's pending inputs (async)."""
         T, B = len(batch.input_ids_T), len(batch.req_ids)
         if self.counters is not None:  # a graph's padding rows lie past T: not counted
             self.counters.set_num_valid(T if counted else 0)
         if self.buffers is None or not self.buffers.fits(T, B, max(t.shape[1] for t in batch.tables)):
             meta = host_metadata(batch, self.device, self.block_size, device_fields=self.gpu_inputs)
             input_ids = torch.from_numpy(batch.input_ids_T).to(self.device)
+            self._fill_pending(input_ids, batch, prev)
             embeds = self.images.inputs_embeds(batch, input_ids) if with_images else None
             return self._forward(input_ids, torch.from_numpy(batch.positions_T).to(self.device), meta, embeds)
         replayable = batch.decode_only and self.graphs is not None and not with_images and (
             not self.graphs_need_capacity or self.dispatch_step.max_tokens <= self.dispatch_step.capacity)
         padded = self.graphs.padded_size(B) if replayable else None
         meta = upload(self.buffers, batch, self.block_size, padded)
+        self._fill_pending(self.buffers.dev_view("input_ids", T), batch, prev)
         if padded is not None:
             return self.graphs.replay(padded)[:B]
         input_ids = self.buffers.dev_view("input_ids", T)
         embeds = self.images.inputs_embeds(batch, input_ids) if with_images else None
         return self._forward(input_ids, self.buffers.dev_view("positions", T), meta, embeds)
+
+    def _fill_pending(self, input_ids_T: torch.Tensor, batch: StepBatch, prev: PendingStep | None) -> None:
+        """Async scheduling: copy the in-flight step's sampled tokens into this step's inputs, on
+        the device (stream-ordered after that step's sampling)."""
+        if not batch.pending_T:
+            return
+        if prev is None:
+            raise RuntimeError("a step has inputs from a step in flight, but none was given")
+        missing = [req_id for _, req_id in batch.pending_T if req_id not in prev.sample_index]
+        if missing:
+            raise RuntimeError(f"requests {missing} wait for tokens that the step in flight does not sample")
+        dst = torch.tensor([t for t, _ in batch.pending_T], dtype=torch.long).to(self.device, non_blocking=True)
+        src = torch.tensor([prev.sample_index[r] for _, r in batch.pending_T], dtype=torch.long)
+        input_ids_T.index_copy_(0, dst, prev.sampled_B.index_select(0, src.to(self.device, non_blocking=True)))
 
     @torch.inference_mode()
     def execute_dummy(self) -> None:
@@ -318,43 +361,57 @@ class ModelRunner:
     def execute_model(self, so: SchedulerOutput, dummy: bool = False) -> ModelRunnerOutput:
         """Run one step. `dummy`: when `so` is empty, run a one-token forward anyway (another DP
         replica has work and the MoE collectives need every rank)."""
+        pending = self.launch(so, dummy=dummy)
+        return self.collect(pending) if pending is not None else ModelRunnerOutput()
+
+    @torch.inference_mode()
+    def launch(self, so: SchedulerOutput, prev: PendingStep | None = None,
+               dummy: bool = False) -> PendingStep | None:
+        """Queue one step's forward and sampling without waiting for them; None when the step
+        samples nothing here. prev: the step still in flight (async scheduling), whose sampled
+        tokens feed this step's pending inputs."""
         self._update_states(so)
         if so.is_empty:
             if dummy:
                 self.execute_dummy()
-            return ModelRunnerOutput()
+            return None
         batch = StepBatch.build(so, self.requests, self.block_tables)
         with_images = False
         if self.is_first_stage:  # images are embedded where the token embeddings are
             if so.scheduled_encoder_inputs:
                 self.images.encode(so, self.requests, self.kv_dtype)
             with_images = bool(self.images.holding)
-        hidden = self._run_batch(batch, with_images=with_images)
-        out = ModelRunnerOutput()
+        hidden = self._run_batch(batch, with_images=with_images, prev=prev)
         sample_rows = batch.sample_rows
         if not sample_rows or hidden is None:
-            return out
+            return None
         if len(sample_rows) == hidden.shape[0]:  # every token samples (decode-only)
             last = hidden
         else:
             last = hidden[torch.from_numpy(batch.query_start_loc[np.asarray(sample_rows) + 1] - 1).to(self.device)]
         logits = self.model.compute_logits(last)  # a TP collective: every TP rank of the stage
         if not self.is_driver:
-            return out
+            return None
         states = batch.states
         sample_states = [states[i] for i in sample_rows]
-        result = sample(logits, self._sampling_batch(sample_states))
-        sampled = result.sampled_B.tolist()
+        result = sample(logits, self._sampling_batch(sample_states, batch.seq_lens_B[sample_rows].tolist()))
+        return PendingStep(batch, result)
+
+    def collect(self, pending: PendingStep) -> ModelRunnerOutput:
+        """Wait for a launched step's tokens, append them to the request states, and return them."""
+        result, batch = pending.result, pending.batch
+        sampled = pending.tokens()
         want_logprobs = result.sampled_logprob_B is not None
         if want_logprobs:
             lp = result.sampled_logprob_B.tolist()
             ranks = result.sampled_rank_B.tolist()
             top_ids = result.logprob_ids_BK.tolist() if result.logprob_ids_BK is not None else None
             top_vals = result.logprob_vals_BK.tolist() if result.logprob_vals_BK is not None else None
-        req_ids = batch.req_ids
-        for j, i in enumerate(sample_rows):
+        out = ModelRunnerOutput()
+        req_ids, states = batch.req_ids, batch.states
+        for j, i in enumerate(batch.sample_rows):
             req_id, state = req_ids[i], states[i]
-            state.token_ids.append(sampled[j])
+            state.token_ids.append(sampled[j])  # a state dropped meanwhile (finished, preempted) is unused
             out.sampled[req_id] = [sampled[j]]
             k = state.params.logprobs
             if want_logprobs and k is not None:

@@ -46,6 +46,9 @@ class StepBatch:
     row_T: np.ndarray              # sequence of each token
     tables: list[np.ndarray]       # per KV-cache group [B, m]
     sample_rows: list[int]         # sequences that produce a token this step
+    # Async scheduling: (token index, request id) of input tokens not known yet on the host (the
+    # previous step samples them); their input_ids_T entries are 0 until filled on the device.
+    pending_T: list[tuple[int, str]] = field(default_factory=list)
 
     @property
     def decode_only(self) -> bool:
@@ -61,23 +64,34 @@ class StepBatch:
         np.cumsum(n, out=qsl[1:])
         seq_lens = computed + n
         T = int(qsl[-1])
+        known = np.fromiter((len(s.token_ids) for s in states), dtype=np.int64, count=len(states))
+        pending: list[tuple[int, str]] = []
         if T == len(states):  # decode-only: each sequence's newest token
-            input_ids = np.fromiter((s.token_ids[s.num_computed_tokens] for s in states), dtype=np.int64, count=T)
+            if (computed < known).all():
+                input_ids = np.fromiter((s.token_ids[s.num_computed_tokens] for s in states), dtype=np.int64, count=T)
+            else:
+                input_ids = np.asarray([s.token_ids[c] if c < len(s.token_ids) else 0
+                                        for s, c in zip(states, computed.tolist())], dtype=np.int64)
+                pending = [(i, req_ids[i]) for i in np.nonzero(computed >= known)[0].tolist()]
             row, positions = np.arange(T), computed
         else:
             ids: list[int] = []
-            for s, k in zip(states, n.tolist()):  # Python ints: numpy scalars index slowly
+            for i, (s, k) in enumerate(zip(states, n.tolist())):  # Python ints: numpy scalars index slowly
                 c = s.num_computed_tokens
-                ids.extend(s.token_ids[c:c + k])
+                have = s.token_ids[c:c + k]
+                if len(have) < k:  # async: the last token comes from the step in flight
+                    pending.append((len(ids) + k - 1, req_ids[i]))
+                    have = have + [0]
+                ids.extend(have)
             input_ids = np.asarray(ids, dtype=np.int64)
             row = np.repeat(np.arange(len(states)), n)
             positions = np.arange(T) - qsl[:-1][row] + computed[row]
         rows = np.fromiter((s.row for s in states), dtype=np.int64, count=len(states))
         block_tables = [tables.gather(g, rows) for g in range(tables.num_groups)]
-        # Rows that reach the end of their known tokens produce a next token.
-        known = np.fromiter((len(s.token_ids) for s in states), dtype=np.int64, count=len(states))
-        sample_rows = np.nonzero(seq_lens == known)[0].tolist()
-        return cls(req_ids, states, n, qsl, seq_lens, input_ids, positions, row, block_tables, sample_rows)
+        # Rows that reach the end of their known tokens (async: past it) produce a next token.
+        sample_rows = np.nonzero(seq_lens >= known)[0].tolist()
+        return cls(req_ids, states, n, qsl, seq_lens, input_ids, positions, row, block_tables, sample_rows,
+                   pending)
 
     @classmethod
     def one_token(cls, blocks: list[int]) -> "StepBatch":

@@ -83,6 +83,10 @@ class StepRecovery:
             self.held.remove(request)
             self.scheduler.waiting.appendleft(request)
 
+    def rollback(self, so: SchedulerOutput) -> None:
+        """Undo a step without blaming anyone (async scheduling: the step queued behind a failed one)."""
+        self._rollback(so)
+
     def _rollback(self, so: SchedulerOutput) -> None:
         s = self.scheduler
         ids = set(so.num_scheduled_tokens)
@@ -91,6 +95,7 @@ class StepRecovery:
         for request in back:
             s.free_resources(request)
             request.num_computed_tokens = 0
+            request.num_output_placeholders = 0
             request.status = RequestStatus.WAITING
             s._runner_knows.discard(request.request_id)
         s.waiting.extendleft(reversed(back))

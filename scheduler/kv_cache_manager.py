@@ -140,7 +140,9 @@ class KVCacheManager:
         # total_tokens never exceeds the request's tokens). In the fast path only a step ending
         # exactly on a block boundary fills one.
         if self.enable_caching and (not fast or total_tokens % self.block_size == 0):
-            num_full = total_tokens // self.block_size
+            # Only blocks whose tokens are all known (async scheduling computes a placeholder's KV
+            # before its token arrives; such a block is registered by a later allocation).
+            num_full = min(total_tokens, len(request.all_token_ids)) // self.block_size
             if num_full > self._num_cached_blocks[req_id]:
                 self._cache_full_blocks(request, blocks, num_full)
         if fast:

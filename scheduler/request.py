@@ -38,13 +38,15 @@ class Request:
     """One sequence to generate. `sampling_params` is carried opaquely to the model runner.
 
     Token bookkeeping: `all_token_ids` = prompt + generated; `num_computed_tokens` counts the
-    tokens whose KV is (or will be, after the step being scheduled) in the cache.
+    tokens whose KV is (or will be, after the step being scheduled) in the cache. With async
+    scheduling, `num_output_placeholders` counts tokens being sampled by steps still in flight:
+    the next step already computes their KV, their values arrive later.
     """
 
     __slots__ = ("request_id", "prompt_token_ids", "num_prompt_tokens", "all_token_ids", "max_tokens",
                  "eos_token_ids", "stop_token_ids", "ignore_eos", "min_tokens", "sampling_params",
                  "arrival_time", "status", "num_computed_tokens", "num_cached_tokens", "num_preemptions",
-                 "stop_reason", "block_hashes", "stopping_tokens", "mm_items")
+                 "stop_reason", "block_hashes", "stopping_tokens", "mm_items", "num_output_placeholders")
 
     def __init__(
         self,
@@ -72,6 +74,7 @@ class Request:
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
+        self.num_output_placeholders = 0
         self.num_cached_tokens = -1  # prefix-cache hit at first scheduling; -1 = not yet scheduled
         self.num_preemptions = 0
         self.stop_reason: int | str | None = None

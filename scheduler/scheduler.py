@@ -28,6 +28,9 @@ class SchedulerConfig:
     kv_cache_groups: list[KVCacheGroup] | None = None
     # Embeddings of image features the runner may hold (and compute per step); 0: no images.
     encoder_cache_size: int = 0
+    # Schedule the next step while this one runs: a request whose step samples a token gets a
+    # placeholder for it (Request.num_output_placeholders), which the next step computes.
+    async_scheduling: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size", "num_blocks"):
@@ -117,6 +120,7 @@ class Scheduler:
         self.free_resources(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.num_output_placeholders = 0  # an in-flight token of a preempted request is dropped
         request.num_preemptions += 1
         self.num_preemptions += 1
         self._runner_knows.discard(request.request_id)
@@ -145,12 +149,14 @@ class Scheduler:
         allocate, runner_knows = self.kv.allocate_slots, self._runner_knows
         cached_ids, cached_blocks, cached_computed = (cached_reqs.req_ids, cached_reqs.new_block_ids,
                                                       cached_reqs.num_computed_tokens)
+        placeholders = cfg.async_scheduling
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            num_new = min(len(request.all_token_ids) - request.num_computed_tokens, budget)
-            if num_new <= 0:  # nothing to compute (cannot happen after update); keep the order
-                i += 1
+            num_new = min(len(request.all_token_ids) + request.num_output_placeholders - request.num_computed_tokens,
+                          budget)
+            if num_new <= 0 or (request.num_output_placeholders and self._done_in_flight(request)):
+                i += 1  # nothing to compute (sync: cannot happen after update); keep the order
                 continue
             to_encode = None
             if request.mm_items:
@@ -182,6 +188,8 @@ class Scheduler:
                 request.num_computed_tokens += num_new
             else:
                 self._record(request, new_blocks, num_new, new_reqs, cached_reqs)
+            if placeholders:
+                self._add_placeholder(request)
             i += 1
 
         # Then waiting requests in arrival order (preempted ones were put back at the front),
@@ -213,6 +221,8 @@ class Scheduler:
             num_scheduled[request.request_id] = num_new
             budget -= num_new
             self._record(request, new_blocks, num_new, new_reqs, cached_reqs)
+            if placeholders:
+                self._add_placeholder(request)
 
         total = cfg.max_num_batched_tokens - budget
         assert total <= cfg.max_num_batched_tokens and len(self.running) <= cfg.max_num_seqs
@@ -228,6 +238,19 @@ class Scheduler:
         )
         self._finished_since_last_step = set()
         return out
+
+    @staticmethod
+    def _add_placeholder(request: Request) -> None:
+        """Async scheduling: a step that reaches the end of the request's tokens samples one more."""
+        if request.num_computed_tokens == len(request.all_token_ids) + request.num_output_placeholders:
+            request.num_output_placeholders += 1
+
+    def _done_in_flight(self, request: Request) -> bool:
+        """Async scheduling: the tokens in flight take the request to max_tokens or max_model_len,
+        so it finishes with them and is not scheduled again."""
+        num_tokens = len(request.all_token_ids) + request.num_output_placeholders
+        return (num_tokens - request.num_prompt_tokens >= request.max_tokens
+                or num_tokens >= self.config.max_model_len)
 
     def _encode(self, request: Request, indices: list[int], scheduled: dict[str, list[int]]) -> int:
         """Hold the images computed this step; their embeddings (what they take of the budget)."""
@@ -270,6 +293,8 @@ class Scheduler:
             appended = []
             status = None
             for token in new_tokens:
+                if request.num_output_placeholders:
+                    request.num_output_placeholders -= 1
                 request.all_token_ids.append(token)
                 appended.append(token)
                 status = self._check_stop(request, token)

@@ -53,3 +53,23 @@ def test_graphs_give_the_eager_tokens():
             assert (graphs is None) == eager and (eager or sorted(graphs.graphs) == [1, 2, 4])
             outs[eager] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert len(outs[False]) == len(prompts) and outs[False] == outs[True]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_async_scheduling_gives_the_synchronous_tokens_with_graphs():
+    """On the GPU the next step's pending inputs are filled on the device before a graph replay."""
+    import random
+
+    from moe import LLM, SamplingParams
+    rng = random.Random(1)
+    prompts = [{"prompt_token_ids": [rng.randrange(1, 512) for _ in range(n)]} for n in (1, 9, 33, 70, 5, 17)]
+    params = [SamplingParams(temperature=0.0 if i % 2 else 0.8, seed=i, max_tokens=10 + i, logprobs=1)
+              for i in range(len(prompts))]
+    outs = {}
+    for async_scheduling in (False, True):
+        with LLM("tiny-qwen3-moe", device="cuda", dtype="float32", max_num_seqs=4, gpu_memory_utilization=0.2,
+                 async_scheduling=async_scheduling) as llm:
+            assert llm.llm_engine.core.async_scheduling is async_scheduling
+            outs[async_scheduling] = [(o.outputs[0].token_ids, o.outputs[0].finish_reason)
+                                      for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert outs[True] == outs[False]
