@@ -344,9 +344,12 @@ class ModelRunner:
         missing = [req_id for _, req_id in batch.pending_T if req_id not in prev.sample_index]
         if missing:
             raise RuntimeError(f"requests {missing} wait for tokens that the step in flight does not sample")
-        dst = torch.tensor([t for t, _ in batch.pending_T], dtype=torch.long).to(self.device, non_blocking=True)
-        src = torch.tensor([prev.sample_index[r] for _, r in batch.pending_T], dtype=torch.long)
-        input_ids_T.index_copy_(0, dst, prev.sampled_B.index_select(0, src.to(self.device, non_blocking=True)))
+        # [destination rows; source rows], through pinned memory on CUDA: a copy from pageable
+        # memory would wait for the step in flight.
+        idx = torch.tensor([[t for t, _ in batch.pending_T], [prev.sample_index[r] for _, r in batch.pending_T]],
+                           dtype=torch.long, pin_memory=self.device.type == "cuda")
+        idx = idx.to(self.device, non_blocking=True)
+        input_ids_T.index_copy_(0, idx[0], prev.sampled_B.index_select(0, idx[1]))
 
     @torch.inference_mode()
     def execute_dummy(self) -> None:

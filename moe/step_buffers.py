@@ -31,6 +31,10 @@ class StepBuffers:
         self._host_np = self._host.numpy()
         self._dev = torch.zeros(total, dtype=torch.int64, device=device)
         self.tables = [torch.zeros(max_seqs, max_blocks, dtype=torch.int64, device=device) for _ in range(num_groups)]
+        # Pinned staging of each group's [B, m] corner: a copy from pageable memory would wait for
+        # the work already queued on the stream (a step in flight, with async scheduling).
+        self._host_tables = [torch.zeros(max_seqs * max_blocks, dtype=torch.int64, pin_memory=pin)
+                             for _ in range(num_groups)]
         # The last upload's copies read the pinned memory asynchronously: the host waits for
         # them before writing it again.
         self._uploaded = torch.cuda.Event() if pin else None
@@ -52,10 +56,12 @@ class StepBuffers:
         return self._dev[o:o + n]
 
     def upload_tables(self, group: int, tables_Bm: np.ndarray) -> None:
-        """Block tables [B, m] of one group into the corner of its device tensor (a small copy
-        from pageable memory, staged by torch before it returns)."""
+        """Block tables [B, m] of one group into the corner of its device tensor, through its
+        pinned staging buffer (written after `begin`, like the other inputs)."""
         B, m = tables_Bm.shape
-        self.tables[group][:B, :m].copy_(torch.from_numpy(tables_Bm), non_blocking=True)
+        staged = self._host_tables[group][:B * m].view(B, m)
+        staged.numpy()[:] = tables_Bm
+        self.tables[group][:B, :m].copy_(staged, non_blocking=True)
 
     def upload(self, sizes: dict[str, int]) -> None:
         """Copy the first sizes[name] entries of each named input to the device (asynchronously)."""
