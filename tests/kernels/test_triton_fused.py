@@ -38,17 +38,6 @@ def torch_references(monkeypatch):
         monkeypatch.setattr(mod, "use_triton_fused", lambda x: False)
 
 
-@pytest.fixture
-def poisoned_empty(monkeypatch):
-    real_empty = torch.empty
-
-    def empty(*args, **kwargs):
-        t = real_empty(*args, **kwargs)
-        return t.fill_(float("nan") if t.is_floating_point() else -7)
-
-    monkeypatch.setattr(torch, "empty", empty)
-
-
 # --- references and comparisons ------------------------------------------------------------
 
 def rms_norm_ref(x, weight, eps, residual=None):

@@ -32,17 +32,6 @@ MANTISSA_BITS = {torch.float32: 24, torch.bfloat16: 8, torch.float16: 11}
 SMALLEST_ULP = {torch.float32: 2.0 ** -149, torch.bfloat16: 2.0 ** -133, torch.float16: 2.0 ** -24}
 
 
-@pytest.fixture
-def poisoned_empty(monkeypatch):
-    real_empty = torch.empty
-
-    def empty(*args, **kwargs):
-        t = real_empty(*args, **kwargs)
-        return t.fill_(float("nan") if t.is_floating_point() else -7)
-
-    monkeypatch.setattr(torch, "empty", empty)
-
-
 def randn(*shape, dtype, seed, device=DEV):
     g = torch.Generator().manual_seed(seed)
     return torch.randn(*shape, generator=g).to(dtype).to(device)
