@@ -58,26 +58,32 @@ class ModelRunnerOutput:
 
 
 class PendingStep:
-    """A launched step whose sampled tokens may still be on their way (ModelRunner.launch). On
-    CUDA the tokens are copied to pinned memory right after sampling, so waiting for them does not
-    wait for a later step queued behind."""
+    """A launched step whose sampled tokens (and logprobs) may still be on their way
+    (ModelRunner.launch). On CUDA they are copied to pinned memory right after sampling, so waiting
+    for them does not wait for a later step queued behind."""
 
     def __init__(self, batch: StepBatch, result) -> None:
-        self.batch, self.result = batch, result
+        self.batch = batch
         self.sampled_B = result.sampled_B
         self.sample_index = {batch.req_ids[i]: j for j, i in enumerate(batch.sample_rows)}
-        self._host, self._ready = None, None
+        outputs = {"sampled": result.sampled_B, "logprob": result.sampled_logprob_B, "rank": result.sampled_rank_B,
+                   "top_ids": result.logprob_ids_BK, "top_vals": result.logprob_vals_BK}
+        self._outputs = {k: t for k, t in outputs.items() if t is not None}
+        self._ready = None
         if self.sampled_B.is_cuda:
-            self._host = torch.empty(self.sampled_B.shape, dtype=self.sampled_B.dtype, pin_memory=True)
-            self._host.copy_(self.sampled_B, non_blocking=True)
+            staged = {}
+            for k, t in self._outputs.items():
+                staged[k] = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+                staged[k].copy_(t, non_blocking=True)
+            self._outputs = staged
             self._ready = torch.cuda.Event()
             self._ready.record()
 
-    def tokens(self) -> list[int]:
-        if self._ready is None:
-            return self.sampled_B.tolist()
-        self._ready.synchronize()
-        return self._host.tolist()
+    def lists(self) -> dict[str, list]:
+        """The step's outputs as lists: sampled, and logprob / rank / top_ids / top_vals when asked."""
+        if self._ready is not None:
+            self._ready.synchronize()
+        return {k: t.tolist() for k, t in self._outputs.items()}
 
 
 def _derived_seed(seed: int, output_index: int) -> int:
@@ -402,14 +408,12 @@ class ModelRunner:
 
     def collect(self, pending: PendingStep) -> ModelRunnerOutput:
         """Wait for a launched step's tokens, append them to the request states, and return them."""
-        result, batch = pending.result, pending.batch
-        sampled = pending.tokens()
-        want_logprobs = result.sampled_logprob_B is not None
+        batch, got = pending.batch, pending.lists()
+        sampled = got["sampled"]
+        want_logprobs = "logprob" in got
         if want_logprobs:
-            lp = result.sampled_logprob_B.tolist()
-            ranks = result.sampled_rank_B.tolist()
-            top_ids = result.logprob_ids_BK.tolist() if result.logprob_ids_BK is not None else None
-            top_vals = result.logprob_vals_BK.tolist() if result.logprob_vals_BK is not None else None
+            lp, ranks = got["logprob"], got["rank"]
+            top_ids, top_vals = got.get("top_ids"), got.get("top_vals")
         out = ModelRunnerOutput()
         req_ids, states = batch.req_ids, batch.states
         for j, i in enumerate(batch.sample_rows):
