@@ -327,7 +327,7 @@ def qwen3(results: dict, eager: bool, runs: list[str], tp: int = 1, record: bool
     llm = LLM(_dummy_model(max_model_len), device="cuda", load_format="dummy", max_model_len=max_model_len,
               max_num_seqs=256, max_num_batched_tokens=8192, enable_prefix_caching=False, enforce_eager=eager,
               tensor_parallel_size=tp, record_expert_load=record,
-              async_scheduling=os.environ.get("BENCH_ASYNC_SCHEDULING") == "1")  # A/B: the `ab` stage
+              async_scheduling={"1": True, "0": False}.get(os.environ.get("BENCH_ASYNC_SCHEDULING", "")))  # A/B: `ab`
     tag = ("eager" if eager else "graphs") + ("" if tp == 1 else f"-tp{tp}") + ("" if record else "-norecord") \
         + tag_suffix
     results[f"qwen3/{tag}/start_s"] = time.perf_counter() - t0

@@ -135,7 +135,8 @@ class EngineArgs:
     cudagraph_capture_sizes: list[int] | None = None
     # Schedule and launch step N+1 before step N's tokens reach the host, so the host's work of a
     # step overlaps the GPU's (single-process engines, text models; other layouts run synchronously).
-    async_scheduling: bool = False
+    # None: on where it runs and pays (a single-process engine of a text model on CUDA), else off.
+    async_scheduling: bool | None = None
     # Expert load: counted on the device in every MoE layer, folded into a window every
     # expert_load_window_steps engine steps (LLM.get_expert_load, the recording, /metrics).
     record_expert_load: bool = True
@@ -256,7 +257,7 @@ class EngineArgs:
             if f.name == "model":
                 parser.add_argument(*flags, required=model_required, default=None,
                                     help="checkpoint folder, or 'tiny-qwen3-moe'")
-            elif f.type in ("bool", bool):
+            elif f.type in ("bool", bool, "bool | None"):
                 parser.add_argument(*flags, action=argparse.BooleanOptionalAction, default=f.default)
             elif f.name == "limit_mm_per_prompt":
                 parser.add_argument(*flags, type=str, default=None,

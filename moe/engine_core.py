@@ -93,9 +93,13 @@ class EngineCore:
                 logger.info("Prefix caching is off: chunked-local layers release their blocks behind each chunk")
         # Async scheduling needs the runner in this process (its sampled tokens stay on the device
         # for the next step) and one scheduler; images keep synchronous steps.
-        self.async_scheduling = args.async_scheduling and isinstance(self.executor, InProcessExecutor) \
-            and args.data_parallel_size == 1 and not info.image_limit
-        if args.async_scheduling and not self.async_scheduling:
+        # The default (None) takes it where it runs on CUDA: on the CPU the step itself blocks the host,
+        # so there is nothing to overlap.
+        supported = isinstance(self.executor, InProcessExecutor) and args.data_parallel_size == 1 \
+            and not info.image_limit
+        wanted = self.device.type == "cuda" if args.async_scheduling is None else args.async_scheduling
+        self.async_scheduling = wanted and supported
+        if args.async_scheduling and not supported:
             logger.warning("async_scheduling needs a single-process engine of a text model; steps run synchronously")
         # One scheduler per data-parallel replica, each over its own KV cache.
         self.schedulers = [Scheduler(SchedulerConfig(

@@ -14,6 +14,7 @@ import random
 import pytest
 
 from moe import LLM, SamplingParams
+from moe.config import EngineArgs
 from scheduler import Request, Scheduler, SchedulerConfig
 
 
@@ -164,6 +165,14 @@ def test_scheduler_placeholders():
     assert out[0].finish_reason == "length" and "a" not in s.requests
 
 
+def test_default_is_synchronous_on_the_cpu_and_flag_turns_it_on():
+    # On the CPU the step blocks the host anyway: the default (None) leaves steps synchronous.
+    assert EngineArgs(model="x").async_scheduling is None
+    llm = LLM("tiny-qwen3-moe", device="cpu")
+    assert llm.llm_engine.core.async_scheduling is False
+    llm.llm_engine.core.shutdown()
+
+
 def test_falls_back_to_synchronous_steps_where_unsupported(caplog):
     llm = LLM("tiny-qwen3-moe", device="cpu", async_scheduling=True, tensor_parallel_size=2)
     assert llm.llm_engine.core.async_scheduling is False
@@ -179,6 +188,8 @@ def test_cli_flag(flag):
     parser = argparse.ArgumentParser()
     EngineArgs.add_cli_args(parser)
     assert parser.parse_args(["--model", "x", flag]).async_scheduling is True
+    assert parser.parse_args(["--model", "x", "--no-async-scheduling"]).async_scheduling is False
+    assert parser.parse_args(["--model", "x"]).async_scheduling is None
 
 
 @pytest.mark.parametrize("seed", [11, 12])

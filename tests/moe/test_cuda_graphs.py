@@ -66,10 +66,10 @@ def test_async_scheduling_gives_the_synchronous_tokens_with_graphs():
     params = [SamplingParams(temperature=0.0 if i % 2 else 0.8, seed=i, max_tokens=10 + i, logprobs=1)
               for i in range(len(prompts))]
     outs = {}
-    for async_scheduling in (False, True):
+    for requested in (False, None):  # None, the default, is async on CUDA
         with LLM("tiny-qwen3-moe", device="cuda", dtype="float32", max_num_seqs=4, gpu_memory_utilization=0.2,
-                 async_scheduling=async_scheduling) as llm:
-            assert llm.llm_engine.core.async_scheduling is async_scheduling
-            outs[async_scheduling] = [(o.outputs[0].token_ids, o.outputs[0].finish_reason)
-                                      for o in llm.generate(prompts, params, use_tqdm=False)]
-    assert outs[True] == outs[False]
+                 async_scheduling=requested) as llm:
+            assert llm.llm_engine.core.async_scheduling is (requested is None)
+            outs[requested] = [(o.outputs[0].token_ids, o.outputs[0].finish_reason)
+                               for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert outs[None] == outs[False]
