@@ -8,6 +8,7 @@ from all2all.factory import (
     DISPATCHER_BACKENDS,
     choose_backend,
     expected_distinct_ranks,
+    low_latency_for_auto,
     make_dispatcher,
 )
 from all2all.local import LocalDispatcher
@@ -16,5 +17,5 @@ from all2all.low_latency import LowLatencyDispatcher
 __all__ = [
     "DispatchResult", "Dispatcher", "LocalDispatcher", "AllGatherReduceScatterDispatcher",
     "AllToAllDispatcher", "LowLatencyDispatcher", "make_dispatcher", "choose_backend", "expected_distinct_ranks",
-    "DISPATCHER_BACKENDS", "AUTO_A2A_MAX_BYTES_RATIO",
+    "DISPATCHER_BACKENDS", "AUTO_A2A_MAX_BYTES_RATIO", "low_latency_for_auto",
 ]

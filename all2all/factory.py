@@ -14,6 +14,12 @@ The `auto` rule (bytes per rank, the quantity that dominates at the sizes that m
 Examples: EP=2, top-8/256 -> m/P 0.996 -> all-gather; EP=8, top-8/256 -> 0.66 -> all-to-all;
 EP=2, top-1 (Llama-4) -> 0.5 -> all-to-all. The threshold is to be recalibrated with
 `moe bench all2all` (moe/bench/all2all.py) on the target GPUs.
+
+On CUDA (an NCCL group) "auto" is "low_latency" with that backend as its fallback: a call whose
+every rank fits the capacity (decode) moves fixed-size buffers without a host sync, so decode
+steps replay CUDA graphs under expert parallelism (on two H200s a DP=2 + EP decode step at 256
+requests took 20 ms with graphs against 110-122 ms eagerly, BENCHMARKS.md §2); larger calls
+(prefill) take the bytes rule's backend. `low_latency_for_auto` says where this applies.
 """
 from __future__ import annotations
 
@@ -64,10 +70,16 @@ def choose_backend(ep_size: int, num_experts: int, top_k: int | None = None,
     return "all_to_all" if ratio <= AUTO_A2A_MAX_BYTES_RATIO else "allgather_reducescatter"
 
 
+def low_latency_for_auto(device_type: str) -> bool:
+    """Whether "auto" means "low_latency" (with the bytes rule's fallback) on this device: on CUDA,
+    where its fixed shapes let decode steps replay CUDA graphs; the CPU (gloo) keeps the bytes rule."""
+    return device_type == "cuda"
+
+
 def make_dispatcher(backend: str, group: dist.ProcessGroup | None, num_experts: int,
                     placement: str = "linear", *, top_k: int | None = None,
                     expected_ranks_per_token: float | None = None,
-                    capacity: int | None = None) -> Dispatcher:
+                    capacity: int | None = None, auto_low_latency: bool | None = None) -> Dispatcher:
     """Build the dispatcher of one EP group.
 
     Args:
@@ -79,6 +91,8 @@ def make_dispatcher(backend: str, group: dist.ProcessGroup | None, num_experts: 
         top_k, expected_ranks_per_token: inputs of the "auto" rule, ignored otherwise.
         capacity: rows per destination of "low_latency" (all2all/low_latency.py: T <= capacity
             on every rank); None = its default. Ignored by the other backends.
+        auto_low_latency: whether "auto" (at EP > 1) builds "low_latency" with the bytes rule's
+            backend as its fallback; None = `low_latency_for_auto` of the group's device (NCCL: CUDA).
     Raises:
         ValueError: unknown backend (the message lists the choices), "local" on a group of more
             than one rank, bad placement or divisibility.
@@ -88,6 +102,11 @@ def make_dispatcher(backend: str, group: dist.ProcessGroup | None, num_experts: 
     if backend == "auto":
         ep_size, _ = group_size_and_rank(group)
         backend = choose_backend(ep_size, num_experts, top_k, expected_ranks_per_token)
+        if auto_low_latency is None:
+            auto_low_latency = ep_size > 1 and low_latency_for_auto(
+                "cuda" if dist.get_backend(group) == "nccl" else "cpu")
+        if auto_low_latency and backend != "local":
+            return LowLatencyDispatcher(group, num_experts, placement, capacity=capacity, fallback=backend)
     if backend == "low_latency":
         return LowLatencyDispatcher(group, num_experts, placement, capacity=capacity)
     return _CLASSES[backend](group, num_experts, placement)

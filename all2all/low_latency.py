@@ -30,7 +30,8 @@ look at T alone without a collective. Hence:
   * `dispatch(..., max_tokens_across_ranks=M)`: the caller passes the step's largest T over the
     EP group (the same value on every rank; a runner under DP already knows it, it pads its
     CUDA-graph batch to it). M <= C: the low-latency path; M > C: every rank falls back to the
-    `all_to_all` backend for this call (its count exchange syncs the host), logged once.
+    variable-size backend `fallback` for this call (all_to_all by default; "auto" picks it by
+    bytes), logged once.
   * without it, C is a hard limit: T > C raises ValueError before any collective. (The other
     ranks then wait in their collective until the group's timeout, so a caller whose ranks may
     disagree must pass M.)
@@ -57,6 +58,7 @@ from dataclasses import dataclass
 
 import torch
 
+from all2all.allgather_reducescatter import AllGatherReduceScatterDispatcher
 from all2all.all_to_all import AllToAllDispatcher
 from all2all.base import DispatchResult, Dispatcher, check_dispatch_args
 from all2all.comm import all_to_all_rows
@@ -106,7 +108,12 @@ class _LLHandle:
 
 @dataclass(frozen=True)
 class _FallbackHandle:
-    inner: DispatchResult  # the all_to_all backend's result
+    inner: DispatchResult  # the fallback backend's result
+
+
+# The variable-size backends a call over the capacity may fall back to.
+_FALLBACK_CLASSES: dict[str, type[Dispatcher]] = {"all_to_all": AllToAllDispatcher,
+                                                  "allgather_reducescatter": AllGatherReduceScatterDispatcher}
 
 
 class LowLatencyDispatcher(Dispatcher):
@@ -117,20 +124,25 @@ class LowLatencyDispatcher(Dispatcher):
         group, num_experts, placement: as for every Dispatcher.
         capacity: C, identical on every rank; None = $MOE_LOW_LATENCY_CAPACITY, else 256.
         debug: check the counts and ids on every dispatch (host sync); None = $MOE_LOW_LATENCY_DEBUG.
+        fallback: the variable-size backend of calls over the capacity ("all_to_all" or
+            "allgather_reducescatter"; backend "auto" passes the one its bytes rule picks).
     """
 
     name = "low_latency"
 
     def __init__(self, group, num_experts: int, placement: str = "linear", capacity: int | None = None,
-                 debug: bool | None = None):
+                 debug: bool | None = None, fallback: str = "all_to_all"):
         super().__init__(group, num_experts, placement)
+        if fallback not in _FALLBACK_CLASSES:
+            raise ValueError(f"low_latency fallback must be one of {tuple(_FALLBACK_CLASSES)}, got {fallback!r}")
+        self.fallback_backend = fallback
         if capacity is None:
             capacity = int(os.environ.get(CAPACITY_ENV, DEFAULT_CAPACITY))
         if capacity < 1:
             raise ValueError(f"low_latency capacity must be >= 1 rows per destination, got {capacity}")
         self.capacity = capacity
         self.debug = os.environ.get(DEBUG_ENV, "0") not in ("", "0") if debug is None else debug
-        self._fallback: AllToAllDispatcher | None = None
+        self._fallback: Dispatcher | None = None
         self._fallback_logged = False
         # Padding rows sent to p carry the first expert not on p (expert 0 when P == 1: x and
         # weight are zero there, so it adds nothing either).
@@ -154,7 +166,7 @@ class LowLatencyDispatcher(Dispatcher):
         elif T > C:
             raise ValueError(f"low_latency dispatcher: {T} tokens exceed capacity={C} rows per destination; "
                              f"raise the capacity or pass max_tokens_across_ranks (identical on every rank) "
-                             f"to fall back to all_to_all for such calls")
+                             f"to fall back to {self.fallback_backend} for such calls")
         return self._dispatch_fixed(x_TD, topk_weights_TK, topk_ids_TK)
 
     def _dispatch_fixed(self, x_TD, topk_weights_TK, topk_ids_TK) -> DispatchResult:
@@ -197,10 +209,10 @@ class LowLatencyDispatcher(Dispatcher):
 
     def _dispatch_fallback(self, x_TD, topk_weights_TK, topk_ids_TK, max_tokens: int) -> DispatchResult:
         if self._fallback is None:
-            self._fallback = AllToAllDispatcher(self.group, self.num_experts, self.placement)
+            self._fallback = _FALLBACK_CLASSES[self.fallback_backend](self.group, self.num_experts, self.placement)
         if not self._fallback_logged:
             logger.debug("low_latency dispatcher: %d tokens on some rank exceed capacity=%d; such calls "
-                         "use the all_to_all backend (one host sync each)", max_tokens, self.capacity)
+                         "use the %s backend", max_tokens, self.capacity, self.fallback_backend)
             self._fallback_logged = True
         inner = self._fallback.dispatch(x_TD, topk_weights_TK, topk_ids_TK)
         return DispatchResult(inner.x_RD, inner.topk_weights_RK, inner.topk_ids_RK,
@@ -222,9 +234,9 @@ class LowLatencyDispatcher(Dispatcher):
     @staticmethod
     def received_counts(result: DispatchResult) -> torch.Tensor | None:
         """[P] int64 device tensor: rows each source really sent in `result` (the rest of its
-        chunk of C is padding); None for a call that fell back to all_to_all."""
+        chunk of C is padding); None for a call that fell back to the variable-size backend."""
         h = result._handle
         return h.recv_counts_P if isinstance(h, _LLHandle) else None
 
     def __repr__(self) -> str:
-        return super().__repr__()[:-1] + f", capacity={self.capacity})"
+        return super().__repr__()[:-1] + f", capacity={self.capacity}, fallback={self.fallback_backend})"

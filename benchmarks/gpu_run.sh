@@ -24,8 +24,9 @@
 #                 (needs benchmarks/vllm_kernel/ carried: benchmarks/fetch_vllm_kernel.py) -> $OUT/kernel_vllm.json
 #   engine        benchmarks/gpu_engine_bench.py $ENGINE (default: parity qwen3 eager families)
 #                 -> $OUT/engine.json; RUNS= picks the qwen3 runs (tp2 needs two GPUs)
-#   a2a-ll        moe bench all2all on 2 GPUs with the low_latency dispatcher beside the others and the bare
-#                 collective (DeepSeek-V3 shapes, 128-16384 tokens per rank) -> $OUT/a2a_low_latency.json
+#   a2a-ll        moe bench all2all on 2 GPUs with the low_latency dispatcher and auto beside the others and the
+#                 bare collective, eager and replayed from CUDA graphs (DeepSeek-V3 shapes, 128-16384 tokens per
+#                 rank) -> $OUT/a2a_low_latency.json
 #   ep-graphs     DP=2 + EP with the low_latency dispatcher and CUDA graphs vs one GPU (needs 2 GPUs),
 #                 and the dispatch kernels' GPU tests
 #   parallel-fp8  an FP8 DeepSeek-V3 tiny checkpoint under TP2 and TP2+EP2 vs one GPU and its
@@ -104,7 +105,7 @@ for stage in "$@"; do
     engine) step engine timeout 580 python3 benchmarks/gpu_engine_bench.py ${ENGINE:-parity qwen3 eager families} \
            ${RUNS:+--runs $RUNS} --out "$OUT/engine.json" ;;
     a2a-ll) step a2a-ll timeout 300 torchrun --nproc-per-node=2 -m moe.bench.all2all \
-           --backends allgather_reducescatter all_to_all low_latency --out "$OUT/a2a_low_latency.json" ;;
+           --backends allgather_reducescatter all_to_all low_latency auto --cuda-graphs --out "$OUT/a2a_low_latency.json" ;;
     ep-graphs) step ep-graphs timeout 300 python3 -m pytest -q -p no:cacheprovider \
            tests/parallel/test_low_latency_graphs_gpu.py tests/kernels/test_triton_dispatch.py ;;
     parallel-fp8) step parallel-fp8 timeout 300 python3 benchmarks/gpu_parallel_check.py \

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from all2all import low_latency_for_auto
 from kernels.attention import AttentionMetadata
 from models.layers.attention import use_triton_attention
 from moe.block_tables import BlockTables
@@ -115,14 +116,17 @@ class ModelRunner:
         # The GPU path: step inputs through reused pinned/device buffers, Triton attention, and
         # CUDA graphs for decode-only steps (not across pipeline stages, nor with a token
         # dispatcher whose count exchange syncs with the host: under expert parallelism only the
-        # fixed-capacity "low_latency" one is captured, for steps whose every replica fits it).
+        # fixed-capacity "low_latency" one, which "auto" is on CUDA, is captured, for steps whose
+        # every replica fits it).
         self.gpu_inputs = use_triton_attention(torch.empty(0, device=device))
         ep = ps.enable_expert_parallel and ps.ep_size > 1
-        self.graphs_need_capacity = ep and ps.all2all_backend == "low_latency"
+        self.graphs_need_capacity = ep and (ps.all2all_backend == "low_latency" or (
+            ps.all2all_backend == "auto" and low_latency_for_auto(device.type)))
         graphs_ok = self.gpu_inputs and ps.pp_size == 1 and (not ep or self.graphs_need_capacity)
         if self.gpu_inputs and not enforce_eager and not graphs_ok:
-            logger.info("CUDA graphs are off for pipeline parallelism, and for expert parallelism unless "
-                        "all2all_backend='low_latency': steps run eagerly")
+            logger.info("CUDA graphs are off for pipeline parallelism, and for expert parallelism with "
+                        "all2all_backend 'all_to_all' or 'allgather_reducescatter' (their count exchange "
+                        "syncs with the host): steps run eagerly")
         self.use_cuda_graphs = graphs_ok and not enforce_eager and device.type == "cuda"
         self.cudagraph_capture_sizes = cudagraph_capture_sizes
         self.limits: tuple[int, int, int] | None = None  # max_num_seqs, max_model_len, max_num_batched_tokens

@@ -30,7 +30,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from all2all import make_dispatcher
+from all2all import LowLatencyDispatcher, make_dispatcher
 from moe.bench.common import torchrun_process_group
 
 # (GPU, CPU) defaults of the shape flags
@@ -95,13 +95,19 @@ def run_bench(tokens=(8, 32), hidden: int = 64, num_experts: int = 16, top_k: in
               dtype: torch.dtype = torch.float32, routings=("random",),
               backends=("allgather_reducescatter", "all_to_all"), placement: str = "linear",
               n_group: int = 8, topk_group: int = 4, iters: int = 5, warmup: int = 2,
-              seed: int = 0, group=None, device=None, progress: bool = False) -> list[dict]:
+              seed: int = 0, group=None, device=None, progress: bool = False,
+              cuda_graphs: bool = False) -> list[dict]:
     """The benchmark on an initialised process group; every rank calls it, every rank gets rows.
 
     Returns one dict per (tokens_per_rank, routing, impl): impl in `backends` + ["bare"],
     median_us (max over ranks), rows_sent / rows_recv of this rank for the all_to_all splits.
+    cuda_graphs: also "<impl>+graph" rows, dispatch + combine captured in a CUDA graph and
+    replayed (what a decode step under graphs pays: no host launches), for the fixed-capacity
+    dispatchers within their capacity and for the bare collectives.
     """
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if cuda_graphs and device.type != "cuda":
+        raise ValueError("cuda_graphs needs a CUDA device (NCCL collectives captured in a graph)")
     rank = dist.get_rank(group)
     fixed = {b: make_dispatcher(b, group, num_experts, placement, top_k=top_k) for b in backends if b != "low_latency"}
     a2a = fixed.get("all_to_all") or make_dispatcher("all_to_all", group, num_experts, placement)
@@ -114,15 +120,17 @@ def run_bench(tokens=(8, 32), hidden: int = 64, num_experts: int = 16, top_k: in
             weights_TK, ids_TK = make_routing(routing, T, num_experts, top_k, n_group, topk_group, g, device)
             x_TD = torch.randn(T, hidden, generator=g).to(device=device, dtype=dtype)
             for name, disp in dispatchers.items():
-                recv = disp.dispatch(x_TD, weights_TK, ids_TK)
+                recv = _dispatch(disp, x_TD, weights_TK, ids_TK)
                 y_RD = recv.x_RD.contiguous()  # identity experts; same R every iteration
 
                 def step(disp=disp, y_RD=y_RD):
-                    disp.combine(y_RD, disp.dispatch(x_TD, weights_TK, ids_TK))
+                    disp.combine(y_RD, _dispatch(disp, x_TD, weights_TK, ids_TK))
                 us, host = _median_us(step, iters, warmup, device, group)
                 rows.append({"tokens_per_rank": T, "routing": routing, "impl": name,
                              "median_us": _max_over_ranks(us, device, group),
                              "host_us": _max_over_ranks(host, device, group)})
+                if cuda_graphs and isinstance(disp, LowLatencyDispatcher) and T <= disp.capacity:
+                    rows.append(_graph_row(step, T, routing, name, iters, warmup, device, group))
             h = a2a.dispatch(x_TD, weights_TK, ids_TK)._handle
             send_SD = torch.randn(sum(h.send_splits), hidden, generator=g).to(device=device, dtype=dtype)
             recv_RD = torch.empty(sum(h.recv_splits), hidden, dtype=dtype, device=device)
@@ -135,11 +143,39 @@ def run_bench(tokens=(8, 32), hidden: int = 64, num_experts: int = 16, top_k: in
             rows.append({"tokens_per_rank": T, "routing": routing, "impl": "bare",
                          "median_us": _max_over_ranks(us, device, group),
                          "host_us": _max_over_ranks(host, device, group)})
-            for row in rows[-len(dispatchers) - 1:]:
-                row.update(rows_sent=sum(h.send_splits), rows_recv=sum(h.recv_splits))
+            if cuda_graphs:
+                rows.append(_graph_row(bare, T, routing, "bare", iters, warmup, device, group))
+            for row in rows:
+                if (row["tokens_per_rank"], row["routing"]) == (T, routing):
+                    row.update(rows_sent=sum(h.send_splits), rows_recv=sum(h.recv_splits))
             if progress and rank == 0:
                 print(f"  tokens/rank {T}, {routing}: done", flush=True)
     return rows
+
+
+def _graph_row(step, T: int, routing: str, name: str, iters: int, warmup: int, device, group) -> dict:
+    """`step` captured once in a CUDA graph (every rank at once: the collectives are captured
+    too), then timed as replays."""
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):  # the first calls of a stream allocate outside the capture
+        step()
+    torch.cuda.current_stream(device).wait_stream(side)
+    _start_together(device, group)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    us, host = _median_us(graph.replay, iters, warmup, device, group)
+    return {"tokens_per_rank": T, "routing": routing, "impl": f"{name}+graph",
+            "median_us": _max_over_ranks(us, device, group), "host_us": _max_over_ranks(host, device, group)}
+
+
+def _dispatch(disp, x_TD, weights_TK, ids_TK):
+    """A dispatch as the engine calls it: a fixed-capacity dispatcher (also "auto" on CUDA) is told
+    the most tokens any rank holds (every rank holds T here), so calls over its capacity fall back."""
+    if isinstance(disp, LowLatencyDispatcher):
+        return disp.dispatch(x_TD, weights_TK, ids_TK, max_tokens_across_ranks=len(x_TD))
+    return disp.dispatch(x_TD, weights_TK, ids_TK)
 
 
 def _low_latency(group, num_experts: int, placement: str, tokens_per_rank: int):
@@ -159,10 +195,10 @@ def _bench_steps(T: int, routing: str, hidden: int, num_experts: int, top_k: int
     for b in backends:
         disp = _low_latency(group, num_experts, placement, T) if b == "low_latency" else \
             make_dispatcher(b, group, num_experts, placement, top_k=top_k)
-        y_RD = disp.dispatch(x_TD, weights_TK, ids_TK).x_RD.contiguous()  # identity experts
+        y_RD = _dispatch(disp, x_TD, weights_TK, ids_TK).x_RD.contiguous()  # identity experts
 
         def step(disp=disp, y_RD=y_RD):
-            disp.combine(y_RD, disp.dispatch(x_TD, weights_TK, ids_TK))
+            disp.combine(y_RD, _dispatch(disp, x_TD, weights_TK, ids_TK))
         steps.append((b, step))
     a2a = make_dispatcher("all_to_all", group, num_experts, placement)
     h = a2a.dispatch(x_TD, weights_TK, ids_TK)._handle
@@ -242,14 +278,19 @@ def profile_bench(tokens, hidden: int, num_experts: int, top_k: int, dtype, rout
 
 
 def format_table(rows: list[dict]) -> str:
+    """Markdown table; each impl against the bare collectives run the same way (eager, or
+    replayed from a CUDA graph for "+graph" rows). A size without an impl's row shows "-"."""
     impls = list(dict.fromkeys(r["impl"] for r in rows))
-    head = ["tokens/rank", "routing", *[f"{i} µs" for i in impls], *[f"{i}/bare" for i in impls if i != "bare"]]
+    ratios = [i for i in impls if not i.startswith("bare")]
+    head = ["tokens/rank", "routing", *[f"{i} µs" for i in impls], *[f"{i}/bare" for i in ratios]]
     lines = [" | ".join(head), " | ".join("---" for _ in head)]
     keys = list(dict.fromkeys((r["tokens_per_rank"], r["routing"]) for r in rows))
     for key in keys:
         by_impl = {r["impl"]: r["median_us"] for r in rows if (r["tokens_per_rank"], r["routing"]) == key}
-        cells = [str(key[0]), key[1], *[f"{by_impl[i]:.1f}" for i in impls]]
-        cells += [f"{by_impl[i] / by_impl['bare']:.2f}" for i in impls if i != "bare"]
+        cells = [str(key[0]), key[1], *[f"{by_impl[i]:.1f}" if i in by_impl else "-" for i in impls]]
+        for i in ratios:
+            bare = by_impl.get("bare+graph" if i.endswith("+graph") else "bare")
+            cells.append(f"{by_impl[i] / bare:.2f}" if i in by_impl and bare else "-")
         lines.append(" | ".join(cells))
     return "\n".join(lines)
 
@@ -266,7 +307,8 @@ def parse_args(argv=None, cuda: bool | None = None) -> argparse.Namespace:
     p.add_argument("--routing", nargs="+", choices=["random", "group_limited"], default=["random", "group_limited"])
     p.add_argument("--backends", nargs="+", default=["allgather_reducescatter", "all_to_all"],
                    choices=["allgather_reducescatter", "all_to_all", "auto", "low_latency"],
-                   help="low_latency runs with capacity = tokens per rank")
+                   help="low_latency runs with capacity = tokens per rank; auto as the engine builds it (on "
+                        "CUDA: low_latency of capacity 256, falling back by the bytes rule above it)")
     p.add_argument("--placement", choices=["linear", "round_robin"], default="linear")
     p.add_argument("--n-group", type=int, help="expert groups of group_limited routing")
     p.add_argument("--topk-group", type=int, help="groups kept per token (group_limited)")
@@ -274,6 +316,9 @@ def parse_args(argv=None, cuda: bool | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", help="write the raw rows and the configuration as JSON here (rank 0)")
+    p.add_argument("--cuda-graphs", action="store_true",
+                   help="also time low_latency (and auto where it is low_latency) within its capacity and the "
+                        "bare collectives replayed from a CUDA graph: '<impl>+graph' rows")
     p.add_argument("--profile", action="store_true",
                    help="instead of timing: torch.profiler over --iters steps per backend and size "
                         "(first --routing only); prints a summary, full tables to --profile-out")
@@ -318,7 +363,8 @@ def main(argv=None) -> int:
             return 0
         rows = run_bench(args.tokens, args.hidden, args.num_experts, args.top_k, DTYPES[args.dtype],
                          args.routing, args.backends, args.placement, args.n_group, args.topk_group,
-                         args.iters, args.warmup, args.seed, device=device, progress=True)
+                         args.iters, args.warmup, args.seed, device=device, progress=True,
+                         cuda_graphs=args.cuda_graphs)
         if dist.get_rank() == 0:
             cfg = {k: v for k, v in vars(args).items() if k != "out"}
             cfg.update(world_size=dist.get_world_size(), backend=str(dist.get_backend()),

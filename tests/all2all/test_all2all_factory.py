@@ -10,6 +10,7 @@ from all2all import (
     AUTO_A2A_MAX_BYTES_RATIO,
     DISPATCHER_BACKENDS,
     LocalDispatcher,
+    low_latency_for_auto,
     choose_backend,
     expected_distinct_ranks,
     make_dispatcher,
@@ -60,6 +61,12 @@ def test_unknown_backend_lists_choices():
         make_dispatcher("deepep", None, 16)
     for name in DISPATCHER_BACKENDS:
         assert name in str(info.value)
+
+
+def test_auto_is_low_latency_on_cuda_only():
+    assert low_latency_for_auto("cuda") and not low_latency_for_auto("cpu")
+    # one process: nothing to dispatch, whatever the device
+    assert isinstance(make_dispatcher("auto", None, 16, auto_low_latency=True), LocalDispatcher)
 
 
 def test_single_process_dispatchers():

@@ -44,3 +44,16 @@ def test_without_torchrun_says_to_use_torchrun(monkeypatch, capsys):
     assert main(["--iters", "1"]) == 2
     err = capsys.readouterr().err
     assert "torchrun --nproc-per-node=2 -m moe.bench.all2all --iters 1" in err
+
+
+def test_graph_rows_compare_with_the_bare_graph_and_need_cuda():
+    import pytest
+    rows = [{"tokens_per_rank": 128, "routing": "random", "impl": i, "median_us": us}
+            for i, us in (("low_latency", 800.0), ("low_latency+graph", 60.0), ("bare", 160.0), ("bare+graph", 40.0))]
+    rows.append({"tokens_per_rank": 512, "routing": "random", "impl": "bare", "median_us": 100.0})
+    lines = format_table(rows).splitlines()
+    assert lines[0].split(" | ")[-2:] == ["low_latency/bare", "low_latency+graph/bare"]
+    assert lines[2].split(" | ")[-2:] == ["5.00", "1.50"]  # against bare, and the graph against bare+graph
+    assert lines[3].split(" | ")[-2:] == ["-", "-"]  # no row of that size
+    with pytest.raises(ValueError, match="cuda_graphs needs a CUDA device"):
+        run_bench(tokens=(4,), cuda_graphs=True, device="cpu")

@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from all2all import LowLatencyDispatcher, make_dispatcher
+from all2all import LowLatencyDispatcher, choose_backend, make_dispatcher
 from kernels import fused_experts
 from routing.placement import expert_owner_ranks, local_expert_ids, make_expert_map
 from tests.all2all.a2a_cases import D, E, K, global_weights, make_inputs, run_cases, scenarios
@@ -68,7 +68,7 @@ def _check(disp, rank: int, ep: int, inputs, placement: str, max_tokens: int | N
     assert recv.topk_ids_RK.dtype == ids_TK.dtype
     counts = LowLatencyDispatcher.received_counts(recv)
     if max_tokens is not None and max_tokens > disp.capacity:
-        assert counts is None, "expected the all_to_all fallback"
+        assert counts is None, "expected the variable-size fallback"
         return
     C = disp.capacity
     assert recv.num_rows == ep * C, f"received {recv.num_rows} rows, expected the static {ep * C}"
@@ -108,6 +108,21 @@ def ll_cases(rank: int, ep: int) -> dict[str, str | None]:
                 results[key] = None
             except AssertionError as exc:
                 results[key] = f"{type(exc).__name__}: {exc}"
+    # "auto" on CUDA: low_latency, falling back to the bytes rule's backend (EP=2 here: all-gather,
+    # EP=4: all_to_all) for calls over the capacity.
+    uneven = [7, 13, 1, 11][:ep]
+    for placement in PLACEMENTS:
+        for i, (name, (kind, C, hint)) in enumerate({"auto_decode": ("random", 13, 13),
+                                                     "auto_prefill": ("skewed", 4, max(uneven))}.items()):
+            key = f"auto-{placement}-{name}"
+            try:
+                disp = make_dispatcher("auto", None, E, placement, top_k=K, capacity=C, auto_low_latency=True)
+                assert isinstance(disp, LowLatencyDispatcher), disp
+                assert disp.fallback_backend == choose_backend(ep, E, K), disp
+                _check(disp, rank, ep, _inputs(kind, uneven, placement, 300 + i), placement, hint)
+                results[key] = None
+            except AssertionError as exc:
+                results[key] = f"{type(exc).__name__}: {exc}"
     # Hard limit: every rank holds more than C tokens, so every rank raises before any collective.
     disp = make_dispatcher("low_latency", None, E, capacity=2)
     x_TD, w_TK, ids_TK = make_inputs("uneven", [3] * ep, "linear", 5)[rank]
@@ -121,7 +136,8 @@ def ll_cases(rank: int, ep: int) -> dict[str, str | None]:
 
 def case_names(ep: int) -> list[str]:
     return ([f"low_latency-{p}-{s}" for p in PLACEMENTS for s in scenarios(ep)]
-            + [f"low_latency-{p}-{n}" for p in PLACEMENTS for n in _extra_cases(ep)] + ["capacity_error"])
+            + [f"low_latency-{p}-{n}" for p in PLACEMENTS for n in _extra_cases(ep)]
+            + [f"auto-{p}-{n}" for p in PLACEMENTS for n in ("auto_decode", "auto_prefill")] + ["capacity_error"])
 
 
 _RESULTS: dict[int, list[dict]] = {}
@@ -160,6 +176,8 @@ def test_single_process_and_errors():
             disp.combine(y_RD[:3], recv)
     with pytest.raises(ValueError, match="capacity must be >= 1"):
         LowLatencyDispatcher(None, E, capacity=0)
+    with pytest.raises(ValueError, match="fallback must be one of"):
+        LowLatencyDispatcher(None, E, fallback="local")
     with pytest.raises(ValueError, match="below this rank's 7 tokens"):
         disp.dispatch(x_TD, w_TK, ids_TK, max_tokens_across_ranks=6)
     debug = LowLatencyDispatcher(None, E, capacity=8, debug=True)
