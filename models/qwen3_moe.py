@@ -74,10 +74,15 @@ class Qwen3MoeAttention(nn.Module):
     def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         T, d = x.shape[0], self.head_dim
         q, k, v = self.qkv_proj(x).split([self.qkv_proj.q_size, self.qkv_proj.kv_size, self.qkv_proj.kv_size], -1)
-        # q_norm / k_norm per head, then RoPE (one fused launch on CUDA)
-        q, k = self.rotary_emb.forward_with_qk_norm(positions, q.reshape(T, -1, d), k.reshape(T, -1, d),
-                                                    self.q_norm, self.k_norm)
-        return self.o_proj(self.attn(q.reshape(T, -1), k.reshape(T, -1), v, meta))
+        q, k = q.reshape(T, -1, d), k.reshape(T, -1, d)
+        # q_norm / k_norm per head, then RoPE: one launch on CUDA, which also writes the KV cache
+        # when the Triton attention reads it (a launch per layer fewer)
+        kv_write = self.attn.kv_write_args(q, meta) if self.rotary_emb.fuses_qk_norm(q, self.q_norm, self.k_norm) \
+            else None
+        if kv_write is not None:
+            kv_write["v_TGd"] = v.reshape(T, -1, d)
+        q, k = self.rotary_emb.forward_with_qk_norm(positions, q, k, self.q_norm, self.k_norm, kv_write)
+        return self.o_proj(self.attn(q.reshape(T, -1), k.reshape(T, -1), v, meta, kv_written=kv_write is not None))
 
 
 class Qwen3MoeDecoderLayer(PreNormDecoderLayer):

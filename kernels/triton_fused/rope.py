@@ -10,6 +10,11 @@ the input dtype; cos/sin = the fp32 tables at the token's position. With the nor
 models/layers/norm.py's RMSNorm of each head (see rms_norm.py), rounded to its dtype, exactly
 as `rotary(q_norm(q), k_norm(k))`. Floating-point contraction (FMA) is switched off at launch so
 that each product is rounded as torch rounds it.
+
+Optionally the same launch writes the token's rotated k and its v to its paged KV-cache slot (what
+kernels/triton_attention/kv_cache.py does in a launch of its own): the key program already holds
+the rotated k, so a decode step saves a launch per layer. The values are those the separate write
+would store: the rotated k rounded to k's dtype, then cast to the cache dtype.
 """
 from __future__ import annotations
 
@@ -37,11 +42,12 @@ def _norm_part(x, w_ptr, offs, offs_mask, rstd, in_dtype: tl.constexpr, out_dtyp
 
 
 @triton.jit
-def _rope_heads(x_ptr, out_ptr, w_ptr, t, cos_row_ptr, sin_row_ptr, NH, stride_t, stride_h, eps,
-                HEAD_DIM: tl.constexpr, ROT: tl.constexpr, NEOX: tl.constexpr, NORM: tl.constexpr,
+def _rope_heads(x_ptr, out_ptr, w_ptr, t, cos_row_ptr, sin_row_ptr, NH, stride_t, stride_h, eps, cache_ptr,
+                cache_slot, HEAD_DIM: tl.constexpr, ROT: tl.constexpr, NEOX: tl.constexpr, NORM: tl.constexpr,
                 BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_REST: tl.constexpr,
-                INTERPRET: tl.constexpr):
-    """All NH heads of token t: (norm,) rotate, store to the contiguous out [T, NH, HEAD_DIM]."""
+                INTERPRET: tl.constexpr, TO_CACHE: tl.constexpr):
+    """All NH heads of token t: (norm,) rotate, store to the contiguous out [T, NH, HEAD_DIM] and,
+    with TO_CACHE, to cache_ptr (the token's slot: NH heads of HEAD_DIM, contiguous) unless cache_slot < 0."""
     HALF: tl.constexpr = ROT // 2
     in_dtype: tl.constexpr = x_ptr.dtype.element_ty
     out_dtype: tl.constexpr = out_ptr.dtype.element_ty
@@ -78,29 +84,58 @@ def _rope_heads(x_ptr, out_ptr, w_ptr, t, cos_row_ptr, sin_row_ptr, NH, stride_t
                 xr = _norm_part(xr, w_ptr, rest, rest_mask, rstd, in_dtype, out_dtype, INTERPRET)
         if ROT < HEAD_DIM:
             tl.store(dst + rest[None, :], xr.to(out_dtype), mask=rmask)  # exact: already out_dtype values
-        y1 = x1 * cos - x2 * sin
-        y2 = x2 * cos + x1 * sin
-        tl.store(dst + o1[None, :], round_to(y1, out_dtype, INTERPRET), mask=mask)
-        tl.store(dst + o2[None, :], round_to(y2, out_dtype, INTERPRET), mask=mask)
+        y1 = round_to(x1 * cos - x2 * sin, out_dtype, INTERPRET)
+        y2 = round_to(x2 * cos + x1 * sin, out_dtype, INTERPRET)
+        tl.store(dst + o1[None, :], y1, mask=mask)
+        tl.store(dst + o2[None, :], y2, mask=mask)
+        if TO_CACHE:
+            cache_dtype: tl.constexpr = cache_ptr.dtype.element_ty
+            cdst = cache_ptr + heads[:, None] * HEAD_DIM
+            ok = (tl.zeros([BLOCK_H, 1], dtype=tl.int64) + cache_slot) >= 0  # [BLOCK_H, 1]
+            tl.store(cdst + o1[None, :], y1.to(out_dtype).to(cache_dtype), mask=mask & ok)
+            tl.store(cdst + o2[None, :], y2.to(out_dtype).to(cache_dtype), mask=mask & ok)
+            if ROT < HEAD_DIM:
+                tl.store(cdst + rest[None, :], xr.to(out_dtype).to(cache_dtype), mask=rmask & ok)
+
+
+@triton.jit
+def _copy_heads_to_cache(v_ptr, t, NH, stride_t, stride_h, cache_ptr, HEAD_DIM: tl.constexpr,
+                         BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Token t's NH value heads to its cache slot (cast to the cache dtype)."""
+    dd = tl.arange(0, BLOCK_D)
+    for h0 in range(0, NH, BLOCK_H):
+        heads = h0 + tl.arange(0, BLOCK_H)
+        mask = (heads[:, None] < NH) & (dd[None, :] < HEAD_DIM)
+        x = tl.load(v_ptr + t * stride_t + heads[:, None] * stride_h + dd[None, :], mask=mask)
+        tl.store(cache_ptr + heads[:, None] * HEAD_DIM + dd[None, :], x.to(cache_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def _rope_kernel(pos_ptr, q_ptr, k_ptr, q_out_ptr, k_out_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr,
                  H, G, stride_qt, stride_qh, stride_kt, stride_kh, eps,
+                 v_ptr, stride_vt, stride_vh, kv_ptr, slot_ptr, v_offset,
                  HEAD_DIM: tl.constexpr, ROT: tl.constexpr, NEOX: tl.constexpr, NORM: tl.constexpr,
                  BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_REST: tl.constexpr,
-                 INTERPRET: tl.constexpr, USE_PDL: tl.constexpr):
-    """Program (t, 0) does token t's query heads, (t, 1) its key heads."""
+                 WRITE_KV: tl.constexpr, BLOCK_D: tl.constexpr, INTERPRET: tl.constexpr, USE_PDL: tl.constexpr):
+    """Program (t, 0) does token t's query heads, (t, 1) its key heads (and with WRITE_KV its
+    k and v to KV-cache slot slot_ptr[t]; a slot of -1 is skipped, as the separate write does)."""
     pdl_enter(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t).to(tl.int64)
     cos_row, sin_row = cos_ptr + pos * (ROT // 2), sin_ptr + pos * (ROT // 2)
     if tl.program_id(1) == 0:
-        _rope_heads(q_ptr, q_out_ptr, qw_ptr, t, cos_row, sin_row, H, stride_qt, stride_qh, eps,
-                    HEAD_DIM, ROT, NEOX, NORM, BLOCK_H, BLOCK_HALF, BLOCK_REST, INTERPRET)
+        _rope_heads(q_ptr, q_out_ptr, qw_ptr, t, cos_row, sin_row, H, stride_qt, stride_qh, eps, q_out_ptr, -1,
+                    HEAD_DIM, ROT, NEOX, NORM, BLOCK_H, BLOCK_HALF, BLOCK_REST, INTERPRET, False)
+    elif WRITE_KV:
+        slot = tl.load(slot_ptr + t).to(tl.int64)
+        k_slot = kv_ptr + tl.maximum(slot, 0) * (G * HEAD_DIM)
+        _rope_heads(k_ptr, k_out_ptr, kw_ptr, t, cos_row, sin_row, G, stride_kt, stride_kh, eps, k_slot, slot,
+                    HEAD_DIM, ROT, NEOX, NORM, BLOCK_H, BLOCK_HALF, BLOCK_REST, INTERPRET, True)
+        if slot >= 0:
+            _copy_heads_to_cache(v_ptr, t, G, stride_vt, stride_vh, k_slot + v_offset, HEAD_DIM, BLOCK_H, BLOCK_D)
     else:
-        _rope_heads(k_ptr, k_out_ptr, kw_ptr, t, cos_row, sin_row, G, stride_kt, stride_kh, eps,
-                    HEAD_DIM, ROT, NEOX, NORM, BLOCK_H, BLOCK_HALF, BLOCK_REST, INTERPRET)
+        _rope_heads(k_ptr, k_out_ptr, kw_ptr, t, cos_row, sin_row, G, stride_kt, stride_kh, eps, k_out_ptr, -1,
+                    HEAD_DIM, ROT, NEOX, NORM, BLOCK_H, BLOCK_HALF, BLOCK_REST, INTERPRET, False)
 
 
 def _check_qk(positions_T, q_THd, k_TGd, cos_cache, sin_cache, rotary_dim):
@@ -123,11 +158,35 @@ def _check_qk(positions_T, q_THd, k_TGd, cos_cache, sin_cache, rotary_dim):
     check_same_device(positions=positions_T, q=q_THd, k=k_TGd, cos_cache=cos_cache, sin_cache=sin_cache)
 
 
-def _launch(positions_T, q, k, q_out, k_out, qw, kw, eps, cos_cache, sin_cache, rotary_dim, is_neox_style, norm):
+def _check_kv_write(k, v_TGd, kv_cache_2NSGd, slot_mapping_T):
+    """The optional KV-cache write's arguments, as kernels/triton_attention/kv_cache.py checks them."""
+    if kv_cache_2NSGd is None:
+        if v_TGd is not None or slot_mapping_T is not None:
+            raise ValueError("v and slot_mapping are arguments of the KV-cache write: pass kv_cache too")
+        return
+    T, G, d = k.shape
+    if kv_cache_2NSGd.dim() != 5 or kv_cache_2NSGd.shape[0] != 2 or kv_cache_2NSGd.shape[3:] != (G, d) \
+            or not kv_cache_2NSGd.is_contiguous():
+        raise ValueError(f"kv_cache must be a contiguous [2, N, S, G={G}, d={d}], got {tuple(kv_cache_2NSGd.shape)}")
+    if v_TGd is None or v_TGd.dim() != 3 or v_TGd.shape != (T, G, d) or v_TGd.stride(2) != 1:
+        raise ValueError(f"v must be [T={T}, G={G}, d={d}] with unit stride along d, got "
+                         f"{None if v_TGd is None else tuple(v_TGd.shape)}")
+    if slot_mapping_T is None or slot_mapping_T.shape != (T,) or slot_mapping_T.dtype not in (torch.int32,
+                                                                                              torch.int64):
+        raise ValueError(f"slot_mapping must be int32/int64 [{T}], got "
+                         f"{None if slot_mapping_T is None else (slot_mapping_T.dtype, tuple(slot_mapping_T.shape))}")
+    check_same_device(k=k, v=v_TGd, kv_cache=kv_cache_2NSGd, slot_mapping=slot_mapping_T)
+
+
+def _launch(positions_T, q, k, q_out, k_out, qw, kw, eps, cos_cache, sin_cache, rotary_dim, is_neox_style, norm,
+            v=None, kv_cache=None, slot_mapping=None):
     T, H, d = q.shape
     G = k.shape[1]
     if T == 0:
         return
+    write_kv = kv_cache is not None
+    if not write_kv:  # unused pointers and strides
+        v, kv_cache, slot_mapping = k, k_out, positions_T
     BLOCK_HALF = triton.next_power_of_2(rotary_dim // 2)
     BLOCK_REST = triton.next_power_of_2(max(d - rotary_dim, 1))
     per_head = 2 * BLOCK_HALF + (BLOCK_REST if rotary_dim < d else 0)  # elements a head keeps in registers
@@ -136,35 +195,44 @@ def _launch(positions_T, q, k, q_out, k_out, qw, kw, eps, cos_cache, sin_cache, 
     _rope_kernel[(T, 2)](
         positions_T, q, k, q_out, k_out, qw, kw, cos_cache.contiguous(), sin_cache.contiguous(),
         H, G, q.stride(0), q.stride(1), k.stride(0), k.stride(1), float(eps),
+        v, v.stride(0), v.stride(1), kv_cache, slot_mapping, kv_cache[0].numel() if write_kv else 0,
         HEAD_DIM=d, ROT=rotary_dim, NEOX=bool(is_neox_style), NORM=norm, BLOCK_H=BLOCK_H,
-        BLOCK_HALF=BLOCK_HALF, BLOCK_REST=BLOCK_REST, INTERPRET=interpreting(), num_warps=4,
-        enable_fp_fusion=False, **pdl_launch(q))
+        BLOCK_HALF=BLOCK_HALF, BLOCK_REST=BLOCK_REST, WRITE_KV=write_kv, BLOCK_D=triton.next_power_of_2(d),
+        INTERPRET=interpreting(), num_warps=4, enable_fp_fusion=False, **pdl_launch(q))
 
 
 def rope_triton(positions_T: torch.Tensor, q_THd: torch.Tensor, k_TGd: torch.Tensor, cos_cache: torch.Tensor,
-                sin_cache: torch.Tensor, rotary_dim: int, is_neox_style: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                sin_cache: torch.Tensor, rotary_dim: int, is_neox_style: bool, *, v_TGd: torch.Tensor | None = None,
+                kv_cache_2NSGd: torch.Tensor | None = None, slot_mapping_T: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotated (q, k), new contiguous tensors of q's dtype, as RotaryEmbedding.forward.
 
     positions_T: int32/int64 [T], each < P (not checked: no host sync). q_THd [T, H, d], k_TGd
     [T, G, d]: any strides with a contiguous last dimension (e.g. views of a fused qkv output).
     cos_cache, sin_cache: [P, rotary_dim / 2], fp32 as RotaryEmbedding builds them (other float
     dtypes are read and widened to fp32, as torch's type promotion does).
+    kv_cache_2NSGd, v_TGd, slot_mapping_T (together or not at all): also write each token's rotated
+    k and its v to its cache slot, as write_kv_cache_triton(k_out, v, ...) would (-1 skips a token).
     """
     _check_qk(positions_T, q_THd, k_TGd, cos_cache, sin_cache, rotary_dim)
     q, k = unit_last_stride(q_THd), unit_last_stride(k_TGd)
+    _check_kv_write(k, v_TGd, kv_cache_2NSGd, slot_mapping_T)
     q_out, k_out = torch.empty(q.shape, dtype=q.dtype, device=q.device), torch.empty(k.shape, dtype=k.dtype,
                                                                                    device=k.device)
-    _launch(positions_T, q, k, q_out, k_out, q, k, 0.0, cos_cache, sin_cache, rotary_dim, is_neox_style, False)
+    _launch(positions_T, q, k, q_out, k_out, q, k, 0.0, cos_cache, sin_cache, rotary_dim, is_neox_style, False,
+            v_TGd, kv_cache_2NSGd, slot_mapping_T)
     return q_out, k_out
 
 
 def qk_norm_rope_triton(positions_T: torch.Tensor, q_THd: torch.Tensor, k_TGd: torch.Tensor,
                         q_weight_d: torch.Tensor, k_weight_d: torch.Tensor, eps: float, cos_cache: torch.Tensor,
-                        sin_cache: torch.Tensor, rotary_dim: int, is_neox_style: bool
-                        ) -> tuple[torch.Tensor, torch.Tensor]:
+                        sin_cache: torch.Tensor, rotary_dim: int, is_neox_style: bool, *,
+                        v_TGd: torch.Tensor | None = None, kv_cache_2NSGd: torch.Tensor | None = None,
+                        slot_mapping_T: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """rope(RMSNorm_q(q), RMSNorm_k(k)) in one launch (Qwen3 attention): each head normalised
     over d with its weight, then rotated. Output dtype: promote(q dtype, weight dtype), as the
-    unfused composition gives. Arguments as rope_triton, plus the [d] norm weights and eps."""
+    unfused composition gives. Arguments as rope_triton (the KV-cache write too), plus the [d]
+    norm weights and eps."""
     _check_qk(positions_T, q_THd, k_TGd, cos_cache, sin_cache, rotary_dim)
     d = q_THd.shape[2]
     for name, w in (("q_weight", q_weight_d), ("k_weight", k_weight_d)):
@@ -173,10 +241,11 @@ def qk_norm_rope_triton(positions_T: torch.Tensor, q_THd: torch.Tensor, k_TGd: t
             raise ValueError(f"{name} must be [{d}] (the head dim), got {tuple(w.shape)}")
     check_same_device(q=q_THd, q_weight=q_weight_d, k_weight=k_weight_d)
     q, k = unit_last_stride(q_THd), unit_last_stride(k_TGd)
+    _check_kv_write(k, v_TGd, kv_cache_2NSGd, slot_mapping_T)
     q_dtype = torch.promote_types(q.dtype, q_weight_d.dtype)
     k_dtype = torch.promote_types(k.dtype, k_weight_d.dtype)
     q_out = torch.empty(q.shape, dtype=q_dtype, device=q.device)
     k_out = torch.empty(k.shape, dtype=k_dtype, device=k.device)
     _launch(positions_T, q, k, q_out, k_out, q_weight_d.contiguous(), k_weight_d.contiguous(), eps,
-            cos_cache, sin_cache, rotary_dim, is_neox_style, True)
+            cos_cache, sin_cache, rotary_dim, is_neox_style, True, v_TGd, kv_cache_2NSGd, slot_mapping_T)
     return q_out, k_out

@@ -9,6 +9,8 @@ pure-torch reference kernels.attention.paged_attention_torch).
 """
 from __future__ import annotations
 
+import os
+
 import torch
 from torch import nn
 
@@ -22,6 +24,10 @@ try:  # Triton is absent on some platforms; the torch reference then serves ever
     HAVE_TRITON_ATTENTION = True
 except ImportError:
     HAVE_TRITON_ATTENTION = False
+
+
+# MOE_ROPE_KV_WRITE=0 keeps the KV write a launch of its own (for A/B runs).
+ROPE_WRITES_KV = os.environ.get("MOE_ROPE_KV_WRITE", "1") != "0"
 
 
 def use_triton_attention(x: torch.Tensor) -> bool:
@@ -44,8 +50,20 @@ class Attention(nn.Module):
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
         return (2, num_blocks, block_size, self.num_kv_heads, self.head_dim)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """q [T, H*d], k/v [T, G*d] -> [T, H*d]."""
+    def kv_write_args(self, q: torch.Tensor, meta: AttentionMetadata) -> dict | None:
+        """Where forward takes the Triton path: the KV cache and slot mapping a fused RoPE launch
+        needs to write this layer's K/V itself (then forward(..., kv_written=True)); else None."""
+        if self.kv_cache is None or not use_triton_attention(q) or not ROPE_WRITES_KV:
+            return None
+        meta = meta.for_group(self.kv_group)
+        if meta.seq_lens_t is None:
+            return None
+        return {"kv_cache_2NSGd": self.kv_cache, "slot_mapping_T": meta.slot_mapping_T}
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
+                kv_written: bool = False) -> torch.Tensor:
+        """q [T, H*d], k/v [T, G*d] -> [T, H*d]. kv_written: the new K/V are already in the cache
+        (written by the RoPE launch, see kv_write_args)."""
         T = q.shape[0]
         q = q.view(T, self.num_heads, self.head_dim)
         k = k.view(T, self.num_kv_heads, self.head_dim)
@@ -54,15 +72,18 @@ class Attention(nn.Module):
             raise RuntimeError("attention ran before the model runner bound a KV cache")
         meta = meta.for_group(self.kv_group)
         if use_triton_attention(q) and meta.seq_lens_t is not None:
-            out = self._forward_triton(q, k, v, meta)
+            out = self._forward_triton(q, k, v, meta, kv_written)
         else:
+            if kv_written:
+                raise ValueError("kv_written is only for the Triton path (kv_write_args)")
             write_kv_cache(k, v, self.kv_cache, meta.slot_mapping_T)
             attend = paged_attention_torch if q.is_cuda else paged_attention_cpu
             out = attend(q, k, v, self.kv_cache, meta, self.scale, self.chunk_size)
         return out.reshape(T, self.num_heads * self.head_dim)
 
-    def _forward_triton(self, q, k, v, meta: AttentionMetadata) -> torch.Tensor:
-        write_kv_cache_triton(k, v, self.kv_cache, meta.slot_mapping_T)
+    def _forward_triton(self, q, k, v, meta: AttentionMetadata, kv_written: bool) -> torch.Tensor:
+        if not kv_written:
+            write_kv_cache_triton(k, v, self.kv_cache, meta.slot_mapping_T)
         if meta.decode_only:
             return paged_attention_decode_triton(q, self.kv_cache, meta.block_tables_BM, meta.seq_lens_t,
                                                  self.scale, self.chunk_size)

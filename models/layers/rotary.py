@@ -106,13 +106,21 @@ class RotaryEmbedding(nn.Module):
         sin = self.sin_cache[positions][:, None, :]
         return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
 
+    def fuses_qk_norm(self, q: torch.Tensor, q_norm: nn.Module, k_norm: nn.Module) -> bool:
+        """Whether forward_with_qk_norm runs the one Triton launch (which can also write the KV cache)."""
+        return use_triton_fused(q) and q_norm.eps == k_norm.eps
+
     def forward_with_qk_norm(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
-                             q_norm: nn.Module, k_norm: nn.Module):
+                             q_norm: nn.Module, k_norm: nn.Module, kv_write: dict | None = None):
         """forward(positions, q_norm(q), k_norm(k)) for per-head RMSNorms (Qwen3): on CUDA one
-        Triton launch that normalises and rotates q and k."""
-        if use_triton_fused(q) and q_norm.eps == k_norm.eps:
+        Triton launch that normalises and rotates q and k. kv_write (only where fuses_qk_norm):
+        qk_norm_rope_triton's v_TGd / kv_cache_2NSGd / slot_mapping_T, so the same launch also
+        writes the layer's KV cache."""
+        if self.fuses_qk_norm(q, q_norm, k_norm):
             from kernels.triton_fused.rope import qk_norm_rope_triton
 
             return qk_norm_rope_triton(positions, q, k, q_norm.weight, k_norm.weight, q_norm.eps, self.cos_cache,
-                                       self.sin_cache, self.rotary_dim, self.is_neox_style)
+                                       self.sin_cache, self.rotary_dim, self.is_neox_style, **(kv_write or {}))
+        if kv_write:
+            raise ValueError("kv_write needs the fused Triton launch (fuses_qk_norm)")
         return self(positions, q_norm(q), k_norm(k))

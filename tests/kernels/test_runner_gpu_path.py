@@ -54,3 +54,27 @@ def test_gpu_input_path_matches_reference(family, tmp_path, monkeypatch):
     forced, buffered = _generate(path, prompts)
     assert buffered  # the step buffers served the steps
     assert forced == reference
+
+
+def test_qwen3_rope_launch_writes_the_kv_cache(tmp_path, monkeypatch):
+    """With the fused q/k norm + RoPE kernel on too, Qwen3's RoPE launch writes each layer's K/V
+    (the attention's own KV write never runs) and the tokens stay the reference's."""
+    import models.layers.rotary as rotary_layer
+
+    path = FAMILIES["qwen3_moe"](str(tmp_path / "qwen3"))
+    rng = random.Random(1)
+    prompts = [{"prompt_token_ids": [rng.randrange(1, 500) for _ in range(n)]} for n in (1, 6, 13)]
+    reference, _ = _generate(path, prompts)
+
+    always = lambda x: True  # noqa: E731
+    monkeypatch.setattr(attention_layer, "use_triton_attention", always)
+    monkeypatch.setattr(model_runner, "use_triton_attention", always)
+    monkeypatch.setattr(rotary_layer, "use_triton_fused", always)
+    monkeypatch.setattr(attention_layer, "ROPE_WRITES_KV", True)  # whatever MOE_ROPE_KV_WRITE says
+    separate_writes = []
+    write = attention_layer.write_kv_cache_triton
+    monkeypatch.setattr(attention_layer, "write_kv_cache_triton",
+                        lambda *a: (separate_writes.append(1), write(*a)))
+    forced, buffered = _generate(path, prompts)
+    assert buffered and forced == reference
+    assert not separate_writes, f"{len(separate_writes)} separate KV writes"

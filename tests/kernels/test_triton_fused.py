@@ -249,6 +249,58 @@ def test_qk_norm_rope(neox, dtype, T, H, G, d, rot, max_pos, poisoned_empty):
     assert_norm_rope_close(k_out, k_ref)
 
 
+@needs_triton_device
+@pytest.mark.parametrize("norm", [True, False])
+@pytest.mark.parametrize("dtype,cache_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                               (torch.float16, torch.float16)])
+@pytest.mark.parametrize("T,H,G,d,rot,max_pos", [ROPE_CASES[0], ROPE_CASES[2], ROPE_CASES[3]])
+def test_rope_writes_the_kv_cache_as_the_separate_write(norm, dtype, cache_dtype, T, H, G, d, rot, max_pos):
+    """With a KV cache the launch also stores each token's rotated k and its v at its slot: the
+    cache then equals write_kv_cache(k_out, v) of the unfused path, bit for bit; -1 skips a token,
+    other slots stay untouched."""
+    from kernels.attention import write_kv_cache
+    rope = make_rope(d, max_pos, rot, neox=True)
+    q_norm, k_norm = qk_norms(d, dtype, seed=T)
+    qkv = randn(T, (H + 2 * G) * d, dtype=dtype, seed=T + 1)
+    q, k, v = (x.reshape(T, -1, d) for x in qkv.split([H * d, G * d, G * d], -1))
+    pos = positions(T, max_pos, seed=H)
+    N, S = 5, 4
+    slots = torch.randperm(N * S, generator=torch.Generator().manual_seed(T))[:T].to(DEV)
+    slots[T // 2] = -1  # a padded row of a CUDA graph (with T=1 nothing is written)
+    cache = torch.full((2, N, S, G, d), -7.0, dtype=cache_dtype, device=DEV)
+    want = cache.clone()
+    kv = dict(v_TGd=v, kv_cache_2NSGd=cache, slot_mapping_T=slots)
+    if norm:
+        q_plain, k_plain = qk_norm_rope_triton(pos, q, k, q_norm.weight, k_norm.weight, 1e-6, rope.cos_cache,
+                                               rope.sin_cache, rot, True)
+        q_out, k_out = qk_norm_rope_triton(pos, q, k, q_norm.weight, k_norm.weight, 1e-6, rope.cos_cache,
+                                           rope.sin_cache, rot, True, **kv)
+    else:
+        q_plain, k_plain = rope_triton(pos, q, k, rope.cos_cache, rope.sin_cache, rot, True)
+        q_out, k_out = rope_triton(pos, q, k, rope.cos_cache, rope.sin_cache, rot, True, **kv)
+    assert torch.equal(q_out, q_plain) and torch.equal(k_out, k_plain)
+    kept = slots >= 0  # the torch write takes real slots only
+    write_kv_cache(k_plain[kept], v[kept], want, slots[kept])
+    assert torch.equal(cache, want)
+    assert (cache == -7).sum() == 2 * (N * S - (T - 1)) * G * d, "a slot outside the mapping was written"
+
+
+def test_rope_kv_write_bad_inputs():
+    q, k, v = torch.randn(3, 2, 16), torch.randn(3, 1, 16), torch.randn(3, 1, 16)
+    cos = sin = torch.randn(10, 8)
+    pos = torch.zeros(3, dtype=torch.int64)
+    slots = torch.arange(3)
+    cache = torch.zeros(2, 4, 2, 1, 16)
+    with pytest.raises(ValueError, match="pass kv_cache too"):
+        rope_triton(pos, q, k, cos, sin, 16, True, v_TGd=v)
+    with pytest.raises(ValueError, match="kv_cache must be a contiguous"):
+        rope_triton(pos, q, k, cos, sin, 16, True, v_TGd=v, kv_cache_2NSGd=cache[:, :, :, :, :8], slot_mapping_T=slots)
+    with pytest.raises(ValueError, match="v must be"):
+        rope_triton(pos, q, k, cos, sin, 16, True, v_TGd=v[:2], kv_cache_2NSGd=cache, slot_mapping_T=slots)
+    with pytest.raises(ValueError, match="slot_mapping must be"):
+        rope_triton(pos, q, k, cos, sin, 16, True, v_TGd=v, kv_cache_2NSGd=cache, slot_mapping_T=slots.float())
+
+
 def test_rope_bad_inputs():
     q, k = torch.randn(3, 2, 16), torch.randn(3, 1, 16)
     cos = sin = torch.randn(10, 8)
