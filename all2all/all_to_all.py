@@ -61,6 +61,7 @@ class AllToAllDispatcher(Dispatcher):
         counts_2P = torch.empty(2 * P, dtype=torch.int64, device=dev)
         torch.sum(goes_PT, dim=1, out=counts_2P[:P])
         all_to_all_rows(counts_2P[P:], counts_2P[:P], None, None, self.group)
+        self._phase("count_exchange")
 
         # Overlaps the count exchange: everything below needs no host-side S.
         slot_PT = torch.cumsum(goes_PT.view(-1), 0).view(P, T).mul_(goes_PT)
@@ -71,17 +72,22 @@ class AllToAllDispatcher(Dispatcher):
         if T:
             layout.x_words(send_NB).index_put_((slot_PT,), layout.words_of(x_TD))
             layout.meta_view(send_NB).index_put_((slot_PT,), meta_PTM)
+        self._phase("pack")
 
         # The ONE host sync: all_to_all_single needs the split sizes as Python ints.
         counts = counts_2P.tolist()
+        self._phase("sync")
         send_splits, recv_splits = counts[:P], counts[P:]
         S, R = sum(send_splits), sum(recv_splits)
         recv_RB = layout.empty(R, dev)
         all_to_all_rows(recv_RB, send_NB[1:S + 1], recv_splits, send_splits, self.group)
+        self._phase("transfer")
         x_RD, weights_RK, ids_RK = unpack_rows(layout, recv_RB)
         handle = _A2AHandle(slot_PT, send_splits, recv_splits, T, D)
         ids_RK = ids_RK.contiguous() if topk_ids_TK.dtype == torch.int32 else ids_RK.to(topk_ids_TK.dtype)
-        return DispatchResult(x_RD, weights_RK.contiguous(), ids_RK, _handle=handle)
+        result = DispatchResult(x_RD, weights_RK.contiguous(), ids_RK, _handle=handle)
+        self._phase("unpack")
+        return result
 
     def combine(self, y_RD: torch.Tensor, result: DispatchResult) -> torch.Tensor:
         h: _A2AHandle = result._handle
@@ -92,11 +98,16 @@ class AllToAllDispatcher(Dispatcher):
         back_ND[0].zero_()  # what every unsent (rank, token) pair gathers
         all_to_all_rows(back_ND[1:], y_RD.reshape(R, h.hidden).contiguous(), h.send_splits,
                         h.recv_splits, self.group)
+        self._phase("combine_transfer")
         P, T = h.slot_PT.shape
         if P == 1:
-            return back_ND.index_select(0, h.slot_PT[0])
+            out_TD = back_ND.index_select(0, h.slot_PT[0])
+            self._phase("combine")
+            return out_TD
         # Each token has one row per rank it went to (zero row elsewhere): sum them. For P == 2
         # one elementwise add (computed in fp32, rounded once): sum(0) over a [2, T, D] tensor
         # runs a reduction kernel ~2.5x slower than the add (H200 profile, T=4096).
         back_PTD = back_ND.index_select(0, h.slot_PT.view(-1)).view(P, T, h.hidden)
-        return torch.add(back_PTD[0], back_PTD[1]) if P == 2 else back_PTD.sum(0)
+        out_TD = torch.add(back_PTD[0], back_PTD[1]) if P == 2 else back_PTD.sum(0)
+        self._phase("combine")
+        return out_TD

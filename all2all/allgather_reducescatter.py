@@ -51,11 +51,14 @@ class AllGatherReduceScatterDispatcher(Dispatcher):
         layout = RowLayout(D, x_TD.dtype, K)
         counts_P = torch.empty(P, dtype=torch.int64, device=dev)
         all_gather_rows(counts_P, torch.full((1,), T, dtype=torch.int64, device=dev), self.group)
+        self._phase("count_exchange")
         # Pack while the counts travel: this rank's chunk is its T rows, whatever M turns out to be.
         send_TB = layout.empty(T, dev)
         pack_rows(layout, send_TB, x_TD, topk_weights_TK, topk_ids_TK)
+        self._phase("pack")
         # The one host sync: buffer sizes (M) must be known on the host to allocate and launch.
         counts = counts_P.tolist()
+        self._phase("sync")
         M = max(counts)
         if M == 0:  # every rank knows it is empty: skip the collective on all ranks alike
             recv_RB = layout.empty(0, dev)
@@ -64,6 +67,7 @@ class AllGatherReduceScatterDispatcher(Dispatcher):
                 send_TB = torch.cat([send_TB, send_TB.new_zeros(M - T, layout.row_bytes)])
             recv_RB = layout.empty(P * M, dev)
             all_gather_rows(recv_RB, send_TB, self.group)
+        self._phase("transfer")
         x_RD, weights_RK, ids_RK = unpack_rows(layout, recv_RB)
         # Non-local slots get weight 0 (the contract of DispatchResult), padding rows too.
         keep_RK = self._is_local_on(dev)[ids_RK]
@@ -73,6 +77,7 @@ class AllGatherReduceScatterDispatcher(Dispatcher):
             ids_RK = torch.where(valid_R[:, None], ids_RK, self._foreign_id)
         weights_RK = torch.mul(keep_RK, weights_RK)
         ids_RK = ids_RK.contiguous() if topk_ids_TK.dtype == torch.int32 else ids_RK.to(topk_ids_TK.dtype)
+        self._phase("unpack")
         return DispatchResult(x_RD, weights_RK, ids_RK, _handle=_AGHandle(T, M, D))
 
     def combine(self, y_RD: torch.Tensor, result: DispatchResult) -> torch.Tensor:
@@ -82,4 +87,5 @@ class AllGatherReduceScatterDispatcher(Dispatcher):
         out_MD = torch.empty(h.max_tokens, h.hidden, dtype=y_RD.dtype, device=y_RD.device)
         if h.max_tokens:
             reduce_scatter_rows(out_MD, y_RD.contiguous(), self.group)
+        self._phase("combine_transfer")
         return out_MD[:h.num_tokens]

@@ -65,6 +65,8 @@ class Dispatcher(ABC):
     """
 
     name: str = "base"
+    # all2all.phases.PhaseTimer marking the phases of dispatch / combine (None: not timed).
+    phase_timer = None
 
     def __init__(self, group: dist.ProcessGroup | None, num_experts: int, placement: str = "linear"):
         if placement not in PLACEMENT_STRATEGIES:
@@ -101,6 +103,11 @@ class Dispatcher(ABC):
         Returns:
             [T, D] in the dtype of `y_RD`, aligned with the `x_TD` given to `dispatch`.
         """
+
+    def _phase(self, name: str) -> None:
+        """End of a phase of dispatch or combine (all2all/phases.py names them)."""
+        if self.phase_timer is not None:
+            self.phase_timer.mark(name)
 
     def expert_map_on(self, device: torch.device | str) -> torch.Tensor:
         """[E] int32 global -> local expert id on this rank (-1 = elsewhere), on `device`."""

@@ -182,17 +182,21 @@ class LowLatencyDispatcher(Dispatcher):
         row_PT, tok_N, send_counts_P = ops.route(topk_ids_TK, owner_E, P, C)
         if self.debug:
             self._check_counts(send_counts_P)
+        self._phase("route")
         send_NB = layout.empty(N, dev)
         ops.pack(layout.base.words_of(x_TD), topk_weights_TK, topk_ids_TK, owner_E, tok_N, send_counts_P,
                  self._on("pad_ids", dev, lambda: self._pad_ids), layout.base.x_words(send_NB),
                  layout.meta(send_NB), C)
+        self._phase("pack")
         recv_NB = layout.empty(N, dev)
         all_to_all_rows(recv_NB, send_NB, None, None, self.group)
+        self._phase("transfer")
 
         weights_RK = torch.empty(N, K, dtype=torch.float32, device=dev)
         ids_RK = torch.empty(N, K, dtype=topk_ids_TK.dtype, device=dev)
         recv_counts_P = torch.empty(P, dtype=torch.int64, device=dev)
         ops.unpack(layout.meta(recv_NB), C, weights_RK, ids_RK, recv_counts_P)
+        self._phase("unpack")
         handle = _LLHandle(row_PT, recv_counts_P, send_counts_P, T, D)
         return DispatchResult(layout.base.x_view(recv_NB), weights_RK, ids_RK, _handle=handle)
 
@@ -214,6 +218,7 @@ class LowLatencyDispatcher(Dispatcher):
             logger.debug("low_latency dispatcher: %d tokens on some rank exceed capacity=%d; such calls "
                          "use the %s backend", max_tokens, self.capacity, self.fallback_backend)
             self._fallback_logged = True
+        self._fallback.phase_timer = self.phase_timer
         inner = self._fallback.dispatch(x_TD, topk_weights_TK, topk_ids_TK)
         return DispatchResult(inner.x_RD, inner.topk_weights_RK, inner.topk_ids_RK,
                               _handle=_FallbackHandle(inner))
@@ -227,8 +232,10 @@ class LowLatencyDispatcher(Dispatcher):
             raise ValueError(f"y must be [{N}, {h.hidden}] (the dispatched rows), got {tuple(y_RD.shape)}")
         back_ND = torch.empty(N, h.hidden, dtype=y_RD.dtype, device=y_RD.device)
         all_to_all_rows(back_ND, y_RD.contiguous(), None, None, self.group)
+        self._phase("combine_transfer")
         out_TD = torch.empty(h.num_tokens, h.hidden, dtype=y_RD.dtype, device=y_RD.device)
         ops.combine(back_ND, h.row_PT, out_TD)
+        self._phase("combine")
         return out_TD
 
     @staticmethod

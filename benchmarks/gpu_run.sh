@@ -105,7 +105,7 @@ for stage in "$@"; do
     engine) step engine timeout 580 python3 benchmarks/gpu_engine_bench.py ${ENGINE:-parity qwen3 eager families} \
            ${RUNS:+--runs $RUNS} --out "$OUT/engine.json" ;;
     a2a-ll) step a2a-ll timeout 300 torchrun --nproc-per-node=2 -m moe.bench.all2all \
-           --backends allgather_reducescatter all_to_all low_latency auto --cuda-graphs --out "$OUT/a2a_low_latency.json" ;;
+           --backends allgather_reducescatter all_to_all low_latency auto --cuda-graphs --phases --out "$OUT/a2a_low_latency.json" ;;
     ep-graphs) step ep-graphs timeout 300 python3 -m pytest -q -p no:cacheprovider \
            tests/parallel/test_low_latency_graphs_gpu.py tests/kernels/test_triton_dispatch.py ;;
     parallel-fp8) step parallel-fp8 timeout 300 python3 benchmarks/gpu_parallel_check.py \

@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from all2all import LowLatencyDispatcher, make_dispatcher
+from all2all.phases import PhaseTimer, median_phases
 from moe.bench.common import torchrun_process_group
 
 # (GPU, CPU) defaults of the shape flags
@@ -96,7 +97,7 @@ def run_bench(tokens=(8, 32), hidden: int = 64, num_experts: int = 16, top_k: in
               backends=("allgather_reducescatter", "all_to_all"), placement: str = "linear",
               n_group: int = 8, topk_group: int = 4, iters: int = 5, warmup: int = 2,
               seed: int = 0, group=None, device=None, progress: bool = False,
-              cuda_graphs: bool = False) -> list[dict]:
+              cuda_graphs: bool = False, phases: bool = False) -> list[dict]:
     """The benchmark on an initialised process group; every rank calls it, every rank gets rows.
 
     Returns one dict per (tokens_per_rank, routing, impl): impl in `backends` + ["bare"],
@@ -104,6 +105,8 @@ def run_bench(tokens=(8, 32), hidden: int = 64, num_experts: int = 16, top_k: in
     cuda_graphs: also "<impl>+graph" rows, dispatch + combine captured in a CUDA graph and
     replayed (what a decode step under graphs pays: no host launches), for the fixed-capacity
     dispatchers within their capacity and for the bare collectives.
+    phases: each dispatcher row also gets "phases", {phase: {host_us, device_us}} (medians over
+    `iters` more steps, max over ranks; all2all/phases.py names the phases).
     """
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if cuda_graphs and device.type != "cuda":
@@ -129,6 +132,8 @@ def run_bench(tokens=(8, 32), hidden: int = 64, num_experts: int = 16, top_k: in
                 rows.append({"tokens_per_rank": T, "routing": routing, "impl": name,
                              "median_us": _max_over_ranks(us, device, group),
                              "host_us": _max_over_ranks(host, device, group)})
+                if phases:
+                    rows[-1]["phases"] = _phase_times(disp, step, iters, device, group)
                 if cuda_graphs and isinstance(disp, LowLatencyDispatcher) and T <= disp.capacity:
                     rows.append(_graph_row(step, T, routing, name, iters, warmup, device, group))
             h = a2a.dispatch(x_TD, weights_TK, ids_TK)._handle
@@ -151,6 +156,39 @@ def run_bench(tokens=(8, 32), hidden: int = 64, num_experts: int = 16, top_k: in
             if progress and rank == 0:
                 print(f"  tokens/rank {T}, {routing}: done", flush=True)
     return rows
+
+
+def _phase_times(disp, step, iters: int, device, group) -> dict:
+    """{phase: {host_us, device_us}} of `step` (dispatch + combine on `disp`): medians over iters
+    steps, each started together, then the max over ranks (every rank marks the same phases)."""
+    timer = PhaseTimer(device)
+    disp.phase_timer = timer
+    runs = []
+    try:
+        for _ in range(iters):
+            _start_together(device, group)
+            timer.start()
+            step()
+            runs.append(timer.phases())
+    finally:
+        disp.phase_timer = None
+    out = {}
+    for name, t in median_phases(runs).items():
+        out[name] = {"host_us": _max_over_ranks(t["host_us"], device, group),
+                     "device_us": None if t["device_us"] is None else _max_over_ranks(t["device_us"], device, group)}
+    return out
+
+
+def format_phases(rows: list[dict]) -> str:
+    """One line per timed (size, routing, impl): each phase's host / device µs."""
+    lines = []
+    for r in rows:
+        if "phases" not in r:
+            continue
+        cells = [f"{n} {t['host_us']:.0f}/{'-' if t['device_us'] is None else format(t['device_us'], '.0f')}"
+                 for n, t in r["phases"].items()]
+        lines.append(f"{r['tokens_per_rank']} {r['routing']} {r['impl']}: " + ", ".join(cells))
+    return "\n".join(["phases, host/device µs:", *lines]) if lines else ""
 
 
 def _graph_row(step, T: int, routing: str, name: str, iters: int, warmup: int, device, group) -> dict:
@@ -316,6 +354,8 @@ def parse_args(argv=None, cuda: bool | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", help="write the raw rows and the configuration as JSON here (rank 0)")
+    p.add_argument("--phases", action="store_true",
+                   help="also time each phase of dispatch + combine (host and GPU µs; --iters more steps per row)")
     p.add_argument("--cuda-graphs", action="store_true",
                    help="also time low_latency (and auto where it is low_latency) within its capacity and the "
                         "bare collectives replayed from a CUDA graph: '<impl>+graph' rows")
@@ -364,7 +404,7 @@ def main(argv=None) -> int:
         rows = run_bench(args.tokens, args.hidden, args.num_experts, args.top_k, DTYPES[args.dtype],
                          args.routing, args.backends, args.placement, args.n_group, args.topk_group,
                          args.iters, args.warmup, args.seed, device=device, progress=True,
-                         cuda_graphs=args.cuda_graphs)
+                         cuda_graphs=args.cuda_graphs, phases=args.phases)
         if dist.get_rank() == 0:
             cfg = {k: v for k, v in vars(args).items() if k != "out"}
             cfg.update(world_size=dist.get_world_size(), backend=str(dist.get_backend()),
@@ -372,6 +412,8 @@ def main(argv=None) -> int:
                        torch=torch.__version__)
             print(f"all2all bench: {cfg}")
             print(format_table(rows))
+            if args.phases:
+                print(format_phases(rows))
             if args.out:
                 os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
                 with open(args.out, "w") as f:

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from tests.all2all.a2a_harness import run_ranks
-from moe.bench.all2all import format_table, main, parse_args, run_bench
+from moe.bench.all2all import format_phases, format_table, main, parse_args, run_bench
 
 TOKENS = (0, 3, 16)
 
@@ -57,3 +57,29 @@ def test_graph_rows_compare_with_the_bare_graph_and_need_cuda():
     assert lines[3].split(" | ")[-2:] == ["-", "-"]  # no row of that size
     with pytest.raises(ValueError, match="cuda_graphs needs a CUDA device"):
         run_bench(tokens=(4,), cuda_graphs=True, device="cpu")
+
+
+def _phases_worker(rank: int, world_size: int):
+    import torch
+    return run_bench(tokens=(5, 40), hidden=32, num_experts=16, top_k=4, dtype=torch.float32,
+                     backends=("allgather_reducescatter", "all_to_all", "low_latency", "auto"),
+                     iters=2, warmup=1, device="cpu", phases=True)
+
+
+def test_phase_timers_name_every_phase_of_each_backend():
+    rows = run_ranks(_phases_worker, 2, timeout_s=40.0, collective_timeout_s=15.0)[0]
+    want = {
+        "all_to_all": ["count_exchange", "pack", "sync", "transfer", "unpack", "combine_transfer", "combine"],
+        "allgather_reducescatter": ["count_exchange", "pack", "sync", "transfer", "unpack", "combine_transfer"],
+        "low_latency": ["route", "pack", "transfer", "unpack", "combine_transfer", "combine"],
+        "auto": ["count_exchange", "pack", "sync", "transfer", "unpack", "combine_transfer"],  # gloo: AG+RS
+    }
+    timed = [r for r in rows if "phases" in r]
+    assert {(r["tokens_per_rank"], r["impl"]) for r in timed} == {(t, b) for t in (5, 40) for b in want}
+    for r in timed:
+        assert list(r["phases"]) == want[r["impl"]], (r["impl"], list(r["phases"]))
+        assert all(t["host_us"] > 0 and t["device_us"] is None for t in r["phases"].values())
+        # the phases cover the step: their host sum stays below the step's measured wall time x 3
+        assert sum(t["host_us"] for t in r["phases"].values()) < 3 * r["median_us"]
+    assert not any("phases" in r for r in rows if r["impl"] == "bare")
+    assert "low_latency: route" in format_phases(rows)
