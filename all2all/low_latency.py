@@ -29,15 +29,18 @@ collectives must match), but T differs per rank under data parallelism, so the d
 look at T alone without a collective. Hence:
   * `dispatch(..., max_tokens_across_ranks=M)`: the caller passes the step's largest T over the
     EP group (the same value on every rank; a runner under DP already knows it, it pads its
-    CUDA-graph batch to it). M <= C: the low-latency path; M > C: every rank falls back to the
-    variable-size backend `fallback` for this call (all_to_all by default; "auto" picks it by
-    bytes), logged once.
+    CUDA-graph batch to it). M <= C: the low-latency path with chunks of M rows per destination
+    instead of C (enough, since T <= M everywhere, and the same on every rank: a decode batch of
+    8 moves 8 rows per destination, not the capacity; each CUDA graph has its M); M > C: every
+    rank falls back to the variable-size backend `fallback` for this call (all_to_all by
+    default; "auto" picks it by bytes), logged once.
   * without it, C is a hard limit: T > C raises ValueError before any collective. (The other
     ranks then wait in their collective until the group's timeout, so a caller whose ranks may
     disagree must pass M.)
   * debug (arg or MOE_LOW_LATENCY_DEBUG=1): after routing, sync and raise RuntimeError if any
-    destination count exceeds C or an id is out of [0, E). Off in the hot path: the route
-    kernel never writes past C, so a broken contract loses rows, it does not corrupt memory.
+    destination count exceeds the call's chunk or an id is out of [0, E). Off in the hot path: the
+    route kernel never writes past the chunk, so a broken contract loses rows, it does not corrupt
+    memory.
 
 Bytes per rank and when this wins (for the `auto` rule): all_to_all sends sum_t m_t rows (m_t =
 distinct ranks of token t's experts, m ~ P(1 - C(E-E/P, k)/C(E, k)) under uniform routing) after
@@ -99,6 +102,7 @@ class CountedRowLayout:
 
 @dataclass(frozen=True)
 class _LLHandle:
+    chunk: int                   # C of this call: rows per destination
     row_PT: torch.Tensor         # [P, T] int64 send row of (rank p, token t); N = not sent
     recv_counts_P: torch.Tensor  # [P] int64 rows each source really sent (the rest is padding)
     send_counts_P: torch.Tensor  # [P] int64 rows this rank sent to each destination
@@ -163,16 +167,20 @@ class LowLatencyDispatcher(Dispatcher):
                                  f"{T} tokens")
             if max_tokens_across_ranks > C:
                 return self._dispatch_fallback(x_TD, topk_weights_TK, topk_ids_TK, max_tokens_across_ranks)
+            # Chunks of M rows suffice (no rank sends more than its T <= M to one destination) and
+            # M is the same on every rank: a small decode batch does not move the whole capacity.
+            return self._dispatch_fixed(x_TD, topk_weights_TK, topk_ids_TK, max(max_tokens_across_ranks, 1))
         elif T > C:
             raise ValueError(f"low_latency dispatcher: {T} tokens exceed capacity={C} rows per destination; "
                              f"raise the capacity or pass max_tokens_across_ranks (identical on every rank) "
                              f"to fall back to {self.fallback_backend} for such calls")
-        return self._dispatch_fixed(x_TD, topk_weights_TK, topk_ids_TK)
+        return self._dispatch_fixed(x_TD, topk_weights_TK, topk_ids_TK, C)
 
-    def _dispatch_fixed(self, x_TD, topk_weights_TK, topk_ids_TK) -> DispatchResult:
+    def _dispatch_fixed(self, x_TD, topk_weights_TK, topk_ids_TK, C: int) -> DispatchResult:
+        """The fixed path with chunks of C rows per destination (T <= C on every rank)."""
         T, D = x_TD.shape
         K = topk_ids_TK.shape[1]
-        P, C, dev = self.ep_size, self.capacity, x_TD.device
+        P, dev = self.ep_size, x_TD.device
         N = P * C
         layout = CountedRowLayout(RowLayout(D, x_TD.dtype, K))
         owner_E = self._owner_on(dev)
@@ -181,7 +189,7 @@ class LowLatencyDispatcher(Dispatcher):
             self._check_ids(topk_ids_TK)
         row_PT, tok_N, send_counts_P = ops.route(topk_ids_TK, owner_E, P, C)
         if self.debug:
-            self._check_counts(send_counts_P)
+            self._check_counts(send_counts_P, C)
         self._phase("route")
         send_NB = layout.empty(N, dev)
         ops.pack(layout.base.words_of(x_TD), topk_weights_TK, topk_ids_TK, owner_E, tok_N, send_counts_P,
@@ -197,7 +205,7 @@ class LowLatencyDispatcher(Dispatcher):
         recv_counts_P = torch.empty(P, dtype=torch.int64, device=dev)
         ops.unpack(layout.meta(recv_NB), C, weights_RK, ids_RK, recv_counts_P)
         self._phase("unpack")
-        handle = _LLHandle(row_PT, recv_counts_P, send_counts_P, T, D)
+        handle = _LLHandle(C, row_PT, recv_counts_P, send_counts_P, T, D)
         return DispatchResult(layout.base.x_view(recv_NB), weights_RK, ids_RK, _handle=handle)
 
     # Debug only (host syncs): ids are checked before the route kernel reads owner[id].
@@ -205,11 +213,11 @@ class LowLatencyDispatcher(Dispatcher):
         if topk_ids_TK.numel() and not (0 <= int(topk_ids_TK.min()) and int(topk_ids_TK.max()) < self.num_experts):
             raise RuntimeError(f"low_latency dispatcher: expert ids outside [0, {self.num_experts})")
 
-    def _check_counts(self, send_counts_P: torch.Tensor) -> None:
+    def _check_counts(self, send_counts_P: torch.Tensor, C: int) -> None:
         worst = int(send_counts_P.max())
-        if worst > self.capacity:
+        if worst > C:
             raise RuntimeError(f"low_latency dispatcher: {worst} rows for one destination exceed "
-                               f"capacity={self.capacity}; rows past it would be lost")
+                               f"the {C} rows per destination of this call; rows past it would be lost")
 
     def _dispatch_fallback(self, x_TD, topk_weights_TK, topk_ids_TK, max_tokens: int) -> DispatchResult:
         if self._fallback is None:
@@ -227,7 +235,7 @@ class LowLatencyDispatcher(Dispatcher):
         h = result._handle
         if isinstance(h, _FallbackHandle):
             return self._fallback.combine(y_RD, h.inner)
-        N = self.ep_size * self.capacity
+        N = self.ep_size * h.chunk
         if y_RD.shape != (N, h.hidden):
             raise ValueError(f"y must be [{N}, {h.hidden}] (the dispatched rows), got {tuple(y_RD.shape)}")
         back_ND = torch.empty(N, h.hidden, dtype=y_RD.dtype, device=y_RD.device)

@@ -79,7 +79,5 @@ def test_phase_timers_name_every_phase_of_each_backend():
     for r in timed:
         assert list(r["phases"]) == want[r["impl"]], (r["impl"], list(r["phases"]))
         assert all(t["host_us"] > 0 and t["device_us"] is None for t in r["phases"].values())
-        # the phases cover the step: their host sum stays below the step's measured wall time x 3
-        assert sum(t["host_us"] for t in r["phases"].values()) < 3 * r["median_us"]
     assert not any("phases" in r for r in rows if r["impl"] == "bare")
     assert "low_latency: route" in format_phases(rows)

@@ -70,7 +70,7 @@ def _check(disp, rank: int, ep: int, inputs, placement: str, max_tokens: int | N
     if max_tokens is not None and max_tokens > disp.capacity:
         assert counts is None, "expected the variable-size fallback"
         return
-    C = disp.capacity
+    C = disp.capacity if max_tokens is None else max(max_tokens, 1)  # chunks of M rows when M is given
     assert recv.num_rows == ep * C, f"received {recv.num_rows} rows, expected the static {ep * C}"
     owner_E = expert_owner_ranks(E, ep, placement).long()
     want_P = torch.tensor([int((owner_E[ids.long()] == rank).any(dim=1).sum()) for _, _, ids in inputs])
@@ -92,6 +92,7 @@ def _extra_cases(ep: int):
         "idle_expert": ("idle_expert", [9, 0, 5, 3][:ep], 9, None),
         "capacity_exactly_T": ("to_rank0", [6] * ep, 6, None),
         "hint_within_capacity": ("random", uneven, 13, 13),
+        "hint_below_capacity": ("group_limited", uneven, 32, max(uneven)),  # chunks of max(T), not 32
         "fallback_over_capacity": ("skewed", uneven, 4, max(uneven)),
     }
 
