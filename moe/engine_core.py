@@ -223,6 +223,10 @@ class EngineCore:
         for rid in request_ids:
             self._arrival.pop(rid, None)
         self.scheduler.finish_requests(request_ids, status)
+        if self._in_flight is not None and not self.scheduler.has_unfinished_requests():
+            # Nothing the step in flight computes is wanted any more: collect it now (its outputs
+            # are dropped), so the engine is idle, as after a synchronous step.
+            self._finish_in_flight(CoreStepResult())
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests() or bool(self.recovery and self.recovery.num_held) \

@@ -116,6 +116,27 @@ def test_abort_while_a_step_is_in_flight():
     assert not engine.core.scheduler.requests and engine.core._in_flight is None
 
 
+def test_aborting_every_request_leaves_the_engine_idle():
+    """Aborting all that runs collects the step in flight: nothing is unfinished (as after a
+    synchronous step), and the next request gets the synchronous engine's tokens."""
+    prompts = _prompts(2, seed=6)
+    params = SamplingParams(temperature=0.0, max_tokens=8)
+    want = [t for t, *_ in _generate(False, prompts[1:], params)]
+    engine = LLM("tiny-qwen3-moe", device="cpu", async_scheduling=True).llm_engine
+    engine.add_request("a", {"prompt_token_ids": prompts[0]}, SamplingParams(n=2, temperature=1.0, seed=3))
+    engine.step()
+    engine.step()
+    assert engine.core._in_flight is not None
+    engine.abort_request("a")
+    assert not engine.has_unfinished_requests() and engine.core._in_flight is None
+    assert engine.core.scheduler.kv.usage() == 0
+    engine.add_request("b", {"prompt_token_ids": prompts[1]}, params)
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += [o for o in engine.step() if o.finished]
+    assert [list(o.outputs[0].token_ids) for o in outs] == want
+
+
 def test_failed_step_is_recovered(monkeypatch):
     """A step whose launch raises is undone and its request blamed; the step in flight before it
     completes, and the other requests finish with the synchronous engine's tokens."""
