@@ -13,10 +13,11 @@ Stages:
   tp2      (two GPUs) tiny checkpoints' greedy tokens under tensor_parallel_size=2 (eager and CUDA
            graphs) equal the CPU's; the Qwen3-30B-A3B shape's decode step at 256 and throughput at
            (256, 2048, 512) with tensor_parallel_size=1 and 2, in the same run.
-  dp2ep    (two GPUs) the decode step at 256 running requests (128 per replica) of the Qwen3-30B-A3B
+  dp2ep    (two GPUs) the decode step at 256 and 32 running requests (128 / 16 per replica) of the Qwen3-30B-A3B
            shape and of the DeepSeek-V3 shape cut to 4 layers, under data_parallel_size=2 + expert
-           parallelism: all2all_backend "low_latency" with CUDA graphs and eager, "all_to_all" (eager:
-           its count exchange syncs with the host), against tensor_parallel_size=2 with graphs.
+           parallelism: all2all_backend "low_latency" with CUDA graphs and eager, "auto" (the default:
+           low_latency with the bytes rule's fallback), "all_to_all" (eager: its count exchange syncs
+           with the host), against tensor_parallel_size=2 with graphs.
   families a DeepSeek-V3 shape cut to 4 layers (1 dense + 3 MoE; bf16 experts) and a Llama-4
            Scout shape cut to 8 layers (dummy bf16 weights): decode step at 64 and 256 running
            requests and an offline throughput run, each against its floor.
@@ -390,6 +391,7 @@ def families(results: dict) -> None:
 DP2EP_LAYOUTS = {
     "tp2": dict(tensor_parallel_size=2),
     "dp2ep-ll-graphs": dict(data_parallel_size=2, enable_expert_parallel=True, all2all_backend="low_latency"),
+    "dp2ep-auto-graphs": dict(data_parallel_size=2, enable_expert_parallel=True),  # the default backend
     "dp2ep-ll-eager": dict(data_parallel_size=2, enable_expert_parallel=True, all2all_backend="low_latency",
                            enforce_eager=True),
     "dp2ep-a2a-eager": dict(data_parallel_size=2, enable_expert_parallel=True, all2all_backend="all_to_all"),
@@ -408,11 +410,13 @@ def dp2ep(results: dict) -> None:
             with LLM(path, device="cuda", load_format="dummy", max_model_len=4096, max_num_seqs=256,
                      max_num_batched_tokens=8192, enable_prefix_caching=False, **kwargs) as llm:
                 start_s = time.perf_counter() - t0
-                r = decode_step(llm, 256, 512, 24)
-            r["start_s"] = start_s
-            results[f"{name}/{layout}/decode256"] = r
-            shown = {k: round(v, 3) if isinstance(v, float) else v for k, v in r.items()}
-            print(f"{name} {layout} decode256: {json.dumps(shown)}", flush=True)
+                runs = {"decode256": decode_step(llm, 256, 512, 24),
+                        "decode32": decode_step(llm, 32, 512, 24)}  # 16 per replica: small chunks
+            runs["decode256"]["start_s"] = start_s
+            for key, r in runs.items():
+                results[f"{name}/{layout}/{key}"] = r
+                shown = {k: round(v, 3) if isinstance(v, float) else v for k, v in r.items()}
+                print(f"{name} {layout} {key}: {json.dumps(shown)}", flush=True)
             torch.cuda.empty_cache()
 
 
