@@ -10,6 +10,7 @@ Stages:
            decode step at 256 running requests, batch-1 and batch-32 TPOT, offline throughput
            at (1000 prompts, 1024 in, 256 out) and (256, 2048, 512); each against its floor.
   eager    the decode step at 256 again with enforce_eager=True (what the graphs buy).
+  qwen3-tp2 (two GPUs) the qwen3 runs (--runs) under tensor_parallel_size=2 only.
   tp2      (two GPUs) tiny checkpoints' greedy tokens under tensor_parallel_size=2 (eager and CUDA
            graphs) equal the CPU's; the Qwen3-30B-A3B shape's decode step at 256 and throughput at
            (256, 2048, 512) with tensor_parallel_size=1 and 2, in the same run.
@@ -423,7 +424,7 @@ def dp2ep(results: dict) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("stages", nargs="+",
-                        choices=["parity", "qwen3", "eager", "families", "tp2", "recording", "dp2ep"])
+                        choices=["parity", "qwen3", "qwen3-tp2", "eager", "families", "tp2", "recording", "dp2ep"])
     parser.add_argument("--checkpoints", nargs="*", default=[".gpu_ckpts/qwen3_moe", ".gpu_ckpts/deepseek_v3",
                                                              ".gpu_ckpts/llama4_mm"])
     parser.add_argument("--runs", nargs="*", default=["decode256", "tpot1", "tpot32", "tput_256x2048x512",
@@ -437,6 +438,8 @@ def main(argv: list[str] | None = None) -> int:
                 parity(results, args.checkpoints)
             elif stage == "qwen3":
                 qwen3(results, eager=False, runs=args.runs)
+            elif stage == "qwen3-tp2":  # the qwen3 runs under tensor_parallel_size=2 alone (A/B rounds)
+                qwen3(results, eager=False, runs=args.runs, tp=2)
             elif stage == "families":
                 families(results)
             elif stage == "recording":  # expert-load recording on, off, on again (the spread)

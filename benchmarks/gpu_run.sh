@@ -18,7 +18,8 @@
 #   ds-flash      benchmarks/deepspeed_flash_probe.py: DeepSpeed-FastGen's blocked flash attention beside the
 #                 Triton kernels (carry .dsk/libblockedflash.so.xz) -> $OUT/deepspeed_flash.json
 #   ab            A/B of an environment switch: AB_VAR=1 / 0 / 1 / 0 (a fresh process each) over
-#                 gpu_engine_bench.py qwen3 --runs $AB_RUNS (default tpot1) -> $OUT/ab/
+#                 gpu_engine_bench.py ${AB_STAGE:-qwen3} --runs $AB_RUNS (default tpot1) -> $OUT/ab/
+#                 (AB_STAGE=qwen3-tp2: the same runs under tensor_parallel_size=2, two GPUs)
 #   bench-fused   benchmarks/bench_fused.py -> $OUT/fused.json
 #   kernel-vllm   the expert layer against vLLM's kernel on a few rows of each shape, same run
 #                 (needs benchmarks/vllm_kernel/ carried: benchmarks/fetch_vllm_kernel.py) -> $OUT/kernel_vllm.json
@@ -93,7 +94,7 @@ for stage in "$@"; do
            tests/kernels/test_expert_count.py tests/moe/test_expert_load.py tests/kernels/test_triton_skinny.py tests/kernels/test_pdl.py ;;
     ab) mkdir -p "$OUT/ab"  # on / off / on / off, a fresh process each
       for i in 1 2 3 4; do v=$(( i % 2 ))
-        step "ab $i ${AB_VAR}=$v" env "${AB_VAR}=$v" timeout 290 python3 benchmarks/gpu_engine_bench.py qwen3 \
+        step "ab $i ${AB_VAR}=$v" env "${AB_VAR}=$v" timeout 290 python3 benchmarks/gpu_engine_bench.py ${AB_STAGE:-qwen3} \
              --runs ${AB_RUNS:-tpot1} --out "$OUT/ab/${i}_${AB_VAR}_$v.json"
       done ;;
     ds-flash) step ds-flash timeout 560 python3 benchmarks/deepspeed_flash_probe.py --out "$OUT/deepspeed_flash.json" ;;

@@ -10,6 +10,7 @@ its own behind ZeroMQ (moe/core_process.py).
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
@@ -91,16 +92,20 @@ class EngineCore:
                 f"{g.num_blocks} blocks" for g in groups))
             if args.enable_prefix_caching:
                 logger.info("Prefix caching is off: chunked-local layers release their blocks behind each chunk")
-        # Async scheduling needs the runner in this process (its sampled tokens stay on the device
-        # for the next step) and one scheduler; images keep synchronous steps.
-        # The default (None) takes it where it runs on CUDA: on the CPU the step itself blocks the host,
-        # so there is nothing to overlap.
-        supported = isinstance(self.executor, InProcessExecutor) and args.data_parallel_size == 1 \
-            and not info.image_limit
-        wanted = self.device.type == "cuda" if args.async_scheduling is None else args.async_scheduling
-        self.async_scheduling = wanted and supported
+        # Async scheduling needs an executor that can queue a step before the last one's tokens are
+        # back (in this process: the runner keeps them on the device; worker processes of one TP
+        # replica: its ranks pass them among themselves) and one scheduler; images keep synchronous
+        # steps. The default (None) takes it for a single-process engine on CUDA (on the CPU the
+        # step itself blocks the host, so there is nothing to overlap); worker processes only when
+        # asked for (not yet measured on GPUs).
+        supported = self.executor.supports_async_steps and args.data_parallel_size == 1 and not info.image_limit
+        in_process = isinstance(self.executor, InProcessExecutor)
+        wanted = (self.device.type == "cuda" and in_process) if args.async_scheduling is None \
+            else args.async_scheduling
+        self.async_scheduling = bool(wanted and supported)
         if args.async_scheduling and not supported:
-            logger.warning("async_scheduling needs a single-process engine of a text model; steps run synchronously")
+            logger.warning("async_scheduling needs one data-parallel replica of one pipeline stage and a text model; "
+                           "steps run synchronously")
         # One scheduler per data-parallel replica, each over its own KV cache.
         self.schedulers = [Scheduler(SchedulerConfig(
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=info.max_num_batched_tokens,
@@ -273,7 +278,7 @@ class EngineCore:
         scheduler gives each sampling request of the step in flight a placeholder token, which this
         step computes with its value copied on the device (ModelRunner.launch / collect). Requests
         whose sampling needs their full token history (penalties) wait for the step in flight."""
-        runner = self.executor.runner
+        executor = self.executor
         if self._in_flight is not None and self._needs_history():
             self._finish_in_flight(result)
         so = self.scheduler.schedule()
@@ -281,7 +286,7 @@ class EngineCore:
         prev = self._in_flight
         self._in_flight = None
         try:
-            pending = runner.launch(so, prev=prev[1] if prev else None)
+            pending = executor.launch(so, prev=prev[1] if prev else None)
         except Exception as exc:
             if prev is not None:
                 self._in_flight = prev
@@ -294,7 +299,7 @@ class EngineCore:
             self._apply(so, None, result)
         if prev is not None:
             try:
-                out = runner.collect(prev[1])
+                out = executor.collect(prev[1])
             except Exception as exc:
                 if self._in_flight is not None and self.recovery is not None:
                     self.recovery.rollback(self._in_flight[0])  # queued behind the failed step
@@ -306,7 +311,7 @@ class EngineCore:
     def _finish_in_flight(self, result: CoreStepResult) -> None:
         so, pending = self._in_flight
         self._in_flight = None
-        self._apply(so, self.executor.runner.collect(pending), result)
+        self._apply(so, self.executor.collect(pending), result)
 
     def _apply(self, so: SchedulerOutput, out: ModelRunnerOutput | None, result: CoreStepResult) -> None:
         if self.recovery is not None:
@@ -358,4 +363,7 @@ class EngineCore:
 
     def shutdown(self) -> None:
         """Stop the workers and release the model and the KV cache (GPU memory included)."""
+        if getattr(self, "_in_flight", None) is not None:  # outputs not wanted; workers reply before they stop
+            with contextlib.suppress(Exception):
+                self._finish_in_flight(CoreStepResult())
         self.executor.shutdown()

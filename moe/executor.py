@@ -40,6 +40,19 @@ class Executor(ABC):
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.execute_models([scheduler_output])[0]
 
+    # Async scheduling (EngineCore._step_async): queue a step, then wait for it after the next
+    # one is queued. Executors without it leave `supports_async_steps` False.
+    supports_async_steps = False
+
+    def launch(self, scheduler_output: SchedulerOutput, prev=None):
+        """Queue one step without waiting for it; returns what `collect` takes (None: nothing of
+        this step samples). prev: the step still in flight (its handle from launch)."""
+        raise NotImplementedError(f"{type(self).__name__} runs synchronous steps only")
+
+    def collect(self, pending) -> ModelRunnerOutput:
+        """Wait for a launched step and return its sampled tokens."""
+        raise NotImplementedError(f"{type(self).__name__} runs synchronous steps only")
+
     @abstractmethod
     def expert_load_snapshot(self) -> dict | None:
         """Cumulative expert counts summed over every rank (moe.expert_counters.sum_snapshots),
@@ -79,6 +92,14 @@ class InProcessExecutor(Executor):
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.worker.runner.execute_model(scheduler_output)
+
+    supports_async_steps = True
+
+    def launch(self, scheduler_output: SchedulerOutput, prev=None):
+        return self.worker.runner.launch(scheduler_output, prev=prev)
+
+    def collect(self, pending) -> ModelRunnerOutput:
+        return self.worker.runner.collect(pending)
 
     def expert_load_snapshot(self) -> dict | None:
         return self.worker.expert_load_snapshot()

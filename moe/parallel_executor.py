@@ -200,6 +200,10 @@ class MultiprocExecutor(Executor):
         self._gather(range(world), start_timeout_s, "starting")
         self._last_sampled: list[dict[str, list[int]]] = [{} for _ in range(layout.dp)]
         self.num_dummy_batches = 0  # replica-steps run as dummy batches (observability, tests)
+        # Async steps: how many launched steps are not collected yet, and the replies of those
+        # read early (another call's replies queue behind them on the pipes).
+        self._launched = 0
+        self._early: list[dict[int, object]] = []
 
     @property
     def worker_pids(self) -> list[int]:
@@ -265,9 +269,16 @@ class MultiprocExecutor(Executor):
 
     def _call_all(self, method: str, *args, timeout_s: float | None = None) -> dict[int, object]:
         self._check_open()
+        self._read_launched_replies()
         ranks = range(self.layout.world_size)
         self._send(ranks, pickle.dumps((method, args)))
         return self._gather(ranks, timeout_s or self.step_timeout_s, "running")
+
+    def _read_launched_replies(self) -> None:
+        """Read the replies of launched steps now (kept for `collect`), so that the next call's
+        replies are its own."""
+        while len(self._early) < self._launched:
+            self._early.append(self._gather(range(self.layout.world_size), self.step_timeout_s, "running"))
 
     # ---- Executor ----------------------------------------------------------------------
     def determine_num_blocks(self, max_num_seqs: int, max_model_len: int, max_num_batched_tokens: int) -> int:
@@ -280,6 +291,7 @@ class MultiprocExecutor(Executor):
 
     def execute_models(self, scheduler_outputs: list[SchedulerOutput]) -> list[ModelRunnerOutput]:
         self._check_open()
+        self._read_launched_replies()
         layout = self.layout
         dummy = _dummy_flags(layout, self.args.enable_expert_parallel, scheduler_outputs)
         self.num_dummy_batches += sum(dummy)
@@ -292,6 +304,35 @@ class MultiprocExecutor(Executor):
         outs = [replies[layout.driver_rank(d)] for d in range(layout.dp)]
         self._last_sampled = [o.sampled for o in outs]
         return outs
+
+    @property
+    def supports_async_steps(self) -> bool:
+        """One replica of one stage: the TP ranks share the sampled tokens among themselves
+        (Worker.execute's share_sampled), so a step can be sent before the last one's reply."""
+        return self.layout.dp == 1 and self.layout.pp == 1
+
+    def launch(self, scheduler_output: SchedulerOutput, prev=None):
+        """Send one step without waiting: the workers run it as soon as the step before is done
+        (they hold its tokens by then), while this process schedules the next. Returns a handle
+        for `collect` (steps are collected in launch order)."""
+        if not self.supports_async_steps:
+            raise ValueError("async steps need one replica of one pipeline stage")
+        self._check_open()
+        payload = pickle.dumps(("execute", (scheduler_output, None, False, step_max_tokens([scheduler_output]),
+                                            True)), protocol=pickle.HIGHEST_PROTOCOL)
+        self._send(range(self.layout.world_size), payload)
+        self._launched += 1
+        return scheduler_output
+
+    def collect(self, pending) -> ModelRunnerOutput:
+        """The driver rank's reply to the oldest launched step."""
+        if not self._launched:
+            raise RuntimeError("collect without a launched step")
+        self._check_open()
+        replies = self._early.pop(0) if self._early else \
+            self._gather(range(self.layout.world_size), self.step_timeout_s, "running")
+        self._launched -= 1
+        return replies[self.layout.driver_rank(0)]
 
     def expert_load_snapshot(self) -> dict | None:
         snaps = [s for s in self._call_all("expert_load_snapshot").values() if s is not None]

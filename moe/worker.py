@@ -16,6 +16,7 @@ import traceback
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from models.config import ModelConfig
 from models.fp8 import resolve_fp8_experts
@@ -169,16 +170,26 @@ class Worker:
 
     # ---- steps -------------------------------------------------------------------------
     def execute(self, so: SchedulerOutput, prev_sampled: dict[str, list[int]] | None = None,
-                dummy: bool = False, max_tokens: int | None = None) -> ModelRunnerOutput | None:
+                dummy: bool = False, max_tokens: int | None = None,
+                share_sampled: bool = False) -> ModelRunnerOutput | None:
         """One step of this rank's DP replica. `prev_sampled`: the tokens the replica's driver
         rank sampled last step (applied here on the other ranks). `max_tokens`: the most tokens
-        any replica runs this step (for a fixed-capacity dispatcher). Returns the sampled tokens
+        any replica runs this step (for a fixed-capacity dispatcher). `share_sampled` (async
+        scheduling under TP: the driver sends the next step before it has this one's tokens):
+        the driver rank broadcasts its sampled tokens to the other ranks right after the step
+        (one replica, one stage: the control group is the TP group). Returns the sampled tokens
         on the driver rank, None elsewhere."""
         if prev_sampled and not self.runner.is_driver:
             self.runner.apply_sampled(prev_sampled)
         if max_tokens is not None:
             self.runner.dispatch_step.max_tokens = max_tokens
         out = self.runner.execute_model(so, dummy=dummy)
+        if share_sampled:
+            state = get_parallel_state()
+            shared = [out.sampled if self.runner.is_driver else None]
+            dist.broadcast_object_list(shared, src=state.layout.driver_rank(0), group=state.cpu_group)
+            if not self.runner.is_driver:
+                self.runner.apply_sampled(shared[0])
         return out if self.runner.is_driver else None
 
 
