@@ -197,7 +197,8 @@ def main(argv=None) -> None:
     p.add_argument("--warmup-steps", type=int, default=5)
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--device", default="cuda")
-    p.add_argument("--all2all-backend", default="auto", choices=["auto", "allgather_reducescatter", "all_to_all"])
+    p.add_argument("--all2all-backend", default="auto",
+                   choices=["auto", "allgather_reducescatter", "all_to_all", "low_latency"])
     p.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     p.add_argument("--out", default=None, help="write the rows as JSON here")
     p.add_argument("--smoke", action="store_true", help="tiny shapes on 2 CPU processes (gloo): a quick check")
