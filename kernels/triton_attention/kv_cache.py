@@ -15,6 +15,19 @@ from kernels.pdl import pdl_enter, pdl_launch
 
 
 @triton.jit
+def store_token_heads(src_ptr, stride_g, dst_ptr, G, HEAD_DIM: tl.constexpr, G_PAD: tl.constexpr,
+                      D_PAD: tl.constexpr):
+    """One token's G heads of HEAD_DIM values (rows stride_g apart, unit stride along d) to dst_ptr
+    (G * HEAD_DIM contiguous: a cache slot), cast to dst's dtype. Also used by the RoPE kernel
+    (kernels/triton_fused/rope.py), which writes v to the cache in its own launch."""
+    g = tl.arange(0, G_PAD)
+    dd = tl.arange(0, D_PAD)
+    mask = (g[:, None] < G) & (dd[None, :] < HEAD_DIM)
+    x = tl.load(src_ptr + g[:, None] * stride_g + dd[None, :], mask=mask)
+    tl.store(dst_ptr + g[:, None] * HEAD_DIM + dd[None, :], x.to(dst_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _write_kv_kernel(k_ptr, v_ptr, kv_ptr, slot_ptr, stride_kt, stride_kg, stride_vt, stride_vg,
                      v_offset, G: tl.constexpr, HEAD_DIM: tl.constexpr,
                      G_PAD: tl.constexpr, D_PAD: tl.constexpr, USE_PDL: tl.constexpr):
@@ -23,15 +36,28 @@ def _write_kv_kernel(k_ptr, v_ptr, kv_ptr, slot_ptr, stride_kt, stride_kg, strid
     slot = tl.load(slot_ptr + t).to(tl.int64)
     if slot < 0:
         return
-    g = tl.arange(0, G_PAD)
-    dd = tl.arange(0, D_PAD)
-    mask = (g[:, None] < G) & (dd[None, :] < HEAD_DIM)
     t64 = t.to(tl.int64)
-    k = tl.load(k_ptr + t64 * stride_kt + g[:, None] * stride_kg + dd[None, :], mask=mask)
-    v = tl.load(v_ptr + t64 * stride_vt + g[:, None] * stride_vg + dd[None, :], mask=mask)
-    dst = kv_ptr + slot * (G * HEAD_DIM) + g[:, None] * HEAD_DIM + dd[None, :]
-    tl.store(dst, k.to(kv_ptr.dtype.element_ty), mask=mask)
-    tl.store(dst + v_offset, v.to(kv_ptr.dtype.element_ty), mask=mask)
+    dst = kv_ptr + slot * (G * HEAD_DIM)
+    store_token_heads(k_ptr + t64 * stride_kt, stride_kg, dst, G, HEAD_DIM, G_PAD, D_PAD)
+    store_token_heads(v_ptr + t64 * stride_vt, stride_vg, dst + v_offset, G, HEAD_DIM, G_PAD, D_PAD)
+
+
+def check_kv_write(k_TGd: torch.Tensor, v_TGd: torch.Tensor, kv_cache_2NSGd: torch.Tensor,
+                   slot_mapping_T: torch.Tensor) -> None:
+    """The arguments of a KV-cache write (here, or fused into the RoPE launch): a contiguous
+    [2, N, S, G, d] cache, k and v [T, G, d] with unit stride along d, T int32/int64 slots."""
+    if kv_cache_2NSGd.dim() != 5 or kv_cache_2NSGd.shape[0] != 2 or not kv_cache_2NSGd.is_contiguous():
+        raise ValueError(f"kv_cache must be a contiguous [2, N, S, G, d] (kv_cache_2NSGd), got "
+                         f"{tuple(kv_cache_2NSGd.shape)}")
+    _, N, S, G, d = kv_cache_2NSGd.shape
+    T = k_TGd.shape[0] if k_TGd.dim() == 3 else -1
+    for name, arg, x in (("k", "k_TGd", k_TGd), ("v", "v_TGd", v_TGd)):
+        if x.dim() != 3 or x.shape != (T, G, d) or x.stride(2) != 1:
+            raise ValueError(f"{name} must be [T, G={G}, d={d}] with unit stride along d ({arg}; T as k's), got "
+                             f"{tuple(x.shape)} strides {x.stride()}")
+    if slot_mapping_T.shape != (T,) or slot_mapping_T.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"slot_mapping must be int32/int64 [T={T}] (slot_mapping_T), got "
+                         f"{slot_mapping_T.dtype} {tuple(slot_mapping_T.shape)}")
 
 
 def write_kv_cache_triton(k_TGd: torch.Tensor, v_TGd: torch.Tensor, kv_cache_2NSGd: torch.Tensor,
@@ -41,19 +67,9 @@ def write_kv_cache_triton(k_TGd: torch.Tensor, v_TGd: torch.Tensor, kv_cache_2NS
     k_TGd, v_TGd: [T, G, d] with any strides along T and G but unit stride along d (views split
     from a fused qkv output are fine). Cast to the cache dtype. slot_mapping_T: [T] int32/int64.
     """
-    if kv_cache_2NSGd.dim() != 5 or kv_cache_2NSGd.shape[0] != 2 or not kv_cache_2NSGd.is_contiguous():
-        raise ValueError(f"kv_cache_2NSGd must be a contiguous [2, N, S, G, d], got {tuple(kv_cache_2NSGd.shape)}")
+    check_kv_write(k_TGd, v_TGd, kv_cache_2NSGd, slot_mapping_T)
     _, N, S, G, d = kv_cache_2NSGd.shape
-    for name, x in (("k_TGd", k_TGd), ("v_TGd", v_TGd)):
-        if x.dim() != 3 or x.shape[1:] != (G, d) or x.stride(2) != 1:
-            raise ValueError(f"{name} must be [T, G={G}, d={d}] with unit stride along d, got "
-                             f"{tuple(x.shape)} strides {x.stride()}")
     T = k_TGd.shape[0]
-    if v_TGd.shape[0] != T or slot_mapping_T.shape != (T,):
-        raise ValueError(f"k, v and slot_mapping_T must agree on T={T}: v {tuple(v_TGd.shape)}, "
-                         f"slots {tuple(slot_mapping_T.shape)}")
-    if slot_mapping_T.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"slot_mapping_T must be int32 or int64, got {slot_mapping_T.dtype}")
     if T == 0:
         return
     _write_kv_kernel[(T,)](

@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 
 from kernels.pdl import pdl_enter, pdl_launch
+from kernels.triton_attention.kv_cache import check_kv_write, store_token_heads
 from kernels.triton_fused.common import (
     check_float,
     check_same_device,
@@ -99,24 +100,13 @@ def _rope_heads(x_ptr, out_ptr, w_ptr, t, cos_row_ptr, sin_row_ptr, NH, stride_t
 
 
 @triton.jit
-def _copy_heads_to_cache(v_ptr, t, NH, stride_t, stride_h, cache_ptr, HEAD_DIM: tl.constexpr,
-                         BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Token t's NH value heads to its cache slot (cast to the cache dtype)."""
-    dd = tl.arange(0, BLOCK_D)
-    for h0 in range(0, NH, BLOCK_H):
-        heads = h0 + tl.arange(0, BLOCK_H)
-        mask = (heads[:, None] < NH) & (dd[None, :] < HEAD_DIM)
-        x = tl.load(v_ptr + t * stride_t + heads[:, None] * stride_h + dd[None, :], mask=mask)
-        tl.store(cache_ptr + heads[:, None] * HEAD_DIM + dd[None, :], x.to(cache_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
 def _rope_kernel(pos_ptr, q_ptr, k_ptr, q_out_ptr, k_out_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr,
                  H, G, stride_qt, stride_qh, stride_kt, stride_kh, eps,
                  v_ptr, stride_vt, stride_vh, kv_ptr, slot_ptr, v_offset,
                  HEAD_DIM: tl.constexpr, ROT: tl.constexpr, NEOX: tl.constexpr, NORM: tl.constexpr,
                  BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_REST: tl.constexpr,
-                 WRITE_KV: tl.constexpr, BLOCK_D: tl.constexpr, INTERPRET: tl.constexpr, USE_PDL: tl.constexpr):
+                 WRITE_KV: tl.constexpr, G_PAD: tl.constexpr, D_PAD: tl.constexpr, INTERPRET: tl.constexpr,
+                 USE_PDL: tl.constexpr):
     """Program (t, 0) does token t's query heads, (t, 1) its key heads (and with WRITE_KV its
     k and v to KV-cache slot slot_ptr[t]; a slot of -1 is skipped, as the separate write does)."""
     pdl_enter(USE_PDL)
@@ -132,7 +122,7 @@ def _rope_kernel(pos_ptr, q_ptr, k_ptr, q_out_ptr, k_out_ptr, qw_ptr, kw_ptr, co
         _rope_heads(k_ptr, k_out_ptr, kw_ptr, t, cos_row, sin_row, G, stride_kt, stride_kh, eps, k_slot, slot,
                     HEAD_DIM, ROT, NEOX, NORM, BLOCK_H, BLOCK_HALF, BLOCK_REST, INTERPRET, True)
         if slot >= 0:
-            _copy_heads_to_cache(v_ptr, t, G, stride_vt, stride_vh, k_slot + v_offset, HEAD_DIM, BLOCK_H, BLOCK_D)
+            store_token_heads(v_ptr + t * stride_vt, stride_vh, k_slot + v_offset, G, HEAD_DIM, G_PAD, D_PAD)
     else:
         _rope_heads(k_ptr, k_out_ptr, kw_ptr, t, cos_row, sin_row, G, stride_kt, stride_kh, eps, k_out_ptr, -1,
                     HEAD_DIM, ROT, NEOX, NORM, BLOCK_H, BLOCK_HALF, BLOCK_REST, INTERPRET, False)
@@ -159,22 +149,14 @@ def _check_qk(positions_T, q_THd, k_TGd, cos_cache, sin_cache, rotary_dim):
 
 
 def _check_kv_write(k, v_TGd, kv_cache_2NSGd, slot_mapping_T):
-    """The optional KV-cache write's arguments, as kernels/triton_attention/kv_cache.py checks them."""
+    """The optional KV-cache write's arguments: all three or none, as the separate write takes them."""
     if kv_cache_2NSGd is None:
         if v_TGd is not None or slot_mapping_T is not None:
             raise ValueError("v and slot_mapping are arguments of the KV-cache write: pass kv_cache too")
         return
-    T, G, d = k.shape
-    if kv_cache_2NSGd.dim() != 5 or kv_cache_2NSGd.shape[0] != 2 or kv_cache_2NSGd.shape[3:] != (G, d) \
-            or not kv_cache_2NSGd.is_contiguous():
-        raise ValueError(f"kv_cache must be a contiguous [2, N, S, G={G}, d={d}], got {tuple(kv_cache_2NSGd.shape)}")
-    if v_TGd is None or v_TGd.dim() != 3 or v_TGd.shape != (T, G, d) or v_TGd.stride(2) != 1:
-        raise ValueError(f"v must be [T={T}, G={G}, d={d}] with unit stride along d, got "
-                         f"{None if v_TGd is None else tuple(v_TGd.shape)}")
-    if slot_mapping_T is None or slot_mapping_T.shape != (T,) or slot_mapping_T.dtype not in (torch.int32,
-                                                                                              torch.int64):
-        raise ValueError(f"slot_mapping must be int32/int64 [{T}], got "
-                         f"{None if slot_mapping_T is None else (slot_mapping_T.dtype, tuple(slot_mapping_T.shape))}")
+    if v_TGd is None or slot_mapping_T is None:
+        raise ValueError("the KV-cache write needs v and slot_mapping with kv_cache")
+    check_kv_write(k, v_TGd, kv_cache_2NSGd, slot_mapping_T)
     check_same_device(k=k, v=v_TGd, kv_cache=kv_cache_2NSGd, slot_mapping=slot_mapping_T)
 
 
@@ -197,7 +179,8 @@ def _launch(positions_T, q, k, q_out, k_out, qw, kw, eps, cos_cache, sin_cache, 
         H, G, q.stride(0), q.stride(1), k.stride(0), k.stride(1), float(eps),
         v, v.stride(0), v.stride(1), kv_cache, slot_mapping, kv_cache[0].numel() if write_kv else 0,
         HEAD_DIM=d, ROT=rotary_dim, NEOX=bool(is_neox_style), NORM=norm, BLOCK_H=BLOCK_H,
-        BLOCK_HALF=BLOCK_HALF, BLOCK_REST=BLOCK_REST, WRITE_KV=write_kv, BLOCK_D=triton.next_power_of_2(d),
+        BLOCK_HALF=BLOCK_HALF, BLOCK_REST=BLOCK_REST, WRITE_KV=write_kv, G_PAD=triton.next_power_of_2(G),
+        D_PAD=triton.next_power_of_2(d),
         INTERPRET=interpreting(), num_warps=4, enable_fp_fusion=False, **pdl_launch(q))
 
 
