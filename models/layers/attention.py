@@ -53,12 +53,15 @@ class Attention(nn.Module):
     def kv_write_args(self, q: torch.Tensor, meta: AttentionMetadata) -> dict | None:
         """Where forward takes the Triton path: the KV cache and slot mapping a fused RoPE launch
         needs to write this layer's K/V itself (then forward(..., kv_written=True)); else None."""
-        if self.kv_cache is None or not use_triton_attention(q) or not ROPE_WRITES_KV:
-            return None
         meta = meta.for_group(self.kv_group)
-        if meta.seq_lens_t is None:
+        if self.kv_cache is None or not ROPE_WRITES_KV or not self._triton_serves(q, meta):
             return None
         return {"kv_cache_2NSGd": self.kv_cache, "slot_mapping_T": meta.slot_mapping_T}
+
+    @staticmethod
+    def _triton_serves(q: torch.Tensor, group_meta: AttentionMetadata) -> bool:
+        """The Triton kernels run this step (CUDA, with the device metadata the runner builds)."""
+        return use_triton_attention(q) and group_meta.seq_lens_t is not None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
                 kv_written: bool = False) -> torch.Tensor:
@@ -71,7 +74,7 @@ class Attention(nn.Module):
         if self.kv_cache is None:
             raise RuntimeError("attention ran before the model runner bound a KV cache")
         meta = meta.for_group(self.kv_group)
-        if use_triton_attention(q) and meta.seq_lens_t is not None:
+        if self._triton_serves(q, meta):
             out = self._forward_triton(q, k, v, meta, kv_written)
         else:
             if kv_written:
