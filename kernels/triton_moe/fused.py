@@ -22,6 +22,29 @@ from kernels.triton_moe.quant import FP8_DTYPE, per_token_group_quant_fp8
 
 # moe_sum up to this many tokens (measured up to here); MOE_SUM_KERNEL=0 keeps torch's sum (A/B runs).
 MOE_SUM_MAX_TOKENS = 256 if os.environ.get("MOE_SUM_KERNEL", "1") != "0" else 0
+# A step of one token skips the alignment launch (one_row_blocks); MOE_DIRECT_ALIGN=0 keeps it (A/B runs).
+DIRECT_ALIGN = os.environ.get("MOE_DIRECT_ALIGN", "1") != "0"
+_ONE_ROW_SORTED: dict[tuple[int, int, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def one_row_blocks(topk_ids_TK: torch.Tensor, block_m: int):
+    """align_tokens' result for rows that need no sorting: block r holds flat row r alone, its
+    expert the row's id. For a single token (K distinct experts) this is exactly the aligned
+    layout, computed without a launch: the ids are the block experts, and the sorted rows and
+    their count are constants of (K, BM), kept per device (a captured graph keeps reading them).
+    Needs local ids in [0, E) (no expert map)."""
+    R, dev = topk_ids_TK.numel(), topk_ids_TK.device
+    key = (R, block_m, dev)
+    consts = _ONE_ROW_SORTED.get(key)
+    if consts is None:
+        sorted_ids = torch.full((R * block_m,), R, dtype=torch.int32, device=dev)
+        sorted_ids[::block_m] = torch.arange(R, dtype=torch.int32, device=dev)
+        consts = (sorted_ids, torch.full((1,), R * block_m, dtype=torch.int32, device=dev))
+        # Filled while a graph is captured, they would hold their values only once it replays:
+        # kept only when built eagerly (the graphs' warm-up forward builds them first).
+        if not (dev.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+            _ONE_ROW_SORTED[key] = consts
+    return consts[0], topk_ids_TK.reshape(-1), consts[1]
 
 
 def _run(x_TD, w13_EFD, w2_EDF, topk_weights_TK, topk_ids_TK, expert_map_E, cfg,
@@ -35,7 +58,10 @@ def _run(x_TD, w13_EFD, w2_EDF, topk_weights_TK, topk_ids_TK, expert_map_E, cfg,
         return x_TD.new_zeros(0, D)
     up, down = split_config(cfg)
     BM = up["BLOCK_SIZE_M"]
-    sorted_ids, expert_ids, npp = align_tokens(topk_ids_TK, E, BM, expert_map_E)
+    if T == 1 and expert_map_E is None and DIRECT_ALIGN:
+        sorted_ids, expert_ids, npp = one_row_blocks(topk_ids_TK, BM)
+    else:
+        sorted_ids, expert_ids, npp = align_tokens(topk_ids_TK, E, BM, expert_map_E)
     P, n_mb = sorted_ids.numel(), expert_ids.numel()
     dev = x_TD.device
     topk_w = topk_weights_TK.reshape(-1)

@@ -118,6 +118,27 @@ def test_fused_experts_matches_reference(T, D, F, E, K, dtype):
     assert rel(out, ref) < TOL[dtype]
 
 
+@needs_triton_device
+@pytest.mark.parametrize("ids_dtype", [torch.int32, torch.int64])
+def test_one_token_needs_no_alignment_launch(ids_dtype, monkeypatch):
+    """A single token's K distinct experts are already aligned: block r holds flat row r alone
+    (one_row_blocks), so the layer runs without align_tokens, with the same result."""
+    import kernels.triton_moe.fused as fused
+
+    def no_align(*args, **kwargs):
+        raise AssertionError("align_tokens launched for a single token")
+
+    x, w13, w2, tw, ti = make_inputs(1, 40, 24, 8, 3, torch.float32, seed=3)
+    sorted_ids, expert_ids, npp = fused.one_row_blocks(ti, 16)
+    assert int(npp.item()) == 3 * 16 and torch.equal(expert_ids.cpu(), ti.reshape(-1).cpu())
+    want = torch.full((3 * 16,), 3, dtype=torch.int32)
+    want[::16] = torch.arange(3, dtype=torch.int32)
+    assert torch.equal(sorted_ids.cpu(), want)
+    monkeypatch.setattr(fused, "align_tokens", no_align)
+    out = fused_experts_triton(x, w13, w2, tw, ti.to(ids_dtype), config=SMALL_CFG if not CUDA else None)
+    assert rel(out, fused_experts_torch(x, w13, w2, tw, ti)) < 1e-5
+
+
 # down GEMM variants: fp32-atomic top-k sum, alone and with the F range split over programs
 DOWN_VARIANTS = [{"ATOMIC_SUM": True}, {"SPLIT_K": 2}, {"SPLIT_K": 3}]
 
