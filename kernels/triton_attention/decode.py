@@ -12,8 +12,17 @@ partial output and log2-sum-exp; a second kernel merges the P parts. With P = 1 
 kernel writes the output directly. The grid and P depend only on shapes, never on values, and
 parts past a sequence's end contribute nothing (lse = -inf), so a captured graph replays for any
 seq_lens; rows with seq_lens 0 (padding) get zeros.
+
+Merging in the last program (the default): each (b, g) has a counter; a program that has stored
+its part counts itself in (an acq_rel atomic, after a barrier so every thread's stores precede
+it), and the one that counts last merges the P parts of its HG heads, reading them past L1, then
+sets the counter back to 0 for the next launch (or graph replay). That saves the merge launch,
+which at small batches costs about what the merge does. MOE_DECODE_FUSED_MERGE=0 keeps the
+second kernel (A/B runs).
 """
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
@@ -31,15 +40,17 @@ from kernels.triton_attention.common import (
 )
 
 NUM_SMS_H200 = 132
+FUSED_MERGE = os.environ.get("MOE_DECODE_FUSED_MERGE", "1") != "0"
+_SPLIT_COUNTERS: dict[torch.device, list[torch.Tensor]] = {}
 
 
 @triton.jit
-def _decode_split_kernel(q_ptr, kv_ptr, bt_ptr, seq_lens_ptr, o_ptr, part_o_ptr, part_lse_ptr,
+def _decode_split_kernel(q_ptr, kv_ptr, bt_ptr, seq_lens_ptr, o_ptr, part_o_ptr, part_lse_ptr, counter_ptr,
                          stride_qb, stride_qh, stride_ob, stride_oh, stride_btb, stride_btm,
                          v_offset, stride_blk, stride_tok, scale_log2, chunk_size,
                          HG: tl.constexpr, HG_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
                          D_PAD: tl.constexpr, BLOCK_N: tl.constexpr, S: tl.constexpr,
-                         NUM_SPLITS: tl.constexpr, USE_CHUNK: tl.constexpr,
+                         NUM_SPLITS: tl.constexpr, USE_CHUNK: tl.constexpr, FUSED_MERGE: tl.constexpr,
                          PRECISION: tl.constexpr, UPCAST: tl.constexpr, USE_PDL: tl.constexpr):
     pdl_enter(USE_PDL)
     b = tl.program_id(0)
@@ -85,6 +96,38 @@ def _decode_split_kernel(q_ptr, kv_ptr, bt_ptr, seq_lens_ptr, o_ptr, part_o_ptr,
         tl.store(part_o_ptr + part[:, None] * D_PAD + dd[None, :], out, mask=row_ok[:, None])
         lse = tl.where(empty, float("-inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i)))
         tl.store(part_lse_ptr + part, lse, mask=row_ok)
+        if FUSED_MERGE:
+            tl.debug_barrier()  # every thread's part is stored before the count says so
+            count_ptr = counter_ptr + b * tl.num_programs(1) + kv_head
+            if tl.atomic_add(count_ptr, 1, sem="acq_rel") == NUM_SPLITS - 1:
+                first = part - split
+                o_off = b.to(tl.int64) * stride_ob + head * stride_oh
+                _merge_parts(part_o_ptr, part_lse_ptr, o_ptr, first, o_off, row_ok, dd, d_ok,
+                             HG_PAD, D_PAD, NUM_SPLITS)
+                tl.atomic_xchg(count_ptr, 0)  # ready for the next launch
+
+
+@triton.jit
+def _merge_parts(part_o_ptr, part_lse_ptr, o_ptr, first, o_off, row_ok, dd, d_ok,
+                 HG_PAD: tl.constexpr, D_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr):
+    """Online log-sum-exp merge of the NUM_SPLITS parts of HG heads (part s of head i at
+    first[i] + s), read at L2 (".cg": other programs wrote them)."""
+    m = tl.full([HG_PAD], NEG_BIG, dtype=tl.float32)
+    total = tl.zeros([HG_PAD], dtype=tl.float32)
+    acc = tl.zeros([HG_PAD, D_PAD], dtype=tl.float32)
+    for s in range(NUM_SPLITS):
+        lse = tl.load(part_lse_ptr + first + s, mask=row_ok, other=float("-inf"), cache_modifier=".cg")
+        part = tl.load(part_o_ptr + (first + s)[:, None] * D_PAD + dd[None, :], mask=row_ok[:, None],
+                       other=0.0, cache_modifier=".cg")
+        m_new = tl.maximum(m, lse)  # NEG_BIG while every part so far was empty
+        w = tl.where(lse == float("-inf"), 0.0, tl.exp2(lse - m_new))
+        alpha = tl.exp2(m - m_new)
+        acc = acc * alpha[:, None] + part * w[:, None]
+        total = total * alpha + w
+        m = m_new
+    out = acc / tl.where(total == 0.0, 1.0, total)[:, None]  # every part empty (seq_lens 0): zeros
+    tl.store(o_ptr + o_off[:, None] + dd[None, :], out.to(o_ptr.dtype.element_ty),
+             mask=row_ok[:, None] & d_ok[None, :])
 
 
 @triton.jit
@@ -109,6 +152,20 @@ def _decode_merge_kernel(part_o_ptr, part_lse_ptr, o_ptr, stride_ob, stride_oh, 
              mask=dd < HEAD_DIM)
 
 
+def split_counters(n: int, device: torch.device) -> torch.Tensor:
+    """n zeroed int32 counters for the fused merge, kept per device: the kernels leave them at 0,
+    and a captured graph keeps the address it was captured with, so a larger set is added beside
+    the old ones, never in their place. Made while a graph is captured, their zeros would exist
+    only once it replays: such a set is not kept (the graphs' warm-up forward makes them first)."""
+    for counters in _SPLIT_COUNTERS.get(device, []):
+        if counters.numel() >= n:
+            return counters
+    counters = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
+    if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+        _SPLIT_COUNTERS.setdefault(device, []).append(counters)
+    return counters
+
+
 def default_num_splits(B: int, G: int, max_keys: int, block_n: int) -> int:
     """Enough splits for about two programs per SM, but at least 4 key tiles per split."""
     want = triton.cdiv(2 * NUM_SMS_H200, max(B * G, 1))
@@ -119,7 +176,8 @@ def default_num_splits(B: int, G: int, max_keys: int, block_n: int) -> int:
 def paged_attention_decode_triton(q_BHd: torch.Tensor, kv_cache_2NSGd: torch.Tensor,
                                   block_tables_BM: torch.Tensor, seq_lens_B: torch.Tensor, scale: float,
                                   chunk_size: int | None = None, out_BHd: torch.Tensor | None = None,
-                                  num_splits: int | None = None, block_n: int | None = None) -> torch.Tensor:
+                                  num_splits: int | None = None, block_n: int | None = None,
+                                  fused_merge: bool | None = None) -> torch.Tensor:
     """One query per sequence over its paged context; returns out_BHd [B, H, d] in q's dtype.
 
     q_BHd: [B, H, d] fp32/fp16/bf16, any strides with a unit stride along d.
@@ -127,6 +185,8 @@ def paged_attention_decode_triton(q_BHd: torch.Tensor, kv_cache_2NSGd: torch.Ten
     seq_lens_B: [B] int32/int64 (0 = padded row: zeros out, nothing read).
     num_splits: None = chosen from B * G and max_blocks (static shapes only).
     block_n: keys per tile (power of two >= 16); None = 64 for d <= 128 (tests use 16).
+    fused_merge: merge the splits in the last program of each (sequence, KV head) instead of a
+    second launch; None = MOE_DECODE_FUSED_MERGE (default on).
     """
     if q_BHd.dim() != 3 or q_BHd.stride(2) != 1:
         raise ValueError(f"q_BHd must be [B, H, d] with unit stride along d, got {tuple(q_BHd.shape)}")
@@ -158,20 +218,22 @@ def paged_attention_decode_triton(q_BHd: torch.Tensor, kv_cache_2NSGd: torch.Ten
     hg = H // G
     precision, upcast = dot_flags(q_BHd.dtype)
     N = kv_cache_2NSGd.shape[1]
+    fused_merge = num_splits > 1 and (FUSED_MERGE if fused_merge is None else fused_merge)
     if num_splits > 1:
         part_o = torch.empty(B, H, num_splits, d_pad, dtype=torch.float32, device=q_BHd.device)
         part_lse = torch.empty(B, H, num_splits, dtype=torch.float32, device=q_BHd.device)
     else:
         part_o = part_lse = out_BHd  # unused
+    counters = split_counters(B * G, q_BHd.device) if fused_merge else seq_lens_B  # unused without
     _decode_split_kernel[(B, G, num_splits)](
-        q_BHd, kv_cache_2NSGd, block_tables_BM, seq_lens_B, out_BHd, part_o, part_lse,
+        q_BHd, kv_cache_2NSGd, block_tables_BM, seq_lens_B, out_BHd, part_o, part_lse, counters,
         q_BHd.stride(0), q_BHd.stride(1), out_BHd.stride(0), out_BHd.stride(1),
         block_tables_BM.stride(0), block_tables_BM.stride(1),
         N * S * G * d, S * G * d, G * d, scale * LOG2E, chunk_size or 1,
         HG=hg, HG_PAD=max(16, triton.next_power_of_2(hg)), HEAD_DIM=d, D_PAD=d_pad, BLOCK_N=block_n, S=S,
-        NUM_SPLITS=num_splits, USE_CHUNK=chunk_size is not None, PRECISION=precision, UPCAST=upcast,
-        num_warps=4, num_stages=3, **pdl_launch(q_BHd))
-    if num_splits > 1:
+        NUM_SPLITS=num_splits, USE_CHUNK=chunk_size is not None, FUSED_MERGE=fused_merge,
+        PRECISION=precision, UPCAST=upcast, num_warps=4, num_stages=3, **pdl_launch(q_BHd))
+    if num_splits > 1 and not fused_merge:
         _decode_merge_kernel[(B, H)](
             part_o, part_lse, out_BHd, out_BHd.stride(0), out_BHd.stride(1), H,
             HEAD_DIM=d, D_PAD=d_pad, NUM_SPLITS=num_splits, P_PAD=triton.next_power_of_2(num_splits),

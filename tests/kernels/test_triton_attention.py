@@ -207,15 +207,18 @@ def decode_case(lens, H, G, d, S, chunk=None, dtype=torch.float32, seed=0):
 
 
 @pytest.mark.parametrize("H,G", [(4, 4), (8, 2), (8, 1)])
-@pytest.mark.parametrize("num_splits", [1, 3, None])
-def test_decode_splits_and_padded_rows(H, G, num_splits):
+@pytest.mark.parametrize("num_splits,fused_merge", [(1, None), (3, True), (3, False), (None, True), (None, False)])
+def test_decode_splits_and_padded_rows(H, G, num_splits, fused_merge):
     lens = [37, 0, 1, 16, 17, 64, 0, 50]
     batch, q, ref = decode_case(lens, H, G, d=16, S=4, seed=H * G)
     out = torch.full_like(q, POISON)
     res = paged_attention_decode_triton(q, batch.cache, batch.tables, batch.seq_lens_t, batch.scale,
-                                        out_BHd=out, num_splits=num_splits, block_n=16)
+                                        out_BHd=out, num_splits=num_splits, block_n=16, fused_merge=fused_merge)
     assert res is out
     assert_close(out.cpu(), ref, torch.float32)
+    if fused_merge:  # the merging program sets its counter back: the next launch starts from 0
+        from kernels.triton_attention.decode import split_counters
+        assert not split_counters(len(lens) * G, q.device).any()
 
 
 @pytest.mark.parametrize("chunk,num_splits", [(8, 1), (8, 2), (20, 3), (64, 4)])
@@ -261,6 +264,23 @@ def test_gpu_decode_real_shapes(B, num_splits):
     out = paged_attention_decode_triton(q, batch.cache, batch.tables, batch.seq_lens_t, batch.scale,
                                         num_splits=num_splits)
     assert_close(out.float().cpu(), ref, torch.bfloat16)
+
+
+@needs_cuda
+def test_gpu_fused_merge_is_race_free():
+    """The program that counts last merges: 300 launches back to back, no sync between them, must
+    all give the same bits (the merge reads the parts in a fixed order, so any part read before
+    it was visible, or a counter not set back, shows as a difference) and match the reference."""
+    lens = [4096, 1, 700, 2048, 0, 3000, 64, 1500]
+    batch, q, ref = decode_case(lens, 32, 4, d=128, S=16, dtype=torch.bfloat16, seed=11)
+    outs = [paged_attention_decode_triton(q, batch.cache, batch.tables, batch.seq_lens_t, batch.scale,
+                                          num_splits=32, fused_merge=True) for _ in range(300)]
+    torch.cuda.synchronize()
+    assert_close(outs[0].float().cpu(), ref, torch.bfloat16)
+    assert all(torch.equal(o, outs[0]) for o in outs[1:])
+    separate = paged_attention_decode_triton(q, batch.cache, batch.tables, batch.seq_lens_t, batch.scale,
+                                             num_splits=32, fused_merge=False)
+    assert_close(separate.float().cpu(), outs[0].float().cpu(), torch.bfloat16)
 
 
 @needs_cuda
