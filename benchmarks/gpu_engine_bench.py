@@ -24,6 +24,8 @@ Stages:
            requests and an offline throughput run, each against its floor.
   profile  where a decode step's time goes at 256 and at 1 running requests: host time of each
            engine part, GPU time of one graph replay, and the top kernels of an eager step.
+  replay   (--runs replay1 replay32 replay256) the decode graph's GPU time alone, replayed back to
+           back: the steady measure for A/B runs of changes inside the forward.
 
 Floors (one H200), read off the built model: prefill FLOPs / 700 TFLOP/s + per decode step (bytes
 of the weights the step touches + KV bytes it reads) / 4.8 TB/s. A step of B tokens touches each
@@ -235,16 +237,47 @@ def _wrap_timer(obj, name: str, key: str, timers: dict) -> None:
     setattr(obj, name, timed)
 
 
+def _start_decoding(llm: LLM, num_requests: int, prompt_len: int, max_tokens: int) -> None:
+    """Add num_requests prompts and step until every one of them is decoding."""
+    engine = llm.llm_engine
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    for i, p in enumerate(_prompts(num_requests, prompt_len, seed=4)):
+        engine.add_request(f"p{i}", p, params)
+    while engine.scheduler.waiting or any(r.num_computed_tokens < r.num_tokens - 1 for r in engine.scheduler.running):
+        engine.step()
+
+
+def _replay_ms(graphs, size: int, replays: int) -> float:
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    graphs.replay(size)
+    start.record()
+    for _ in range(replays):
+        graphs.replay(size)
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / replays
+
+
+def graph_replay(llm: LLM, num_requests: int, prompt_len: int = 512) -> dict:
+    """GPU time of the decode graph of num_requests running requests, replayed back to back: the
+    forward alone, steadier than a step's wall time for A/B runs of changes inside the graph.
+    Median and spread of 7 rounds of 30 replays."""
+    _start_decoding(llm, num_requests, prompt_len, max_tokens=16)
+    graphs = llm.llm_engine.executor.runner.graphs
+    b = graphs.padded_size(num_requests)
+    rounds = sorted(_replay_ms(graphs, b, 30) for _ in range(7))
+    while llm.llm_engine.has_unfinished_requests():
+        llm.llm_engine.step()
+    return {"num_requests": num_requests, "graph_size": b, "replay_gpu_ms": round(rounds[3], 4),
+            "min_ms": round(rounds[0], 4), "max_ms": round(rounds[-1], 4)}
+
+
 def profile_decode(llm: LLM, num_requests: int, prompt_len: int = 512, steps: int = 12) -> dict:
     """Host time per engine part over decode-only steps, GPU time of the graph replay alone, and
     the top CUDA kernels of one eager decode step."""
     engine = llm.llm_engine
     runner = engine.executor.runner
-    params = SamplingParams(temperature=0.0, max_tokens=steps + 8, ignore_eos=True)
-    for i, p in enumerate(_prompts(num_requests, prompt_len, seed=4)):
-        engine.add_request(f"p{i}", p, params)
-    while engine.scheduler.waiting or any(r.num_computed_tokens < r.num_tokens - 1 for r in engine.scheduler.running):
-        engine.step()
+    _start_decoding(llm, num_requests, prompt_len, max_tokens=steps + 8)
     timers: dict[str, list[float]] = {}
     for obj, name, key in ((engine.scheduler, "schedule", "schedule"),
                            (engine.scheduler, "update_from_output", "update"),
@@ -261,14 +294,7 @@ def profile_decode(llm: LLM, num_requests: int, prompt_len: int = 512, steps: in
         t = time.perf_counter()
         runner.graphs.replay(b)
         out["graph_launch_host"] = 1e3 * (time.perf_counter() - t)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        runner.graphs.replay(b)
-        start.record()
-        for _ in range(10):
-            runner.graphs.replay(b)
-        end.record()
-        torch.cuda.synchronize()
-        out["graph_replay_gpu"] = start.elapsed_time(end) / 10
+        out["graph_replay_gpu"] = _replay_ms(runner.graphs, b, 10)
         # The kernels inside the replay: their summed time against the replay's tells the gaps.
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
             for _ in range(3):
@@ -344,6 +370,9 @@ def qwen3(results: dict, eager: bool, runs: list[str], tp: int = 1, record: bool
         "tput_1000x1024x256": lambda: throughput(llm, 1000, 1024, 256, 256),
         "profile256": lambda: profile_decode(llm, 256),
         "profile1": lambda: profile_decode(llm, 1),
+        "replay1": lambda: graph_replay(llm, 1),
+        "replay32": lambda: graph_replay(llm, 32),
+        "replay256": lambda: graph_replay(llm, 256),
         "prefill8192": lambda: profile_prefill(llm),
     }
     for name in runs:
