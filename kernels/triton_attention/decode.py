@@ -13,12 +13,9 @@ kernel writes the output directly. The grid and P depend only on shapes, never o
 parts past a sequence's end contribute nothing (lse = -inf), so a captured graph replays for any
 seq_lens; rows with seq_lens 0 (padding) get zeros.
 
-Merging in the last program (the default): each (b, g) has a counter; a program that has stored
-its part counts itself in (an acq_rel atomic, after a barrier so every thread's stores precede
-it), and the one that counts last merges the P parts of its HG heads, reading them past L1, then
-sets the counter back to 0 for the next launch (or graph replay). That saves the merge launch,
-which at small batches costs about what the merge does. MOE_DECODE_FUSED_MERGE=0 keeps the
-second kernel (A/B runs).
+By default the last program of each (b, g) to finish merges its HG heads' P parts
+(kernels/last_program.py) instead of a second launch. MOE_DECODE_FUSED_MERGE=0 keeps the merge
+kernel (A/B runs).
 """
 from __future__ import annotations
 
@@ -28,6 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.last_program import zeroed_counters
 from kernels.pdl import pdl_enter, pdl_launch
 from kernels.triton_attention.common import (
     LOG2E,
@@ -41,7 +39,6 @@ from kernels.triton_attention.common import (
 
 NUM_SMS_H200 = 132
 FUSED_MERGE = os.environ.get("MOE_DECODE_FUSED_MERGE", "1") != "0"
-_SPLIT_COUNTERS: dict[torch.device, list[torch.Tensor]] = {}
 
 
 @triton.jit
@@ -152,20 +149,6 @@ def _decode_merge_kernel(part_o_ptr, part_lse_ptr, o_ptr, stride_ob, stride_oh, 
              mask=dd < HEAD_DIM)
 
 
-def split_counters(n: int, device: torch.device) -> torch.Tensor:
-    """n zeroed int32 counters for the fused merge, kept per device: the kernels leave them at 0,
-    and a captured graph keeps the address it was captured with, so a larger set is added beside
-    the old ones, never in their place. Made while a graph is captured, their zeros would exist
-    only once it replays: such a set is not kept (the graphs' warm-up forward makes them first)."""
-    for counters in _SPLIT_COUNTERS.get(device, []):
-        if counters.numel() >= n:
-            return counters
-    counters = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
-    if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
-        _SPLIT_COUNTERS.setdefault(device, []).append(counters)
-    return counters
-
-
 def default_num_splits(B: int, G: int, max_keys: int, block_n: int) -> int:
     """Enough splits for about two programs per SM, but at least 4 key tiles per split."""
     want = triton.cdiv(2 * NUM_SMS_H200, max(B * G, 1))
@@ -224,7 +207,7 @@ def paged_attention_decode_triton(q_BHd: torch.Tensor, kv_cache_2NSGd: torch.Ten
         part_lse = torch.empty(B, H, num_splits, dtype=torch.float32, device=q_BHd.device)
     else:
         part_o = part_lse = out_BHd  # unused
-    counters = split_counters(B * G, q_BHd.device) if fused_merge else seq_lens_B  # unused without
+    counters = zeroed_counters("decode_merge", B * G, q_BHd.device) if fused_merge else seq_lens_B  # unused without
     _decode_split_kernel[(B, G, num_splits)](
         q_BHd, kv_cache_2NSGd, block_tables_BM, seq_lens_B, out_BHd, part_o, part_lse, counters,
         q_BHd.stride(0), q_BHd.stride(1), out_BHd.stride(0), out_BHd.stride(1),

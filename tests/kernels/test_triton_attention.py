@@ -217,8 +217,8 @@ def test_decode_splits_and_padded_rows(H, G, num_splits, fused_merge):
     assert res is out
     assert_close(out.cpu(), ref, torch.float32)
     if fused_merge:  # the merging program sets its counter back: the next launch starts from 0
-        from kernels.triton_attention.decode import split_counters
-        assert not split_counters(len(lens) * G, q.device).any()
+        from kernels.last_program import zeroed_counters
+        assert not zeroed_counters("decode_merge", len(lens) * G, q.device).any()
 
 
 @pytest.mark.parametrize("chunk,num_splits", [(8, 1), (8, 2), (20, 3), (64, 4)])
