@@ -17,7 +17,8 @@
 #   bench-attn    benchmarks/bench_attention.py -> $OUT/attention.json
 #   ds-flash      benchmarks/deepspeed_flash_probe.py: DeepSpeed-FastGen's blocked flash attention beside the
 #                 Triton kernels (carry .dsk/libblockedflash.so.xz) -> $OUT/deepspeed_flash.json
-#   ab            A/B of an environment switch: AB_VAR=1 / 0 / 1 / 0 (a fresh process each) over
+#   ab            A/B of environment switches: AB_VAR=1 / 0 / 1 / 0 (a fresh process each; AB_VAR=A,B sets
+#                 both, AB_ROUNDS=2 stops after one on / off pair) over
 #                 gpu_engine_bench.py ${AB_STAGE:-qwen3} --runs $AB_RUNS (default tpot1) -> $OUT/ab/
 #                 (AB_STAGE=qwen3-tp2: the same runs under tensor_parallel_size=2, two GPUs)
 #   bench-fused   benchmarks/bench_fused.py -> $OUT/fused.json
@@ -92,10 +93,11 @@ for stage in "$@"; do
            tests/kernels/test_triton_attention.py tests/kernels/test_triton_mla.py \
            tests/kernels/test_triton_fused.py tests/kernels/test_vllm_kernel_adapter.py tests/moe/test_cuda_graphs.py \
            tests/kernels/test_expert_count.py tests/moe/test_expert_load.py tests/kernels/test_triton_skinny.py tests/kernels/test_pdl.py ;;
-    ab) mkdir -p "$OUT/ab"  # on / off / on / off, a fresh process each
-      for i in 1 2 3 4; do v=$(( i % 2 ))
-        step "ab $i ${AB_VAR}=$v" env "${AB_VAR}=$v" timeout 290 python3 benchmarks/gpu_engine_bench.py ${AB_STAGE:-qwen3} \
-             --runs ${AB_RUNS:-tpot1} --out "$OUT/ab/${i}_${AB_VAR}_$v.json"
+    ab) mkdir -p "$OUT/ab"  # on / off / on / off, a fresh process each; AB_VAR may list several (A,B,C)
+      for i in $(seq 1 ${AB_ROUNDS:-4}); do v=$(( i % 2 ))
+        sets=$(echo "$AB_VAR" | tr ',' '\n' | sed "s/\$/=$v/" | tr '\n' ' ')
+        step "ab $i $sets" env $sets timeout 290 python3 benchmarks/gpu_engine_bench.py ${AB_STAGE:-qwen3} \
+             --runs ${AB_RUNS:-tpot1} --out "$OUT/ab/${i}_$(echo "$AB_VAR" | tr ',' '+')_$v.json"
       done ;;
     ds-flash) step ds-flash timeout 560 python3 benchmarks/deepspeed_flash_probe.py --out "$OUT/deepspeed_flash.json" ;;
     bench-attn) step bench-attn timeout 200 python3 benchmarks/bench_attention.py --out "$OUT/attention.json" ;;
