@@ -26,6 +26,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repo root
 from benchmarks.bench_skinny import HBM_BYTES_PER_S, Timer, check, cold_calls, fmt, linear_bound, linear_shapes  # noqa: E402
 
 
+SMEM_BYTES = 220 * 1024  # the tiles' buffers (stages + 1, as Triton allocates them) within an H200 SM's 227 KiB
+
+
 def sweep_configs(M: int, N: int, K: int, level: str) -> list:
     """dense_config's choice first, then the tiles to try (deduplicated)."""
     import triton
@@ -47,7 +50,8 @@ def sweep_configs(M: int, N: int, K: int, level: str) -> list:
                         continue
                     warps = 8 if bm * bn >= 64 * 128 else 4
                     stages = (4,) if level == "small" else (3, 4, 5)
-                    configs += [DenseConfig(bm, bn, bk, split, warps, s) for s in stages]
+                    configs += [DenseConfig(bm, bn, bk, split, warps, s) for s in stages
+                                if (bm + bn) * bk * 2 * (s + 1) <= SMEM_BYTES]
     seen, out = set(), []
     for c in configs:
         if c not in seen:
@@ -107,6 +111,7 @@ def main(argv=None):
                         help="cpu: correctness only, under TRITON_INTERPRET=1 (use with --tiny)")
     parser.add_argument("--tiny", action="store_true", help="tiny shapes and sweep: a smoke run")
     parser.add_argument("--models", nargs="+", default=["qwen3"], choices=["qwen3", "deepseek", "llama4"])
+    parser.add_argument("--layers", nargs="*", default=None, help="only these layers (e.g. 'o_proj tp1')")
     parser.add_argument("--ms", type=int, nargs="+", default=[4, 8, 16, 32, 64, 128, 256], help="rows M")
     parser.add_argument("--sweep", choices=["small", "full"], default="small", help="configs tried")
     parser.add_argument("--budget-s", type=float, default=None, help="stop sweeping new rows after this long")
@@ -123,6 +128,8 @@ def main(argv=None):
         shapes, ms, level = [("tiny", "a", 48, 64), ("tiny", "b", 20, 100)], [5, 17], "tiny"
     else:
         shapes = [s for s in linear_shapes(args.models) if s[1] != "router"]  # the router: the fused gate
+        if args.layers:
+            shapes = [s for s in shapes if s[1] in args.layers]
         ms, level = args.ms, args.sweep
     start = time.time()
     rows = []

@@ -26,6 +26,8 @@ Stages:
            engine part, GPU time of one graph replay, and the top kernels of an eager step.
   replay   (--runs replay1 replay32 replay256) the decode graph's GPU time alone, replayed back to
            back: the steady measure for A/B runs of changes inside the forward.
+  timeline (--runs timeline1 timeline256) a few decode steps under the profiler: the device's busy
+           and idle time per step against the wall time, and the kernels outside the layers.
 
 Floors (one H200), read off the built model: prefill FLOPs / 700 TFLOP/s + per decode step (bytes
 of the weights the step touches + KV bytes it reads) / 4.8 TB/s. A step of B tokens touches each
@@ -320,6 +322,45 @@ def profile_decode(llm: LLM, num_requests: int, prompt_len: int = 512, steps: in
     return {k: round(v, 3) if isinstance(v, float) else v for k, v in out.items()}
 
 
+def step_timeline(llm: LLM, num_requests: int, prompt_len: int = 512, steps: int = 10) -> dict:
+    """Where a decode step's wall time goes on the GPU (async scheduling as configured): over
+    `steps` steps under the profiler, the union of the device's busy intervals (kernels and
+    copies; PDL's overlapping kernels counted once) against the wall time, and the kernels that
+    run fewer than 3 times a step (outside the layers: the LM head, sampling, input copies)."""
+    from torch.autograd import DeviceType
+
+    engine = llm.llm_engine
+    _start_decoding(llm, num_requests, prompt_len, max_tokens=steps + 12)
+    for _ in range(2):
+        engine.step()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                            torch.profiler.ProfilerActivity.CUDA]) as prof:
+        t = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        wall = time.perf_counter() - t
+        torch.cuda.synchronize()
+    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+                   if e.device_type == DeviceType.CUDA and e.time_range.end > e.time_range.start)
+    busy, first, last, cur_s, cur_e = 0.0, spans[0][0], spans[-1][1], *spans[0]
+    for s, e in spans[1:]:
+        if s > cur_e:
+            busy, cur_s, cur_e = busy + cur_e - cur_s, s, e
+        else:
+            cur_e = max(cur_e, e)
+    busy += cur_e - cur_s
+    per_step = [(e.key, e.count / steps, e.self_device_time_total / steps) for e in prof.key_averages()
+                if e.self_device_time_total > 0 and e.count < 3 * steps]
+    per_step.sort(key=lambda r: -r[2])
+    while engine.has_unfinished_requests():
+        engine.step()
+    return {"num_requests": num_requests, "steps": steps, "wall_ms_per_step": 1e3 * wall / steps,
+            "device_span_ms_per_step": (last - first) / 1e3 / steps, "device_busy_ms_per_step": busy / 1e3 / steps,
+            "device_idle_ms_per_step": (last - first - busy) / 1e3 / steps,
+            "outside_layers_us_per_step": [[k[:60], round(c, 2), round(us, 2)] for k, c, us in per_step[:14]]}
+
+
 def profile_prefill(llm: LLM, num_prompts: int = 16, prompt_len: int = 512) -> dict:
     """One prefill step of num_prompts x prompt_len tokens: wall time (median of 3, after a
     warm-up) and the top kernels of one more step under the profiler."""
@@ -370,6 +411,8 @@ def qwen3(results: dict, eager: bool, runs: list[str], tp: int = 1, record: bool
         "tput_1000x1024x256": lambda: throughput(llm, 1000, 1024, 256, 256),
         "profile256": lambda: profile_decode(llm, 256),
         "profile1": lambda: profile_decode(llm, 1),
+        "timeline256": lambda: step_timeline(llm, 256),
+        "timeline1": lambda: step_timeline(llm, 1, steps=30),
         "replay1": lambda: graph_replay(llm, 1),
         "replay32": lambda: graph_replay(llm, 32),
         "replay256": lambda: graph_replay(llm, 256),

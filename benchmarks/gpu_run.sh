@@ -97,7 +97,7 @@ for stage in "$@"; do
       for i in $(seq 1 ${AB_ROUNDS:-4}); do v=$(( i % 2 ))
         sets=$(echo "$AB_VAR" | tr ',' '\n' | sed "s/\$/=$v/" | tr '\n' ' ')
         step "ab $i $sets" env $sets timeout 290 python3 benchmarks/gpu_engine_bench.py ${AB_STAGE:-qwen3} \
-             --runs ${AB_RUNS:-tpot1} --out "$OUT/ab/${i}_$(echo "$AB_VAR" | tr ',' '+')_$v.json"
+             --runs ${AB_RUNS:-tpot1} --out "$OUT/ab/${i}_$(echo "$AB_VAR" | tr ',' '-')_$v.json"
       done ;;
     ds-flash) step ds-flash timeout 560 python3 benchmarks/deepspeed_flash_probe.py --out "$OUT/deepspeed_flash.json" ;;
     bench-attn) step bench-attn timeout 200 python3 benchmarks/bench_attention.py --out "$OUT/attention.json" ;;

@@ -391,7 +391,7 @@ def test_softmax_topk_bad_inputs():
 def test_gate_softmax_topk_equals_gate_then_router(T, E, D, K, dtype, poisoned_empty):
     """One launch: the gate GEMM's programs store their logits, the last one of each token tile
     routes the tile. Where the skinny GEMM takes the same tiles (one step along D, at most 16
-    tokens) the logits are its bit for bit, so the routing is too."""
+    tokens) the logits are its bit for bit, so the ids are too."""
     from kernels.last_program import zeroed_counters
     from kernels.triton_fused.skinny_gemm import skinny_linear
 
@@ -402,7 +402,10 @@ def test_gate_softmax_topk_equals_gate_then_router(T, E, D, K, dtype, poisoned_e
         assert not zeroed_counters("gate_router", 1, x.device).any(), "the last programs set the counters back"
         if D <= 2048 and T <= 16:
             ref_w, ref_ids = softmax_topk_triton(skinny_linear(x, gate), K, renormalize)
-            assert torch.equal(ids, ref_ids) and torch.equal(weights, ref_w)
+            # the same logits; the softmax's fp32 sums may run in another order on a GPU (another
+            # tile of rows per program)
+            assert torch.equal(ids, ref_ids)
+            torch.testing.assert_close(weights, ref_w, rtol=2e-6, atol=0)
         logits = torch.nn.functional.linear(x.float(), gate.float()).to(dtype)
         differ = check_topk(logits, K, renormalize, weights, ids) if dtype == torch.float32 else None
         if differ is not None:
