@@ -6,8 +6,7 @@ Legend: T tokens, D hidden, H query heads, G key heads, d head dim, E experts, K
     python benchmarks/bench_fused.py --out results/fused_h200.json [--tokens 1 256 8192]
 
 Cases: rms_norm (D), rms_norm + residual, rope (q and k), qk_norm + rope (Qwen3 attention),
-softmax_topk (renormalised), and the gate GEMM + softmax_topk as two launches against the fused
-one (--gate-tokens). For T <= 256 each side is timed as a CUDA graph holding REPEAT
+softmax_topk (renormalised). For T <= 256 each side is timed as a CUDA graph holding REPEAT
 back-to-back copies of the op (as inside a decode step's graph, where every kernel costs its
 launch gap), divided by REPEAT; above, triton.testing.do_bench medians of eager calls. The
 torch side is the modules' own torch code (their `use_triton_fused` gates forced off).
@@ -117,36 +116,10 @@ def bench(torch, do_bench, T):
     return rows
 
 
-def bench_gate_router(torch, do_bench, T):
-    """The gate GEMM + softmax top-k as the engine ran them before (models/layers/linear.py's linear,
-    then the Triton router) against the one launch of gate_softmax_topk_triton; ids must agree
-    (the fused logits are the same bf16 values up to the fp32 summation order)."""
-    from kernels.triton_fused.router import GATE_MAX_TOKENS, gate_softmax_topk_triton, softmax_topk_triton
-    from models.layers.linear import linear
-
-    if T > GATE_MAX_TOKENS:
-        return []
-    g = torch.Generator(device="cuda").manual_seed(T)
-    x = torch.randn(T, D, generator=g, device="cuda").to(torch.bfloat16)
-    gate = (torch.randn(E, D, generator=g, device="cuda") * D ** -0.5).to(torch.bfloat16)
-    with torch.no_grad():
-        ref_w, ref_ids = softmax_topk_triton(linear(x, gate), K, True)
-        w, ids = gate_softmax_topk_triton(x, gate, K, True)
-        same = (ids == ref_ids).float().mean().item()
-        t_two = time_us(torch, do_bench, lambda: softmax_topk_triton(linear(x, gate), K, True), T)
-        t_one = time_us(torch, do_bench, lambda: gate_softmax_topk_triton(x, gate, K, True), T)
-    return [{"case": "gate+softmax_topk", "T": T, "triton_us": t_one, "torch_us": t_two, "speedup": t_two / t_one,
-             "max_abs_diff": (w - ref_w).abs().max().item(), "ids_equal_share": same,
-             "timing": "graph" if T <= GRAPH_MAX_T else "eager",
-             "note": "torch_us = the two launches (gate GEMM + Triton router), triton_us = the fused launch"}]
-
-
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default=None, help="write the results as JSON here")
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 256, 8192], help="token counts T")
-    parser.add_argument("--gate-tokens", type=int, nargs="*", default=[1, 2, 4, 8, 16, 32, 64, 128, 256],
-                        help="token counts of the gate + router fusion rows")
     args = parser.parse_args()
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repo root
 
@@ -159,8 +132,6 @@ def main():
     for T in args.tokens:
         rows += bench(torch, do_bench, T)
         torch.cuda.empty_cache()
-    for T in args.gate_tokens:
-        rows += bench_gate_router(torch, do_bench, T)
     print(f"{'case':<20}{'T':>6}{'timing':>8}{'triton us':>11}{'torch us':>10}{'speedup':>9}{'max diff':>10}")
     for r in rows:
         print(f"{r['case']:<20}{r['T']:>6}{r['timing']:>8}{r['triton_us']:>11.2f}{r['torch_us']:>10.2f}"
@@ -169,8 +140,6 @@ def main():
     per_layer = ("rms_norm+residual", "rms_norm+residual", "qk_norm+rope", "softmax_topk")
     for T in args.tokens:
         by_case = {r["case"]: r for r in rows if r["T"] == T}
-        if not all(c in by_case for c in per_layer):
-            continue
         fused = sum(by_case[c]["triton_us"] for c in per_layer)
         unfused = sum(by_case[c]["torch_us"] for c in per_layer)
         print(f"per layer at T={T}: fused {fused:.1f} us, torch {unfused:.1f} us ({unfused - fused:.1f} us saved)")

@@ -5,10 +5,10 @@ Every program stores its results, passes a barrier (so each of its threads' stor
 then counts itself in with an acq_rel atomic on a counter. The program that counts last has seen
 every other program's release, reads their results past L1 (".cg") and does the small step; it
 then sets the counter back to 0, so the next launch, or the next replay of a captured graph,
-starts from zero. At a decode step's sizes the second launch costs about as much as its work.
+starts from zero. It pays only where that small step is short: the program that counts last runs
+it alone, after an atomic, while the next kernel (launched early with PDL) waits.
 
-Users: the split-KV decode attention (the merge of the splits) and the router's gate GEMM (the
-softmax top-k).
+User: the split-KV decode attention (the merge of a few splits).
 """
 from __future__ import annotations
 

@@ -39,9 +39,7 @@ from all2all import Dispatcher, LowLatencyDispatcher, make_dispatcher
 from moe.distributed import ParallelState, get_parallel_state, tp_all_gather_rows, tp_all_reduce, tp_row_chunk
 from moe.expert_replicas import ExpertReplicas, initial_phys_to_log, move_expert_weights
 from kernels.expert_count import map_to_physical_and_count
-from models.layers.linear import ReplicatedLinear
 from routing import RouterOutput
-from routing.router import softmax_topk, softmax_topk_gate
 from routing.placement import local_expert_ids
 
 logger = logging.getLogger("moe.moe_block")
@@ -420,20 +418,13 @@ class MoEBlock(nn.Module):
         self.top_k = getattr(router_fn, "keywords", {}).get("top_k")
         self._router_writes_ids = bool(getattr(fn, "writes_ids_into", False)) and self.top_k is not None \
             and not apply_router_weight_on_input
-        # softmax_topk behind a plain gate GEMM may run as one launch with it (softmax_topk_gate)
-        self._gate_fusable = fn is softmax_topk and isinstance(gate, ReplicatedLinear) and gate.bias is None \
-            and self.top_k is not None
 
     def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
+        logits = self.gate(x_TD)
         # A router that can write its ids into the expert-load step buffer (softmax_topk) does so:
         # the counting is then one launch for all layers after the forward, not one per layer.
         out_ids = self.experts.routed_ids_out(x_TD.shape[0], self.top_k) if self._router_writes_ids else None
-        routing = None
-        if self._gate_fusable:
-            routing = softmax_topk_gate(x_TD, self.gate.weight, out_ids=out_ids, **self.router_fn.keywords)
-        if routing is None:
-            logits = self.gate(x_TD)
-            routing = self.router_fn(logits) if out_ids is None else self.router_fn(logits, out_ids=out_ids)
+        routing = self.router_fn(logits) if out_ids is None else self.router_fn(logits, out_ids=out_ids)
         if self.apply_router_weight_on_input:
             y_TD = self._experts_on_scaled_input(x_TD, routing)
         else:

@@ -4,7 +4,6 @@ Legend: T tokens, E experts (global), K top-k.
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -48,23 +47,3 @@ def softmax_topk(router_logits_TE: torch.Tensor, top_k: int, renormalize: bool,
 
 # softmax_topk takes `out_ids`: a MoEBlock may have it write into the expert-load step buffer.
 softmax_topk.writes_ids_into = True
-
-# MOE_FUSED_GATE=0 keeps the gate GEMM a launch of its own (A/B runs).
-FUSED_GATE = os.environ.get("MOE_FUSED_GATE", "1") != "0"
-
-
-def softmax_topk_gate(x_TD: torch.Tensor, gate_weight_ED: torch.Tensor, top_k: int, renormalize: bool,
-                      out_ids: torch.Tensor | None = None) -> RouterOutput | None:
-    """softmax_topk(x_TD @ gate_weight_ED.T, ...) in one launch (the gate GEMM's last programs
-    route), where that serves: CUDA with Triton, a decode-sized batch (kernels/triton_fused/router.py's
-    GATE_MAX_TOKENS) and at most 256 experts. None elsewhere: the caller runs the gate, then
-    softmax_topk."""
-    from kernels.triton_fused.router import GATE_MAX_TOKENS
-
-    T, E = x_TD.shape[0], gate_weight_ED.shape[0]
-    if not (FUSED_GATE and x_TD.dim() == 2 and 0 < T <= GATE_MAX_TOKENS and E <= 256 and top_k <= 16
-            and use_triton_fused(x_TD)):
-        return None
-    from kernels.triton_fused.router import gate_softmax_topk_triton
-
-    return RouterOutput(*gate_softmax_topk_triton(x_TD, gate_weight_ED, top_k, renormalize, out_ids))

@@ -13,9 +13,11 @@ kernel writes the output directly. The grid and P depend only on shapes, never o
 parts past a sequence's end contribute nothing (lse = -inf), so a captured graph replays for any
 seq_lens; rows with seq_lens 0 (padding) get zeros.
 
-By default the last program of each (b, g) to finish merges its HG heads' P parts
-(kernels/last_program.py) instead of a second launch. MOE_DECODE_FUSED_MERGE=0 keeps the merge
-kernel (A/B runs).
+With few splits (P <= FUSED_MERGE_MAX_SPLITS) the last program of each (b, g) to finish merges
+its HG heads' P parts (kernels/last_program.py) instead of a second launch; with more, the merge
+is a program's serial tail that costs more than the merge kernel's launch (measured on an H200,
+BENCHMARKS.md §3). MOE_DECODE_FUSED_MERGE=0 keeps the merge kernel everywhere, and
+MOE_DECODE_MAX_SPLITS caps P (A/B runs).
 """
 from __future__ import annotations
 
@@ -39,6 +41,10 @@ from kernels.triton_attention.common import (
 
 NUM_SMS_H200 = 132
 FUSED_MERGE = os.environ.get("MOE_DECODE_FUSED_MERGE", "1") != "0"
+# In a decode graph (H200, Qwen3-30B-A3B): 3 splits at batch 32 merged in the last program saved
+# 0.22 ms a step; 16 splits at batch 1 cost 0.07 ms more than the merge kernel.
+FUSED_MERGE_MAX_SPLITS = 4
+MAX_SPLITS = int(os.environ.get("MOE_DECODE_MAX_SPLITS", "64"))
 
 
 @triton.jit
@@ -153,7 +159,7 @@ def default_num_splits(B: int, G: int, max_keys: int, block_n: int) -> int:
     """Enough splits for about two programs per SM, but at least 4 key tiles per split."""
     want = triton.cdiv(2 * NUM_SMS_H200, max(B * G, 1))
     most = max(1, triton.cdiv(max_keys, 4 * block_n))
-    return max(1, min(want, most, 64))
+    return max(1, min(want, most, MAX_SPLITS))
 
 
 def paged_attention_decode_triton(q_BHd: torch.Tensor, kv_cache_2NSGd: torch.Tensor,
@@ -169,7 +175,7 @@ def paged_attention_decode_triton(q_BHd: torch.Tensor, kv_cache_2NSGd: torch.Ten
     num_splits: None = chosen from B * G and max_blocks (static shapes only).
     block_n: keys per tile (power of two >= 16); None = 64 for d <= 128 (tests use 16).
     fused_merge: merge the splits in the last program of each (sequence, KV head) instead of a
-    second launch; None = MOE_DECODE_FUSED_MERGE (default on).
+    second launch; None = with at most FUSED_MERGE_MAX_SPLITS splits (MOE_DECODE_FUSED_MERGE=0: never).
     """
     if q_BHd.dim() != 3 or q_BHd.stride(2) != 1:
         raise ValueError(f"q_BHd must be [B, H, d] with unit stride along d, got {tuple(q_BHd.shape)}")
@@ -201,7 +207,9 @@ def paged_attention_decode_triton(q_BHd: torch.Tensor, kv_cache_2NSGd: torch.Ten
     hg = H // G
     precision, upcast = dot_flags(q_BHd.dtype)
     N = kv_cache_2NSGd.shape[1]
-    fused_merge = num_splits > 1 and (FUSED_MERGE if fused_merge is None else fused_merge)
+    if fused_merge is None:
+        fused_merge = FUSED_MERGE and num_splits <= FUSED_MERGE_MAX_SPLITS
+    fused_merge = num_splits > 1 and fused_merge
     if num_splits > 1:
         part_o = torch.empty(B, H, num_splits, d_pad, dtype=torch.float32, device=q_BHd.device)
         part_lse = torch.empty(B, H, num_splits, dtype=torch.float32, device=q_BHd.device)

@@ -17,9 +17,6 @@ from moe.distributed import get_parallel_state, tp_all_gather_last_dim, tp_all_r
 
 # MOE_SKINNY_GEMM=0 keeps cuBLAS everywhere (for A/B runs).
 _SKINNY = os.environ.get("MOE_SKINNY_GEMM", "1") != "0"
-# MOE_DENSE_GEMM=1 runs the tiled Triton GEMM at decode batch sizes above the skinny range.
-_DENSE = os.environ.get("MOE_DENSE_GEMM", "0") != "0"
-DENSE_MAX_ROWS = 256
 
 
 def skinny_wins(M: int, N: int) -> bool:
@@ -29,21 +26,11 @@ def skinny_wins(M: int, N: int) -> bool:
     return M <= 2 or (M <= 4 and N <= 256)
 
 
-def dense_wins(M: int, N: int) -> bool:
-    return _DENSE and M <= DENSE_MAX_ROWS
-
-
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear; on CUDA with Triton, the skinny GEMM or the tiled Triton GEMM for the decode
-    batch sizes where they win."""
-    if x.is_cuda and x.dim() == 2 and fused_kernels_serve(x):
-        M, N = x.shape[0], weight.shape[0]
-        if _SKINNY and skinny_wins(M, N):
-            from kernels.triton_fused.skinny_gemm import skinny_linear
-            return skinny_linear(x, weight, bias)
-        if dense_wins(M, N):
-            from kernels.triton_fused.dense_gemm import dense_linear
-            return dense_linear(x, weight, bias)
+    """F.linear; on CUDA with Triton, the skinny GEMM for the decode batch sizes where it wins."""
+    if _SKINNY and x.is_cuda and x.dim() == 2 and skinny_wins(x.shape[0], weight.shape[0]) and fused_kernels_serve(x):
+        from kernels.triton_fused.skinny_gemm import skinny_linear
+        return skinny_linear(x, weight, bias)
     return F.linear(x, weight, bias)
 
 

@@ -221,6 +221,23 @@ def test_decode_splits_and_padded_rows(H, G, num_splits, fused_merge):
         assert not zeroed_counters("decode_merge", len(lens) * G, q.device).any()
 
 
+@pytest.mark.parametrize("num_splits", [2, 4, 5, 16])
+def test_decode_merges_in_the_last_program_only_for_few_splits(num_splits, monkeypatch):
+    """By default the splits are merged in the last program up to FUSED_MERGE_MAX_SPLITS of them
+    (its counters are taken), above by the merge kernel; the output is the same either way."""
+    import kernels.triton_attention.decode as decode
+
+    taken = []
+    real = decode.zeroed_counters
+    monkeypatch.setattr(decode, "zeroed_counters", lambda *a: taken.append(a) or real(*a))
+    lens = [37, 0, 64, 50]
+    batch, q, ref = decode_case(lens, 8, 2, d=16, S=4, seed=num_splits)
+    out = paged_attention_decode_triton(q, batch.cache, batch.tables, batch.seq_lens_t, batch.scale,
+                                        num_splits=num_splits, block_n=16)
+    assert_close(out.cpu(), ref, torch.float32)
+    assert bool(taken) == (num_splits <= decode.FUSED_MERGE_MAX_SPLITS)
+
+
 @pytest.mark.parametrize("chunk,num_splits", [(8, 1), (8, 2), (20, 3), (64, 4)])
 def test_decode_chunked_local(chunk, num_splits):
     """Queries at the first, middle and last position of a chunk; keys before it are NaN."""

@@ -23,7 +23,7 @@ import models.layers.rotary as rotary_mod  # noqa: E402
 import routing.router as router_mod  # noqa: E402
 from kernels.triton_fused.rms_norm import rms_norm_triton  # noqa: E402
 from kernels.triton_fused.rope import qk_norm_rope_triton, rope_triton  # noqa: E402
-from kernels.triton_fused.router import gate_softmax_topk_triton, softmax_topk_triton  # noqa: E402
+from kernels.triton_fused.router import softmax_topk_triton  # noqa: E402
 from models.config import RopeConfig  # noqa: E402
 from models.layers.rotary import get_rope  # noqa: E402
 
@@ -382,48 +382,6 @@ def test_softmax_topk_bad_inputs():
         softmax_topk_triton(torch.randn(2, 64), 17, True)
 
 
-@needs_triton_device
-@pytest.mark.parametrize("T,E,D,K,dtype", [
-    (1, 8, 64, 2, torch.float32), (3, 20, 200, 4, torch.float32), (4, 128, 96, 8, torch.bfloat16),
-    (2, 60, 2048, 1, torch.float16), (1, 128, 2500, 8, torch.float32),  # the last: 3 steps along D
-    (5, 24, 64, 3, torch.float32), (16, 40, 96, 4, torch.bfloat16),  # one 16-token tile, tl.dot
-    (37, 20, 300, 2, torch.float32)])  # three tiles, the last one partial; 2 steps along D
-def test_gate_softmax_topk_equals_gate_then_router(T, E, D, K, dtype, poisoned_empty):
-    """One launch: the gate GEMM's programs store their logits, the last one of each token tile
-    routes the tile. Where the skinny GEMM takes the same tiles (one step along D, at most 16
-    tokens) the logits are its bit for bit, so the ids are too."""
-    from kernels.last_program import zeroed_counters
-    from kernels.triton_fused.skinny_gemm import skinny_linear
-
-    x = randn(T, D + 3, dtype=dtype, seed=T)[:, :D]  # rows D + 3 apart
-    gate = randn(E, D, dtype=dtype, seed=E) * D ** -0.5
-    for renormalize in (False, True):
-        weights, ids = gate_softmax_topk_triton(x, gate, K, renormalize)
-        assert not zeroed_counters("gate_router", 1, x.device).any(), "the last programs set the counters back"
-        if D <= 2048 and T <= 16:
-            ref_w, ref_ids = softmax_topk_triton(skinny_linear(x, gate), K, renormalize)
-            # the same logits; the softmax's fp32 sums may run in another order on a GPU (another
-            # tile of rows per program)
-            assert torch.equal(ids, ref_ids)
-            torch.testing.assert_close(weights, ref_w, rtol=2e-6, atol=0)
-        logits = torch.nn.functional.linear(x.float(), gate.float()).to(dtype)
-        differ = check_topk(logits, K, renormalize, weights, ids) if dtype == torch.float32 else None
-        if differ is not None:
-            assert not differ.any()
-
-
-def test_gate_softmax_topk_bad_inputs():
-    x, gate = torch.randn(5, 16), torch.randn(8, 16)
-    with pytest.raises(ValueError, match="tokens"):
-        gate_softmax_topk_triton(torch.randn(257, 16), gate, 2, True)
-    with pytest.raises(ValueError, match="experts"):
-        gate_softmax_topk_triton(x[:2], torch.randn(513, 16), 2, True)
-    with pytest.raises(ValueError, match=r"\[E, D\]"):
-        gate_softmax_topk_triton(x[:2], torch.randn(8, 15), 2, True)
-    with pytest.raises(ValueError, match="gate must be"):
-        gate_softmax_topk_triton(x[:2], gate.to(torch.float16), 2, True)
-
-
 # --- model level: greedy tokens with the fused paths forced ---------------------------------
 
 def _qwen3(path):
@@ -453,14 +411,8 @@ def test_models_generate_same_tokens_with_fused_paths(family, gates, tmp_path, m
     calls = set()
     for mod in GATED:
         monkeypatch.setattr(mod, "use_triton_fused", lambda x, name=mod.__name__: calls.add(name) or True)
-    import kernels.triton_fused.router as router_kernels
-    fused_gates, launch = [], router_kernels.gate_softmax_topk_triton
-    monkeypatch.setattr(router_kernels, "gate_softmax_topk_triton",
-                        lambda *a, **k: fused_gates.append(1) or launch(*a, **k))
     _, _, fused = generate_greedy(path, [1, 13, 6], max_tokens=4, **kwargs)
     assert calls == {mod.__name__ for mod in gates}, "each fused path the family has ran"
-    if family is _qwen3:  # decode steps of <= 4 tokens: the gate GEMM and the router in one launch
-        assert fused_gates
     for ref, out in zip(reference, fused):
         a, b = ref.outputs[0], out.outputs[0]
         assert a.token_ids == b.token_ids

@@ -67,3 +67,24 @@ def test_logprobs_and_rank():
     b.banned_tokens = [(0, [1])]
     out = sample(logits, b)
     assert out.sampled_B.tolist() == [2] and out.sampled_rank_B.tolist() == [2]
+
+
+class _NoFloatCopy(torch.Tensor):
+    """Logits whose float32 copy fails: the all-greedy path must argmax them as they are."""
+
+    def float(self):
+        raise AssertionError("all-greedy sampling made a float32 copy of the logits")
+
+
+def test_all_greedy_argmax_of_half_logits_without_a_float_copy():
+    g = torch.Generator().manual_seed(0)
+    logits = (4 * torch.randn(6, 300, generator=g)).to(torch.bfloat16)
+    logits[2, 7] = logits[2, 200] = logits[2].max() + 1  # a tie: the first maximum wins, as in float32
+    want = logits.float().argmax(-1)
+    b = batch(6, temperature_B=None, seeds=None, all_greedy=True)
+    got = sample(logits.as_subclass(_NoFloatCopy), b).sampled_B
+    assert torch.equal(got.as_subclass(torch.Tensor), want) and int(got[2]) == 7
+    # asking for logprobs (or penalties, or banned tokens) takes the float32 path
+    with_logprobs = batch(6, temperature_B=None, seeds=None, all_greedy=True, max_num_logprobs=0)
+    out = sample(logits, with_logprobs)
+    assert torch.equal(out.sampled_B, want) and out.sampled_logprob_B is not None
