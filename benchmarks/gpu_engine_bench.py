@@ -403,6 +403,8 @@ def qwen3(results: dict, eager: bool, runs: list[str], tp: int = 1, record: bool
     print(f"Qwen3-30B-A3B shape ({tag}) ready in {results[f'qwen3/{tag}/start_s']:.1f} s", flush=True)
     jobs = {
         "decode256": lambda: decode_step(llm, 256, 512, 32),
+        "decode1": lambda: decode_step(llm, 1, 512, 64),  # TPOT at batch 1 as a step's period
+        "decode32": lambda: decode_step(llm, 32, 512, 64),
         "decode64": lambda: decode_step(llm, 64, 512, 32),
         "decode128": lambda: decode_step(llm, 128, 512, 32),
         "tpot1": lambda: tpot(llm, 1, 512, 64),
