@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from kernels.cpu_native import ops as native_ops
 from kernels.triton_fused import fused_kernels_serve
 from models.layers.weights import ReplicatedLoader, attach_loader, new_param
 
@@ -22,11 +23,16 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """Without `residual`: norm(x). With it: (norm(x + residual), x + residual).
-        On CUDA, for x [T, D] or [T, H, D]: one Triton launch with the same rounding."""
+        On CUDA, for x [T, D] or [T, H, D]: one Triton launch with the same rounding; on the CPU in
+        fp32, for x [T, D]: one native pass."""
         if x.dim() in (2, 3) and use_triton_fused(x):
             from kernels.triton_fused.rms_norm import rms_norm_triton
 
             return rms_norm_triton(x, self.weight, self.eps, residual)
+        if not x.is_cuda:  # fp32 on the CPU: one native pass (kernels/cpu_native/norm_rope.c)
+            native = native_ops.rms_norm(x, self.weight, self.eps, residual)
+            if native is not None:
+                return native
         if residual is not None:
             x = x + residual
             residual = x

@@ -9,6 +9,7 @@ import weakref
 import torch
 from torch import nn
 
+from kernels.cpu_native import ops as native_ops
 from kernels.triton_fused import fused_kernels_serve
 from models.config import RopeConfig
 
@@ -102,6 +103,11 @@ class RotaryEmbedding(nn.Module):
             from kernels.triton_fused.rope import rope_triton
 
             return rope_triton(positions, q, k, self.cos_cache, self.sin_cache, self.rotary_dim, self.is_neox_style)
+        if not q.is_cuda:  # fp32 on the CPU: one native pass (kernels/cpu_native/norm_rope.c)
+            native = native_ops.rope(positions, q, k, self.cos_cache, self.sin_cache, self.rotary_dim,
+                                     self.is_neox_style)
+            if native is not None:
+                return native
         cos = self.cos_cache[positions][:, None, :]
         sin = self.sin_cache[positions][:, None, :]
         return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
@@ -123,4 +129,9 @@ class RotaryEmbedding(nn.Module):
                                        self.sin_cache, self.rotary_dim, self.is_neox_style, **(kv_write or {}))
         if kv_write:
             raise ValueError("kv_write needs the fused Triton launch (fuses_qk_norm)")
+        if not q.is_cuda and q_norm.eps == k_norm.eps:  # fp32 on the CPU: norms and rotation in one native pass
+            native = native_ops.rope(positions, q, k, self.cos_cache, self.sin_cache, self.rotary_dim,
+                                     self.is_neox_style, q_norm.weight, k_norm.weight, q_norm.eps)
+            if native is not None:
+                return native
         return self(positions, q_norm(q), k_norm(k))

@@ -1,5 +1,5 @@
 """The fast CPU expert layer (kernels/cpu_experts.py, the seam's "torch" backend on CPU fp32)
-against the reference fused_experts_torch: both forms (grouped GEMM, sorted loop), experts
+against the reference fused_experts_torch: every form (the native kernel, grouped GEMM, sorted loop), experts
 without tokens, one token, top-1 and top-k, expert_map with experts elsewhere (-1)."""
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import kernels
-from kernels import cpu_experts
+from kernels import cpu_experts, cpu_native
 from kernels.reference import fused_experts_torch
 
 
@@ -23,13 +23,23 @@ def _inputs(T, D, F, E, K, seed=0, skewed=False):
     return x, w13, w2, weights, ids
 
 
-@pytest.fixture(params=["grouped", "loop"])
+@pytest.fixture(params=["native", "grouped", "loop"])
 def form(request, monkeypatch):
-    """Force one form for every size: the grouped GEMM (decode) or the sorted loop (prefill)."""
+    """Force one form for every size: the native kernel or the grouped GEMM (decode), or the
+    sorted loop (prefill). The native form fails the test if the kernel did not run."""
+    if request.param == "native" and cpu_native.library() is None:
+        pytest.skip("no C compiler: the native kernels did not build")
     if request.param == "grouped" and not cpu_experts.HAVE_GROUPED_MM:
         pytest.skip("this torch build has no CPU torch._grouped_mm")
-    monkeypatch.setattr(cpu_experts, "GROUPED_MAX_ROWS", 10 ** 9 if request.param == "grouped" else -1)
-    return request.param
+    monkeypatch.setattr(cpu_experts, "GROUPED_MAX_ROWS", -1 if request.param == "loop" else 10 ** 9)
+    calls = []
+    if request.param == "native":
+        real = cpu_experts.native_ops.experts
+        monkeypatch.setattr(cpu_experts.native_ops, "experts", lambda *a: calls.append(1) or real(*a))
+    else:
+        monkeypatch.setattr(cpu_experts.native_ops, "experts", lambda *a: None)
+    yield request.param
+    assert bool(calls) == (request.param == "native")
 
 
 @pytest.mark.parametrize("T,K", [(1, 1), (1, 4), (7, 1), (33, 2), (200, 4)])
@@ -92,3 +102,15 @@ def test_other_dtypes_use_the_reference():
     x, w13, w2 = x.bfloat16(), w13.bfloat16(), w2.bfloat16()
     assert torch.equal(kernels.fused_experts(x, w13, w2, w, ids, backend="torch"),
                        fused_experts_torch(x, w13, w2, w, ids))
+
+
+@pytest.mark.skipif(cpu_native.library() is None, reason="no C compiler: the native kernels did not build")
+@pytest.mark.parametrize("D,F", [(50, 13), (256, 128)])  # widths off the vector length; the workload's
+def test_native_widths(D, F):
+    from kernels.cpu_native import ops
+
+    x, w13, w2, w, ids = _inputs(9, D, F, 8, 3, seed=D)
+    out = ops.experts(x, w13, w2, w.reshape(-1), ids.reshape(-1), 3)
+    torch.testing.assert_close(out, fused_experts_torch(x, w13, w2, w, ids), atol=2e-6, rtol=1e-5)
+    assert ops.experts(x, w13.transpose(1, 2).contiguous().transpose(1, 2), w2, w.reshape(-1), ids.reshape(-1),
+                       3) is None, "strided weights: the torch path"

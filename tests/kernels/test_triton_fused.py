@@ -3,7 +3,8 @@
 Legend: T tokens, D hidden, H query heads, G key heads, d head dim, E experts, K top-k.
 
 The references are the modules' torch code (RMSNorm.forward, RotaryEmbedding.forward,
-softmax_topk) with their Triton gates forced off, so on a GPU too they run the torch ops.
+softmax_topk) with their Triton gates (and native CPU kernels) forced off, so on a GPU too they
+run the torch ops.
 Without a GPU the kernels run under TRITON_INTERPRET=1 (tests/kernels/conftest.py) on small
 awkward shapes; the real-shape and CUDA-graph tests at the end need a GPU. Kernel outputs are
 allocated through a poisoned torch.empty (NaN / -7), so an element never written shows.
@@ -21,6 +22,7 @@ triton = pytest.importorskip("triton")
 import models.layers.norm as norm_mod  # noqa: E402
 import models.layers.rotary as rotary_mod  # noqa: E402
 import routing.router as router_mod  # noqa: E402
+from kernels.cpu_native import ops as cpu_native_ops  # noqa: E402
 from kernels.triton_fused.rms_norm import rms_norm_triton  # noqa: E402
 from kernels.triton_fused.rope import qk_norm_rope_triton, rope_triton  # noqa: E402
 from kernels.triton_fused.router import softmax_topk_triton  # noqa: E402
@@ -33,9 +35,11 @@ GATED = (norm_mod, rotary_mod, router_mod)
 
 @pytest.fixture(autouse=True)
 def torch_references(monkeypatch):
-    """The module code under test is the torch reference: its Triton gate off."""
+    """The module code under test is the torch reference: its Triton gate off, and on the CPU its
+    native kernels too (kernels/cpu_native; they have their own tests against the same code)."""
     for mod in GATED:
         monkeypatch.setattr(mod, "use_triton_fused", lambda x: False)
+    monkeypatch.setattr(cpu_native_ops.cpu_native, "library", lambda: None)
 
 
 # --- references and comparisons ------------------------------------------------------------
