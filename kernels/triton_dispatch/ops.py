@@ -1,4 +1,5 @@
-"""The fixed-capacity dispatch steps: a Triton launch on CUDA, the torch reference elsewhere.
+"""The dispatch steps of the fixed-capacity (low_latency) and variable-size (all_to_all)
+dispatchers: a Triton launch on CUDA, the torch reference elsewhere.
 
 Legend and row semantics: reference.py. Every function is device-only (no host sync, no
 host->device copy), so a caller can capture it in a CUDA graph.
@@ -70,3 +71,31 @@ def combine(back_ND: torch.Tensor, row_PT: torch.Tensor, out_TD: torch.Tensor) -
         combine_triton(back_ND.contiguous(), row_PT.contiguous(), out_TD)
         return
     ref.combine_ref(back_ND, row_PT, out_TD)
+
+
+def pack_var(x_words_TW: torch.Tensor, weights_TK: torch.Tensor, ids_TK: torch.Tensor, owner_E: torch.Tensor,
+             tok_N: torch.Tensor, counts_P: torch.Tensor, row_PT: torch.Tensor, out_words_SW: torch.Tensor,
+             out_meta_SM: torch.Tensor) -> None:
+    """The variable-size send rows, back to back by destination, from route(ids, owner, P, C=T);
+    rewrites row_PT to each pair's compact row (see reference.pack_var_ref). out_words_SW [N, W] /
+    out_meta_SM [N, 2K] int32: row-strided views of a buffer of N >= sum(counts_P) rows."""
+    K = ids_TK.shape[1]
+    if out_meta_SM.shape[1] != 2 * K or out_words_SW.shape[0] != out_meta_SM.shape[0]:
+        raise ValueError(f"send views {tuple(out_words_SW.shape)} / {tuple(out_meta_SM.shape)} do not fit K={K}")
+    if _use_triton(out_words_SW):
+        from kernels.triton_dispatch.pack import pack_var_triton
+
+        pack_var_triton(x_words_TW.contiguous(), weights_TK.float().contiguous(), ids_TK.contiguous(),
+                        owner_E.long().contiguous(), tok_N, counts_P, row_PT, out_words_SW, out_meta_SM)
+        return
+    ref.pack_var_ref(x_words_TW, weights_TK, ids_TK, owner_E, tok_N, counts_P, row_PT, out_words_SW, out_meta_SM)
+
+
+def unpack_var(meta_RM: torch.Tensor, weights_out_RK: torch.Tensor, ids_out_RK: torch.Tensor) -> None:
+    """Dense float32 weights and ids (dtype of ids_out_RK) of received variable-size rows."""
+    if _use_triton(meta_RM):
+        from kernels.triton_dispatch.pack import unpack_var_triton
+
+        unpack_var_triton(meta_RM, weights_out_RK, ids_out_RK)
+        return
+    ref.unpack_var_ref(meta_RM, weights_out_RK, ids_out_RK)

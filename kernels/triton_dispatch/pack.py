@@ -1,4 +1,6 @@
-"""Triton launches of the fixed-capacity dispatch (references and legend: reference.py).
+"""Triton launches of the dispatch steps: fixed-capacity (route, pack, unpack, combine) and
+variable-size (route with C = T, pack_var, unpack_var, the same combine); references and legend:
+reference.py.
 
 Imported only when a kernel runs: a module that decorates Triton kernels must not be imported
 before the tests set TRITON_INTERPRET (tests/kernels/conftest.py).
@@ -106,6 +108,62 @@ def _combine_kernel(back_ptr, row_ptr, out_ptr, T, D, P: tl.constexpr, N: tl.con
     tl.store(out_ptr + t * D + d, acc.to(out_ptr.dtype.element_ty), mask=dm)
 
 
+@triton.jit
+def _compact_row(counts_ptr, n, T, p, zeros, P: tl.constexpr):
+    """Row of capacity slot n = p*T + pos among the S rows sent back to back by destination:
+    pos plus the counts of the destinations before p (broadcast to zeros' shape)."""
+    offset = zeros.to(tl.int64)
+    for q in tl.static_range(P):
+        offset += tl.where(q < p, tl.load(counts_ptr + q + zeros), 0)
+    return offset + n - p * T
+
+
+@triton.jit(do_not_specialize=["T", "W", "out_w_stride", "out_m_stride"])
+def _pack_var_kernel(x_ptr, w_ptr, ids_ptr, owner_ptr, tok_ptr, counts_ptr, row_ptr, out_w_ptr, out_m_ptr,
+                     T, W, out_w_stride, out_m_stride, K: tl.constexpr, KP: tl.constexpr, P: tl.constexpr,
+                     BLOCK_W: tl.constexpr):
+    # Program n = p*T + pos of route's capacity layout (C = T); past the destination's count
+    # (tok -1) it writes nothing. Scalars are broadcast vectors, as in _pack_kernel.
+    n = tl.program_id(0).to(tl.int64)
+    p = n // T
+    cols = tl.program_id(1) * BLOCK_W + tl.arange(0, BLOCK_W)
+    zc = 0 * cols
+    tok = tl.load(tok_ptr + n + zc)
+    valid = tok >= 0
+    dest = _compact_row(counts_ptr, n, T, p, zc, P)
+    m = (cols < W) & valid
+    words = tl.load(x_ptr + tl.where(valid, tok, 0) * W + cols, mask=m, other=0)
+    tl.store(out_w_ptr + dest * out_w_stride + cols, words, mask=m)
+    if tl.program_id(1) == 0:
+        k = tl.arange(0, KP)
+        zk = 0 * k
+        tok_k = tl.load(tok_ptr + n + zk)
+        mk = (k < K) & (tok_k >= 0)
+        tok_k = tl.where(tok_k >= 0, tok_k, 0)
+        dest_k = _compact_row(counts_ptr, n, T, p, zk, P)
+        ids = tl.load(ids_ptr + tok_k * K + k, mask=mk, other=0).to(tl.int64)
+        w = tl.load(w_ptr + tok_k * K + k, mask=mk, other=0.0).to(tl.float32)
+        owner = tl.load(owner_ptr + ids, mask=mk, other=-1)
+        w = tl.where(owner == p, w, 0.0)
+        meta = out_m_ptr + dest_k * out_m_stride
+        tl.store(meta + k, w.to(tl.int32, bitcast=True), mask=mk)
+        tl.store(meta + K + k, ids.to(tl.int32), mask=mk)
+        tl.store(row_ptr + p * T + tok_k, dest_k, mask=mk & (k == 0))
+
+
+@triton.jit(do_not_specialize=["R", "m_stride"])
+def _unpack_var_kernel(meta_ptr, w_out_ptr, ids_out_ptr, R, m_stride, K: tl.constexpr, KP: tl.constexpr,
+                       BLOCK_R: tl.constexpr):
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R).to(tl.int64)
+    k = tl.arange(0, KP)
+    m = (r < R)[:, None] & (k < K)[None, :]
+    row = meta_ptr + r[:, None] * m_stride
+    tl.store(w_out_ptr + r[:, None] * K + k[None, :],
+             tl.load(row + k[None, :], mask=m, other=0).to(tl.float32, bitcast=True), mask=m)
+    ids = tl.load(row + K + k[None, :], mask=m, other=0)
+    tl.store(ids_out_ptr + r[:, None] * K + k[None, :], ids.to(ids_out_ptr.dtype.element_ty), mask=m)
+
+
 def route_triton(ids_TK: torch.Tensor, owner_E: torch.Tensor, P: int, C: int
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     T, K = ids_TK.shape
@@ -140,3 +198,23 @@ def combine_triton(back_ND, row_PT, out_TD) -> None:
     P, T = row_PT.shape
     _combine_kernel[(T, triton.cdiv(D, BLOCK_D))](back_ND, row_PT, out_TD, T, D, P=P, N=N,
                                                   BLOCK_D=min(BLOCK_D, triton.next_power_of_2(D)))
+
+
+def pack_var_triton(x_words_TW, weights_TK, ids_TK, owner_E, tok_N, counts_P, row_PT, out_words_SW,
+                    out_meta_SM) -> None:
+    P, T = row_PT.shape
+    W, K = out_words_SW.shape[1], ids_TK.shape[1]
+    if T == 0:
+        return
+    _pack_var_kernel[(P * T, triton.cdiv(W, BLOCK_W))](
+        x_words_TW, weights_TK, ids_TK, owner_E, tok_N, counts_P, row_PT, out_words_SW, out_meta_SM, T, W,
+        out_words_SW.stride(0), out_meta_SM.stride(0), K=K, KP=triton.next_power_of_2(K), P=P,
+        BLOCK_W=min(BLOCK_W, triton.next_power_of_2(W)))
+
+
+def unpack_var_triton(meta_RM, weights_out_RK, ids_out_RK) -> None:
+    R, K = ids_out_RK.shape
+    if R == 0:
+        return
+    _unpack_var_kernel[(triton.cdiv(R, BLOCK_R),)](meta_RM, weights_out_RK, ids_out_RK, R, meta_RM.stride(0), K=K,
+                                                   KP=triton.next_power_of_2(K), BLOCK_R=BLOCK_R)

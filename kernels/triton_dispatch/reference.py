@@ -83,3 +83,39 @@ def combine_ref(back_ND: torch.Tensor, row_PT: torch.Tensor, out_TD: torch.Tenso
     for p in range(1, P):  # sequential, as the kernel accumulates
         acc_TD += rows_PTD[p]
     out_TD.copy_(acc_TD)
+
+
+# ---- the variable-size dispatch (all2all.all_to_all): route with C = T, then compact rows -----
+
+def pack_var_ref(x_words_TW: torch.Tensor, weights_TK: torch.Tensor, ids_TK: torch.Tensor, owner_E: torch.Tensor,
+                 tok_N: torch.Tensor, counts_P: torch.Tensor, row_PT: torch.Tensor, out_words_SW: torch.Tensor,
+                 out_meta_SM: torch.Tensor) -> None:
+    """The S = sum(counts_P) rows sent, back to back by destination (a token's rows in token order
+    within its destination), from route_ref(..., C=T)'s tok_N / counts_P. Each row: the token's x
+    words, its weights (zero for experts not on the destination), its ids (M = 2K int32 here, no
+    count column). row_PT (route's capacity rows, P*T = not sent) is rewritten in place to each
+    pair's compact row; unsent pairs keep P*T (>= S)."""
+    P, T = row_PT.shape
+    K = ids_TK.shape[1]
+    dev = tok_N.device
+    if T == 0:
+        return
+    offsets_P = torch.cumsum(counts_P, 0) - counts_P
+    n_N = torch.arange(P * T, device=dev)
+    dest_N, pos_N = n_N // T, n_N % T
+    sent_N = tok_N >= 0
+    tok_S, dest_S = tok_N[sent_N], dest_N[sent_N]
+    row_S = offsets_P[dest_S] + pos_N[sent_N]
+    out_words_SW[row_S] = x_words_TW[tok_S]
+    ids_SK = ids_TK.long()[tok_S]
+    here_SK = owner_E.long()[ids_SK] == dest_S[:, None]
+    out_meta_SM[row_S, :K] = torch.where(here_SK, weights_TK.float()[tok_S], 0.0).view(torch.int32)
+    out_meta_SM[row_S, K:2 * K] = ids_SK.to(torch.int32)
+    row_PT[dest_S, tok_S] = row_S
+
+
+def unpack_var_ref(meta_RM: torch.Tensor, weights_out_RK: torch.Tensor, ids_out_RK: torch.Tensor) -> None:
+    """Dense weights (float32) and ids (the dtype of ids_out_RK) of the received rows."""
+    K = ids_out_RK.shape[1]
+    weights_out_RK.copy_(meta_RM[:, :K].view(torch.float32))
+    ids_out_RK.copy_(meta_RM[:, K:2 * K])

@@ -1,6 +1,6 @@
-"""The fixed-capacity dispatch kernels (kernels/triton_dispatch): the torch references against a
-plain Python oracle, the Triton kernels (under TRITON_INTERPRET=1 without a GPU) against the
-references, and on a GPU the `low_latency` dispatcher captured in a CUDA graph.
+"""The dispatch kernels (kernels/triton_dispatch), fixed-capacity and variable-size: the torch
+references against a plain Python oracle, the Triton kernels (under TRITON_INTERPRET=1 without a
+GPU) against the references, and on a GPU the `low_latency` dispatcher captured in a CUDA graph.
 
 Legend: T tokens, K top-k, E experts, P ranks, C capacity, N = P*C rows, W x words, M = 2K+1.
 Kernel outputs start poisoned (-7 / NaN) so an element never written shows.
@@ -267,3 +267,89 @@ def test_cuda_graph_capture_on_nccl_group_of_one(experts):
             torch.testing.assert_close(out_TD.float(), want.float(), atol=3e-2, rtol=3e-2)
     finally:
         dist.destroy_process_group()
+
+
+# ---- the variable-size rows of the all_to_all dispatcher --------------------------------------
+
+def _pack_var_all(monkeypatch, on, T, K, E, P, seed):
+    x_TD, weights_TK, ids_TK, owner_E, _ = (t.to(DEV) for t in _problem(T, K, E, P, seed))
+    _triton(monkeypatch, on)
+    row_PT, tok_N, counts_P = ops.route(ids_TK, owner_E, P, T)
+    words_NW = torch.full((P * T, 6), -7, dtype=torch.int32, device=DEV)  # fp32 x as int32 words
+    meta_NM = torch.full((P * T, 2 * K), -7, dtype=torch.int32, device=DEV)
+    ops.pack_var(x_TD.view(torch.int32), weights_TK, ids_TK, owner_E, tok_N, counts_P, row_PT, words_NW, meta_NM)
+    return (row_PT, counts_P, words_NW, meta_NM), (x_TD, weights_TK, ids_TK, owner_E)
+
+
+@pytest.mark.parametrize("T,K,E,P", [(0, 2, 8, 2), (5, 2, 8, 2), (7, 3, 12, 4), (150, 4, 16, 2)])
+def test_pack_var_rows_mean_what_they_say(monkeypatch, T, K, E, P):
+    """The reference: each destination's tokens back to back in token order, their x, weights
+    (zero for experts on other ranks) and ids; row_PT points at them; rows past S untouched."""
+    (row_PT, counts_P, words_NW, meta_NM), (x_TD, w_TK, ids_TK, owner_E) = _pack_var_all(monkeypatch, False, T, K,
+                                                                                          E, P, seed=2)
+    row, oracle_counts = 0, []
+    for p in range(P):
+        toks = [t for t in range(T) if (owner_E[ids_TK[t].long()] == p).any()]
+        oracle_counts.append(len(toks))
+        for t in toks:
+            assert int(row_PT[p, t]) == row
+            assert torch.equal(words_NW[row].cpu(), x_TD[t].view(torch.int32).cpu())
+            here = owner_E[ids_TK[t].long()] == p
+            assert torch.equal(meta_NM[row, :K].view(torch.float32).cpu(), torch.where(here, w_TK[t], 0.0).cpu())
+            assert torch.equal(meta_NM[row, K:].cpu(), ids_TK[t].to(torch.int32).cpu())
+            row += 1
+        assert all(int(row_PT[p, t]) == P * T for t in range(T) if t not in toks)
+    assert counts_P.tolist() == oracle_counts
+    assert (meta_NM[row:] == -7).all() and (words_NW[row:] == -7).all()
+
+
+@needs_triton_device
+@pytest.mark.parametrize("T,K,E,P", [(0, 2, 8, 2), (5, 2, 8, 2), (7, 3, 12, 4), (13, 1, 4, 4), (150, 4, 16, 2)])
+def test_pack_var_triton_matches_reference(monkeypatch, T, K, E, P):
+    got, _ = _pack_var_all(monkeypatch, True, T, K, E, P, seed=T + 3)
+    want, _ = _pack_var_all(monkeypatch, False, T, K, E, P, seed=T + 3)
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)
+
+
+@needs_triton_device
+@pytest.mark.parametrize("ids_dtype", [torch.int32, torch.int64])
+def test_unpack_var_triton_matches_reference(monkeypatch, ids_dtype):
+    g = torch.Generator().manual_seed(4)
+    R, K = 70, 3
+    meta = torch.cat([torch.rand(R, K, generator=g).view(torch.int32), torch.randint(0, 9, (R, K), generator=g,
+                                                                                       dtype=torch.int32)], 1)
+    wide = torch.cat([meta, torch.zeros(R, 5, dtype=torch.int32)], 1).to(DEV)[:, :2 * K]  # row-strided
+    outs = []
+    for on in (True, False):
+        _triton(monkeypatch, on)
+        w = torch.full((R, K), float("nan"), device=DEV)
+        ids = torch.full((R, K), -7, dtype=ids_dtype, device=DEV)
+        ops.unpack_var(wide, w, ids)
+        outs.append((w, ids))
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+    assert torch.equal(outs[1][1].cpu(), meta[:, K:].to(ids_dtype))
+
+
+@needs_triton_device
+@pytest.mark.parametrize("T", [0, 1, 9])
+def test_all_to_all_dispatcher_triton_path_matches_reference_path(monkeypatch, T):
+    from all2all import AllToAllDispatcher
+    from kernels import fused_experts
+
+    E, K, D = 8, 2, 24
+    g = torch.Generator().manual_seed(1)
+    w13, w2 = (torch.randn(E, 2 * 8, D, generator=g) * 0.2).to(DEV), (torch.randn(E, D, 8, generator=g) * 0.2).to(DEV)
+    x_TD, w_TK, ids_TK = _dispatcher_problem(T, D, E, K, torch.float32)
+    outs = []
+    for on in (True, False):
+        _triton(monkeypatch, on)
+        disp = AllToAllDispatcher(None, E)
+        recv = disp.dispatch(x_TD, w_TK, ids_TK)
+        y_RD = fused_experts(recv.x_RD.contiguous(), w13, w2, recv.topk_weights_RK, recv.topk_ids_RK,
+                             expert_map=disp.expert_map_on(DEV), backend="torch")
+        outs.append((recv.x_RD, recv.topk_weights_RK, recv.topk_ids_RK, disp.combine(y_RD, recv)))
+    for got, want in zip(*outs):
+        torch.testing.assert_close(got, want, atol=0, rtol=0)
+    torch.testing.assert_close(outs[0][3], fused_experts(x_TD, w13, w2, w_TK, ids_TK, backend="torch"),
+                               atol=1e-5, rtol=1e-5)
