@@ -89,20 +89,29 @@ static void dot_rows(const float *const a[4], int na, const float *b, int64_t ld
 
 /* ids: [R] int32 local expert of each routed row (-1: not on this rank); weights: [R] fp32.
  * x: [T, D] (row stride x_stride); w13: [E, 2F, D], w2: [E, D, F], contiguous; out: [T, D]
- * contiguous, overwritten. */
-void moe_experts_f32(const float *x, int64_t x_stride, const float *w13, const float *w2, const int32_t *ids,
+ * contiguous, overwritten. Returns 0, or -1 when its buffers could not be allocated (out untouched:
+ * the caller runs the torch path). */
+int moe_experts_f32(const float *x, int64_t x_stride, const float *w13, const float *w2, const int32_t *ids,
                      const float *weights, int64_t T, int64_t K, int64_t E, int64_t D, int64_t F, float *out)
 {
     const int64_t R = T * K;
-    int64_t *order = malloc((size_t)R * sizeof *order);
+    int64_t *order = malloc((size_t)(R > 0 ? R : 1) * sizeof *order);
     int64_t *start = calloc((size_t)E + 1, sizeof *start);
-    float *slots = calloc((size_t)(R * D), sizeof *slots); /* rows elsewhere stay 0 */
+    int64_t *cursor = malloc((size_t)E * sizeof *cursor);
+    float *slots = calloc((size_t)(R > 0 ? R * D : 1), sizeof *slots); /* rows elsewhere stay 0 */
+    int failed = order == NULL || start == NULL || cursor == NULL || slots == NULL;
+    if (failed) {
+        free(order);
+        free(start);
+        free(cursor);
+        free(slots);
+        return -1;
+    }
     for (int64_t r = 0; r < R; r++)
         if (ids[r] >= 0)
             start[ids[r] + 1]++;
     for (int64_t e = 0; e < E; e++)
         start[e + 1] += start[e];
-    int64_t *cursor = malloc((size_t)E * sizeof *cursor);
     memcpy(cursor, start, (size_t)E * sizeof *cursor);
     for (int64_t r = 0; r < R; r++)
         if (ids[r] >= 0)
@@ -114,8 +123,13 @@ void moe_experts_f32(const float *x, int64_t x_stride, const float *w13, const f
         const float *gate_up = w13 + e * 2 * F * D, *down = w2 + e * D * F;
         float *h = malloc((size_t)(4 * 2 * F) * sizeof *h), *act = malloc((size_t)(4 * F) * sizeof *act);
         float *y = malloc((size_t)(4 * D) * sizeof *y);
-        for (int64_t i0 = start[e]; i0 < start[e + 1]; i0 += 4) {
-            const int na = start[e + 1] - i0 < 4 ? (int)(start[e + 1] - i0) : 4;
+        const int64_t end = h != NULL && act != NULL && y != NULL ? start[e + 1] : start[e];
+        if (end != start[e + 1]) {
+#pragma omp atomic write
+            failed = 1;
+        }
+        for (int64_t i0 = start[e]; i0 < end; i0 += 4) {
+            const int na = end - i0 < 4 ? (int)(end - i0) : 4;
             const float *rows[4], *acts[4];
             for (int i = 0; i < 4; i++) {
                 rows[i] = x + (order[i0 + (i < na ? i : na - 1)] / K) * x_stride;
@@ -141,6 +155,12 @@ void moe_experts_f32(const float *x, int64_t x_stride, const float *w13, const f
         free(y);
     }
 
+    if (failed) {
+        free(order);
+        free(start);
+        free(slots);
+        return -1;
+    }
 #pragma omp parallel for schedule(static)
     for (int64_t t = 0; t < T; t++) {
         float *o = out + t * D;
@@ -154,4 +174,5 @@ void moe_experts_f32(const float *x, int64_t x_stride, const float *w13, const f
     free(order);
     free(start);
     free(slots);
+    return 0;
 }

@@ -85,6 +85,6 @@ def experts(x_TD: torch.Tensor, w13_EFD: torch.Tensor, w2_EDF: torch.Tensor, wei
     ids = ids_R.to(torch.int32).contiguous()
     weights = weights_R.contiguous()
     out = torch.empty(T, D, dtype=torch.float32)
-    lib.moe_experts_f32(_p(x_TD), _i64(x_TD.stride(0)), _p(w13_EFD), _p(w2_EDF), _p(ids), _p(weights), _i64(T),
-                        _i64(K), _i64(E), _i64(D), _i64(F2 // 2), _p(out))
-    return out
+    status = lib.moe_experts_f32(_p(x_TD), _i64(x_TD.stride(0)), _p(w13_EFD), _p(w2_EDF), _p(ids), _p(weights),
+                                 _i64(T), _i64(K), _i64(E), _i64(D), _i64(F2 // 2), _p(out))
+    return out if status == 0 else None  # -1 (ctypes reads an int return by default): buffers not allocated
