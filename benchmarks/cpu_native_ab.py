@@ -5,8 +5,9 @@ experts top-4 of 128, 64 sequences, float32):
 - per call at a decode step's shapes (64 sequences of 150-189 tokens, blocks of 16): decode
   attention with the cache warm and cold (64 MB written between calls, as the other layers'
   weights and caches pass through in a step), the expert layer, RMSNorm + residual, q/k norm + RoPE;
-- end to end: 64 prompts x 128 random ids, 64 greedy tokens, best of 3 `generate` calls, in fresh
-  processes alternating MOE_CPU_NATIVE=1 / 0.
+- end to end: 64 prompts x 128 random ids, 64 greedy tokens, best of 3 `generate` calls
+  (bench_cpu_vs_vllm.py's worker), in fresh processes taking turns: every native kernel, none
+  (MOE_CPU_NATIVE=0), and every one but the expert layer.
 
     python benchmarks/cpu_native_ab.py --rounds 2 --out benchmarks/results/cpu_native_ab.json
 """
@@ -15,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import subprocess
 import sys
 import time
@@ -86,38 +86,36 @@ def kernels_side_by_side() -> dict:
     return rows
 
 
-def _generate_worker() -> None:
-    from moe import LLM, SamplingParams
+# End-to-end variants, each in a fresh process: env of the process, and whether its worker keeps
+# the expert layer on torch's grouped GEMM (the other native kernels on).
+VARIANTS = {"native": ({"MOE_CPU_NATIVE": "1"}, False), "torch": ({"MOE_CPU_NATIVE": "0"}, False),
+            "native, torch experts": ({"MOE_CPU_NATIVE": "1"}, True)}
 
-    llm = LLM("tiny-qwen3-moe", dtype="float32", device="cpu", enable_prefix_caching=False)
-    rng = random.Random(0)
-    prompts = [{"prompt_token_ids": [rng.randrange(512) for _ in range(128)]} for _ in range(64)]
-    params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
-    llm.generate(prompts[:4], params, use_tqdm=False)
-    runs = []
-    for _ in range(3):
-        t = time.perf_counter()
-        outs = llm.generate(prompts, params, use_tqdm=False)
-        runs.append(sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - t))
-    print(json.dumps({"runs": runs, "tokens": [list(o.outputs[0].token_ids) for o in outs]}))
+
+def _generate_worker(torch_experts: bool) -> None:
+    from benchmarks.bench_cpu_vs_vllm import _worker_ours
+
+    if torch_experts:
+        from kernels.cpu_native import ops
+        ops.experts = lambda *args: None
+    print(json.dumps(_worker_ours(argparse.Namespace(model_path="tiny-qwen3-moe", num_prompts=64, input_len=128,
+                                                     output_len=64, repeats=3))))
 
 
 def end_to_end(rounds: int) -> list[dict]:
     rows = []
     for r in range(rounds):
-        for native in ("1", "0"):
-            env = {**os.environ, "MOE_CPU_NATIVE": native}
-            proc = subprocess.run([sys.executable, __file__, "--worker"], env=env, cwd=ROOT, check=True,
-                                  capture_output=True, text=True)
+        for name, (env, torch_experts) in VARIANTS.items():
+            cmd = [sys.executable, __file__, "--worker"] + (["--torch-experts"] if torch_experts else [])
+            proc = subprocess.run(cmd, env={**os.environ, **env}, cwd=ROOT, check=True, capture_output=True,
+                                  text=True)
             result = json.loads(proc.stdout.strip().splitlines()[-1])
-            row = {"round": r, "native": native == "1", "output_tok_s": [round(v) for v in result["runs"]],
-                   "best": round(max(result["runs"])), "loadavg": os.getloadavg()}
-            row["tokens"] = result["tokens"]
-            rows.append(row)
-            print(f"round {r} native={native}: best {row['best']} output tok/s (runs {row['output_tok_s']})",
-                  flush=True)
+            runs = [round(run["output_tok_per_s"]) for run in result["runs"]]
+            rows.append({"round": r, "variant": name, "output_tok_s": runs, "best": max(runs),
+                         "loadavg": os.getloadavg(), "tokens": result["tokens"]})
+            print(f"round {r} {name}: best {max(runs)} output tok/s (runs {runs})", flush=True)
     same = all(row["tokens"] == rows[0]["tokens"] for row in rows)
-    print(f"identical greedy tokens native / torch: {same}")
+    print(f"identical greedy tokens in every variant: {same}")
     for row in rows:
         row.pop("tokens")
         row["identical_tokens"] = same
@@ -129,10 +127,11 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--out", default=None)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--torch-experts", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     sys.path.insert(0, ROOT)
     if args.worker:
-        _generate_worker()
+        _generate_worker(args.torch_experts)
         return
     import torch
 

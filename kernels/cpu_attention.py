@@ -21,12 +21,10 @@ What is batched (measured on a 2-core AVX-512 VM, 64 sequences, H=8, G=4, d=32, 
 """
 from __future__ import annotations
 
-import ctypes
-
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_native
+from kernels.cpu_native import ops as native_ops
 from kernels.attention import AttentionMetadata, _gather_context, chunk_start
 
 # A group is cut when padding it would cost more than this factor of its exact work.
@@ -66,37 +64,30 @@ def _prefill_fresh(out_THd, q_THd, k_TGd, v_TGd, meta, seqs, scale, chunk_size, 
     starts = [meta.query_start_loc[b] for b in seqs]
     lens = [meta.query_start_loc[b + 1] - meta.query_start_loc[b] for b in seqs]
     for group in _groups(lens, lambda n: n * n):
-        P = lens[group[0]]
-        first = starts[group[0]]
+        P, Bg, first = lens[group[0]], len(group), starts[group[0]]
         if all(lens[i] == P and starts[i] == first + j * P for j, i in enumerate(group)):
             # back to back in the batch, all of one length (a benchmark's batch): views, no gathers
-            Bg = len(group)
             rows = slice(first, first + Bg * P)
-            q = q_THd[rows].view(Bg, P, *q_THd.shape[1:]).transpose(1, 2)
-            k = k_TGd[rows].view(Bg, P, *k_TGd.shape[1:]).transpose(1, 2).to(q.dtype)
-            v = v_TGd[rows].view(Bg, P, *v_TGd.shape[1:]).transpose(1, 2).to(q.dtype)
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=_chunk_mask(P, chunk_size),
-                                               is_causal=chunk_size is None or chunk_size >= P, scale=scale,
-                                               enable_gqa=gqa)
-            out_THd[rows] = o.transpose(1, 2).reshape(Bg * P, o.shape[1], o.shape[3])
-            continue
-        n_B = torch.tensor([lens[i] for i in group])
-        start_B = torch.tensor([starts[i] for i in group])
-        # Rows past a sequence's end repeat its last token: finite, masked as keys, dropped as queries.
-        pos_P = torch.arange(P)
-        idx_BP = start_B[:, None] + torch.minimum(pos_P[None, :], n_B[:, None] - 1)
-        q = q_THd[idx_BP].transpose(1, 2)  # [Bg, H, P, d]
-        k = k_TGd[idx_BP].transpose(1, 2).to(q.dtype)  # [Bg, G, P, d]
-        v = v_TGd[idx_BP].transpose(1, 2).to(q.dtype)
-        # Padded keys sit after every real query, so the causal mask alone hides them.
-        same_len = bool((n_B == P).all())
+            q, k, v = (t[rows].view(Bg, P, *t.shape[1:]) for t in (q_THd, k_TGd, v_TGd))
+            idx_BP = valid_BP = None
+        else:
+            n_B = torch.tensor([lens[i] for i in group])
+            start_B = torch.tensor([starts[i] for i in group])
+            # Rows past a sequence's end repeat its last token: finite, masked as keys, dropped as queries.
+            pos_P = torch.arange(P)
+            idx_BP = start_B[:, None] + torch.minimum(pos_P[None, :], n_B[:, None] - 1)
+            valid_BP = None if bool((n_B == P).all()) else pos_P[None, :] < n_B[:, None]
+            q, k, v = q_THd[idx_BP], k_TGd[idx_BP], v_TGd[idx_BP]
+        # [Bg, heads, P, d]; padded keys sit after every real query, so the causal mask alone hides them.
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2).to(q.dtype), v.transpose(1, 2).to(q.dtype)
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=_chunk_mask(P, chunk_size),
                                            is_causal=chunk_size is None or chunk_size >= P, scale=scale,
                                            enable_gqa=gqa).transpose(1, 2)  # [Bg, P, H, d]
-        if same_len:
+        if idx_BP is None:
+            out_THd[rows] = o.reshape(Bg * P, *o.shape[2:])
+        elif valid_BP is None:
             out_THd[idx_BP.reshape(-1)] = o.reshape(-1, *o.shape[2:])
         else:
-            valid_BP = pos_P[None, :] < n_B[:, None]
             out_THd[idx_BP[valid_BP]] = o[valid_BP]
 
 
@@ -161,35 +152,11 @@ def _native_decode_args(meta, chunk_size):
     return plans[key]
 
 
-def _decode_native(lib, out_THd, q_THd, kv_cache_2NSGd, meta, scale, chunk_size) -> None:
-    """All decode rows in one call of kernels/cpu_native/paged_decode.c (fp32, contiguous cache)."""
-    _, N, S, G, d = kv_cache_2NSGd.shape
-    tables, lens, firsts, rows = _native_decode_args(meta, chunk_size)
-    ptr = ctypes.c_void_p
-    i64 = ctypes.c_int64
-    lib.moe_paged_decode_f32(
-        ptr(q_THd.data_ptr()), i64(q_THd.stride(0)), i64(q_THd.stride(1)),
-        ptr(kv_cache_2NSGd.data_ptr()), i64(N), i64(S), i64(G), i64(d),
-        ptr(tables.data_ptr()), i64(tables.stride(0)), ptr(lens.data_ptr()), ptr(firsts.data_ptr()),
-        ptr(rows.data_ptr()), i64(rows.shape[0]), i64(q_THd.shape[1]), ctypes.c_float(scale),
-        ptr(out_THd.data_ptr()), i64(out_THd.stride(0)), i64(out_THd.stride(1)))
-
-
-def _native_serves(q_THd, kv_cache_2NSGd):
-    lib = cpu_native.library()
-    if lib is None or q_THd.dtype != torch.float32 or kv_cache_2NSGd.dtype != torch.float32:
-        return None
-    if q_THd.stride(2) != 1 or not kv_cache_2NSGd.is_contiguous():
-        return None
-    return lib
-
-
 def _decode(out_THd, q_THd, kv_cache_2NSGd, meta, scale, chunk_size, gqa):
     """All decode rows: the native kernel where it serves, else in groups of similar context
     length, each reading only its blocks."""
-    lib = _native_serves(q_THd, kv_cache_2NSGd)
-    if lib is not None:
-        _decode_native(lib, out_THd, q_THd, kv_cache_2NSGd, meta, scale, chunk_size)
+    if q_THd.dtype == torch.float32 and native_ops.paged_decode(out_THd, q_THd, kv_cache_2NSGd, scale,
+                                                                 *_native_decode_args(meta, chunk_size)):
         return
     _, N, S, G, d = kv_cache_2NSGd.shape
     k_cache, v_cache = kv_cache_2NSGd.view(2, N, S * G * d).unbind(0)

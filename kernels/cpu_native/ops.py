@@ -1,5 +1,6 @@
-"""Python faces of the native CPU kernels of norm_rope.c and experts.c: each returns None where it
-does not serve (no library, not fp32, a layout it does not take), and the caller runs its torch twin.
+"""Python faces of the native CPU kernels (paged_decode.c, norm_rope.c, experts.c): each returns
+None (or False) where it does not serve (no library, not fp32, a layout it does not take), and the
+caller runs its torch twin.
 
 Legend: T tokens, D hidden, H heads, d head dim, R rotary dims (in rope) or T * K routed rows,
 E local experts, F expert intermediate, K top-k.
@@ -23,6 +24,24 @@ def _serves(*tensors: torch.Tensor) -> ctypes.CDLL | None:
 
 def _p(t: torch.Tensor | None) -> ctypes.c_void_p:
     return _ptr(t.data_ptr() if t is not None else None)
+
+
+def paged_decode(out_THd: torch.Tensor, q_THd: torch.Tensor, kv_cache_2NSGd: torch.Tensor, scale: float,
+                 tables_BW: torch.Tensor, lens_B: torch.Tensor, firsts_B: torch.Tensor, rows_B: torch.Tensor) -> bool:
+    """kernels/cpu_attention.py's decode rows in one call: out_THd[rows_B[b]] = attention of query row
+    rows_B[b] over positions firsts_B[b] .. lens_B[b] - 1 of its paged context (contiguous int32
+    tables_BW / lens_B / firsts_B, int64 rows_B; fp32 q, out and a contiguous [2, N, S, G, d] cache).
+    False where the kernel does not serve."""
+    lib = _serves(q_THd, out_THd, kv_cache_2NSGd)
+    if lib is None or not kv_cache_2NSGd.is_contiguous():
+        return False
+    _, N, S, G, d = kv_cache_2NSGd.shape
+    lib.moe_paged_decode_f32(
+        _p(q_THd), _i64(q_THd.stride(0)), _i64(q_THd.stride(1)), _p(kv_cache_2NSGd), _i64(N), _i64(S), _i64(G),
+        _i64(d), _p(tables_BW), _i64(tables_BW.stride(0)), _p(lens_B), _p(firsts_B), _p(rows_B),
+        _i64(rows_B.shape[0]), _i64(q_THd.shape[1]), ctypes.c_float(scale), _p(out_THd), _i64(out_THd.stride(0)),
+        _i64(out_THd.stride(1)))
+    return True
 
 
 def rms_norm(x_TD: torch.Tensor, weight_D: torch.Tensor, eps: float, residual_TD: torch.Tensor | None = None):

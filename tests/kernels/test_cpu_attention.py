@@ -8,7 +8,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kernels.cpu_attention as cpu_attention
 from kernels import cpu_native
 from kernels.attention import paged_attention_torch
 from kernels.cpu_attention import _groups, paged_attention_cpu
@@ -34,9 +33,9 @@ def decode_path(request, monkeypatch):
         if not NATIVE:
             pytest.skip("no C compiler: the native kernels did not build")
         spy = _Spy(cpu_native.library())
-        monkeypatch.setattr(cpu_attention.cpu_native, "library", lambda: spy)
+        monkeypatch.setattr(cpu_native, "library", lambda: spy)
         return spy
-    monkeypatch.setattr(cpu_attention.cpu_native, "library", lambda: None)
+    monkeypatch.setattr(cpu_native, "library", lambda: None)
     return None
 
 

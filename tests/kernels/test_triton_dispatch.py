@@ -156,9 +156,10 @@ def _fake_experts(recv):
 
 
 @needs_triton_device
-@pytest.mark.parametrize("T,C", [(0, 3), (5, 5), (9, 16)])
-def test_dispatcher_triton_path_matches_reference_path(monkeypatch, T, C):
-    from all2all import LowLatencyDispatcher
+@pytest.mark.parametrize("backend,T,C", [("low_latency", 0, 3), ("low_latency", 5, 5), ("low_latency", 9, 16),
+                                         ("all_to_all", 0, None), ("all_to_all", 1, None), ("all_to_all", 9, None)])
+def test_dispatcher_triton_path_matches_reference_path(monkeypatch, backend, T, C):
+    from all2all import AllToAllDispatcher, LowLatencyDispatcher
     from kernels import fused_experts
 
     E, K, D = 8, 2, 24
@@ -168,7 +169,7 @@ def test_dispatcher_triton_path_matches_reference_path(monkeypatch, T, C):
     outs = []
     for on in (True, False):
         _triton(monkeypatch, on)
-        disp = LowLatencyDispatcher(None, E, capacity=C)
+        disp = LowLatencyDispatcher(None, E, capacity=C) if backend == "low_latency" else AllToAllDispatcher(None, E)
         recv = disp.dispatch(x_TD, w_TK, ids_TK)
         y_RD = fused_experts(recv.x_RD.contiguous(), w13, w2, recv.topk_weights_RK, recv.topk_ids_RK,
                              expert_map=disp.expert_map_on(DEV), backend="torch")
@@ -329,27 +330,3 @@ def test_unpack_var_triton_matches_reference(monkeypatch, ids_dtype):
         outs.append((w, ids))
     assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
     assert torch.equal(outs[1][1].cpu(), meta[:, K:].to(ids_dtype))
-
-
-@needs_triton_device
-@pytest.mark.parametrize("T", [0, 1, 9])
-def test_all_to_all_dispatcher_triton_path_matches_reference_path(monkeypatch, T):
-    from all2all import AllToAllDispatcher
-    from kernels import fused_experts
-
-    E, K, D = 8, 2, 24
-    g = torch.Generator().manual_seed(1)
-    w13, w2 = (torch.randn(E, 2 * 8, D, generator=g) * 0.2).to(DEV), (torch.randn(E, D, 8, generator=g) * 0.2).to(DEV)
-    x_TD, w_TK, ids_TK = _dispatcher_problem(T, D, E, K, torch.float32)
-    outs = []
-    for on in (True, False):
-        _triton(monkeypatch, on)
-        disp = AllToAllDispatcher(None, E)
-        recv = disp.dispatch(x_TD, w_TK, ids_TK)
-        y_RD = fused_experts(recv.x_RD.contiguous(), w13, w2, recv.topk_weights_RK, recv.topk_ids_RK,
-                             expert_map=disp.expert_map_on(DEV), backend="torch")
-        outs.append((recv.x_RD, recv.topk_weights_RK, recv.topk_ids_RK, disp.combine(y_RD, recv)))
-    for got, want in zip(*outs):
-        torch.testing.assert_close(got, want, atol=0, rtol=0)
-    torch.testing.assert_close(outs[0][3], fused_experts(x_TD, w13, w2, w_TK, ids_TK, backend="torch"),
-                               atol=1e-5, rtol=1e-5)
