@@ -98,6 +98,7 @@ def fused_experts(
     w13_scale: torch.Tensor | None = None,
     w2_scale: torch.Tensor | None = None,
     block_shape: tuple[int, int] | None = None,
+    defer_sum: bool = False,
 ) -> torch.Tensor:
     """Run the routed experts of one MoE layer and sum their weighted outputs.
 
@@ -122,8 +123,11 @@ def fused_experts(
             activation dtype on each call, then runs the reference (slow: tests, CPU); so does
             "reference".
         block_shape: (bn, bk) of the scales, default (128, 128); FP8 mode only.
+        defer_sum: the "triton" backend may return the unsummed top-k outputs as a
+            kernels.triton_fused.moe_sum.TopKSum, which the caller's next RMSNorm sums
+            (models/layers/norm.py); other backends ignore it.
     Returns:
-        [T, D] in the dtype of `hidden_states`.
+        [T, D] in the dtype of `hidden_states` (or a TopKSum, see defer_sum).
     """
     _check_shapes(hidden_states, w13, w2, topk_weights, topk_ids, expert_map)
     block = _check_fp8(w13, w2, w13_scale, w2_scale, block_shape)
@@ -141,9 +145,9 @@ def fused_experts(
         if block is not None:
             from kernels.triton_moe import fused_experts_triton_fp8
             return fused_experts_triton_fp8(hidden_states, w13, w2, w13_scale, w2_scale, topk_weights,
-                                            topk_ids, expert_map, block)
+                                            topk_ids, expert_map, block, defer_sum=defer_sum)
         from kernels.triton_moe import fused_experts_triton
-        return fused_experts_triton(hidden_states, w13, w2, topk_weights, topk_ids, expert_map)
+        return fused_experts_triton(hidden_states, w13, w2, topk_weights, topk_ids, expert_map, defer_sum=defer_sum)
     if backend == "deepspeed":
         if block is not None:
             raise ValueError("backend 'deepspeed' has no FP8 path (deepspeed-kernels' MoE GEMM takes "

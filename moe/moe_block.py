@@ -266,14 +266,14 @@ class FusedMoE(nn.Module):
             self.w13_weight_scale_inv = attach_loader(s13, ExpertScaleLoader(w13_loader, fp8_block))
             self.w2_weight_scale_inv = attach_loader(s2, ExpertScaleLoader(w2_loader, fp8_block))
 
-    def _experts(self, x_TD, topk_weights_TK, topk_ids_TK, expert_map_E) -> torch.Tensor:
+    def _experts(self, x_TD, topk_weights_TK, topk_ids_TK, expert_map_E, defer_sum: bool = False):
         if self.fp8_block is None:  # (a dequantising model may hang its own *_scale_inv here)
             return kernels.fused_experts(x_TD, self.w13_weight, self.w2_weight, topk_weights_TK, topk_ids_TK,
-                                         expert_map=expert_map_E, backend=self.kernel_backend)
+                                         expert_map=expert_map_E, backend=self.kernel_backend, defer_sum=defer_sum)
         return kernels.fused_experts(x_TD, self.w13_weight, self.w2_weight, topk_weights_TK, topk_ids_TK,
                                      expert_map=expert_map_E, backend=self.kernel_backend,
                                      w13_scale=self.w13_weight_scale_inv, w2_scale=self.w2_weight_scale_inv,
-                                     block_shape=self.fp8_block)
+                                     block_shape=self.fp8_block, defer_sum=defer_sum)
 
     def _get_dispatcher(self, top_k: int) -> Dispatcher:
         if self.dispatcher is None:
@@ -345,15 +345,18 @@ class FusedMoE(nn.Module):
         return None
 
     def forward(self, x_TD: torch.Tensor, routing: RouterOutput, rows_per_token: int = 1,
-                counted: bool = False) -> torch.Tensor:
+                counted: bool = False, defer_sum: bool = False):
         """rows_per_token: how many rows of x_TD make one token of the step (Llama-4's
         scaled-input path sends one row per (token, expert) pair); only the load counting uses it.
-        counted: the routing's ids are counted after the forward (routed_ids_out)."""
+        counted: the routing's ids are counted after the forward (routed_ids_out).
+        defer_sum: the result may be a TopKSum (kernels.fused_experts) where nothing follows the
+        sum here (no TP all-reduce, no expert parallelism)."""
         if self.use_ep:
             return self._forward_ep(x_TD, routing, rows_per_token)
         if not counted:
             self._route_ids(routing.topk_ids_TK, 0, rows_per_token)
-        y_TD = self._experts(x_TD, routing.topk_weights_TK, routing.topk_ids_TK, None)
+        y_TD = self._experts(x_TD, routing.topk_weights_TK, routing.topk_ids_TK, None,
+                             defer_sum=defer_sum and not self.reduce_over_tp)
         return tp_all_reduce(y_TD) if self.reduce_over_tp else y_TD
 
     def _forward_ep(self, x_TD: torch.Tensor, routing: RouterOutput, rows_per_token: int = 1) -> torch.Tensor:
@@ -418,6 +421,9 @@ class MoEBlock(nn.Module):
         self.top_k = getattr(router_fn, "keywords", {}).get("top_k")
         self._router_writes_ids = bool(getattr(fn, "writes_ids_into", False)) and self.top_k is not None \
             and not apply_router_weight_on_input
+        # Set by a decoder layer whose next op is an RMSNorm with the residual add
+        # (models/layers/decoder.py): the output may then be a TopKSum for that norm to sum.
+        self.defer_topk_sum = False
 
     def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
         logits = self.gate(x_TD)
@@ -428,7 +434,8 @@ class MoEBlock(nn.Module):
         if self.apply_router_weight_on_input:
             y_TD = self._experts_on_scaled_input(x_TD, routing)
         else:
-            y_TD = self.experts(x_TD, routing, counted=out_ids is not None)
+            y_TD = self.experts(x_TD, routing, counted=out_ids is not None,
+                                defer_sum=self.defer_topk_sum and self.shared_experts is None)
         if self.shared_experts is not None:
             y_TD = y_TD + self.shared_experts(x_TD)
         return y_TD

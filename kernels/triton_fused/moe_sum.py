@@ -54,3 +54,17 @@ def moe_sum(y_TKD: torch.Tensor) -> torch.Tensor:
         y, out, T, D, y.stride(0), y.stride(1), out.stride(0), K=K, BLOCK_D=BLOCK_D,
         INTERPRET=interpreting(), num_warps=num_warps, **pdl_launch(out))
     return out
+
+
+class TopKSum:
+    """An MoE layer's output not yet summed: its [T, K, D] expert outputs (weights applied).
+
+    The expert layer returns one when asked to (`defer_sum`) so that the next RMSNorm, which adds
+    the residual anyway, sums the K rows in its own launch (rms_norm_topk_sum_triton): one launch
+    a layer fewer at decode sizes. Anything else takes `materialize()`, the moe_sum."""
+
+    def __init__(self, y_TKD: torch.Tensor) -> None:
+        self.y_TKD = y_TKD
+
+    def materialize(self) -> torch.Tensor:
+        return moe_sum(self.y_TKD)

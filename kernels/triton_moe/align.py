@@ -23,6 +23,8 @@ within an expert is arbitrary, which does not change any row's result.
 """
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -36,6 +38,9 @@ SMALL_CHUNK_ROWS = 4096  # rows the one-program path holds at a time
 # queue behind the GPU's work and only GPU time counts: a prefill step of 8192 tokens x top-8
 # (65536 rows) spent 262 µs per layer aligning on the one program.
 AUTO_SMALL_ROWS = 4096
+RANKED_CHUNK_ROWS = 128  # rows each program of the ranked path places
+# MOE_ALIGN_RANKED=0 keeps the one-program path where auto picks the ranked one (A/B runs).
+SMALL_PATH = "ranked" if os.environ.get("MOE_ALIGN_RANKED", "1") != "0" else "small"
 
 
 def max_padded_rows(num_rows: int, num_experts: int, block_m: int) -> int:
@@ -113,6 +118,49 @@ def _align_small_kernel(ids_ptr, emap_ptr, sorted_ptr, expert_ids_ptr, npp_ptr, 
 
 
 @triton.jit
+def _align_ranked_kernel(ids_ptr, emap_ptr, sorted_ptr, expert_ids_ptr, npp_ptr,
+                         numel, E, num_blocks, blocks_per_prog,
+                         BLOCK_M: tl.constexpr, NB: tl.constexpr, RP: tl.constexpr, CHUNK: tl.constexpr,
+                         BPP: tl.constexpr, HAS_MAP: tl.constexpr, USE_PDL: tl.constexpr):
+    """Many programs, no atomics: each reads every id (a few KiB, from L2) for the bucket counts
+    and for the counts of the rows before its CHUNK, ranks its rows within their bucket by
+    comparing them with each other, and writes them to bucket start + earlier rows + rank (the
+    reference's stable order); it also writes the expert ids and padding sentinels of its
+    BPP blocks."""
+    pdl_enter(USE_PDL)
+    pid = tl.program_id(0)
+    bins = tl.arange(0, NB)
+    first = pid * CHUNK
+    counts = tl.zeros([NB], dtype=tl.int32)
+    before = tl.zeros([NB], dtype=tl.int32)
+    for start in range(0, numel, RP):
+        offs = start + tl.arange(0, RP)
+        b = _bucket_of(ids_ptr, emap_ptr, offs, offs < numel, E, NB, HAS_MAP)
+        counts += tl.histogram(b, NB)
+        before += tl.histogram(tl.where(offs < first, b, NB - 1), NB)
+    counts = tl.where(bins <= E, counts, 0)
+    before = tl.where(bins <= E, before, 0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, axis=0)
+    starts = ends - padded
+    total = tl.sum(padded, axis=0)
+    if pid == 0:
+        tl.store(npp_ptr, total)
+    # This program's rows: slot = start of its bucket + its bucket's rows in earlier chunks +
+    # the rows of its bucket before it in this chunk.
+    i = tl.arange(0, CHUNK)
+    offs = first + i
+    m = offs < numel
+    b = _bucket_of(ids_ptr, emap_ptr, offs, m, E, NB, HAS_MAP)
+    rank = tl.sum(((b[None, :] == b[:, None]) & (i[None, :] < i[:, None])).to(tl.int32), axis=1)
+    base = tl.sum(tl.where(b[:, None] == bins[None, :], (starts + before)[None, :], 0), axis=1)
+    tl.store(sorted_ptr + base + rank, offs, mask=m)
+    j = pid * blocks_per_prog + tl.arange(0, BPP)
+    jmask = (tl.arange(0, BPP) < blocks_per_prog) & (j < num_blocks)
+    _fill_blocks(sorted_ptr, expert_ids_ptr, j, jmask, starts, counts, ends, total, E, numel, NB, BLOCK_M)
+
+
+@triton.jit
 def _align_count_kernel(ids_ptr, emap_ptr, counts_ptr, numel, E,
                         NB: tl.constexpr, CHUNK: tl.constexpr, HAS_MAP: tl.constexpr, USE_PDL: tl.constexpr):
     pdl_enter(USE_PDL)
@@ -166,7 +214,7 @@ def _align_scatter_kernel(ids_ptr, emap_ptr, counts_ptr, sorted_ptr, expert_ids_
 def auto_path(num_rows: int, num_blocks: int) -> str:
     """The alignment path for `num_rows` rows: see AUTO_SMALL_ROWS."""
     # the one program also holds a histogram over every block
-    return "small" if num_rows <= AUTO_SMALL_ROWS and num_blocks < 16384 else "large"
+    return SMALL_PATH if num_rows <= AUTO_SMALL_ROWS and num_blocks < 16384 else "large"
 
 
 def align_tokens(topk_ids_TK: torch.Tensor, num_experts: int, block_m: int,
@@ -178,7 +226,8 @@ def align_tokens(topk_ids_TK: torch.Tensor, num_experts: int, block_m: int,
         num_experts: E, the number of local experts.
         block_m: BM, rows per block of the grouped GEMM.
         expert_map_E: optional [E_global] int, global -> local id, -1 = not on this rank.
-        path: "small" (one program), "large" (count/prefix/scatter) or "auto".
+        path: "ranked" (one launch of many programs), "small" (one program), "large"
+            (count/prefix/scatter) or "auto".
     Returns:
         (sorted_ids_P int32, expert_ids_B int32, num_post_pad_1 int32), see the module docstring.
     """
@@ -199,6 +248,16 @@ def align_tokens(topk_ids_TK: torch.Tensor, num_experts: int, block_m: int,
     blk_chunk = max(1, min(64, 8192 // (NB * 2)))
     if path == "auto":
         path = auto_path(numel, B)
+    if path == "ranked":
+        chunk = RANKED_CHUNK_ROWS
+        progs = triton.cdiv(numel, chunk)
+        per_prog = triton.cdiv(B, progs)
+        _align_ranked_kernel[(progs,)](ids, emap, sorted_ids, expert_ids, npp, numel, num_experts, B, per_prog,
+                                       BLOCK_M=block_m, NB=NB,
+                                       RP=min(triton.next_power_of_2(max(numel, 16)), SMALL_CHUNK_ROWS),
+                                       CHUNK=chunk, BPP=triton.next_power_of_2(per_prog), HAS_MAP=has_map,
+                                       num_warps=4, **pdl_launch(ids))
+        return sorted_ids, expert_ids, npp
     if path == "small":
         cursor = torch.empty(NB, dtype=torch.int32, device=dev)
         _align_small_kernel[(1,)](ids, emap, sorted_ids, expert_ids, npp, cursor, numel,

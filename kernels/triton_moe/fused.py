@@ -13,7 +13,7 @@ import torch
 import triton
 
 from kernels.pdl import pdl_launch
-from kernels.triton_fused.moe_sum import moe_sum
+from kernels.triton_fused.moe_sum import TopKSum, moe_sum
 from kernels.triton_moe.align import align_tokens
 from kernels.triton_moe.config import get_config, split_config
 from kernels.triton_moe.gemm import down_kernel, gate_up_kernel
@@ -48,7 +48,7 @@ def one_row_blocks(topk_ids_TK: torch.Tensor, block_m: int):
 
 
 def _run(x_TD, w13_EFD, w2_EDF, topk_weights_TK, topk_ids_TK, expert_map_E, cfg,
-         fp8=None, block_shape=(128, 128)):
+         fp8=None, block_shape=(128, 128), defer_sum=False):
     T, D = x_TD.shape
     E, F2, _ = w13_EFD.shape
     F = F2 // 2
@@ -125,12 +125,12 @@ def _run(x_TD, w13_EFD, w2_EDF, topk_weights_TK, topk_ids_TK, expert_map_E, cfg,
     if K == 1:
         return out
     if T <= MOE_SUM_MAX_TOKENS:  # one Triton launch, faster than torch's reduction there (BENCHMARKS.md §3)
-        return moe_sum(out.view(T, K, D))
+        return TopKSum(out.view(T, K, D)) if defer_sum else moe_sum(out.view(T, K, D))
     return out.view(T, K, D).sum(dim=1)  # accumulates in fp32 for half types
 
 
 def fused_experts_triton(hidden_states, w13, w2, topk_weights, topk_ids, expert_map=None,
-                         config: dict | None = None):
+                         config: dict | None = None, defer_sum: bool = False):
     """Triton expert layer; same contract as ``kernels.fused_experts``.
 
     Args:
@@ -140,19 +140,21 @@ def fused_experts_triton(hidden_states, w13, w2, topk_weights, topk_ids, expert_
         topk_ids: [T, K] int expert ids (global if `expert_map` is given, else local in [0, E)).
         expert_map: optional [E_global] int, global -> local id, -1 = not on this rank (zero).
         config: optional launch config (see config.py); default: tuned file or default.
+        defer_sum: where the top-k sum would be a moe_sum launch, return the unsummed outputs as
+            a TopKSum instead (for the next RMSNorm to sum).
     Returns:
-        [T, D] in the dtype of `hidden_states`.
+        [T, D] in the dtype of `hidden_states` (or a TopKSum, see defer_sum).
     """
     if config is None:
         E, F2, _ = w13.shape
         config = get_config(hidden_states.shape[0], E, F2 // 2, topk_ids.shape[1],
                             hidden_states.dtype)
-    return _run(hidden_states, w13, w2, topk_weights, topk_ids, expert_map, config)
+    return _run(hidden_states, w13, w2, topk_weights, topk_ids, expert_map, config, defer_sum=defer_sum)
 
 
 def fused_experts_triton_fp8(hidden_states, w13_fp8, w2_fp8, w13_scale, w2_scale, topk_weights,
                              topk_ids, expert_map=None, block_shape=(128, 128),
-                             config: dict | None = None):
+                             config: dict | None = None, defer_sum: bool = False):
     """Expert layer with FP8 e4m3 block-quantised weights and dynamic per-token-group FP8 inputs.
 
     Args:
@@ -162,8 +164,9 @@ def fused_experts_triton_fp8(hidden_states, w13_fp8, w2_fp8, w13_scale, w2_scale
             dequant = fp8 * scale). w2_scale: [E, ceil(D/bn), ceil(F/bk)] fp32.
         topk_weights, topk_ids, expert_map: as in :func:`fused_experts_triton`.
         block_shape: (bn, bk) of the weight scales; bk is also the activation group size.
+        defer_sum: as in :func:`fused_experts_triton`.
     Returns:
-        [T, D] in the dtype of `hidden_states`.
+        [T, D] in the dtype of `hidden_states` (or a TopKSum, see defer_sum).
     """
     block_shape = tuple(block_shape)
     if config is None:
@@ -171,4 +174,4 @@ def fused_experts_triton_fp8(hidden_states, w13_fp8, w2_fp8, w13_scale, w2_scale
         config = get_config(hidden_states.shape[0], E, F2 // 2, topk_ids.shape[1], "fp8_w8a8",
                             block_shape)
     return _run(hidden_states, w13_fp8, w2_fp8, topk_weights, topk_ids, expert_map, config,
-                fp8=(w13_scale.float(), w2_scale.float()), block_shape=block_shape)
+                fp8=(w13_scale.float(), w2_scale.float()), block_shape=block_shape, defer_sum=defer_sum)

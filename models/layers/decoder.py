@@ -5,14 +5,19 @@ The residual travels beside the hidden states so that each add fuses into the ne
 """
 from __future__ import annotations
 
+import os
 from typing import Callable
 
 from torch import nn
 
+from kernels.triton_fused.moe_sum import TopKSum
 from models.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from models.layers.norm import RMSNorm
 from moe.pipeline import (IntermediateTensors, PPMissingLayer, first_stage, last_stage,
                           make_empty_intermediate_tensors_factory, make_layers)
+
+# MOE_DEFER_TOPK_SUM=0: every MoE layer sums its top-k outputs itself (A/B runs).
+DEFER_TOPK_SUM = os.environ.get("MOE_DEFER_TOPK_SUM", "1") != "0"
 
 
 class PreNormDecoderLayer(nn.Module):
@@ -23,6 +28,14 @@ class PreNormDecoderLayer(nn.Module):
     """
 
     ffn_name = "mlp"
+
+    def defer_ffn_sum(self) -> None:
+        """Let an MoE feed-forward return its top-k outputs unsummed (a TopKSum): what follows it
+        is the next layer's input norm or the stack's final norm, both with the residual add,
+        which then sum them in their own launch."""
+        ffn = getattr(self, self.ffn_name, None)
+        if hasattr(ffn, "defer_topk_sum"):
+            ffn.defer_topk_sum = True
 
     def forward(self, positions, x, residual, meta):
         if residual is None:
@@ -42,6 +55,10 @@ class DecoderStack(nn.Module):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(vocab_size, hidden_size) if first_stage() else PPMissingLayer()
         self.start_layer, self.end_layer, self.layers = make_layers(num_layers, make_layer)
+        if DEFER_TOPK_SUM:
+            for layer in self.stage_layers():
+                if isinstance(layer, PreNormDecoderLayer):
+                    layer.defer_ffn_sum()
         self.norm = RMSNorm(hidden_size, rms_norm_eps) if last_stage() else PPMissingLayer()
         self.make_empty_intermediate_tensors = make_empty_intermediate_tensors_factory(
             ["hidden_states", "residual"], hidden_size)
@@ -61,6 +78,8 @@ class DecoderStack(nn.Module):
         for layer in self.stage_layers():
             x, residual = layer(positions, x, residual, meta)
         if not last_stage():
+            if isinstance(x, TopKSum):  # sent to the next stage: a tensor
+                x = x.materialize()
             return IntermediateTensors({"hidden_states": x, "residual": residual})
         x, _ = self.norm(x, residual)
         return x

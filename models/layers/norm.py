@@ -6,6 +6,7 @@ from torch import nn
 
 from kernels.cpu_native import ops as native_ops
 from kernels.triton_fused import fused_kernels_serve
+from kernels.triton_fused.moe_sum import TopKSum
 from models.layers.weights import ReplicatedLoader, attach_loader, new_param
 
 
@@ -21,10 +22,17 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = attach_loader(new_param(hidden_size), ReplicatedLoader((hidden_size,)))
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+    def forward(self, x: torch.Tensor | TopKSum, residual: torch.Tensor | None = None):
         """Without `residual`: norm(x). With it: (norm(x + residual), x + residual).
         On CUDA, for x [T, D] or [T, H, D]: one Triton launch with the same rounding; on the CPU in
-        fp32, for x [T, D]: one native pass."""
+        fp32, for x [T, D]: one native pass. x may be an MoE layer's TopKSum: with the residual on
+        the Triton path, its sum is part of the same launch."""
+        if isinstance(x, TopKSum):
+            if residual is not None and use_triton_fused(x.y_TKD):
+                from kernels.triton_fused.rms_norm import rms_norm_topk_sum_triton
+
+                return rms_norm_topk_sum_triton(x.y_TKD, self.weight, self.eps, residual)
+            x = x.materialize()
         if x.dim() in (2, 3) and use_triton_fused(x):
             from kernels.triton_fused.rms_norm import rms_norm_triton
 

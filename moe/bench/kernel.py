@@ -133,7 +133,7 @@ def time_alignment_paths(rts, E, F, K, M, reps) -> dict:
     from kernels.triton_moe.tune import time_calls
     bm = get_config(M, E, F, K, torch.bfloat16)["BLOCK_SIZE_M"]
     out = {}
-    for path in ("small", "large"):
+    for path in ("ranked", "small", "large"):
         out[f"align_{path}_us"] = 1e3 * time_calls(
             [lambda ti=ti: align_tokens(ti, E, bm, path=path) for _, ti in rts], M, reps=reps)
     return out

@@ -23,7 +23,8 @@ import models.layers.norm as norm_mod  # noqa: E402
 import models.layers.rotary as rotary_mod  # noqa: E402
 import routing.router as router_mod  # noqa: E402
 from kernels.cpu_native import ops as cpu_native_ops  # noqa: E402
-from kernels.triton_fused.rms_norm import rms_norm_triton  # noqa: E402
+from kernels.triton_fused.moe_sum import TopKSum, moe_sum  # noqa: E402
+from kernels.triton_fused.rms_norm import rms_norm_topk_sum_triton, rms_norm_triton  # noqa: E402
 from kernels.triton_fused.rope import qk_norm_rope_triton, rope_triton  # noqa: E402
 from kernels.triton_fused.router import softmax_topk_triton  # noqa: E402
 from models.config import RopeConfig  # noqa: E402
@@ -154,10 +155,43 @@ def test_rms_norm_weight_dtype_promotes(poisoned_empty):
     assert_ulps(out, rms_norm_ref(x, w, 1e-5), 2, **gpu_slack)
 
 
+@needs_triton_device
+@pytest.mark.parametrize("dtype", HALF_TYPES)
+@pytest.mark.parametrize("T,K,D,strided", [(1, 8, 64, False), (5, 2, 200, True), (3, 1, 96, False),
+                                           (2, 8, 2048, False)])
+def test_rms_norm_of_topk_sum_is_moe_sum_then_norm(dtype, T, K, D, strided, poisoned_empty):
+    """One launch for an MoE layer's combine and the next input norm: the same sum and residual
+    (equal, rounded as moe_sum rounds) and the same norm as the two launches it replaces."""
+    if strided:  # K outermost, as a permuted buffer: neither the T nor the K stride is D
+        y = (2 * randn(K, T, D + 6, dtype=dtype, seed=T + K)).permute(1, 0, 2)[:, :, 3:3 + D]
+    else:
+        y = (2 * randn(T * K, D, dtype=dtype, seed=T + K)).view(T, K, D)
+    r = randn(T, D, dtype=dtype, seed=7)
+    w = 1 + 0.3 * randn(D, dtype=dtype, seed=8)
+    out, s = rms_norm_topk_sum_triton(y, w, 1e-6, r)
+    ref_out, ref_s = rms_norm_triton(moe_sum(y), w, 1e-6, r)
+    assert torch.equal(s, ref_s), "sum rounded to the input dtype, then the residual added and rounded"
+    assert_norm_close(out, ref_out)
+    # the RMSNorm module takes the layer's TopKSum straight (its Triton gate forced on here)
+    norm = norm_mod.RMSNorm(D, 1e-6).to(device=DEV, dtype=dtype)
+    norm.weight.data.copy_(w)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(norm_mod, "use_triton_fused", lambda x: True)
+        mod_out, mod_s = norm(TopKSum(y), r)
+    assert torch.equal(mod_s, s) and torch.equal(mod_out, out)
+    # without the Triton gate (and without a residual) the sum is materialised first
+    assert_norm_close(norm(TopKSum(y), r)[0], rms_norm_ref(moe_sum(y), w, 1e-6, r)[0])
+    assert_norm_close(norm(TopKSum(y)), rms_norm_ref(moe_sum(y), w, 1e-6))
+
+
 def test_rms_norm_bad_inputs():
     x = torch.randn(2, 8)
     with pytest.raises(ValueError, match="weight must be"):
         rms_norm_triton(x, torch.ones(7), 1e-6)
+    with pytest.raises(ValueError, match="residual must be"):
+        rms_norm_topk_sum_triton(torch.randn(2, 3, 8), torch.ones(8), 1e-6, torch.randn(3, 8))
+    with pytest.raises(ValueError, match=r"\[T, K, D\]"):
+        rms_norm_topk_sum_triton(x, torch.ones(8), 1e-6, x)
     with pytest.raises(ValueError, match="residual must match"):
         rms_norm_triton(x, torch.ones(8), 1e-6, torch.randn(2, 8).double())
     with pytest.raises(TypeError, match="x must be"):
@@ -417,6 +451,38 @@ def test_models_generate_same_tokens_with_fused_paths(family, gates, tmp_path, m
         monkeypatch.setattr(mod, "use_triton_fused", lambda x, name=mod.__name__: calls.add(name) or True)
     _, _, fused = generate_greedy(path, [1, 13, 6], max_tokens=4, **kwargs)
     assert calls == {mod.__name__ for mod in gates}, "each fused path the family has ran"
+    for ref, out in zip(reference, fused):
+        a, b = ref.outputs[0], out.outputs[0]
+        assert a.token_ids == b.token_ids
+        ref_lp = torch.tensor([a.logprobs[i][t].logprob for i, t in enumerate(a.token_ids)])
+        out_lp = torch.tensor([b.logprobs[i][t].logprob for i, t in enumerate(b.token_ids)])
+        torch.testing.assert_close(out_lp, ref_lp, atol=1e-4, rtol=0)
+
+
+@pytest.mark.skipif(not INTERPRET or CUDA, reason="forces the Triton experts on the CPU through the interpreter")
+def test_qwen3_moe_layer_output_is_summed_by_the_next_norm(tmp_path, monkeypatch):
+    """With the Triton experts and norms, each MoE layer hands its unsummed top-k outputs to the
+    next layer's input norm (or the final norm), which sums them in its own launch: the same
+    greedy tokens and logprobs as the torch path."""
+    import kernels.fused_moe as fused_moe_mod
+    import kernels.triton_fused.rms_norm as rms_norm_mod
+    from tests.factories import generate_greedy
+
+    path = _qwen3(str(tmp_path / "ckpt"))
+    kwargs = dict(max_model_len=64, max_num_batched_tokens=16, max_num_seqs=4, block_size=4)
+    _, _, reference = generate_greedy(path, [1, 13, 6], max_tokens=4, **kwargs)
+    summed_in_norm = []
+    real = rms_norm_mod.rms_norm_topk_sum_triton
+
+    def spy(y, *args):
+        summed_in_norm.append(tuple(y.shape))
+        return real(y, *args)
+
+    monkeypatch.setattr(rms_norm_mod, "rms_norm_topk_sum_triton", spy)
+    monkeypatch.setattr(fused_moe_mod, "_triton_usable", lambda x: True)
+    monkeypatch.setattr(norm_mod, "use_triton_fused", lambda x: True)
+    _, _, fused = generate_greedy(path, [1, 13, 6], max_tokens=4, **kwargs)
+    assert summed_in_norm and all(len(shape) == 3 and shape[1] > 1 for shape in summed_in_norm)
     for ref, out in zip(reference, fused):
         a, b = ref.outputs[0], out.outputs[0]
         assert a.token_ids == b.token_ids

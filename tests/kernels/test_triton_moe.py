@@ -70,7 +70,7 @@ def check_alignment(ids, E, bm, emap, path):
 
 
 @needs_triton_device
-@pytest.mark.parametrize("path", ["small", "large"])
+@pytest.mark.parametrize("path", ["ranked", "small", "large"])
 @pytest.mark.parametrize("T,K,E,bm,with_map", [
     (1, 1, 1, 16, False), (1, 8, 16, 16, False), (37, 2, 5, 16, False), (64, 4, 8, 32, False),
     (300, 2, 3, 16, False), (9, 3, 6, 16, True), (700, 2, 33, 64, True),
@@ -89,11 +89,15 @@ def test_alignment_matches_torch(path, T, K, E, bm, with_map, monkeypatch):
         if E > 2:
             ids[ids == 1] = 0  # expert 1 gets no tokens
     check_alignment(ids.to(DEV), E, bm, emap, path)
+    if path == "ranked":  # no atomics: the reference's stable order, row for row
+        s, _, _ = align_tokens(ids.to(DEV), E, bm, emap, path=path)
+        ref, _, _ = align_tokens_torch(ids, E, bm, None if emap is None else emap.cpu())
+        assert torch.equal(s.cpu(), ref)
 
 
 def test_alignment_auto_path():
     from kernels.triton_moe.align import auto_path
-    assert auto_path(512, 160) == auto_path(4096, 600) == "small"
+    assert auto_path(512, 160) == auto_path(4096, 600) == "ranked"
     assert auto_path(8192, 1000) == "large"  # GPU time only: one program loses from ~8192 rows
     assert auto_path(131072, 9000) == "large"
     assert auto_path(2000, 20000) == "large"  # too many blocks for one program
