@@ -38,7 +38,11 @@ SMALL_CHUNK_ROWS = 4096  # rows the one-program path holds at a time
 # queue behind the GPU's work and only GPU time counts: a prefill step of 8192 tokens x top-8
 # (65536 rows) spent 262 µs per layer aligning on the one program.
 AUTO_SMALL_ROWS = 4096
-RANKED_CHUNK_ROWS = 128  # rows each program of the ranked path places
+# The ranked path's programs: each places up to RANKED_CHUNK_ROWS rows (a [CHUNK, CHUNK]
+# comparison) and fills up to RANKED_MAX_BLOCKS blocks (a [blocks, bins] comparison), so that
+# neither spills registers.
+RANKED_CHUNK_ROWS = 64
+RANKED_MAX_BLOCKS = 16
 # MOE_ALIGN_RANKED=0 keeps the one-program path where auto picks the ranked one (A/B runs).
 SMALL_PATH = "ranked" if os.environ.get("MOE_ALIGN_RANKED", "1") != "0" else "small"
 
@@ -118,7 +122,7 @@ def _align_small_kernel(ids_ptr, emap_ptr, sorted_ptr, expert_ids_ptr, npp_ptr, 
 
 
 @triton.jit
-def _align_ranked_kernel(ids_ptr, emap_ptr, sorted_ptr, expert_ids_ptr, npp_ptr,
+def _align_ranked_kernel(ids_ptr, emap_ptr, sorted_ptr, expert_ids_ptr, npp_ptr, base_ptr,
                          numel, E, num_blocks, blocks_per_prog,
                          BLOCK_M: tl.constexpr, NB: tl.constexpr, RP: tl.constexpr, CHUNK: tl.constexpr,
                          BPP: tl.constexpr, HAS_MAP: tl.constexpr, USE_PDL: tl.constexpr):
@@ -126,7 +130,7 @@ def _align_ranked_kernel(ids_ptr, emap_ptr, sorted_ptr, expert_ids_ptr, npp_ptr,
     and for the counts of the rows before its CHUNK, ranks its rows within their bucket by
     comparing them with each other, and writes them to bucket start + earlier rows + rank (the
     reference's stable order); it also writes the expert ids and padding sentinels of its
-    BPP blocks."""
+    (at most BPP) blocks. base_ptr: [programs, NB] int32 scratch for the per-bucket bases."""
     pdl_enter(USE_PDL)
     pid = tl.program_id(0)
     bins = tl.arange(0, NB)
@@ -139,7 +143,6 @@ def _align_ranked_kernel(ids_ptr, emap_ptr, sorted_ptr, expert_ids_ptr, npp_ptr,
         counts += tl.histogram(b, NB)
         before += tl.histogram(tl.where(offs < first, b, NB - 1), NB)
     counts = tl.where(bins <= E, counts, 0)
-    before = tl.where(bins <= E, before, 0)
     padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     ends = tl.cumsum(padded, axis=0)
     starts = ends - padded
@@ -147,13 +150,17 @@ def _align_ranked_kernel(ids_ptr, emap_ptr, sorted_ptr, expert_ids_ptr, npp_ptr,
     if pid == 0:
         tl.store(npp_ptr, total)
     # This program's rows: slot = start of its bucket + its bucket's rows in earlier chunks +
-    # the rows of its bucket before it in this chunk.
+    # the rows of its bucket before it in this chunk (the bases go through scratch: a gather by
+    # bucket from registers would be a [CHUNK, NB] one-hot).
+    my_base = base_ptr + pid * NB
+    tl.store(my_base + bins, starts + before)
+    tl.debug_barrier()  # every thread's bases are visible to the others
     i = tl.arange(0, CHUNK)
     offs = first + i
     m = offs < numel
     b = _bucket_of(ids_ptr, emap_ptr, offs, m, E, NB, HAS_MAP)
     rank = tl.sum(((b[None, :] == b[:, None]) & (i[None, :] < i[:, None])).to(tl.int32), axis=1)
-    base = tl.sum(tl.where(b[:, None] == bins[None, :], (starts + before)[None, :], 0), axis=1)
+    base = tl.load(my_base + b, mask=m, other=0)
     tl.store(sorted_ptr + base + rank, offs, mask=m)
     j = pid * blocks_per_prog + tl.arange(0, BPP)
     jmask = (tl.arange(0, BPP) < blocks_per_prog) & (j < num_blocks)
@@ -250,10 +257,11 @@ def align_tokens(topk_ids_TK: torch.Tensor, num_experts: int, block_m: int,
         path = auto_path(numel, B)
     if path == "ranked":
         chunk = RANKED_CHUNK_ROWS
-        progs = triton.cdiv(numel, chunk)
+        progs = max(triton.cdiv(numel, chunk), triton.cdiv(B, RANKED_MAX_BLOCKS))
         per_prog = triton.cdiv(B, progs)
-        _align_ranked_kernel[(progs,)](ids, emap, sorted_ids, expert_ids, npp, numel, num_experts, B, per_prog,
-                                       BLOCK_M=block_m, NB=NB,
+        bases = torch.empty(progs, NB, dtype=torch.int32, device=dev)
+        _align_ranked_kernel[(progs,)](ids, emap, sorted_ids, expert_ids, npp, bases, numel, num_experts, B,
+                                       per_prog, BLOCK_M=block_m, NB=NB,
                                        RP=min(triton.next_power_of_2(max(numel, 16)), SMALL_CHUNK_ROWS),
                                        CHUNK=chunk, BPP=triton.next_power_of_2(per_prog), HAS_MAP=has_map,
                                        num_warps=4, **pdl_launch(ids))
