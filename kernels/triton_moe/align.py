@@ -17,9 +17,11 @@ P and B depend only on shapes (never on the data), so the whole thing is CUDA-gr
     P = R + min(R, E + 1) * (BM - 1),  B = ceil(P / BM)
 (at most min(R, E+1) buckets are non-empty and each wastes at most BM-1 rows).
 
-Two paths: one program (a single launch: decode and moderate prefill), and count -> prefix ->
-scatter kernels for very large R (auto_path chooses). Both place rows with atomics, so the order
-within an expert is arbitrary, which does not change any row's result.
+Three paths (auto_path chooses): one program for small R (a single launch); "ranked", one launch
+of many programs, for decode batches of 64 tokens and more and moderate prefills; count -> prefix
+-> scatter kernels for very large R. The one program and the scatter place rows with atomics, so
+the order within an expert is arbitrary, which does not change any row's result; the ranked path
+keeps the reference's order.
 """
 from __future__ import annotations
 
@@ -43,8 +45,10 @@ AUTO_SMALL_ROWS = 4096
 # neither spills registers.
 RANKED_CHUNK_ROWS = 64
 RANKED_MAX_BLOCKS = 16
-# MOE_ALIGN_RANKED=0 keeps the one-program path where auto picks the ranked one (A/B runs).
-SMALL_PATH = "ranked" if os.environ.get("MOE_ALIGN_RANKED", "1") != "0" else "small"
+# From this many rows up to AUTO_SMALL_ROWS auto takes the ranked path: in CUDA-graph replay on an
+# H200 (Qwen3-30B-A3B, top-8; BENCHMARKS.md §3) it took 3.9 against 4.2 µs at 512 rows and 5.4
+# against 10.5 at 2048, but 3.6 against 3.3 at 256. MOE_ALIGN_RANKED=0: never (A/B runs).
+RANKED_MIN_ROWS = 512 if os.environ.get("MOE_ALIGN_RANKED", "1") != "0" else AUTO_SMALL_ROWS + 1
 
 
 def max_padded_rows(num_rows: int, num_experts: int, block_m: int) -> int:
@@ -221,7 +225,9 @@ def _align_scatter_kernel(ids_ptr, emap_ptr, counts_ptr, sorted_ptr, expert_ids_
 def auto_path(num_rows: int, num_blocks: int) -> str:
     """The alignment path for `num_rows` rows: see AUTO_SMALL_ROWS."""
     # the one program also holds a histogram over every block
-    return SMALL_PATH if num_rows <= AUTO_SMALL_ROWS and num_blocks < 16384 else "large"
+    if num_rows > AUTO_SMALL_ROWS or num_blocks >= 16384:
+        return "large"
+    return "ranked" if num_rows >= RANKED_MIN_ROWS else "small"
 
 
 def align_tokens(topk_ids_TK: torch.Tensor, num_experts: int, block_m: int,

@@ -22,6 +22,10 @@ from kernels.triton_moe.quant import FP8_DTYPE, per_token_group_quant_fp8
 
 # moe_sum up to this many tokens (measured up to here); MOE_SUM_KERNEL=0 keeps torch's sum (A/B runs).
 MOE_SUM_MAX_TOKENS = 256 if os.environ.get("MOE_SUM_KERNEL", "1") != "0" else 0
+# The top-k sum is left to the next RMSNorm (defer_sum) from this many tokens: in a decode graph on
+# an H200 it saved 0.07 ms a step at 256 tokens and 0.01 at 32, but cost 0.02 at one token, where
+# the norm's single program replaces moe_sum's eight (BENCHMARKS.md §3).
+DEFER_SUM_MIN_TOKENS = 32
 # A step of one token skips the alignment launch (one_row_blocks); MOE_DIRECT_ALIGN=0 keeps it (A/B runs).
 DIRECT_ALIGN = os.environ.get("MOE_DIRECT_ALIGN", "1") != "0"
 _ONE_ROW_SORTED: dict[tuple[int, int, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
@@ -125,7 +129,9 @@ def _run(x_TD, w13_EFD, w2_EDF, topk_weights_TK, topk_ids_TK, expert_map_E, cfg,
     if K == 1:
         return out
     if T <= MOE_SUM_MAX_TOKENS:  # one Triton launch, faster than torch's reduction there (BENCHMARKS.md §3)
-        return TopKSum(out.view(T, K, D)) if defer_sum else moe_sum(out.view(T, K, D))
+        if defer_sum and T >= DEFER_SUM_MIN_TOKENS:
+            return TopKSum(out.view(T, K, D))
+        return moe_sum(out.view(T, K, D))
     return out.view(T, K, D).sum(dim=1)  # accumulates in fp32 for half types
 
 
@@ -140,8 +146,8 @@ def fused_experts_triton(hidden_states, w13, w2, topk_weights, topk_ids, expert_
         topk_ids: [T, K] int expert ids (global if `expert_map` is given, else local in [0, E)).
         expert_map: optional [E_global] int, global -> local id, -1 = not on this rank (zero).
         config: optional launch config (see config.py); default: tuned file or default.
-        defer_sum: where the top-k sum would be a moe_sum launch, return the unsummed outputs as
-            a TopKSum instead (for the next RMSNorm to sum).
+        defer_sum: where the top-k sum would be a moe_sum launch of at least DEFER_SUM_MIN_TOKENS
+            tokens, return the unsummed outputs as a TopKSum instead (for the next RMSNorm to sum).
     Returns:
         [T, D] in the dtype of `hidden_states` (or a TopKSum, see defer_sum).
     """

@@ -97,6 +97,7 @@ def test_alignment_matches_torch(path, T, K, E, bm, with_map, monkeypatch):
 
 def test_alignment_auto_path():
     from kernels.triton_moe.align import auto_path
+    assert auto_path(16, 20) == auto_path(256, 140) == "small"  # one program: decode up to 32 tokens
     assert auto_path(512, 160) == auto_path(4096, 600) == "ranked"
     assert auto_path(8192, 1000) == "large"  # GPU time only: one program loses from ~8192 rows
     assert auto_path(131072, 9000) == "large"
