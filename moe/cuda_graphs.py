@@ -1,5 +1,5 @@
-"""CUDA graphs for decode-only steps: the model forward and its LM head captured once per batch
-size at start-up and replayed, so a decode step costs a few launches instead of thousands.
+"""CUDA graphs for decode-only steps: the model forward captured once per batch size at start-up
+and replayed, so a decode step costs a few launches instead of thousands.
 
 A decode step of B sequences replays the graph of the smallest captured size b >= B; rows B..b
 are padding (slot -1: no KV write; seq_len 0: attention reads nothing) and their outputs are

@@ -13,15 +13,13 @@ appends exactly the tokens the driver drew, whatever the sampling parameters.
 
 On CUDA the step's inputs go through reused pinned/device buffers (moe/step_buffers.py,
 moe/step_inputs.py), attention runs the Triton kernels, and decode-only steps replay CUDA graphs
-of the forward and the LM head captured at start-up (moe/cuda_graphs.py); elsewhere fresh tensors
-feed the torch references.
+captured at start-up (moe/cuda_graphs.py); elsewhere fresh tensors feed the torch references.
 Images: the encoder runs over the step's scheduled images and their features replace the image
 tokens' embeddings (moe/multimodal/encoder_runner.py); such steps run eagerly.
 """
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -42,9 +40,6 @@ from moe.step_inputs import RequestState, StepBatch, buffer_metadata, host_metad
 from scheduler import KVCacheGroup, SchedulerOutput
 
 logger = logging.getLogger("moe.runner")
-# The decode graphs end with the LM head (their output is the logits); MOE_GRAPH_LM_HEAD=0 runs it
-# after the replay instead (A/B runs).
-GRAPH_LM_HEAD = os.environ.get("MOE_GRAPH_LM_HEAD", "1") != "0"
 
 
 @dataclass
@@ -210,14 +205,11 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _graph_forward(self, b: int) -> torch.Tensor:
-        """The model and its LM head on b decode rows read from the step buffers (what a graph
-        captures): a decode step samples every row, so the logits come out of the replay, and
-        the LM head's launch and ramp-up no longer follow the graph's end."""
+        """The model on b decode rows read from the step buffers (what a graph captures)."""
         buf = self.buffers
         self.dispatch_step.max_tokens = b  # every rank captures the same sizes in the same order
         meta = buffer_metadata(buf, self.num_kv_groups, b, b, 1, list(range(b + 1)), [1] * b, decode_only=True)
-        hidden = self._forward(buf.dev_view("input_ids", b), buf.dev_view("positions", b), meta)
-        return self.model.compute_logits(hidden) if GRAPH_LM_HEAD else hidden
+        return self._forward(buf.dev_view("input_ids", b), buf.dev_view("positions", b), meta)
 
     def release(self) -> None:
         """Drop the KV cache, the CUDA graphs (their memory pool) and the step buffers."""
@@ -326,10 +318,9 @@ class ModelRunner:
         return None
 
     def _run_batch(self, batch: StepBatch, counted: bool = True, with_images: bool = False,
-                   prev: PendingStep | None = None) -> tuple[torch.Tensor | None, bool]:
-        """(out, is_logits): the logits of every row from a CUDA-graph replay (a decode-only step
-        within the captured sizes), else the hidden states of the batch's tokens from an eager
-        forward (None off the last pipeline stage).
+                   prev: PendingStep | None = None):
+        """Hidden states of the batch's tokens (None off the last pipeline stage): a CUDA-graph
+        replay for a decode-only step within the captured sizes, else an eager forward.
         counted: whether the expert-load counters count its tokens (not a dummy batch's).
         with_images: some request of the batch holds image features (this stage embeds them).
         prev: the step in flight whose sampled tokens are this batch's pending inputs (async)."""
@@ -341,17 +332,17 @@ class ModelRunner:
             input_ids = torch.from_numpy(batch.input_ids_T).to(self.device)
             self._fill_pending(input_ids, batch, prev)
             embeds = self.images.inputs_embeds(batch, input_ids) if with_images else None
-            return self._forward(input_ids, torch.from_numpy(batch.positions_T).to(self.device), meta, embeds), False
+            return self._forward(input_ids, torch.from_numpy(batch.positions_T).to(self.device), meta, embeds)
         replayable = batch.decode_only and self.graphs is not None and not with_images and (
             not self.graphs_need_capacity or self.dispatch_step.max_tokens <= self.dispatch_step.capacity)
         padded = self.graphs.padded_size(B) if replayable else None
         meta = upload(self.buffers, batch, self.block_size, padded)
         self._fill_pending(self.buffers.dev_view("input_ids", T), batch, prev)
         if padded is not None:
-            return self.graphs.replay(padded)[:B], GRAPH_LM_HEAD
+            return self.graphs.replay(padded)[:B]
         input_ids = self.buffers.dev_view("input_ids", T)
         embeds = self.images.inputs_embeds(batch, input_ids) if with_images else None
-        return self._forward(input_ids, self.buffers.dev_view("positions", T), meta, embeds), False
+        return self._forward(input_ids, self.buffers.dev_view("positions", T), meta, embeds)
 
     def _fill_pending(self, input_ids_T: torch.Tensor, batch: StepBatch, prev: PendingStep | None) -> None:
         """Async scheduling: copy the in-flight step's sampled tokens into this step's inputs, on
@@ -403,17 +394,15 @@ class ModelRunner:
             if so.scheduled_encoder_inputs:
                 self.images.encode(so, self.requests, self.kv_dtype)
             with_images = bool(self.images.holding)
-        out, is_logits = self._run_batch(batch, with_images=with_images, prev=prev)
+        hidden = self._run_batch(batch, with_images=with_images, prev=prev)
         sample_rows = batch.sample_rows
-        if not sample_rows or out is None:
+        if not sample_rows or hidden is None:
             return None
-        if is_logits:  # a graph replay: every row samples
-            logits = out
+        if len(sample_rows) == hidden.shape[0]:  # every token samples (decode-only)
+            last = hidden
         else:
-            last = out
-            if len(sample_rows) != out.shape[0]:  # not every token samples (prefill chunks)
-                last = out[torch.from_numpy(batch.query_start_loc[np.asarray(sample_rows) + 1] - 1).to(self.device)]
-            logits = self.model.compute_logits(last)  # a TP collective: every TP rank of the stage
+            last = hidden[torch.from_numpy(batch.query_start_loc[np.asarray(sample_rows) + 1] - 1).to(self.device)]
+        logits = self.model.compute_logits(last)  # a TP collective: every TP rank of the stage
         if not self.is_driver:
             return None
         states = batch.states
