@@ -21,17 +21,6 @@ import sys
 from pathlib import Path
 
 D, E, F, K, VOCAB = 2048, 128, 768, 8, 151936
-REPEAT = 20
-
-
-def graph_us(torch, do_bench, fn) -> float:
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(REPEAT):
-            fn()
-    return do_bench(graph.replay, warmup=25, rep=200, return_mode="median") * 1e3 / REPEAT
 
 
 def main():
@@ -44,6 +33,10 @@ def main():
     import torch
     from triton.testing import do_bench
 
+    from benchmarks.bench_fused import REPEAT, time_us
+
+    def graph_us(fn) -> float:  # T=0 below bench_fused's graph limit: a CUDA graph of REPEAT calls at every T
+        return time_us(torch, do_bench, fn, 0)
     from kernels.triton_fused.moe_sum import moe_sum
     from kernels.triton_fused.rms_norm import rms_norm_topk_sum_triton, rms_norm_triton
     from kernels.triton_moe.align import align_tokens
@@ -63,18 +56,18 @@ def main():
             row = {"T": T, "block_m": bm}
             if T > 1:  # one token needs no alignment launch
                 for path in ("ranked", "small"):
-                    row[f"align_{path}_us"] = graph_us(torch, do_bench, lambda p=path: align_tokens(ids, E, bm, path=p))
+                    row[f"align_{path}_us"] = graph_us(lambda p=path: align_tokens(ids, E, bm, path=p))
                 ranked, small = align_tokens(ids, E, bm, path="ranked"), align_tokens(ids, E, bm, path="small")
                 row["align_same_blocks"] = bool(torch.equal(ranked[1], small[1]) and torch.equal(ranked[2], small[2]))
             y = torch.randn(T, K, D, device=dev, generator=g).to(bf16)
             res = torch.randn(T, D, device=dev, generator=g).to(bf16)
-            row["topk_sum_norm_us"] = graph_us(torch, do_bench, lambda: rms_norm_topk_sum_triton(y, w_norm, 1e-6, res))
+            row["topk_sum_norm_us"] = graph_us(lambda: rms_norm_topk_sum_triton(y, w_norm, 1e-6, res))
             row["moe_sum_then_norm_us"] = graph_us(
                 torch, do_bench, lambda: rms_norm_triton(moe_sum(y), w_norm, 1e-6, res))
             fused, two = rms_norm_topk_sum_triton(y, w_norm, 1e-6, res), rms_norm_triton(moe_sum(y), w_norm, 1e-6, res)
             row["topk_sum_norm_equal"] = bool(torch.equal(fused[1], two[1]) and torch.equal(fused[0], two[0]))
             h = torch.randn(T, D, device=dev, generator=g).to(bf16)
-            row["lm_head_graph_us"] = graph_us(torch, do_bench, lambda: torch.nn.functional.linear(h, w_lm))
+            row["lm_head_graph_us"] = graph_us(lambda: torch.nn.functional.linear(h, w_lm))
             rows.append(row)
             print(json.dumps({k: round(v, 2) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
     if args.out:

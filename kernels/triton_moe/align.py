@@ -261,6 +261,7 @@ def align_tokens(topk_ids_TK: torch.Tensor, num_experts: int, block_m: int,
     blk_chunk = max(1, min(64, 8192 // (NB * 2)))
     if path == "auto":
         path = auto_path(numel, B)
+    rp = min(triton.next_power_of_2(max(numel, 16)), SMALL_CHUNK_ROWS)  # ids read at a time (one program, ranked)
     if path == "ranked":
         chunk = RANKED_CHUNK_ROWS
         progs = max(triton.cdiv(numel, chunk), triton.cdiv(B, RANKED_MAX_BLOCKS))
@@ -268,7 +269,7 @@ def align_tokens(topk_ids_TK: torch.Tensor, num_experts: int, block_m: int,
         bases = torch.empty(progs, NB, dtype=torch.int32, device=dev)
         _align_ranked_kernel[(progs,)](ids, emap, sorted_ids, expert_ids, npp, bases, numel, num_experts, B,
                                        per_prog, BLOCK_M=block_m, NB=NB,
-                                       RP=min(triton.next_power_of_2(max(numel, 16)), SMALL_CHUNK_ROWS),
+                                       RP=rp,
                                        CHUNK=chunk, BPP=triton.next_power_of_2(per_prog), HAS_MAP=has_map,
                                        num_warps=4, **pdl_launch(ids))
         return sorted_ids, expert_ids, npp
@@ -276,7 +277,7 @@ def align_tokens(topk_ids_TK: torch.Tensor, num_experts: int, block_m: int,
         cursor = torch.empty(NB, dtype=torch.int32, device=dev)
         _align_small_kernel[(1,)](ids, emap, sorted_ids, expert_ids, npp, cursor, numel,
                                   num_experts, P, B, BLOCK_M=block_m, NB=NB,
-                                  RP=min(triton.next_power_of_2(max(numel, 16)), SMALL_CHUNK_ROWS),
+                                  RP=rp,
                                   BP=triton.next_power_of_2(B + 1), CHUNK=4096,
                                   HAS_MAP=has_map, num_warps=8, **pdl_launch(ids))
         return sorted_ids, expert_ids, npp

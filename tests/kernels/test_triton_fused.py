@@ -437,26 +437,37 @@ def _llama4(path):  # interleaved Llama-3-scaled RoPE
     return save_llama4_checkpoint(make_llama4_model(rope_parameters=LLAMA3_ROPE), path)
 
 
-@pytest.mark.skipif(not INTERPRET or CUDA, reason="forces the fused kernels on the CPU through the interpreter")
-@pytest.mark.parametrize("family,gates", [(_qwen3, GATED), (_deepseek, GATED[:2]), (_llama4, GATED[:2])],
-                         ids=["qwen3_moe", "deepseek_v3", "llama4"])
-def test_models_generate_same_tokens_with_fused_paths(family, gates, tmp_path, monkeypatch):
+def generate_small(path):
+    """Greedy outputs (with logprobs) of three short prompts through small steps: chunked prefill."""
     from tests.factories import generate_greedy
 
-    path = family(str(tmp_path / "ckpt"))
-    kwargs = dict(max_model_len=64, max_num_batched_tokens=16, max_num_seqs=4, block_size=4)
-    _, _, reference = generate_greedy(path, [1, 13, 6], max_tokens=4, **kwargs)
-    calls = set()
-    for mod in GATED:
-        monkeypatch.setattr(mod, "use_triton_fused", lambda x, name=mod.__name__: calls.add(name) or True)
-    _, _, fused = generate_greedy(path, [1, 13, 6], max_tokens=4, **kwargs)
-    assert calls == {mod.__name__ for mod in gates}, "each fused path the family has ran"
-    for ref, out in zip(reference, fused):
+    return generate_greedy(path, [1, 13, 6], max_tokens=4, max_model_len=64, max_num_batched_tokens=16,
+                           max_num_seqs=4, block_size=4)[2]
+
+
+def assert_same_greedy_outputs(reference, outputs):
+    """The same greedy tokens, and their logprobs within 1e-4."""
+    for ref, out in zip(reference, outputs):
         a, b = ref.outputs[0], out.outputs[0]
         assert a.token_ids == b.token_ids
         ref_lp = torch.tensor([a.logprobs[i][t].logprob for i, t in enumerate(a.token_ids)])
         out_lp = torch.tensor([b.logprobs[i][t].logprob for i, t in enumerate(b.token_ids)])
         torch.testing.assert_close(out_lp, ref_lp, atol=1e-4, rtol=0)
+
+
+@pytest.mark.skipif(not INTERPRET or CUDA, reason="forces the fused kernels on the CPU through the interpreter")
+@pytest.mark.parametrize("family,gates", [(_qwen3, GATED), (_deepseek, GATED[:2]), (_llama4, GATED[:2])],
+                         ids=["qwen3_moe", "deepseek_v3", "llama4"])
+def test_models_generate_same_tokens_with_fused_paths(family, gates, tmp_path, monkeypatch):
+
+    path = family(str(tmp_path / "ckpt"))
+    reference = generate_small(path)
+    calls = set()
+    for mod in GATED:
+        monkeypatch.setattr(mod, "use_triton_fused", lambda x, name=mod.__name__: calls.add(name) or True)
+    fused = generate_small(path)
+    assert calls == {mod.__name__ for mod in gates}, "each fused path the family has ran"
+    assert_same_greedy_outputs(reference, fused)
 
 
 @pytest.mark.skipif(not INTERPRET or CUDA, reason="forces the Triton experts on the CPU through the interpreter")
@@ -467,11 +478,9 @@ def test_qwen3_moe_layer_output_is_summed_by_the_next_norm(tmp_path, monkeypatch
     import kernels.fused_moe as fused_moe_mod
     import kernels.triton_fused.rms_norm as rms_norm_mod
     import kernels.triton_moe.fused as triton_moe_fused
-    from tests.factories import generate_greedy
 
     path = _qwen3(str(tmp_path / "ckpt"))
-    kwargs = dict(max_model_len=64, max_num_batched_tokens=16, max_num_seqs=4, block_size=4)
-    _, _, reference = generate_greedy(path, [1, 13, 6], max_tokens=4, **kwargs)
+    reference = generate_small(path)
     summed_in_norm = []
     real = rms_norm_mod.rms_norm_topk_sum_triton
 
@@ -483,14 +492,9 @@ def test_qwen3_moe_layer_output_is_summed_by_the_next_norm(tmp_path, monkeypatch
     monkeypatch.setattr(triton_moe_fused, "DEFER_SUM_MIN_TOKENS", 2)  # this test's steps are small
     monkeypatch.setattr(fused_moe_mod, "_triton_usable", lambda x: True)
     monkeypatch.setattr(norm_mod, "use_triton_fused", lambda x: True)
-    _, _, fused = generate_greedy(path, [1, 13, 6], max_tokens=4, **kwargs)
+    fused = generate_small(path)
     assert summed_in_norm and all(len(shape) == 3 and shape[0] >= 2 and shape[1] > 1 for shape in summed_in_norm)
-    for ref, out in zip(reference, fused):
-        a, b = ref.outputs[0], out.outputs[0]
-        assert a.token_ids == b.token_ids
-        ref_lp = torch.tensor([a.logprobs[i][t].logprob for i, t in enumerate(a.token_ids)])
-        out_lp = torch.tensor([b.logprobs[i][t].logprob for i, t in enumerate(b.token_ids)])
-        torch.testing.assert_close(out_lp, ref_lp, atol=1e-4, rtol=0)
+    assert_same_greedy_outputs(reference, fused)
 
 
 # --- GPU: Qwen3-30B-A3B shapes, and CUDA-graph capture + replay -----------------------------
