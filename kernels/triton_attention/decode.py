@@ -18,6 +18,12 @@ its HG heads' P parts (kernels/last_program.py) instead of a second launch; with
 is a program's serial tail that costs more than the merge kernel's launch (measured on an H200,
 BENCHMARKS.md §3). MOE_DECODE_FUSED_MERGE=0 keeps the merge kernel everywhere, and
 MOE_DECODE_MAX_SPLITS caps P (A/B runs).
+
+With PREFETCH (small batches, kernels/l2_prefetch.py) the programs of KV head 0 ask L2 for the
+whole cache blocks (every KV head, K and V) of their split before the PDL wait: seq_lens and the
+block tables are step inputs written before the forward, and the older keys were written by
+earlier steps, so the addresses are final; the newest key, written by the kernel before, is
+fetched by the program's own load after the wait as ever.
 """
 from __future__ import annotations
 
@@ -27,6 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.l2_prefetch import l2_prefetch_lanes, prefetch_enabled
 from kernels.last_program import zeroed_counters
 from kernels.pdl import pdl_enter, pdl_launch
 from kernels.triton_attention.common import (
@@ -45,6 +52,26 @@ FUSED_MERGE = os.environ.get("MOE_DECODE_FUSED_MERGE", "1") != "0"
 # 0.22 ms a step; 16 splits at batch 1 cost 0.07 ms more than the merge kernel.
 FUSED_MERGE_MAX_SPLITS = 4
 MAX_SPLITS = int(os.environ.get("MOE_DECODE_MAX_SPLITS", "64"))
+# KV blocks are prefetched into L2 up to this many sequences (the whole KV of a large batch would
+# not stay in L2).
+PREFETCH_MAX_SEQS = 16
+NUM_WARPS = 4
+
+
+@triton.jit
+def _split_keys(seq_lens_ptr, b, split, chunk_size, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                USE_CHUNK: tl.constexpr):
+    """(L, k_begin, k_end): sequence b's length and the keys of its split (whole tiles, so every
+    split but the last few has the same work)."""
+    L = tl.load(seq_lens_ptr + b)
+    if USE_CHUNK:
+        k_lo = (tl.maximum(L - 1, 0) // chunk_size) * chunk_size
+    else:
+        k_lo = L * 0
+    tiles = tl.cdiv(L - k_lo, BLOCK_N)
+    per_split = tl.cdiv(tiles, NUM_SPLITS) * BLOCK_N
+    k_begin = k_lo + split * per_split
+    return L, k_begin, tl.minimum(k_begin + per_split, L)
 
 
 @triton.jit
@@ -54,21 +81,26 @@ def _decode_split_kernel(q_ptr, kv_ptr, bt_ptr, seq_lens_ptr, o_ptr, part_o_ptr,
                          HG: tl.constexpr, HG_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
                          D_PAD: tl.constexpr, BLOCK_N: tl.constexpr, S: tl.constexpr,
                          NUM_SPLITS: tl.constexpr, USE_CHUNK: tl.constexpr, FUSED_MERGE: tl.constexpr,
-                         PRECISION: tl.constexpr, UPCAST: tl.constexpr, USE_PDL: tl.constexpr):
-    pdl_enter(USE_PDL)
+                         PRECISION: tl.constexpr, UPCAST: tl.constexpr, USE_PDL: tl.constexpr,
+                         PREFETCH: tl.constexpr, LANES: tl.constexpr):
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    L = tl.load(seq_lens_ptr + b)
-    if USE_CHUNK:
-        k_lo = (tl.maximum(L - 1, 0) // chunk_size) * chunk_size
-    else:
-        k_lo = L * 0
-    # This split's keys: whole tiles, so every split but the last few has the same work.
-    tiles = tl.cdiv(L - k_lo, BLOCK_N)
-    per_split = tl.cdiv(tiles, NUM_SPLITS) * BLOCK_N
-    k_begin = k_lo + split * per_split
-    k_end = tl.minimum(k_begin + per_split, L)
+    bt_row_ptr = bt_ptr + b.to(tl.int64) * stride_btb
+    if PREFETCH:  # before the wait: see the module docstring
+        if kv_head == 0:
+            _, pf_begin, pf_end = _split_keys(seq_lens_ptr, b, split, chunk_size, BLOCK_N, NUM_SPLITS, USE_CHUNK)
+            blk_bytes = stride_blk * kv_ptr.dtype.element_ty.primitive_bitwidth // 8
+            last = tl.cdiv(pf_end, S)
+            for j0 in range(pf_begin // S, last, LANES):
+                j = j0 + tl.arange(0, LANES)
+                ok = j < last
+                blk = tl.load(bt_row_ptr + j * stride_btm, mask=ok, other=0).to(tl.int64)
+                nbytes = tl.where(ok, blk_bytes, 0)
+                l2_prefetch_lanes(kv_ptr + blk * stride_blk, nbytes)
+                l2_prefetch_lanes(kv_ptr + v_offset + blk * stride_blk, nbytes)
+    pdl_enter(USE_PDL)
+    L, k_begin, k_end = _split_keys(seq_lens_ptr, b, split, chunk_size, BLOCK_N, NUM_SPLITS, USE_CHUNK)
 
     r = tl.arange(0, HG_PAD)
     head = kv_head * HG + r
@@ -79,7 +111,6 @@ def _decode_split_kernel(q_ptr, kv_ptr, bt_ptr, seq_lens_ptr, o_ptr, part_o_ptr,
     q = tl.load(q_ptr + q_off[:, None] + dd[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
     qpos = r * 0 + (L - 1)
 
-    bt_row_ptr = bt_ptr + b.to(tl.int64) * stride_btb
     acc = tl.zeros([HG_PAD, D_PAD], dtype=tl.float32)
     m_i = tl.full([HG_PAD], NEG_BIG, dtype=tl.float32)
     l_i = tl.zeros([HG_PAD], dtype=tl.float32)
@@ -216,6 +247,7 @@ def paged_attention_decode_triton(q_BHd: torch.Tensor, kv_cache_2NSGd: torch.Ten
     else:
         part_o = part_lse = out_BHd  # unused
     counters = zeroed_counters("decode_merge", B * G, q_BHd.device) if fused_merge else seq_lens_B  # unused without
+    prefetch = B <= PREFETCH_MAX_SEQS and prefetch_enabled("ATTN", q_BHd)
     _decode_split_kernel[(B, G, num_splits)](
         q_BHd, kv_cache_2NSGd, block_tables_BM, seq_lens_B, out_BHd, part_o, part_lse, counters,
         q_BHd.stride(0), q_BHd.stride(1), out_BHd.stride(0), out_BHd.stride(1),
@@ -223,7 +255,8 @@ def paged_attention_decode_triton(q_BHd: torch.Tensor, kv_cache_2NSGd: torch.Ten
         N * S * G * d, S * G * d, G * d, scale * LOG2E, chunk_size or 1,
         HG=hg, HG_PAD=max(16, triton.next_power_of_2(hg)), HEAD_DIM=d, D_PAD=d_pad, BLOCK_N=block_n, S=S,
         NUM_SPLITS=num_splits, USE_CHUNK=chunk_size is not None, FUSED_MERGE=fused_merge,
-        PRECISION=precision, UPCAST=upcast, num_warps=4, num_stages=3, **pdl_launch(q_BHd))
+        PRECISION=precision, UPCAST=upcast, PREFETCH=prefetch, LANES=32 * NUM_WARPS,
+        num_warps=NUM_WARPS, num_stages=3, **pdl_launch(q_BHd))
     if num_splits > 1 and not fused_merge:
         _decode_merge_kernel[(B, H)](
             part_o, part_lse, out_BHd, out_BHd.stride(0), out_BHd.stride(1), H,

@@ -16,12 +16,19 @@ so every flat row is produced exactly once.
 FP8 (USE_FP8): weights e4m3 with block scales [E, ceil(N/GN), ceil(Kd/GK)] (dequant = q * s),
 activations e4m3 with per-(row, GK-group) scales; BLOCK_K must equal GK. gate_up then quantises
 h per (row, GN-group) in its epilogue, which needs BLOCK_N == GN there.
+
+PREFETCH (decode sizes, kernels/l2_prefetch.py): gate_up asks L2 for its gate and up slabs as
+soon as it knows its expert, so the copy engine streams the whole slab while the K loop runs;
+down asks for its slab before its PDL wait. Its expert id and the used-row count were written
+before gate_up started (alignment or router), so they are final there; they are read past L1.
+Both need weight rows that are contiguous (w_row_bytes = one row's bytes).
 """
 from __future__ import annotations
 
 import triton
 import triton.language as tl
 
+from kernels.l2_prefetch import l2_prefetch
 from kernels.pdl import pdl_enter
 
 
@@ -51,10 +58,10 @@ def gate_up_kernel(
     xs_ptr, ws_ptr, hs_ptr,
     N, Kd, num_valid, top_k, num_m_blocks,
     stride_xm, stride_xk, stride_we, stride_wn, stride_wk, stride_hm, stride_hn,
-    stride_xsm, stride_xsk, stride_wse, stride_wsn, stride_wsk, stride_hsm, stride_hsk,
+    stride_xsm, stride_xsk, stride_wse, stride_wsn, stride_wsk, stride_hsm, stride_hsk, w_row_bytes,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     GN: tl.constexpr, GK: tl.constexpr, USE_FP8: tl.constexpr, EVEN_K: tl.constexpr,
-    PRECISION: tl.constexpr, UPCAST: tl.constexpr, USE_PDL: tl.constexpr,
+    PRECISION: tl.constexpr, UPCAST: tl.constexpr, USE_PDL: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     pdl_enter(USE_PDL)
     pid_m, pid_n = _block_coords(num_m_blocks, N, BLOCK_N, GROUP_M)
@@ -63,6 +70,11 @@ def gate_up_kernel(
     e = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
     if e < 0:
         return
+    if PREFETCH:
+        gate_rows = w_ptr + e * stride_we + (pid_n * BLOCK_N) * stride_wn
+        slab_bytes = tl.minimum(N - pid_n * BLOCK_N, BLOCK_N) * w_row_bytes
+        l2_prefetch(gate_rows, slab_bytes)
+        l2_prefetch(gate_rows + N * stride_wn, slab_bytes)  # the up rows of the same columns
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rows = tl.load(sorted_ptr + offs_m)
     rmask = rows < num_valid
@@ -121,14 +133,20 @@ def down_kernel(
     hs_ptr, ws_ptr,
     N, Kd, num_valid, top_k, num_m_blocks,
     stride_hm, stride_hk, stride_we, stride_wn, stride_wk, stride_om, stride_on,
-    stride_hsm, stride_hsk, stride_wse, stride_wsn, stride_wsk,
+    stride_hsm, stride_hsk, stride_wse, stride_wsn, stride_wsk, w_row_bytes,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     GN: tl.constexpr, GK: tl.constexpr, USE_FP8: tl.constexpr, EVEN_K: tl.constexpr,
     SPLIT_K: tl.constexpr, ATOMIC: tl.constexpr,
-    PRECISION: tl.constexpr, UPCAST: tl.constexpr, USE_PDL: tl.constexpr,
+    PRECISION: tl.constexpr, UPCAST: tl.constexpr, USE_PDL: tl.constexpr, PREFETCH: tl.constexpr,
 ):
-    pdl_enter(USE_PDL)
     pid_m, pid_n = _block_coords(num_m_blocks, N, BLOCK_N, GROUP_M)
+    if PREFETCH:  # before the wait: see the module docstring
+        if pid_m * BLOCK_M < tl.load(npp_ptr, cache_modifier=".cg"):
+            e_early = tl.load(expert_ids_ptr + pid_m, cache_modifier=".cg").to(tl.int64)
+            if e_early >= 0:
+                l2_prefetch(w_ptr + e_early * stride_we + (pid_n * BLOCK_N) * stride_wn,
+                            tl.minimum(N - pid_n * BLOCK_N, BLOCK_N) * w_row_bytes)
+    pdl_enter(USE_PDL)
     if pid_m * BLOCK_M >= tl.load(npp_ptr):
         return
     e = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
