@@ -18,9 +18,6 @@ tiny launch sums the S partials in a fixed order (deterministic), adds the bias 
 Both launches are CUDA-graph capturable: no host sync, and the workspace size depends only on
 the shapes.
 
-With PREFETCH (kernels/l2_prefetch.py) the grid's first programs also ask L2 for the whole of W
-before the wait, in equal shares, so the programs that are not yet resident find their slabs there.
-
 Rounding: fp32 accumulation, bias added in fp32, rounded once to x's dtype (as cuBLAS does);
 only the fp32 summation order differs from torch's.
 """
@@ -32,14 +29,11 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.l2_prefetch import l2_prefetch_share, prefetch_enabled, prefetch_shares
 from kernels.pdl import pdl_enter, pdl_launch
 from kernels.triton_fused.common import check_float, check_same_device, interpreting, round_to, unit_last_stride
 
 MAX_M = 16
 DEFAULT_NUM_SMS = 132  # H200
-# A weight larger than this is not prefetched whole: it would not stay in the L2 (50 MB on an H200).
-PREFETCH_MAX_BYTES = 32 << 20
 
 
 class SkinnyConfig(NamedTuple):
@@ -120,15 +114,11 @@ def _skinny_step(acc, w, x_ptr, offs_k, k_mask, offs_m, m_mask, M, stride_xm,
 
 @triton.jit
 def _skinny_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, ws_ptr, M, N, K, k_per_split,
-                   stride_xm, stride_wn, stride_ym, w_bytes, num_shares,
+                   stride_xm, stride_wn, stride_ym,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                    USE_DOT: tl.constexpr, IS_SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr,
-                   EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, INTERPRET: tl.constexpr, USE_PDL: tl.constexpr,
-                   PREFETCH: tl.constexpr):
+                   EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, INTERPRET: tl.constexpr, USE_PDL: tl.constexpr):
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
-    if PREFETCH:
-        if (pid_k == 0) & (pid_n < num_shares):
-            l2_prefetch_share(w_ptr, w_bytes, pid_n, num_shares)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
     if EVEN_N:
@@ -228,15 +218,11 @@ def skinny_linear(x_MK: torch.Tensor, w_NK: torch.Tensor, bias_N: torch.Tensor |
     is_split = split_k > 1
     ws = torch.empty(split_k, M, N, dtype=torch.float32, device=x.device) if is_split else y
     bias = bias_N if bias_N is not None else y  # unused when HAS_BIAS is off
-    grid_n = triton.cdiv(N, cfg.block_n)
-    w_bytes = N * K * w_NK.element_size()
-    prefetch = (w_NK.stride(0) == K and w_bytes <= PREFETCH_MAX_BYTES and prefetch_enabled("SKINNY", x))
-    _skinny_kernel[(grid_n, split_k)](
+    _skinny_kernel[(triton.cdiv(N, cfg.block_n), split_k)](
         x, w_NK, bias, y, ws, M, N, K, k_per_split, x.stride(0), w_NK.stride(0), y.stride(0),
-        w_bytes, prefetch_shares(grid_n),
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, USE_DOT=cfg.use_dot, IS_SPLIT=is_split,
         HAS_BIAS=bias_N is not None, EVEN_K=K % k_per_split == 0,
-        EVEN_N=N % cfg.block_n == 0, INTERPRET=interpreting(), PREFETCH=prefetch,
+        EVEN_N=N % cfg.block_n == 0, INTERPRET=interpreting(),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(x))
     if is_split:
         block = min(1024, triton.next_power_of_2(M * N))
