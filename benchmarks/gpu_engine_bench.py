@@ -24,7 +24,7 @@ Stages:
            requests and an offline throughput run, each against its floor.
   profile  where a decode step's time goes at 256 and at 1 running requests: host time of each
            engine part, GPU time of one graph replay, and the top kernels of an eager step.
-  replay   (--runs replay1 replay32 replay256) the decode graph's GPU time alone, replayed back to
+  replay   (--runs replay1 replay16 replay32 replay256) the decode graph's GPU time alone, replayed back to
            back: the steady measure for A/B runs of changes inside the forward.
   timeline (--runs timeline1 timeline256) a few decode steps under the profiler: the device's busy
            and idle time per step against the wall time, and the kernels outside the layers.
@@ -416,6 +416,7 @@ def qwen3(results: dict, eager: bool, runs: list[str], tp: int = 1, record: bool
         "timeline256": lambda: step_timeline(llm, 256),
         "timeline1": lambda: step_timeline(llm, 1, steps=30),
         "replay1": lambda: graph_replay(llm, 1),
+        "replay16": lambda: graph_replay(llm, 16),
         "replay32": lambda: graph_replay(llm, 32),
         "replay256": lambda: graph_replay(llm, 256),
         "prefill8192": lambda: profile_prefill(llm),

@@ -21,9 +21,9 @@ MOE_DECODE_MAX_SPLITS caps P (A/B runs).
 
 With PREFETCH (small batches, kernels/l2_prefetch.py) the programs of KV head 0 ask L2 for the
 whole cache blocks (every KV head, K and V) of their split before the PDL wait: seq_lens and the
-block tables are step inputs written before the forward, and the older keys were written by
-earlier steps, so the addresses are final; the newest key, written by the kernel before, is
-fetched by the program's own load after the wait as ever.
+block tables are step inputs written before the forward, so the addresses are final then. The
+keys then come from L2 instead of HBM; the newest one, which the kernel before writes, is read
+after the wait as ever (a prefetch never changes what a load returns).
 """
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.l2_prefetch import l2_prefetch_lanes, prefetch_enabled
+from kernels.l2_prefetch import bulk_prefetch_supported, l2_prefetch_lanes
 from kernels.last_program import zeroed_counters
 from kernels.pdl import pdl_enter, pdl_launch
 from kernels.triton_attention.common import (
@@ -53,8 +53,9 @@ FUSED_MERGE = os.environ.get("MOE_DECODE_FUSED_MERGE", "1") != "0"
 FUSED_MERGE_MAX_SPLITS = 4
 MAX_SPLITS = int(os.environ.get("MOE_DECODE_MAX_SPLITS", "64"))
 # KV blocks are prefetched into L2 up to this many sequences (the whole KV of a large batch would
-# not stay in L2).
-PREFETCH_MAX_SEQS = 16
+# not stay in L2); in a batch-1 decode graph on an H200 it saved 0.03 ms a step (BENCHMARKS.md §3).
+# MOE_DECODE_PREFETCH=0: never (A/B runs).
+PREFETCH_MAX_SEQS = 16 if os.environ.get("MOE_DECODE_PREFETCH", "1") != "0" else 0
 NUM_WARPS = 4
 
 
@@ -247,7 +248,7 @@ def paged_attention_decode_triton(q_BHd: torch.Tensor, kv_cache_2NSGd: torch.Ten
     else:
         part_o = part_lse = out_BHd  # unused
     counters = zeroed_counters("decode_merge", B * G, q_BHd.device) if fused_merge else seq_lens_B  # unused without
-    prefetch = B <= PREFETCH_MAX_SEQS and prefetch_enabled("ATTN", q_BHd)
+    prefetch = B <= PREFETCH_MAX_SEQS and bulk_prefetch_supported(q_BHd)
     _decode_split_kernel[(B, G, num_splits)](
         q_BHd, kv_cache_2NSGd, block_tables_BM, seq_lens_B, out_BHd, part_o, part_lse, counters,
         q_BHd.stride(0), q_BHd.stride(1), out_BHd.stride(0), out_BHd.stride(1),

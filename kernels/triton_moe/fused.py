@@ -73,9 +73,6 @@ def _run(x_TD, w13_EFD, w2_EDF, topk_weights_TK, topk_ids_TK, expert_map_E, cfg,
         topk_w = topk_w.contiguous()
     use_fp8 = fp8 is not None
     GN, GK = block_shape if use_fp8 else (1, 1)
-    up_split = max(1, min(int(cfg.get("SPLIT_K", 1)), triton.cdiv(D, up["BLOCK_SIZE_K"])))
-    if up_split > 1 and use_fp8:
-        raise ValueError(f"a split gate_up (config SPLIT_K={up_split}) is for bf16/fp16/fp32 weights, not FP8")
     if use_fp8:
         w13_scale, w2_scale = fp8
         if up["BLOCK_SIZE_K"] != GK or down["BLOCK_SIZE_K"] != GK or up["BLOCK_SIZE_N"] != GK:
@@ -89,27 +86,22 @@ def _run(x_TD, w13_EFD, w2_EDF, topk_weights_TK, topk_ids_TK, expert_map_E, cfg,
         hs_strides = h_scale.stride()
     else:
         a_TD = x_TD
-        if up_split > 1:  # fp32 gate and up parts, summed and activated by the down GEMM
-            h = torch.empty(up_split, P, 2 * F, dtype=torch.float32, device=dev)
-        else:
-            h = torch.empty(P, F, dtype=x_TD.dtype, device=dev)
+        h = torch.empty(P, F, dtype=x_TD.dtype, device=dev)
         a_scale = w13_scale = w2_scale = h_scale = h  # unused placeholders
         xs_strides = ws13_strides = ws2_strides = hs_strides = (0, 0, 0)
     precision = "ieee" if x_TD.dtype == torch.float32 else "tf32"
     upcast = x_TD.dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1"
     pdl = pdl_launch(x_TD)
 
-    # h's row and column strides, and the stride between a split gate_up's parts
-    h_strides = (h.stride(-2), h.stride(-1), h.stride(0) if up_split > 1 else 0)
-    grid = (n_mb * triton.cdiv(F, up["BLOCK_SIZE_N"]), up_split)
+    grid = (n_mb * triton.cdiv(F, up["BLOCK_SIZE_N"]),)
     gate_up_kernel[grid](
         a_TD, w13_EFD, h, sorted_ids, expert_ids, npp, a_scale, w13_scale, h_scale,
         F, D, T * K, K, n_mb,
-        a_TD.stride(0), a_TD.stride(1), *w13_EFD.stride(), h_strides[0], h_strides[1],
-        xs_strides[0], xs_strides[1], *ws13_strides[:3], hs_strides[0], hs_strides[1], h_strides[2],
+        a_TD.stride(0), a_TD.stride(1), *w13_EFD.stride(), h.stride(0), h.stride(1),
+        xs_strides[0], xs_strides[1], *ws13_strides[:3], hs_strides[0], hs_strides[1],
         BLOCK_M=BM, BLOCK_N=up["BLOCK_SIZE_N"], BLOCK_K=up["BLOCK_SIZE_K"],
         GROUP_M=up["GROUP_SIZE_M"], GN=GN, GK=GK, USE_FP8=use_fp8,
-        EVEN_K=D % up["BLOCK_SIZE_K"] == 0, SPLIT_K=up_split, PRECISION=precision, UPCAST=upcast,
+        EVEN_K=D % up["BLOCK_SIZE_K"] == 0, PRECISION=precision, UPCAST=upcast,
         num_warps=up["num_warps"], num_stages=up["num_stages"], **pdl)
 
     # Plain: top-1 writes the output directly, top-k > 1 writes [T*K, D], then a sum over K.
@@ -125,11 +117,11 @@ def _run(x_TD, w13_EFD, w2_EDF, topk_weights_TK, topk_ids_TK, expert_map_E, cfg,
     down_kernel[grid](
         h, w2_EDF, out, sorted_ids, expert_ids, npp, topk_w, h_scale, w2_scale,
         D, F, T * K, K, n_mb,
-        h_strides[0], h_strides[1], *w2_EDF.stride(), out.stride(0), out.stride(1),
-        hs_strides[0], hs_strides[1], *ws2_strides[:3], h_strides[2],
+        h.stride(0), h.stride(1), *w2_EDF.stride(), out.stride(0), out.stride(1),
+        hs_strides[0], hs_strides[1], *ws2_strides[:3],
         BLOCK_M=BM, BLOCK_N=down["BLOCK_SIZE_N"], BLOCK_K=down["BLOCK_SIZE_K"],
         GROUP_M=down["GROUP_SIZE_M"], GN=GN, GK=GK, USE_FP8=use_fp8,
-        EVEN_K=F % down["BLOCK_SIZE_K"] == 0, SPLIT_K=split, ATOMIC=atomic, H_PARTS=up_split,
+        EVEN_K=F % down["BLOCK_SIZE_K"] == 0, SPLIT_K=split, ATOMIC=atomic,
         PRECISION=precision, UPCAST=upcast,
         num_warps=down["num_warps"], num_stages=down["num_stages"], **pdl)
     if atomic:

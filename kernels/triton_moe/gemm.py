@@ -13,12 +13,6 @@ padded order, so the down GEMM reads its A operand contiguously. Blocks whose ex
 skipped by gate_up and written as zeros by down (ATOMIC: skipped, the output starts at zero),
 so every flat row is produced exactly once.
 
-Split gate_up (config "SPLIT_K" > 1, bf16/fp16/fp32): at one token a grid of one program per
-(expert, column tile) leaves SMs idle, so SPLIT_K programs share each tile's D range and write
-fp32 partial gate and up sums to hpart_SP2F[s, p] (gate in columns [0, F), up in [F, 2F)). The
-down GEMM (H_PARTS = SPLIT_K) then sums the parts of its A tile and applies SiLU * up while
-loading it, rounding h to the weights' dtype as gate_up's epilogue would.
-
 FP8 (USE_FP8): weights e4m3 with block scales [E, ceil(N/GN), ceil(Kd/GK)] (dequant = q * s),
 activations e4m3 with per-(row, GK-group) scales; BLOCK_K must equal GK. gate_up then quantises
 h per (row, GN-group) in its epilogue, which needs BLOCK_N == GN there.
@@ -45,33 +39,6 @@ def _block_coords(num_m_blocks, N, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr)
 
 
 @triton.jit
-def _k_range(Kd, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
-    """[k_first, k_last): the K tiles of this program's split (grid axis 1); may be empty."""
-    k_tiles = tl.cdiv(Kd, BLOCK_K)
-    if SPLIT_K == 1:
-        return 0, k_tiles
-    k_per = tl.cdiv(k_tiles, SPLIT_K)
-    k_first = tl.program_id(1) * k_per
-    return k_first, tl.minimum(k_first + k_per, k_tiles)
-
-
-@triton.jit
-def _silu_mul(g, u):
-    return g / (1.0 + tl.exp(-g)) * u
-
-
-@triton.jit
-def _summed_silu_mul(g_ptrs, mask, up_offset, stride_hs, H_PARTS: tl.constexpr):
-    """SiLU(gate) * up of an A tile whose fp32 gate and up sums come in H_PARTS parts."""
-    g = tl.load(g_ptrs, mask=mask, other=0.0)
-    u = tl.load(g_ptrs + up_offset, mask=mask, other=0.0)
-    for s in tl.static_range(1, H_PARTS):
-        g += tl.load(g_ptrs + s * stride_hs, mask=mask, other=0.0)
-        u += tl.load(g_ptrs + s * stride_hs + up_offset, mask=mask, other=0.0)
-    return _silu_mul(g, u)
-
-
-@triton.jit
 def _dot(a, b, acc, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     if UPCAST:  # the CPU interpreter computes bf16 dots wrongly (triton 3.9); fp32 is exact there
         return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
@@ -84,9 +51,9 @@ def gate_up_kernel(
     xs_ptr, ws_ptr, hs_ptr,
     N, Kd, num_valid, top_k, num_m_blocks,
     stride_xm, stride_xk, stride_we, stride_wn, stride_wk, stride_hm, stride_hn,
-    stride_xsm, stride_xsk, stride_wse, stride_wsn, stride_wsk, stride_hsm, stride_hsk, stride_hs,
+    stride_xsm, stride_xsk, stride_wse, stride_wsn, stride_wsk, stride_hsm, stride_hsk,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    GN: tl.constexpr, GK: tl.constexpr, USE_FP8: tl.constexpr, EVEN_K: tl.constexpr, SPLIT_K: tl.constexpr,
+    GN: tl.constexpr, GK: tl.constexpr, USE_FP8: tl.constexpr, EVEN_K: tl.constexpr,
     PRECISION: tl.constexpr, UPCAST: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     pdl_enter(USE_PDL)
@@ -102,11 +69,9 @@ def gate_up_kernel(
     tok = (rows // top_k).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_bn = offs_n % N  # in-bounds weight rows; columns >= N are never stored
-    k_first, k_last = _k_range(Kd, BLOCK_K, SPLIT_K)
     offs_k = tl.arange(0, BLOCK_K)
-    k0 = k_first * BLOCK_K
-    a_ptrs = x_ptr + tok[:, None] * stride_xm + (k0 + offs_k)[None, :] * stride_xk
-    g_ptrs = w_ptr + e * stride_we + offs_bn[None, :] * stride_wn + (k0 + offs_k)[:, None] * stride_wk
+    a_ptrs = x_ptr + tok[:, None] * stride_xm + offs_k[None, :] * stride_xk
+    g_ptrs = w_ptr + e * stride_we + offs_bn[None, :] * stride_wn + offs_k[:, None] * stride_wk
     u_ptrs = g_ptrs + N * stride_wn
     if USE_FP8:
         xs_ptrs = xs_ptr + tok * stride_xsm
@@ -114,7 +79,7 @@ def gate_up_kernel(
         us_ptrs = ws_ptr + e * stride_wse + ((offs_bn + N) // GN) * stride_wsn
     acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k in range(k_first, k_last):
+    for k in range(0, tl.cdiv(Kd, BLOCK_K)):
         if EVEN_K:
             a = tl.load(a_ptrs, mask=rmask[:, None], other=0.0)
             g = tl.load(g_ptrs)
@@ -137,14 +102,9 @@ def gate_up_kernel(
         a_ptrs += BLOCK_K * stride_xk
         g_ptrs += BLOCK_K * stride_wk
         u_ptrs += BLOCK_K * stride_wk
+    h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
     nmask = offs_n < N
     h_ptrs = h_ptr + offs_m.to(tl.int64)[:, None] * stride_hm + offs_n[None, :] * stride_hn
-    if SPLIT_K > 1:  # fp32 parts, SiLU * up in the down GEMM (an empty split writes zeros)
-        h_ptrs += tl.program_id(1) * stride_hs
-        tl.store(h_ptrs, acc_g, mask=nmask[None, :])
-        tl.store(h_ptrs + N * stride_hn, acc_u, mask=nmask[None, :])
-        return
-    h = _silu_mul(acc_g, acc_u)
     if USE_FP8:
         h = tl.where(nmask[None, :], h, 0.0)
         h_s = tl.maximum(tl.max(tl.abs(h), axis=1), 1e-10) / 448.0
@@ -161,10 +121,10 @@ def down_kernel(
     hs_ptr, ws_ptr,
     N, Kd, num_valid, top_k, num_m_blocks,
     stride_hm, stride_hk, stride_we, stride_wn, stride_wk, stride_om, stride_on,
-    stride_hsm, stride_hsk, stride_wse, stride_wsn, stride_wsk, stride_hs,
+    stride_hsm, stride_hsk, stride_wse, stride_wsn, stride_wsk,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     GN: tl.constexpr, GK: tl.constexpr, USE_FP8: tl.constexpr, EVEN_K: tl.constexpr,
-    SPLIT_K: tl.constexpr, ATOMIC: tl.constexpr, H_PARTS: tl.constexpr,
+    SPLIT_K: tl.constexpr, ATOMIC: tl.constexpr,
     PRECISION: tl.constexpr, UPCAST: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     pdl_enter(USE_PDL)
@@ -189,7 +149,13 @@ def down_kernel(
                      mask=o_mask)
         return
     # SPLIT_K programs (grid axis 1) share this tile, each over its own run of k tiles
-    k_first, k_last = _k_range(Kd, BLOCK_K, SPLIT_K)
+    k_tiles = tl.cdiv(Kd, BLOCK_K)
+    k_first = 0
+    k_last = k_tiles
+    if SPLIT_K > 1:
+        k_per = tl.cdiv(k_tiles, SPLIT_K)
+        k_first = tl.program_id(1) * k_per
+        k_last = tl.minimum(k_first + k_per, k_tiles)
     k0 = k_first * BLOCK_K
     offs_bn = offs_n % N
     offs_k = tl.arange(0, BLOCK_K)
@@ -202,19 +168,11 @@ def down_kernel(
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in range(k_first, k_last):
         if EVEN_K:
-            kmask = offs_k < BLOCK_K
-        else:
-            kmask = offs_k < Kd - k * BLOCK_K
-        if H_PARTS > 1:
-            a = _summed_silu_mul(a_ptrs, rmask[:, None] & kmask[None, :], Kd * stride_hk, stride_hs,
-                                 H_PARTS).to(b_ptrs.dtype.element_ty)
-        elif EVEN_K:
             a = tl.load(a_ptrs)
-        else:
-            a = tl.load(a_ptrs, mask=kmask[None, :], other=0.0)
-        if EVEN_K:
             b = tl.load(b_ptrs)
         else:
+            kmask = offs_k < Kd - k * BLOCK_K
+            a = tl.load(a_ptrs, mask=kmask[None, :], other=0.0)
             b = tl.load(b_ptrs, mask=kmask[:, None], other=0.0)
         if USE_FP8:
             kg = (k * BLOCK_K) // GK

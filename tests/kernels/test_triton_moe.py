@@ -165,34 +165,15 @@ def test_atomic_sum_and_split_k_match_reference(T, D, F, E, K, dtype, down):
 
 
 @needs_triton_device
-@pytest.mark.parametrize("T,D,F,E,K", [
-    (1, 40, 24, 8, 3),      # one token: each row its own block
-    (19, 24, 40, 4, 2),     # D=24 is two K tiles of 16: with 3 splits the last has none
-    (33, 48, 32, 1, 1)])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("up_split,down", [(2, {}), (3, {}), (2, {"SPLIT_K": 2})])
-def test_split_gate_up_matches_reference(T, D, F, E, K, dtype, up_split, down):
-    """gate_up over D split into parts summed by the down GEMM, which applies SiLU * up."""
-    x, w13, w2, tw, ti = make_inputs(T, D, F, E, K, dtype, seed=6, empty_expert=E - 1 if E > 2 else None)
-    cfg = dict(SMALL_CFG, SPLIT_K=up_split, down=down)
-    out = fused_experts_triton(x, w13, w2, tw, ti, config=cfg)
-    ref = fused_experts_torch(x, w13, w2, tw, ti)
-    assert out.shape == (T, D) and out.dtype == dtype
-    assert rel(out, ref) < TOL[dtype]
-    unsplit = fused_experts_triton(x, w13, w2, tw, ti, config=dict(SMALL_CFG, down=down))
-    assert rel(out, unsplit) < TOL[dtype] / 4, "only the order of the fp32 sums differs"
-
-
-@needs_triton_device
-@pytest.mark.parametrize("up_split,down", [(1, {}), (1, {"SPLIT_K": 2}), (2, {})])
+@pytest.mark.parametrize("down", [{}, {"SPLIT_K": 2}])
 @pytest.mark.parametrize("K", [1, 2])
-def test_expert_map_with_remote_experts(K, up_split, down):
+def test_expert_map_with_remote_experts(K, down):
     E_global, E = 8, 3
     emap = torch.full((E_global,), -1, dtype=torch.int32)
     emap[torch.tensor([1, 4, 6])] = torch.arange(E, dtype=torch.int32)
     x, w13, w2, tw, ti = make_inputs(21, 40, 24, E, K, torch.float32, expert_map=emap)
     emap = emap.to(DEV)
-    cfg = dict(SMALL_CFG, SPLIT_K=up_split, down=down)
+    cfg = dict(SMALL_CFG, down=down)
     out = fused_experts_triton(x, w13, w2, tw, ti, emap, config=cfg)
     ref = fused_experts_torch(x, w13, w2, tw, ti, emap)
     assert rel(out, ref) < 1e-5
@@ -251,16 +232,6 @@ def test_fp8_matches_dequantised_reference(T, D, F, E, K, down, monkeypatch):
 
 
 @needs_triton_device
-def test_split_gate_up_refuses_fp8():
-    from kernels.reference_fp8 import quantize_block_fp8
-    x, w13, w2, tw, ti = make_inputs(1, 256, 128, 2, 1, torch.bfloat16)
-    q13, s13 = quantize_block_fp8(w13.float().cpu(), (128, 128))
-    q2, s2 = quantize_block_fp8(w2.float().cpu(), (128, 128))
-    with pytest.raises(ValueError, match="split gate_up"):
-        fused_experts_triton_fp8(x, q13.to(DEV), q2.to(DEV), s13.to(DEV), s2.to(DEV), tw, ti,
-                                 config=dict(FP8_CFG, SPLIT_K=2))
-
-
 def test_group_quant_kernel():
     from kernels.triton_moe.quant import per_token_group_quant_fp8, per_token_group_quant_torch
     x = torch.randn(5, 200, device=DEV)
@@ -373,17 +344,6 @@ def test_real_shapes_split_k_gpu(E, D, F, K, split, T):
     x, w13, w2, tw, ti = make_inputs(T, D, F, E, K, torch.bfloat16, seed=T + 1)
     cfg = {"BLOCK_SIZE_M": 16, "BLOCK_SIZE_N": 64, "BLOCK_SIZE_K": 128, "GROUP_SIZE_M": 1,
            "num_warps": 4, "num_stages": 3, "down": {"SPLIT_K": split}}
-    out = fused_experts_triton(x, w13, w2, tw, ti, config=cfg)
-    assert rel(out, fused_experts_torch(x, w13, w2, tw, ti)) < 1e-2
-
-
-@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
-@pytest.mark.parametrize("up_split", [2, 4])
-@pytest.mark.parametrize("T", [1, 3, 16])
-def test_real_shapes_split_gate_up_gpu(up_split, T):
-    x, w13, w2, tw, ti = make_inputs(T, 2048, 768, 128, 8, torch.bfloat16, seed=T + 2)
-    cfg = {"BLOCK_SIZE_M": 16, "BLOCK_SIZE_N": 64, "BLOCK_SIZE_K": 128, "GROUP_SIZE_M": 1,
-           "num_warps": 4, "num_stages": 4, "SPLIT_K": up_split}
     out = fused_experts_triton(x, w13, w2, tw, ti, config=cfg)
     assert rel(out, fused_experts_torch(x, w13, w2, tw, ti)) < 1e-2
 
