@@ -15,24 +15,20 @@ Off under the Triton interpreter and on GPUs before compute capability 9 (no bul
 """
 from __future__ import annotations
 
-import functools
 import os
 
 import torch
 import triton
 import triton.language as tl
 
-
-@functools.lru_cache(maxsize=None)
-def _device_has_bulk_copies(index: int) -> bool:
-    return torch.version.hip is None and torch.cuda.get_device_capability(index)[0] >= 9
+from kernels import pdl
 
 
 def bulk_prefetch_supported(t: torch.Tensor) -> bool:
     """Whether kernels on t's device can issue bulk L2 prefetches (compiled, not interpreted)."""
     if not t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1":
         return False
-    return _device_has_bulk_copies(t.device.index if t.device.index is not None else torch.cuda.current_device())
+    return pdl.hopper_or_later(t.device.index if t.device.index is not None else torch.cuda.current_device())
 
 
 @triton.jit

@@ -25,8 +25,9 @@ import triton.language as tl
 
 
 @functools.lru_cache(maxsize=None)
-def _device_supports_pdl(index: int) -> bool:
-    # NVIDIA only: ROCm reports its own capability numbers and has no griddepcontrol.
+def hopper_or_later(index: int) -> bool:
+    """An NVIDIA GPU of compute capability 9 or later (griddepcontrol, bulk copies). ROCm reports
+    its own capability numbers and has neither."""
     return torch.version.hip is None and torch.cuda.get_device_capability(index)[0] >= 9
 
 
@@ -34,7 +35,7 @@ def pdl_enabled(t: torch.Tensor) -> bool:
     """Whether kernels on t's device launch with PDL."""
     if not t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1" or os.environ.get("MOE_PDL", "1") == "0":
         return False
-    return _device_supports_pdl(t.device.index if t.device.index is not None else torch.cuda.current_device())
+    return hopper_or_later(t.device.index if t.device.index is not None else torch.cuda.current_device())
 
 
 def pdl_launch(t: torch.Tensor) -> dict:

@@ -27,13 +27,13 @@ COMPILE_SCRIPT = Path(__file__).with_name("compile_sm90.py")
 def test_supported_only_compiled_on_gpus_with_bulk_copies(monkeypatch):
     gpu_tensor = SimpleNamespace(is_cuda=True, device=SimpleNamespace(index=0))
     assert not l2_prefetch.bulk_prefetch_supported(torch.zeros(1))
-    monkeypatch.setattr(l2_prefetch, "_device_has_bulk_copies", lambda index: True)
+    monkeypatch.setattr(l2_prefetch.pdl, "hopper_or_later", lambda index: True)
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     assert l2_prefetch.bulk_prefetch_supported(gpu_tensor)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert not l2_prefetch.bulk_prefetch_supported(gpu_tensor)
     monkeypatch.delenv("TRITON_INTERPRET")
-    monkeypatch.setattr(l2_prefetch, "_device_has_bulk_copies", lambda index: False)
+    monkeypatch.setattr(l2_prefetch.pdl, "hopper_or_later", lambda index: False)
     assert not l2_prefetch.bulk_prefetch_supported(gpu_tensor)
 
 
