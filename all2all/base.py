@@ -12,7 +12,7 @@ A MoE block on every rank of the EP group runs, in the same order on all ranks:
 
 `dispatch` and `combine` are collectives over the EP group: every rank must call them, even one
 with T == 0 (a rank without work runs a dummy batch so the collectives never hang; see
-moe/model_runner.py and docs/architecture.md).
+moe/worker/model_runner.py and docs/architecture.md).
 """
 from __future__ import annotations
 

@@ -11,7 +11,7 @@ P ranks (= EP size), R rows a rank's experts receive, G expert groups, TG groups
 Every rank holds E/P whole experts (linear placement: rank p holds experts [p*E/P, (p+1)*E/P);
 with G == P each expert group is one rank's experts, so group-limited routing sends a token to at
 most TG ranks), dummy bf16 weights, and its own T random tokens. One step is what
-moe/moe_block.py runs per MoE layer:
+models/layers/moe.py runs per MoE layer:
 
   router    gate logits (fp32 [E, D] weight) -> routing.grouped_topk (sigmoid, correction bias,
             group-limited, renormalised, x routed_scaling_factor)

@@ -78,7 +78,7 @@ def zero_router_bias_on_dummy_init() -> None:
     import torch
 
     import models.loader as loader
-    import moe.worker as worker
+    import moe.worker.worker as worker
     orig = loader.init_dummy_weights
     if getattr(orig, "zeroes_router_bias", False):
         return

@@ -1,4 +1,4 @@
-"""A/B of the CPU path's malloc settings (moe/cpu_memory.py): MOE_CPU_KEEP_FREED_MEMORY = 1 / 0,
+"""A/B of the CPU path's malloc settings (moe/worker/cpu_memory.py): MOE_CPU_KEEP_FREED_MEMORY = 1 / 0,
 alternating, a fresh process each, on the workload of `moe bench engine-cpu` (the built-in
 tiny-qwen3-moe, 64 prompts x 128 random ids, float32, no prefix caching): the time of the step
 that prefills all 64 prompts (8,192 tokens) and the median decode step of 64 requests.

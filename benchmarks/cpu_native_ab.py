@@ -40,10 +40,10 @@ def kernels_side_by_side() -> dict:
 
     import kernels.cpu_attention as cpu_attention
     from kernels import cpu_experts, cpu_native
-    from moe.cpu_memory import keep_freed_memory
     from models.config import RopeConfig
     from models.layers.norm import RMSNorm
     from models.layers.rotary import RotaryEmbedding
+    from moe.worker.cpu_memory import keep_freed_memory
     from tests.kernels.attention_cases import paged_batch
 
     keep_freed_memory()  # as a CPU worker does (fresh activations without page faults)

@@ -53,7 +53,7 @@ if ROOT not in sys.path:  # run as a script: this checkout's packages, not an in
 
 from moe import LLM, SamplingParams  # noqa: E402
 from moe.bench.common import QWEN3_30B_A3B  # noqa: E402
-from moe.expert_load_file import balancedness_of  # noqa: E402
+from moe.expert_load.recording import balancedness_of  # noqa: E402
 
 NO_AUTOMATIC_REBALANCE = 10**9
 
@@ -152,7 +152,7 @@ def compare_tokens(a: dict, b: dict) -> dict:
 # ---- the cases ----------------------------------------------------------------------------
 def _engine_kwargs(args: argparse.Namespace, model: str) -> dict:
     dp = args.data_parallel_size
-    from moe.model_info import resolve_model_path
+    from moe.engine.model_info import resolve_model_path
 
     path = resolve_model_path(model)  # a config-only folder has no weights: dummy ones
     has_weights = os.path.isdir(path) and any(f.endswith(".safetensors") for f in os.listdir(path))
@@ -224,7 +224,7 @@ def _dummy_qwen3_30b(max_model_len: int) -> str:
 
 def _vocab_size(model: str) -> int:
     from models.registry import load_model_config
-    from moe.model_info import resolve_model_path
+    from moe.engine.model_info import resolve_model_path
 
     return load_model_config(resolve_model_path(model))[1].vocab_size
 

@@ -98,7 +98,7 @@ class Costs:
     def __init__(self, llm: LLM) -> None:
         from models.layers.attention import Attention
         from models.layers.mla_attention import MLAAttention
-        from moe.moe_block import FusedMoE
+        from models.layers.moe import FusedMoE
 
         runner = llm.llm_engine.executor.runner
         model, cfg = runner.model, llm.llm_engine.model_config

@@ -75,7 +75,7 @@ class _Tok:
     """The project's tokenizer wrapper over the folder's tokenizer.json."""
 
     def __new__(cls, folder: str):
-        from moe.tokenizer import Tokenizer
+        from moe.engine.tokenizer import Tokenizer
         return Tokenizer(folder)
 
 

@@ -87,7 +87,7 @@ def offline_worker(argv: list[str]) -> int:
     from moe import LLM, SamplingParams
     from moe.bench.engine_workload import add_engine_args, engine_kwargs_from_args
     from moe.bench.serve import build_parser as bench_parser, random_requests
-    from moe.tokenizer import Tokenizer
+    from moe.engine.tokenizer import Tokenizer
 
     split = argv.index("--")
     out_json, tokenizer_dir, workload = argv[0], argv[1], argv[2:split]
@@ -150,8 +150,9 @@ class Server:
         self.log_path = log_path
         self.log = open(log_path, "w")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "moe.cli", "serve", checkpoint, "--host", "127.0.0.1", "--port", str(self.port),
-             "--api-server-count", str(api_servers), "--uvicorn-log-level", "warning", *engine_cli],
+            [sys.executable, "-m", "moe.entrypoints.cli", "serve", checkpoint, "--host", "127.0.0.1",
+             "--port", str(self.port), "--api-server-count", str(api_servers), "--uvicorn-log-level", "warning",
+             *engine_cli],
             cwd=ROOT, env=_env(), stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
 
     def wait_healthy(self, timeout_s: float) -> float:
@@ -195,8 +196,9 @@ def run_serving(args, api_servers: int, engine_cli: list[str], tokenizer: str, d
     server = Server(args.checkpoint, api_servers, engine_cli, os.path.join(args.out_dir, f"{name}_server.log"))
     try:
         startup_s = server.wait_healthy(deadline.cap(args.startup_timeout_s))
-        cmd = [sys.executable, "-m", "moe.cli", "bench", "serve", "--base-url", server.url, "--tokenizer", tokenizer,
-               "--prompt-format", "text", *workload_args(args), "--request-rate", "inf", "--disable-tqdm",
+        cmd = [sys.executable, "-m", "moe.entrypoints.cli", "bench", "serve", "--base-url", server.url,
+               "--tokenizer", tokenizer, "--prompt-format", "text", *workload_args(args), "--request-rate", "inf",
+               "--disable-tqdm",
                "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99",
                "--timeout", str(args.phase_timeout_s), "--save-result", "--result-dir", args.out_dir,
                "--result-filename", f"{name}.json"]

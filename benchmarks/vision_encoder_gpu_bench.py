@@ -42,7 +42,7 @@ if ROOT not in sys.path:  # run as a script (torchrun): this checkout's packages
     sys.path.insert(0, ROOT)
 
 from models.llama4_vision import MM_ENCODER_TP_MODES, Llama4VisionConfig, Llama4VisionEncoder  # noqa: E402
-from moe.distributed import ParallelLayout, init_parallel_state, reset_parallel_state  # noqa: E402
+from models.parallel.state import ParallelLayout, init_parallel_state, reset_parallel_state  # noqa: E402
 
 # Llama-4 Scout (meta-llama/Llama-4-Scout-17B-16E) vision_config; text hidden from its text_config.
 SCOUT_VISION = dict(hidden_size=1408, intermediate_size=5632, num_hidden_layers=34, num_attention_heads=16,

@@ -20,11 +20,11 @@ from models.layers.decoder import DecoderForCausalLM, DecoderStack, PreNormDecod
 from models.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from models.layers.mla_attention import MLAAttention, MLAConfig
 from models.layers.mlp import SwiGLUMLP
+from models.layers.moe import FusedMoE, MoEBlock, MoEParallelConfig
 from models.layers.norm import RMSNorm
 from models.layers.weights import ReplicatedLoader, attach_loader, new_param
 from models.loader import GATE_UP_RULES, NameRule
-from moe.moe_block import FusedMoE, MoEBlock, MoEParallelConfig
-from moe.pipeline import (skip_other_stage_tensor, tied_lm_head_rules)
+from models.parallel.pipeline import skip_other_stage_tensor, tied_lm_head_rules
 from routing.grouped_topk import grouped_topk
 from routing.router import RouterOutput
 

@@ -13,7 +13,7 @@ weight's own ParamLoader (TP/EP slicing unchanged). A weight whose scale never a
 reported missing by its scale's name.
 
 FP8 routed experts: where `Fp8BlockConfig.keep_experts` is set, the model's FusedMoE layers keep
-the fp8 weights and own their scales (moe/moe_block.py), and the Triton FP8 kernel reads them.
+the fp8 weights and own their scales (models/layers/moe.py), and the Triton FP8 kernel reads them.
 """
 from __future__ import annotations
 

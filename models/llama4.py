@@ -32,13 +32,17 @@ from models.layers.decoder import DecoderStack, PreNormDecoderLayer, make_lm_hea
 from models.layers.embedding import ParallelLMHead
 from models.layers.linear import QKVParallelLinear, ReplicatedLinear, RowParallelLinear
 from models.layers.mlp import SwiGLUMLP
+from models.layers.moe import ExpertWeightLoader, FusedMoE, MoEBlock, MoEParallelConfig
 from models.layers.norm import RMSNorm
 from models.layers.rotary import get_rope
-from models.llama4_vision import VISION_CHECKPOINT_PREFIXES, Llama4VisionConfig, Llama4VisionEncoder, \
-    merge_image_features
+from models.llama4_vision import (
+    VISION_CHECKPOINT_PREFIXES,
+    Llama4VisionConfig,
+    Llama4VisionEncoder,
+    merge_image_features,
+)
 from models.loader import GATE_UP_RULES, QKV_RULES, NameRule
-from moe.moe_block import ExpertWeightLoader, FusedMoE, MoEBlock, MoEParallelConfig
-from moe.pipeline import IntermediateTensors, first_stage, skip_other_stage_tensor, tied_lm_head_rules
+from models.parallel.pipeline import IntermediateTensors, first_stage, skip_other_stage_tensor, tied_lm_head_rules
 from routing.llama4_router import llama4_topk
 
 logger = logging.getLogger("moe.models.llama4")
@@ -234,7 +238,7 @@ class Llama4ForCausalLM(nn.Module):
     the vision tower's tensors are skipped unless `config.load_vision` (then `vision_encoder`
     holds the tower, on the first pipeline stage, and `embed_with_images` merges its features)."""
     config_class = Llama4TextConfig
-    supports_pp = True  # builds only its pipeline stage (moe/pipeline.py)
+    supports_pp = True  # builds only its pipeline stage (models/parallel/pipeline.py)
 
     def __init__(self, cfg: Llama4TextConfig, moe_parallel: MoEParallelConfig | None = None) -> None:
         super().__init__()

@@ -42,7 +42,7 @@ from torch import nn
 from kernels.triton_fused import fused_kernels_serve
 from models.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from models.layers.weights import ReplicatedLoader, attach_loader, new_param
-from moe.distributed import get_parallel_state, tp_all_gather_rows, tp_row_chunk
+from models.parallel.state import get_parallel_state, tp_all_gather_rows, tp_row_chunk
 
 # Top-level checkpoint prefixes of the vision tower of a Llama4ForConditionalGeneration checkpoint.
 VISION_CHECKPOINT_PREFIXES = ("vision_model.", "multi_modal_projector.")

@@ -15,11 +15,11 @@ from models.layers.attention import Attention
 from models.layers.decoder import DecoderForCausalLM, DecoderStack, PreNormDecoderLayer
 from models.layers.linear import QKVParallelLinear, ReplicatedLinear, RowParallelLinear
 from models.layers.mlp import SwiGLUMLP
+from models.layers.moe import FusedMoE, MoEBlock, MoEParallelConfig
 from models.layers.norm import RMSNorm
 from models.layers.rotary import get_rope
 from models.loader import GATE_UP_RULES, QKV_RULES, NameRule
-from moe.moe_block import FusedMoE, MoEBlock, MoEParallelConfig
-from moe.pipeline import (skip_other_stage_tensor, tied_lm_head_rules)
+from models.parallel.pipeline import skip_other_stage_tensor, tied_lm_head_rules
 from routing import softmax_topk
 
 

@@ -1,7 +1,14 @@
 """moe-runtime: an inference runtime for Mixture-of-Experts language models.
 
-The public names load on first use (PEP 562), so that the model code's building blocks in this
-package (moe.distributed, moe.pipeline, moe.moe_block) import without the engine.
+The public names load on first use (PEP 562): `import moe` (and so the `moe` command's `--help`)
+stays fast, and a subpackage imports without the whole engine.
+
+Subpackages, by the process that runs them (docs/architecture.md has the picture):
+  entrypoints/  the user's process: LLM, the `moe` command, the server's API processes
+  engine/       input processing, the engine core (its own process under `moe serve`), output processing
+  worker/       executors, the worker and its model runner (one process per rank when there are several)
+  expert_load/  expert-load counters (worker), totals and recording windows (engine core), the file
+  multimodal/   image inputs and their caches;  dashboard/  the expert-load page;  bench/  `moe bench`
 """
 from __future__ import annotations
 
@@ -11,7 +18,7 @@ __all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logpro
 __version__ = "0.1.0"
 
 _LAZY = {
-    "LLM": "moe.llm",
+    "LLM": "moe.entrypoints.llm",
     "SamplingParams": "moe.sampling_params",
     "RequestOutput": "moe.outputs",
     "CompletionOutput": "moe.outputs",

@@ -3,7 +3,7 @@
 `StepFailure` is what a model runner raises when it can tell which requests of a step broke it
 (e.g. one request's sampling parameters): the engine then finishes exactly those with an error
 and the rest of the batch goes on. Any other exception from a step is isolated by the engine
-itself (moe/engine.py, `LLMEngine._recover_from_failed_step`).
+itself (moe/engine/llm_engine.py, `LLMEngine._recover_from_failed_step`).
 
 `RequestFailed` is what `LLM.generate` raises for a prompt whose request the engine finished with
 `finish_reason="error"`.

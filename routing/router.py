@@ -31,7 +31,7 @@ def softmax_topk(router_logits_TE: torch.Tensor, top_k: int, renormalize: bool,
     lowest expert id first, where torch.topk's order is unspecified.
 
     out_ids: a contiguous [T, top_k] int32 tensor that receives the ids (the expert-load counters'
-    step buffer, counted once per step for all layers: moe/expert_counters.py)."""
+    step buffer, counted once per step for all layers: moe/expert_load/counters.py)."""
     E = router_logits_TE.shape[-1]
     if router_logits_TE.dim() == 2 and E <= 512 and top_k <= 16 and use_triton_fused(router_logits_TE):
         from kernels.triton_fused.router import softmax_topk_triton

@@ -8,8 +8,8 @@ import sys
 
 
 def run_moe(*args, env=None):
-    return subprocess.run([sys.executable, "-m", "moe.cli", *args], capture_output=True, text=True, timeout=300,
-                          env={**os.environ, **(env or {})})
+    return subprocess.run([sys.executable, "-m", "moe.entrypoints.cli", *args], capture_output=True, text=True,
+                          timeout=300, env={**os.environ, **(env or {})})
 
 
 def test_generate_on_builtin_tiny_model(tmp_path):

@@ -1,58 +1,89 @@
-"""The model code and its building blocks import nothing of the engine: importing any file under
-models/ (or moe.distributed / moe.pipeline / moe.moe_block) in a fresh interpreter loads none of
-the engine's modules, nor prometheus_client."""
+"""The packages form a DAG, read from the source (AST), not by importing: kernels and scheduler
+at the bottom, then routing, all2all, models, and moe on top. A package imports only packages of
+a lower level, at any depth: function-local imports and importlib.import_module / __import__
+with a constant name count too. So models/ never imports moe/, and moe/ keeps its top level small."""
 from __future__ import annotations
 
-import json
+import ast
 import os
-import subprocess
-import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ENGINE_MODULES = ["moe.llm", "moe.engine", "moe.executor", "moe.parallel_executor", "moe.model_runner",
-                  "moe.worker", "moe.metrics", "moe.cli", "moe.bench", "prometheus_client"]
-BUILDING_BLOCKS = ["moe.distributed", "moe.pipeline", "moe.moe_block"]
-
-# One interpreter imports the modules one after another and reports, after each, which engine
-# modules are loaded: a module that pulls in the engine shows up at its own step (the steps
-# before it found none, so nothing was loaded yet).
-_PROBE = """
-import importlib, json, sys
-found = {}
-for name in json.loads(sys.argv[1]):
-    importlib.import_module(name)
-    found[name] = sorted(m for m in json.loads(sys.argv[2]) if m in sys.modules)
-print(json.dumps(found))
-"""
+LEVEL = {"kernels": 0, "scheduler": 0, "routing": 1, "all2all": 2, "models": 3, "moe": 4}
+MAX_TOP_LEVEL_MOE_FILES = 16  # moe/*.py, __init__.py included: the rest lives in subpackages
+_IMPORT_FUNCS = {"import_module", "__import__"}
 
 
-def _model_modules() -> list[str]:
-    names = []
-    for folder, _, files in os.walk(os.path.join(ROOT, "models")):
-        for f in sorted(files):
-            if f.endswith(".py"):
-                rel = os.path.relpath(os.path.join(folder, f), ROOT)[:-3]
-                names.append(rel.replace(os.sep, ".").removesuffix(".__init__"))
-    return sorted(names)
+def imported_modules(source: str) -> list[tuple[int, str]]:
+    """(line, absolute module name) of every import in `source`: import statements anywhere in
+    the file, and import_module("x") / __import__("x") calls with a constant name."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            found.append((node.lineno, node.module))
+        elif isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant) \
+                and isinstance(node.args[0].value, str):
+            func = node.func
+            name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)
+            if name in _IMPORT_FUNCS:
+                found.append((node.lineno, node.args[0].value))
+    return found
 
 
-def test_model_files_load_no_engine_module():
-    modules = BUILDING_BLOCKS + _model_modules()
-    assert "models.qwen3_moe" in modules and "models.layers.linear" in modules  # the walk found the files
-    out = subprocess.run([sys.executable, "-c", _PROBE, json.dumps(modules), json.dumps(ENGINE_MODULES)],
-                         cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr
-    found = json.loads(out.stdout)
-    assert list(found) == modules
-    loaded = {name: engine for name, engine in found.items() if engine}
-    assert loaded == {}, f"importing these loads engine modules: {loaded}"
+def layering_violations(package: str, files: dict[str, str]) -> list[str]:
+    """'path:line imports module' for each import of a package at the same or a higher level."""
+    out = []
+    for path, source in sorted(files.items()):
+        for line, module in imported_modules(source):
+            top = module.split(".")[0]
+            if top in LEVEL and top != package and LEVEL[top] >= LEVEL[package]:
+                out.append(f"{path}:{line} imports {module}")
+    return out
 
 
-def test_probe_detects_an_engine_import():
-    """The probe itself can fail: importing moe.llm reports the engine modules."""
-    out = subprocess.run([sys.executable, "-c", _PROBE, json.dumps(["moe.distributed", "moe.llm"]),
-                          json.dumps(ENGINE_MODULES)], cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr
-    found = json.loads(out.stdout)
-    assert found["moe.distributed"] == []
-    assert "moe.engine" in found["moe.llm"] and "prometheus_client" in found["moe.llm"]
+def _package_files(package: str) -> dict[str, str]:
+    files = {}
+    for folder, _, names in os.walk(os.path.join(ROOT, package)):
+        for name in names:
+            if name.endswith(".py"):
+                path = os.path.join(folder, name)
+                with open(path, encoding="utf-8") as f:
+                    files[os.path.relpath(path, ROOT)] = f.read()
+    return files
+
+
+def test_packages_import_only_lower_levels():
+    found = {package: _package_files(package) for package in LEVEL}
+    assert "models/layers/moe.py" in found["models"] and "moe/worker/model_runner.py" in found["moe"]
+    violations = [v for package, files in found.items() for v in layering_violations(package, files)]
+    assert violations == []
+
+
+def test_models_need_nothing_of_the_engine():
+    """The model code's building blocks live under models/ (parallel state, pipeline helpers, the MoE block)."""
+    for module in ["models.parallel.state", "models.parallel.pipeline", "models.layers.moe"]:
+        assert os.path.isfile(os.path.join(ROOT, *module.split(".")) + ".py"), module
+
+
+def test_the_checker_sees_every_kind_of_import():
+    source = (
+        "import kernels\n"
+        "from moe.engine.core import EngineCore\n"
+        "def f():\n"
+        "    import moe.worker.worker as w\n"
+        "    import importlib\n"
+        "    return importlib.import_module('moe.config'), __import__('moe')\n"
+        "from . import sibling\n"  # relative: stays inside the package
+    )
+    assert layering_violations("models", {"models/x.py": source}) == [
+        "models/x.py:2 imports moe.engine.core", "models/x.py:4 imports moe.worker.worker",
+        "models/x.py:6 imports moe.config", "models/x.py:6 imports moe"]
+    assert layering_violations("moe", {"moe/x.py": source}) == []
+    assert layering_violations("kernels", {"kernels/x.py": "from routing import RouterOutput\n"}) == [
+        "kernels/x.py:1 imports routing"]
+
+
+def test_moe_top_level_stays_small():
+    top = [f for f in os.listdir(os.path.join(ROOT, "moe")) if f.endswith(".py")]
+    assert "__init__.py" in top and len(top) <= MAX_TOP_LEVEL_MOE_FILES, sorted(top)

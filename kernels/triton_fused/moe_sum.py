@@ -2,7 +2,7 @@
 
 Legend: T tokens, K experts per token (top-k), D hidden; BLOCK_D hidden columns per program.
 
-Replaces `y.view(T, K, D).sum(dim=1)` (kernels/triton_moe/fused.py, moe/moe_block.py), which
+Replaces `y.view(T, K, D).sum(dim=1)` (kernels/triton_moe/fused.py, models/layers/moe.py), which
 at decode sizes costs a generic torch reduce kernel. Grid (T, D blocks); each program loads
 its K rows (all K loads issued together: K is a compile-time constant) and sums them in fp32.
 Rounding as torch's sum of the same dtype: half types accumulate in fp32 and round once.

@@ -1,5 +1,5 @@
 """The skeleton every family shares: a pre-norm decoder layer and the pipeline-aware stack
-(embedding on the first stage, this stage's layers, final norm on the last; moe/pipeline.py).
+(embedding on the first stage, this stage's layers, final norm on the last; models/parallel/pipeline.py).
 
 The residual travels beside the hidden states so that each add fuses into the next RMSNorm.
 """
@@ -13,8 +13,14 @@ from torch import nn
 from kernels.triton_fused.moe_sum import TopKSum
 from models.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from models.layers.norm import RMSNorm
-from moe.pipeline import (IntermediateTensors, PPMissingLayer, first_stage, last_stage,
-                          make_empty_intermediate_tensors_factory, make_layers)
+from models.parallel.pipeline import (
+    IntermediateTensors,
+    PPMissingLayer,
+    first_stage,
+    last_stage,
+    make_empty_intermediate_tensors_factory,
+    make_layers,
+)
 
 # MOE_DEFER_TOPK_SUM=0: every MoE layer sums its top-k outputs itself (A/B runs).
 DEFER_TOPK_SUM = os.environ.get("MOE_DEFER_TOPK_SUM", "1") != "0"
@@ -97,7 +103,7 @@ def make_lm_head(vocab_size: int, hidden_size: int, tie_word_embeddings: bool, s
 class DecoderForCausalLM(nn.Module):
     """`model` (a DecoderStack) and `lm_head`, named as in Hugging Face checkpoints."""
 
-    supports_pp = True  # builds only its pipeline stage (moe/pipeline.py)
+    supports_pp = True  # builds only its pipeline stage (models/parallel/pipeline.py)
 
     def __init__(self, cfg, model: DecoderStack) -> None:
         super().__init__()

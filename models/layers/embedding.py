@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.layers.weights import Shard, ShardedLoader, attach_loader, new_param
-from moe.distributed import get_parallel_state, tp_all_gather_last_dim, tp_all_reduce
+from models.parallel.state import get_parallel_state, tp_all_gather_last_dim, tp_all_reduce
 
 
 class _VocabShardedLoader(ShardedLoader):

@@ -12,8 +12,7 @@ from torch import nn
 
 from kernels.triton_fused import fused_kernels_serve
 from models.layers.weights import ReplicatedLoader, Shard, ShardedLoader, attach_loader, new_param
-from moe.distributed import get_parallel_state, tp_all_gather_last_dim, tp_all_reduce
-
+from models.parallel.state import get_parallel_state, tp_all_gather_last_dim, tp_all_reduce
 
 # MOE_SKINNY_GEMM=0 keeps cuBLAS everywhere (for A/B runs).
 _SKINNY = os.environ.get("MOE_SKINNY_GEMM", "1") != "0"

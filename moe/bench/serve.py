@@ -116,7 +116,7 @@ def _text_of_length(tokenizer, rng: random.Random, pieces: list[int], n: int, ro
 
 def find_tokenizer(args: argparse.Namespace, server_root: str | None):
     """The tokenizer text prompts are made with, or None for token-id prompts."""
-    from moe.tokenizer import load_tokenizer
+    from moe.engine.tokenizer import load_tokenizer
 
     if args.prompt_format == "token-ids":
         return None

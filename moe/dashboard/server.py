@@ -16,7 +16,7 @@ from typing import Callable
 from fastapi import FastAPI, HTTPException, Query
 from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, RedirectResponse
 
-from moe.expert_load_file import RecordingTail, read_recording, recording_to_dashboard_json
+from moe.expert_load.recording import RecordingTail, read_recording, recording_to_dashboard_json
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +48,7 @@ def _page(prefix: str) -> str:
 
 def add_dashboard_routes(app: FastAPI, get_payload: Callable[[int], dict], prefix: str = "/dashboard") -> None:
     """Mounts the dashboard on `app`; get_payload(since) returns the data.json dict (see
-    moe.expert_load_file.windows_to_dashboard_json). It is called from a worker thread."""
+    moe.expert_load.recording.windows_to_dashboard_json). It is called from a worker thread."""
     prefix = "/" + prefix.strip("/")
     if prefix == "/":
         raise ValueError("the dashboard prefix must not be empty, e.g. '/dashboard'")

@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from moe.multimodal.shm_transport import pixels_of
-from moe.step_inputs import RequestState, StepBatch
+from moe.worker.step_inputs import RequestState, StepBatch
 from scheduler import SchedulerOutput
 
 

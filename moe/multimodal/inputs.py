@@ -1,6 +1,6 @@
 """One processed image of a request, as the engine core, the scheduler and the model runner see it.
 
-The input side (moe/input_processor.py) turns each image into pixel tiles and expands its
+The input side (moe/engine/input_processor.py) turns each image into pixel tiles and expands its
 `<|image|>` placeholder into the image's tokens; from then on an image is a span of prompt
 positions [offset, offset + length) whose `num_embeds` image-token positions (the model's
 image_token_index, `<|patch|>` for Llama-4) take the encoder's features, in order. The scheduler

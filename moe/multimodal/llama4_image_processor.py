@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from PIL import Image
 
-from moe.tokenizer import read_json
+from moe.engine.tokenizer import read_json
 
 # PIL resampling codes (what preprocessor_config.json stores) -> torch interpolate modes.
 _RESAMPLE_MODES = {2: "bilinear", 3: "bicubic"}

@@ -47,7 +47,7 @@ class Llama4ImageTokens:
 
     @classmethod
     def from_tokenizer(cls, tokenizer, processor_config: dict | None) -> Llama4ImageTokens:
-        """tokenizer: moe.tokenizer.Tokenizer; processor_config: processor_config.json's dict (None or
+        """tokenizer: moe.engine.tokenizer.Tokenizer; processor_config: processor_config.json's dict (None or
         missing keys: transformers' defaults, patch_size 14 and pixel_shuffle_ratio 0.5)."""
         cfg = processor_config or {}
         patch_size = cfg.get("patch_size", 14)

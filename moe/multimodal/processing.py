@@ -12,13 +12,13 @@ import os
 import torch
 from PIL import Image
 
+from moe.engine.tokenizer import read_json
 from moe.multimodal.hashing import hash_encoded_image, hash_image
 from moe.multimodal.images import load_image
 from moe.multimodal.inputs import ImageItem, check_items_in_prompt
 from moe.multimodal.llama4_image_processor import Llama4ImageProcessor, ProcessedImage
 from moe.multimodal.llama4_prompt import Llama4ImageTokens
 from moe.multimodal.processor_cache import ProcessorCache, SenderCache
-from moe.tokenizer import read_json
 
 GiB = 1 << 30
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from moe.expert_load_file import ExpertLoadMeta, ExpertLoadWindow
+from moe.expert_load.recording import ExpertLoadMeta, ExpertLoadWindow
 
 LAYERS = [1, 3, 5, 7]  # decoder-layer indices of the MoE layers (not 0..L-1, so a mix-up shows)
 NUM_EXPERTS = 16

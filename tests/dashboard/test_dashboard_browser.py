@@ -17,7 +17,7 @@ import pytest
 import uvicorn
 
 from moe.dashboard import build_dashboard_app
-from moe.expert_load_file import RecordingWriter
+from moe.expert_load.recording import RecordingWriter
 from tests.dashboard.synthetic import LAYERS, hottest, make_meta, make_window
 
 ARTIFACTS = os.environ.get("MOE_TEST_ARTIFACTS") or os.path.join(os.path.dirname(__file__), "artifacts")

@@ -8,10 +8,10 @@ import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
-from moe.cli import main
 from moe.dashboard import add_dashboard_routes, build_dashboard_app
 from moe.dashboard.server import plotly_js_path
-from moe.expert_load_file import RecordingWriter, windows_to_dashboard_json
+from moe.entrypoints.cli import main
+from moe.expert_load.recording import RecordingWriter, windows_to_dashboard_json
 from tests.dashboard.synthetic import make_meta, make_window
 
 

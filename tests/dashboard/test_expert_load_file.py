@@ -6,9 +6,16 @@ import json
 import numpy as np
 import pytest
 
-from moe.expert_load_file import (ExpertLoadMeta, ExpertLoadWindow, RecordingTail, RecordingWriter,
-                                  balancedness_of, read_recording, recording_to_dashboard_json,
-                                  windows_to_dashboard_json)
+from moe.expert_load.recording import (
+    ExpertLoadMeta,
+    ExpertLoadWindow,
+    RecordingTail,
+    RecordingWriter,
+    balancedness_of,
+    read_recording,
+    recording_to_dashboard_json,
+    windows_to_dashboard_json,
+)
 from tests.dashboard.synthetic import EP_SIZE, LAYERS, NUM_EXPERTS, make_meta, make_window
 
 

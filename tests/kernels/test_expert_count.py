@@ -1,6 +1,6 @@
 """The expert-load counting kernels (kernels/expert_count.py): Triton under the interpreter and
 the torch reference against numpy, with padding rows, tensor-parallel row offsets and rows that
-are (token, expert) pairs; the EPLB replica map and move plan (moe/expert_replicas.py)."""
+are (token, expert) pairs; the EPLB replica map and move plan (models/layers/expert_replicas.py)."""
 from __future__ import annotations
 
 import numpy as np
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import kernels.expert_count as ec
-from moe.expert_replicas import ExpertReplicas, plan_moves
+from models.layers.expert_replicas import ExpertReplicas, plan_moves
 
 
 def _device(monkeypatch, triton_path: bool) -> torch.device:

@@ -12,7 +12,7 @@ import torch
 
 import models.layers.attention as attention_layer
 import models.layers.mla_attention as mla_layer
-import moe.model_runner as model_runner
+import moe.worker.model_runner as model_runner
 from moe import LLM, SamplingParams
 from tests.factories import make_qwen3_moe_checkpoint
 from tests.factories_deepseek import make_deepseek_v3_checkpoint

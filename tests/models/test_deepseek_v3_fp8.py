@@ -16,10 +16,10 @@ import torch
 
 import kernels
 from models.fp8 import Fp8BlockConfig, dequantize_fp8_block, quantize_fp8_block, resolve_fp8_experts
+from models.layers.moe import FusedMoE
+from models.parallel.state import ParallelState, get_parallel_state, set_parallel_state
 from moe import LLM, SamplingParams
 from moe.config import EngineArgs
-from moe.distributed import ParallelState, get_parallel_state, set_parallel_state
-from moe.moe_block import FusedMoE
 from tests.factories_deepseek import DSV3_FP8, make_deepseek_v3_checkpoint
 
 # F = 256: two whole 128-row blocks (and 128 per rank under TP=2); D = 160 keeps partial blocks.
@@ -122,10 +122,10 @@ def test_fp8_experts_forced_on_cpu_match_dequantised_twin(fp8_ckpt, twin_outputs
 def test_misaligned_intermediate_falls_back_to_dequantising(tmp_path, caplog, monkeypatch):
     """F = 72: gate's and up's scale blocks would share a w13 block, so FP8 experts are refused
     (one log line) and the model is exactly the dequantised one."""
-    monkeypatch.setattr("moe.moe_block._FALLBACKS_LOGGED", set())  # logged once per process
+    monkeypatch.setattr("models.layers.moe._FALLBACKS_LOGGED", set())  # logged once per process
     fp8_dir, twin_dir = str(tmp_path / "fp8"), str(tmp_path / "twin")
     make_deepseek_v3_checkpoint(fp8_dir, seed=2, fp8_twin_path=twin_dir, with_tokenizer=False, **DSV3_FP8)
-    with caplog.at_level(logging.INFO, logger="moe.moe_block"):
+    with caplog.at_level(logging.INFO, logger="models.layers.moe"):
         llm, outs = _run(fp8_dir, max_tokens=3, quantization="fp8")
     assert sum("does not split into whole 128x128 scale blocks" in r.message for r in caplog.records) == 1
     assert _expert_params(llm)["model.layers.1.mlp.experts.w2_weight"].dtype == torch.float32

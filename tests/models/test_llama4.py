@@ -136,7 +136,7 @@ def test_moe_block_router_weight_on_input(top_k, num_tokens):
 
     from models.layers.linear import ReplicatedLinear
     from models.layers.mlp import SwiGLUMLP
-    from moe.moe_block import FusedMoE, MoEBlock
+    from models.layers.moe import FusedMoE, MoEBlock
     from routing.llama4_router import llama4_topk
 
     torch.manual_seed(top_k)

@@ -16,12 +16,17 @@ import pytest
 import torch
 from PIL import Image
 
-from moe.multimodal.llama4_image_processor import (Llama4ImageProcessor, ProcessedImage, best_canvas,
-                                                   supported_canvases)
+from moe.engine.tokenizer import Tokenizer
+from moe.multimodal.llama4_image_processor import Llama4ImageProcessor, ProcessedImage, best_canvas, supported_canvases
 from moe.multimodal.llama4_prompt import ImagePlaceholder, Llama4ImageTokens
-from moe.tokenizer import Tokenizer
-from tests.factories_llama4_mm import (IMAGE_TOKEN_ID, LLAMA4_TINY_PREPROCESSOR, LLAMA4_TINY_PROCESSOR, TOKEN_IDS,
-                                       save_llama4_mm_processor_configs, save_llama4_mm_tokenizer)
+from tests.factories_llama4_mm import (
+    IMAGE_TOKEN_ID,
+    LLAMA4_TINY_PREPROCESSOR,
+    LLAMA4_TINY_PROCESSOR,
+    TOKEN_IDS,
+    save_llama4_mm_processor_configs,
+    save_llama4_mm_tokenizer,
+)
 
 FIXTURE_DIR = os.path.join(os.path.dirname(__file__), "..", "fixtures", "llama4_processor")
 FIXTURE = os.environ.get("MOE_LLAMA4_PROCESSOR_FIXTURE", os.path.join(FIXTURE_DIR, "processor_fixtures.safetensors"))

@@ -62,7 +62,7 @@ def _run(encoder: Llama4VisionEncoder) -> dict:
 
 
 def _tp_worker(rank: int, world_size: int, ckpts: dict, jobs: list) -> list:
-    from moe.distributed import ParallelLayout, init_parallel_state, reset_parallel_state
+    from models.parallel.state import ParallelLayout, init_parallel_state, reset_parallel_state
 
     init_parallel_state(ParallelLayout(tp=world_size), rank)
     results = []

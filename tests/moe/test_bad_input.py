@@ -125,7 +125,7 @@ def test_aborting_a_child_id_aborts_the_whole_request(llm, reference):
 def test_max_tokens_beyond_max_model_len_is_capped_with_a_warning(llm, reference, caplog):
     llm.llm_engine._warned_max_tokens_cap = False
     prompt = {"prompt_token_ids": list(range(1, 61))}  # 60 tokens: max_model_len=64 leaves 4
-    with caplog.at_level(logging.WARNING, logger="moe.engine"):
+    with caplog.at_level(logging.WARNING, logger="moe.engine.llm_engine"):
         out = llm.generate(prompt, greedy(n=100), use_tqdm=False)[0].outputs[0]
     assert len(out.token_ids) == 4 and out.finish_reason == "length"
     assert any("max_tokens=100 is capped to 4" in r.getMessage() for r in caplog.records)

@@ -2,7 +2,7 @@
 gather that returns exactly each request's blocks (in row order, padded to the longest)."""
 import numpy as np
 
-from moe.block_tables import BlockTables
+from moe.worker.block_tables import BlockTables
 
 
 def test_add_extend_gather_and_reuse():

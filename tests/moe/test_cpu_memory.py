@@ -1,4 +1,4 @@
-"""The CPU path's malloc settings (moe/cpu_memory.py)."""
+"""The CPU path's malloc settings (moe/worker/cpu_memory.py)."""
 from __future__ import annotations
 
 import ctypes
@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from moe import cpu_memory
+from moe.worker import cpu_memory
 
 
 @pytest.fixture
@@ -58,7 +58,7 @@ def test_real_glibc_accepts_the_settings(fresh):
 def test_cpu_worker_applies_it(monkeypatch):
     """Building a CPU engine calls it (the built-in tiny model)."""
     seen = []
-    monkeypatch.setattr("moe.worker.keep_freed_memory", lambda: seen.append(1) or True)
+    monkeypatch.setattr("moe.worker.worker.keep_freed_memory", lambda: seen.append(1) or True)
     from moe import LLM
     LLM("tiny-qwen3-moe", device="cpu", max_model_len=64, max_num_seqs=2)
     assert seen == [1]

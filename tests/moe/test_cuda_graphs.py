@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from moe.config import EngineArgs
-from moe.cuda_graphs import DecodeGraphs, default_capture_sizes
+from moe.worker.cuda_graphs import DecodeGraphs, default_capture_sizes
 
 
 def test_default_capture_sizes():

@@ -4,8 +4,8 @@ from __future__ import annotations
 import pytest
 
 from models.tiny import build_tokenizer
-from moe.detokenizer import IncrementalDetokenizer
-from moe.tokenizer import Tokenizer
+from moe.engine.detokenizer import IncrementalDetokenizer
+from moe.engine.tokenizer import Tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 import torch
 
+from models.layers.moe import FusedMoE
 from moe import LLM, SamplingParams
 from moe.config import EngineArgs, EPLBConfig
-from moe.expert_load_file import read_recording
-from moe.moe_block import FusedMoE
+from moe.expert_load.recording import read_recording
 
 PROMPTS = ["hello world", "the quick brown fox jumps", "a"]
 SMALL_KV = dict(kv_cache_memory_bytes=32 << 20)  # on a GPU, several engines share its memory

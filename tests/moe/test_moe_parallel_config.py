@@ -8,11 +8,10 @@ import pytest
 import torch
 
 import kernels
+from models.layers.moe import FusedMoE, MoEParallelConfig
+from models.parallel.state import ParallelState
 from models.tiny import TINY_QWEN3_MOE_CONFIG
-from moe import moe_block
 from moe.config import EngineArgs
-from moe.distributed import ParallelState
-from moe.moe_block import FusedMoE, MoEParallelConfig
 from routing import RouterOutput
 
 
@@ -56,13 +55,13 @@ def test_kernel_backend_reaches_the_expert_call(monkeypatch):
 
 def test_build_model_gives_every_block_the_engine_backend(tmp_path, monkeypatch):
     from models.registry import resolve_architecture
-    from moe.worker import build_model
+    from moe.worker.worker import build_model
 
     cfg = dict(TINY_QWEN3_MOE_CONFIG, num_hidden_layers=2)
     model_cls = resolve_architecture(cfg)
     config = model_cls.config_class.from_hf(cfg, cfg["architectures"][0])
     args = EngineArgs(model=str(tmp_path), load_format="dummy", moe_backend="torch", device="cpu")
     model = build_model(model_cls, config, str(tmp_path), args, torch.device("cpu"), torch.float32)
-    blocks = [m for m in model.modules() if isinstance(m, moe_block.FusedMoE)]
+    blocks = [m for m in model.modules() if isinstance(m, FusedMoE)]
     assert len(blocks) == 2
     assert all(b.kernel_backend == "torch" and b.parallel is blocks[0].parallel for b in blocks)

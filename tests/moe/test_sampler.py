@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from moe.sampler import SamplingBatch, sample
+from moe.worker.sampler import SamplingBatch, sample
 
 
 def batch(B, **kw):
@@ -50,7 +50,7 @@ def test_penalties_math():
     b = batch(1, temperature_B=torch.zeros(1), all_greedy=True, output_counts_BV=counts, prompt_mask_BV=prompt,
               repetition_penalty_B=torch.tensor([2.0]), frequency_penalty_B=torch.tensor([0.5]),
               presence_penalty_B=torch.tensor([0.25]))
-    from moe.sampler import _apply_penalties
+    from moe.worker.sampler import _apply_penalties
 
     out = _apply_penalties(logits, b)
     # token 0: 2/2 - 0.5*2 - 0.25 = -0.25; token 1: -2*2 - 0.5 - 0.25 = -4.75; token 2: 1/2; token 3 untouched.

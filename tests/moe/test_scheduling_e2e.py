@@ -62,9 +62,9 @@ def test_chunked_prefill_off_needs_big_budget(qwen3_ckpt):
 
 
 def test_periodic_stats_line_counts_preemptions(qwen3_ckpt, caplog, monkeypatch):
-    import moe.engine
+    import moe.engine.llm_engine
 
-    monkeypatch.setattr(moe.engine, "_STATS_INTERVAL_S", 0.0)
+    monkeypatch.setattr(moe.engine.llm_engine, "_STATS_INTERVAL_S", 0.0)
     llm = LLM(qwen3_ckpt, device="cpu", disable_log_stats=False, expert_load_window_steps=2,
               **CONFIGS["tiny_cache_preempts"])
     with caplog.at_level("INFO", logger="moe"):

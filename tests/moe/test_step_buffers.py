@@ -3,7 +3,7 @@ and block tables land in the corner of their [max_seqs, max_blocks] tensor."""
 import numpy as np
 import torch
 
-from moe.step_buffers import StepBuffers
+from moe.worker.step_buffers import StepBuffers
 
 
 def test_upload_moves_the_prefix_of_each_input():

@@ -1,6 +1,6 @@
 """A step that fails leaves the engine consistent: the request it can be blamed on finishes with
 `finish_reason="error"`, the others finish with the output they would have had, and no KV
-block leaks (moe/step_recovery.py)."""
+block leaks (moe/engine/step_recovery.py)."""
 from __future__ import annotations
 
 import pytest

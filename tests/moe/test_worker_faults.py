@@ -12,7 +12,7 @@ import time
 import pytest
 
 from moe import LLM, SamplingParams
-from moe.parallel_executor import DEFAULT_STEP_TIMEOUT_S, WorkerFailure, describe_silent_ranks
+from moe.worker.parallel_executor import DEFAULT_STEP_TIMEOUT_S, WorkerFailure, describe_silent_ranks
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

@@ -7,12 +7,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from moe.engine.core import CoreRequest
+from moe.engine.serialization import decode, encode, pack_request, unpack_request
+from moe.engine.tokenizer import Tokenizer
 from moe.multimodal.processing import ImageProcessing
 from moe.multimodal.processor_cache import ReceiverCache, SenderCache
-from moe.serialization import decode, encode, pack_request, unpack_request
-from moe.engine_core import CoreRequest
 from moe.sampling_params import SamplingParams
-from moe.tokenizer import Tokenizer
 from tests.factories_llama4_mm import TOKEN_IDS, picture, save_llama4_mm_processor_configs, save_llama4_mm_tokenizer
 
 

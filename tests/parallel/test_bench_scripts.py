@@ -62,7 +62,7 @@ def test_parallel_decode_zeroes_the_dummy_router_bias(monkeypatch):
     import torch
 
     import models.loader as loader
-    import moe.worker as worker
+    import moe.worker.worker as worker
     from benchmarks.bench_parallel_decode import zero_router_bias_on_dummy_init
 
     monkeypatch.setattr(loader, "init_dummy_weights", loader.init_dummy_weights)  # restored after

@@ -1,11 +1,11 @@
-"""EPLB's weight moves between two gloo ranks (moe/expert_replicas.py): FP8 weights with their fp32
+"""EPLB's weight moves between two gloo ranks (models/layers/expert_replicas.py): FP8 weights with their fp32
 scales and bf16 weights land in the right slots, local copies included, and a slot whose expert
 stays is not touched."""
 from __future__ import annotations
 
 import torch
 
-from moe.expert_replicas import move_expert_weights, plan_moves
+from models.layers.expert_replicas import move_expert_weights, plan_moves
 from tests.all2all.a2a_harness import run_ranks
 
 S, E = 3, 4  # 2 ranks x 3 slots: 4 experts + 2 redundant

@@ -52,9 +52,9 @@ class ServerProcess:
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = open(log_path, "w")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "moe.cli", "serve", model, "--host", "127.0.0.1", "--port", str(self.port),
-             "--served-model-name", MODEL_NAME, "--api-key", API_KEY, "--uvicorn-log-level", "warning",
-             *cli_engine_args(), *extra],
+            [sys.executable, "-m", "moe.entrypoints.cli", "serve", model, "--host", "127.0.0.1",
+             "--port", str(self.port), "--served-model-name", MODEL_NAME, "--api-key", API_KEY,
+             "--uvicorn-log-level", "warning", *cli_engine_args(), *extra],
             cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + startup_s
         while time.monotonic() < deadline:
@@ -75,7 +75,7 @@ class ServerProcess:
             return f.read()[-4000:]
 
     def core_pid(self) -> int:
-        """The engine core: the child process of the server running moe.core_process."""
+        """The engine core: the child process of the server running moe.engine.core_process."""
         for pid in os.listdir("/proc"):
             if not pid.isdigit():
                 continue
@@ -86,7 +86,7 @@ class ServerProcess:
                     cmdline = f.read()
             except OSError:
                 continue
-            if ppid == self.proc.pid and b"moe.core_process" in cmdline:
+            if ppid == self.proc.pid and b"moe.engine.core_process" in cmdline:
                 return int(pid)
         raise RuntimeError("no engine core process found")
 

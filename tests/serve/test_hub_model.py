@@ -11,7 +11,7 @@ from tests.serve.helpers import ROOT
 
 _PROBE = """
 import sys
-from moe.model_info import resolve_model_path
+from moe.engine.model_info import resolve_model_path
 for model in sys.argv[1:]:
     try:
         print("PATH", resolve_model_path(model))

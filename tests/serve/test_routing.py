@@ -2,9 +2,9 @@
 from __future__ import annotations
 
 from moe.config import EngineArgs
-from moe.core_client import core_layout
-from moe.engine_core import SchedulerStats
-from moe.serve.async_llm import AsyncLLM
+from moe.engine.core import SchedulerStats
+from moe.engine.core_client import core_layout
+from moe.entrypoints.serve.async_llm import AsyncLLM
 
 
 def _router(num_cores: int) -> AsyncLLM:

@@ -20,7 +20,7 @@ PROMPTS = [f"Hello there {i}" for i in range(12)]
 def _is_core(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return b"moe.core_process" in f.read()
+            return b"moe.engine.core_process" in f.read()
     except OSError:
         return False
 
@@ -73,7 +73,7 @@ def test_two_api_servers_two_replicas_same_answers_and_summed_metrics(server, ll
 def test_bench_serve_against_the_server(server, tmp_path, monkeypatch, capsys):
     import json
 
-    from moe.cli import main
+    from moe.entrypoints.cli import main
     from tests.serve.helpers import API_KEY
 
     monkeypatch.setenv("OPENAI_API_KEY", API_KEY)

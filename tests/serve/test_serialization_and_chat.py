@@ -3,10 +3,10 @@ from __future__ import annotations
 
 import pytest
 
-from moe.engine_core import CoreRequest, CoreStepResult, SchedulerStats
-from moe.model_runner import TokenLogprobs
+from moe.engine.core import CoreRequest, CoreStepResult, SchedulerStats
+from moe.engine.serialization import decode, encode, pack_request, pack_step, unpack_request, unpack_step
 from moe.sampling_params import SamplingParams
-from moe.serialization import decode, encode, pack_request, pack_step, unpack_request, unpack_step
+from moe.worker.model_runner import TokenLogprobs
 from scheduler.output import EngineCoreOutput
 from tests.serve.helpers import make_chat_model
 
@@ -37,7 +37,7 @@ def test_no_pickle_for_unknown_objects():
 def test_chat_template_renders_like_transformers(tmp_path):
     from transformers import PreTrainedTokenizerFast
 
-    from moe.chat_template import ChatTemplate
+    from moe.engine.chat_template import ChatTemplate
 
     folder = make_chat_model(str(tmp_path / "m"))
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"},

@@ -1,0 +1,282 @@
+"""Output processing: the engine core's per-sequence tokens -> request outputs.
+
+Detokenisation, stop strings, logprob decoding, the grouping of the n sequences of a request,
+and the metrics (token counts, the scheduler's gauges and counters, TTFT / inter-token /
+end-to-end / queue-time histograms). Runs in the caller's process offline and in the API
+process(es) under `moe serve`. A stop string found here finishes its sequence in the core: the
+caller does that with `ProcessResult.stopped` (directly offline, as a message when served).
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+from moe.engine.core import CoreRequest, CoreStepResult, SchedulerStats
+from moe.engine.detokenizer import IncrementalDetokenizer
+from moe.engine.input_processor import ProcessedPrompt
+from moe.engine.metrics import EngineMetrics
+from moe.engine.tokenizer import Tokenizer
+from moe.outputs import CompletionOutput, Logprob, RequestOutput
+from moe.sampling_params import SamplingParams
+from moe.worker.model_runner import TokenLogprobs
+
+logger = logging.getLogger("moe.engine.llm_engine")
+
+STATS_INTERVAL_S = 5.0
+
+
+@dataclass
+class _Child:
+    """One of the n sequences of a request, as the output side tracks it."""
+    index: int
+    detokenizer: IncrementalDetokenizer
+    params: SamplingParams
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list | None = None
+    cumulative_logprob: float | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    # Streaming: how much of the text / tokens earlier deltas handed out, and whether the finish did.
+    sent_chars: int = 0
+    sent_tokens: int = 0
+    sent_finish: bool = False
+
+    def delta(self) -> CompletionOutput | None:
+        """What is new since the last delta (None if nothing). Unfinished, the last characters a
+        stop string could still cut away are held back."""
+        finished = self.finish_reason is not None
+        text = self.detokenizer.output_text
+        end = len(text) if finished or not self.params.stop_list else max(
+            self.sent_chars, len(text) - self.detokenizer.stop_buffer)
+        tokens = self.token_ids[self.sent_tokens:]
+        if end == self.sent_chars and not tokens and (not finished or self.sent_finish):
+            return None
+        out = CompletionOutput(self.index, text[self.sent_chars:end], tokens, self.cumulative_logprob,
+                               None if self.logprobs is None else self.logprobs[self.sent_tokens:],
+                               self.finish_reason, self.stop_reason)
+        self.sent_chars, self.sent_tokens, self.sent_finish = end, len(self.token_ids), finished
+        return out
+
+
+@dataclass
+class _Parent:
+    request_id: str
+    prompt: ProcessedPrompt
+    children: dict[str, _Child]
+    num_cached_tokens: int = 0
+    arrival_time: float = field(default_factory=time.monotonic)
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    error: str | None = None   # set when a failed step finished the request
+
+    @property
+    def finished(self) -> bool:
+        return all(c.finish_reason is not None for c in self.children.values())
+
+    def to_output(self) -> RequestOutput:
+        outs = [CompletionOutput(c.index, c.detokenizer.output_text, list(c.token_ids), c.cumulative_logprob,
+                                 c.logprobs, c.finish_reason, c.stop_reason)
+                for c in sorted(self.children.values(), key=lambda c: c.index)]
+        return RequestOutput(self.request_id, self.prompt.prompt, self.prompt.prompt_token_ids, outs,
+                             self.finished, num_cached_tokens=self.num_cached_tokens, error=self.error)
+
+    def delta_output(self) -> RequestOutput:
+        """Only what is new since the last call, per sequence (streaming)."""
+        outs = [d for c in sorted(self.children.values(), key=lambda c: c.index) if (d := c.delta()) is not None]
+        return RequestOutput(self.request_id, self.prompt.prompt, self.prompt.prompt_token_ids, outs,
+                             self.finished, num_cached_tokens=self.num_cached_tokens, error=self.error)
+
+
+@dataclass
+class ProcessResult:
+    updated: list[_Parent] = field(default_factory=list)   # requests with new output, in order
+    finished: list[_Parent] = field(default_factory=list)
+    stopped: list[str] = field(default_factory=list)       # sequences a stop string ended: finish in the core
+    aborted: list[str] = field(default_factory=list)       # sequences to abort in the core
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Tokenizer | None, metrics: EngineMetrics, log_stats: bool = False,
+                 stats_interval_s: float = STATS_INTERVAL_S, count_core_totals: bool = True,
+                 record_latencies: bool = True) -> None:
+        """count_core_totals: add the core's preemption / prefix-cache totals to the counters (one
+        API process of several does). record_latencies: fill the TTFT / inter-token / end-to-end /
+        queue-time histograms (a few microseconds per token: the offline LLM skips them unless
+        it logs stats)."""
+        self.tokenizer = tokenizer
+        self.count_core_totals = count_core_totals
+        self.record_latencies = record_latencies
+        self.metrics = metrics
+        self.log_stats = log_stats
+        self.stats_interval_s = stats_interval_s
+        self.parents: dict[str, _Parent] = {}
+        self.child_to_parent: dict[str, str] = {}
+        self.stats = SchedulerStats()
+        self._totals = SchedulerStats()
+        self._generation_total = 0
+        self._last_stats_log = time.monotonic()
+        self._last_logged_generation = 0
+        self.expert_load_layers: list[int] | None = None  # the MoE layers of the expert-load windows
+        self.expert_balancedness: float | None = None     # mean over layers, last window
+
+    def has_request(self, request_id: str) -> bool:
+        return request_id in self.parents or request_id in self.child_to_parent
+
+    def add_request(self, request_id: str, prompt: ProcessedPrompt, core_requests: list[CoreRequest],
+                    arrival_time: float | None = None) -> None:
+        children = {}
+        for i, cr in enumerate(core_requests):
+            p = cr.params
+            children[cr.request_id] = _Child(i, IncrementalDetokenizer(
+                self.tokenizer if p.detokenize else None, prompt.prompt_token_ids, p.stop_list,
+                p.include_stop_str_in_output, p.skip_special_tokens), p,
+                logprobs=[] if p.logprobs is not None else None,
+                cumulative_logprob=0.0 if p.logprobs is not None else None)
+        parent = _Parent(request_id, prompt, children)
+        if arrival_time is not None:
+            parent.arrival_time = arrival_time
+        self.parents[request_id] = parent
+        for child_id in children:
+            self.child_to_parent[child_id] = request_id
+
+    def abort_request(self, request_id: str) -> list[str]:
+        """Forget a request (by its id or one sequence's); returns its sequences' core ids."""
+        parent = self.parents.pop(self.child_to_parent.get(request_id, request_id), None)
+        if parent is None:
+            return []
+        for child_id in parent.children:
+            self.child_to_parent.pop(child_id, None)
+        return list(parent.children)
+
+    def process(self, result: CoreStepResult) -> ProcessResult:
+        self._count_step(result)
+        now = time.monotonic()
+        out = ProcessResult()
+        updated: dict[str, _Parent] = {}  # insertion-ordered, one entry per request
+        for co in result.outputs:
+            parent_id = self.child_to_parent.get(co.req_id)
+            if parent_id is None:
+                continue  # finished or aborted here already (a late output from a separate core)
+            parent = self.parents[parent_id]
+            child = parent.children[co.req_id]
+            if child.params.n == 1 or co.num_cached_tokens:
+                parent.num_cached_tokens = max(parent.num_cached_tokens, co.num_cached_tokens)
+            if co.new_token_ids and self.record_latencies:
+                self._observe_token_times(parent, now, len(co.new_token_ids))
+            if co.finish_reason == "error":
+                self._fail(parent, co.req_id, result.errors.get(co.req_id, "the engine failed this request"), out)
+            else:
+                self._process_tokens(co, child, len(parent.prompt.prompt_token_ids), out)
+                if child.finish_reason is not None:
+                    self.child_to_parent.pop(co.req_id, None)
+                    self.metrics.request_success.inc()
+            updated[parent_id] = parent
+            if child.finish_reason is not None and parent_id in self.parents and parent.finished:
+                del self.parents[parent_id]
+                if self.record_latencies:
+                    self.metrics.e2e_request_latency.observe(now - parent.arrival_time)
+                out.finished.append(parent)
+        out.updated = list(updated.values())
+        self._maybe_log_stats()
+        return out
+
+    def _fail(self, parent: _Parent, failed_id: str, error: str, out: ProcessResult) -> None:
+        """A failed step finished one sequence with an error (the core dropped it): the whole
+        request ends with it, its other sequences aborted."""
+        for cid, c in parent.children.items():
+            if c.finish_reason is None:
+                c.finish_reason = "error"
+                if self.child_to_parent.pop(cid, None) is not None and cid != failed_id:
+                    out.aborted.append(cid)
+        parent.error = error
+
+    def _observe_token_times(self, parent: _Parent, now: float, num_tokens: int) -> None:
+        if parent.first_token_time is None:
+            parent.first_token_time = now
+            self.metrics.time_to_first_token.observe(now - parent.arrival_time)
+        elif parent.last_token_time is not None:
+            gap = (now - parent.last_token_time) / num_tokens
+            for _ in range(num_tokens):
+                self.metrics.inter_token_latency.observe(gap)
+        parent.last_token_time = now
+
+    def _process_tokens(self, co, child: _Child, num_prompt_tokens: int, out: ProcessResult) -> None:
+        if not child.token_ids:
+            self.metrics.prompt_tokens.inc(num_prompt_tokens)
+        child.token_ids.extend(co.new_token_ids)
+        if co.new_logprobs and child.logprobs is not None:
+            for entry in co.new_logprobs:
+                child.logprobs.append(self._to_logprob_dict(entry))
+                child.cumulative_logprob += entry.logprob
+        # A stop token's own text is not part of the output (unless asked for).
+        stopped_by_token = co.finish_reason == "stop" and not child.params.include_stop_str_in_output
+        text_tokens = co.new_token_ids[:-1] if stopped_by_token else co.new_token_ids
+        stop_str = child.detokenizer.update(text_tokens)
+        if stop_str is None and co.finished:
+            stop_str = child.detokenizer.flush()
+        if stop_str is not None and not co.finished:
+            out.stopped.append(co.req_id)
+            child.finish_reason, child.stop_reason = "stop", stop_str
+        elif stop_str is not None:
+            child.finish_reason, child.stop_reason = "stop", stop_str
+        elif co.finished:
+            child.finish_reason, child.stop_reason = co.finish_reason, co.stop_reason
+
+    def _to_logprob_dict(self, entry: TokenLogprobs) -> dict[int, Logprob]:
+        decode = self.tokenizer.decode_token if self.tokenizer is not None else (lambda t: None)
+        out = {entry.token_id: Logprob(entry.logprob, entry.rank, decode(entry.token_id))}
+        for rank, (tid, lp) in enumerate(zip(entry.top_ids, entry.top_logprobs), start=1):
+            if tid not in out:
+                out[tid] = Logprob(lp, rank, decode(tid))
+        return out
+
+    # ---- metrics -----------------------------------------------------------------------
+    def _count_step(self, result: CoreStepResult) -> None:
+        m = self.metrics
+        generated = sum(len(co.new_token_ids) for co in result.outputs)
+        m.generation_tokens.inc(generated)
+        self._generation_total += generated
+        if self.record_latencies:
+            for queue_s in result.queue_times.values():
+                m.request_queue_time.observe(queue_s)
+        self.update_stats(result.stats)
+        for window in result.expert_load_windows:
+            self.expert_balancedness = sum(window["balancedness"]) / max(len(window["balancedness"]), 1)
+            if self.expert_load_layers is not None:
+                m.observe_expert_load(self.expert_load_layers, window, self.count_core_totals)
+
+    def update_stats(self, s: SchedulerStats) -> None:
+        m, t = self.metrics, self._totals
+        self.stats = s
+        m.num_requests_running.set(s.num_running)
+        m.num_requests_waiting.set(s.num_waiting)
+        m.kv_cache_usage_perc.set(s.kv_cache_usage)
+        if not self.count_core_totals:
+            return
+        # The scheduler keeps running totals; the counters take the increments.
+        m.num_preemptions.inc(max(s.num_preemptions - t.num_preemptions, 0))
+        m.prefix_cache_queries.inc(max(s.prefix_cache_queries - t.prefix_cache_queries, 0))
+        m.prefix_cache_hits.inc(max(s.prefix_cache_hits - t.prefix_cache_hits, 0))
+        t.num_preemptions = max(t.num_preemptions, s.num_preemptions)
+        t.prefix_cache_queries = max(t.prefix_cache_queries, s.prefix_cache_queries)
+        t.prefix_cache_hits = max(t.prefix_cache_hits, s.prefix_cache_hits)
+
+    def _maybe_log_stats(self) -> None:
+        if not self.log_stats:
+            return
+        now = time.monotonic()
+        elapsed = now - self._last_stats_log
+        if elapsed < self.stats_interval_s:
+            return
+        s = self.stats
+        expert = "" if self.expert_balancedness is None else \
+            f"Expert load balancedness: {self.expert_balancedness:.3f}, "
+        logger.info(
+            "Avg generation throughput: %.1f tokens/s, Running: %d reqs, Waiting: %d reqs, KV cache usage: "
+            "%.1f%%, Prefix cache hit rate: %.1f%%, %stotal_cumulative_preemption_cnt=%d",
+            (self._generation_total - self._last_logged_generation) / elapsed, s.num_running, s.num_waiting,
+            100 * s.kv_cache_usage, 100 * s.prefix_cache_hits / s.prefix_cache_queries
+            if s.prefix_cache_queries else 0.0, expert, s.num_preemptions)
+        self._last_logged_generation = self._generation_total
+        self._last_stats_log = now

@@ -1,0 +1,186 @@
+"""`LLM`: the offline Python API, shaped like vLLM's."""
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from typing import Any, Sequence
+
+from tqdm.auto import tqdm
+
+from moe.config import EngineArgs
+from moe.engine.input_processor import ProcessedPrompt
+from moe.engine.llm_engine import LLMEngine
+from moe.engine.metrics import Metric
+from moe.errors import RequestFailed
+from moe.expert_load.tracker import ExpertLoad, ExpertLoadAPI
+from moe.outputs import RequestOutput
+from moe.sampling_params import SamplingParams
+
+
+class LLM:
+    """An engine over one model for batch generation.
+
+    Arguments carry vLLM's names (see `EngineArgs`): model, tokenizer, dtype, seed, max_model_len,
+    block_size, max_num_seqs, max_num_batched_tokens, gpu_memory_utilization,
+    num_gpu_blocks_override, enable_prefix_caching, load_format, disable_log_stats, device, ...
+
+    Threads: `generate` may be called from several threads at once. The calls share the engine:
+    each adds its requests, and whichever caller holds the engine lock runs the next step for
+    all of them (one merged batch), so each caller gets exactly its own outputs.
+    """
+
+    def __init__(self, model: str, **kwargs: Any) -> None:
+        valid = set(EngineArgs.__dataclass_fields__)
+        unknown = sorted(set(kwargs) - valid)
+        if unknown:
+            raise TypeError(f"unknown engine argument(s) {', '.join(unknown)}; valid: {', '.join(sorted(valid))}")
+        self.llm_engine = LLMEngine(EngineArgs(model=model, **kwargs))
+        self._counter = itertools.count()
+        # Guards the engine (adding, stepping, aborting) and the outputs finished for any caller.
+        self._lock = threading.Lock()
+        self._done: dict[str, RequestOutput] = {}
+
+    def get_tokenizer(self):
+        return self.llm_engine.tokenizer
+
+    def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Generate for one prompt or a list; returns one RequestOutput per prompt, in input order.
+
+        A prompt is a string, {"prompt": str} or {"prompt_token_ids": [int, ...]}; either dict may
+        carry "multi_modal_data": {"image": image or [images]} (PIL images, encoded bytes or base64
+        data URLs), one per <|image|> placeholder of the prompt, in order. sampling_params
+        is one SamplingParams for every prompt or a list of them, one per prompt (not a dict: pass
+        SamplingParams(**d)). A prompt whose request fails in a step raises `RequestFailed`.
+        """
+        if prompts is None:
+            raise ValueError("prompts is None: pass a string, a prompt dict, or a list of them")
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        return self._generate(list(prompts), None, sampling_params, use_tqdm)
+
+    def _generate(self, prompts: list, processed: list[ProcessedPrompt] | None, sampling_params,
+                  use_tqdm: bool) -> list[RequestOutput]:
+        """generate() of prompts, or of prompts processed already (chat: rendered, images expanded)."""
+        engine = self.llm_engine
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, dict):
+            raise TypeError(f"sampling_params must be a SamplingParams or a list of them, got a dict "
+                            f"{sampling_params!r}: pass SamplingParams(**params)")
+        params = [sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams) \
+            else list(sampling_params)
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
+        # Validate every prompt and parameter set before queueing any: one bad input leaves nothing behind.
+        for sp in params:
+            engine.check_params(sp)
+        if processed is None:
+            processed = [engine.process_prompt(p) for p in prompts]
+        with self._lock:
+            ids = [str(next(self._counter)) for _ in prompts]
+        try:
+            with self._lock:
+                for rid, prompt, p, sp in zip(ids, prompts, processed, params):
+                    engine.add_request(rid, prompt, sp, processed=p)
+            outs = self._run(ids, use_tqdm)
+        except BaseException:
+            with self._lock:
+                engine.abort_request(ids)
+                for rid in ids:
+                    self._done.pop(rid, None)
+            raise
+        failed = next((o for o in outs if o.error is not None), None)
+        if failed is not None:
+            raise RequestFailed(failed.request_id, failed.error)
+        return outs
+
+    def chat(self, messages, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool = True, chat_template: str | None = None, add_generation_prompt: bool = True,
+             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+        """Generate replies to one conversation ([{"role": ..., "content": ...}, ...]) or a list of
+        them, each rendered with the checkpoint's chat template (tokenizer_config.json) or
+        `chat_template`; returns one RequestOutput per conversation."""
+        if isinstance(messages, list) and messages and isinstance(messages[0], dict):
+            messages = [messages]
+        if not isinstance(messages, (list, tuple)) or not messages:
+            raise ValueError("messages must be a conversation (a list of {'role', 'content'} dicts) or a list of them")
+        processed = [self.llm_engine.input.process_chat(conv, add_generation_prompt, chat_template,
+                                                        **(chat_template_kwargs or {})) for conv in messages]
+        prompts = [{"prompt": p.prompt, "prompt_token_ids": p.prompt_token_ids} for p in processed]
+        return self._generate(prompts, processed, sampling_params, use_tqdm)
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        """Step the engine until every request of `ids` is done. Any caller's step serves every
+        caller's requests; outputs of other callers are left in `_done` for them."""
+        engine = self.llm_engine
+        mine: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(ids), desc="Processed prompts", dynamic_ncols=True, disable=not use_tqdm,
+                   postfix="est. speed input: 0.00 toks/s, output: 0.00 toks/s")
+        start, n_in, n_out = time.perf_counter(), 0, 0
+        while len(mine) < len(ids):
+            with self._lock:
+                if not any(i in self._done for i in ids):
+                    if not engine.has_unfinished_requests():
+                        missing = [i for i in ids if i not in mine]
+                        raise RuntimeError(f"the engine has no unfinished request, but request(s) {missing} "
+                                           "never finished (aborted by another caller?)")
+                    for out in engine.step():
+                        self._done[out.request_id] = out
+                new = [self._done.pop(i) for i in ids if i in self._done]
+            for out in new:
+                mine[out.request_id] = out
+                n_in += len(out.prompt_token_ids)
+                n_out += sum(len(o.token_ids) for o in out.outputs)
+                elapsed = max(time.perf_counter() - start, 1e-9)
+                bar.postfix = f"est. speed input: {n_in / elapsed:.2f} toks/s, output: {n_out / elapsed:.2f} toks/s"
+                bar.update(1)
+        bar.close()
+        return [mine[i] for i in ids]
+
+    def get_metrics(self) -> list[Metric]:
+        return self.llm_engine.get_metrics()
+
+    def shutdown(self) -> None:
+        """Stop the worker processes of a parallel layout now (they also stop when the LLM is
+        garbage-collected or the interpreter exits). Also `with LLM(...) as llm:`."""
+        self.llm_engine.shutdown()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+    def reset_prefix_cache(self) -> None:
+        with self._lock:
+            self.llm_engine.scheduler.kv.reset_prefix_cache()
+
+    # ---- expert load ---------------------------------------------------------------------
+    def get_expert_load(self) -> ExpertLoad:
+        """Tokens routed to each expert of each MoE layer since start-up or the last reset
+        (moe/expert_load/tracker.py's ExpertLoad: counts [layers, experts], layers, per_rank, balancedness)."""
+        with self._lock:
+            return self._expert_load().get()
+
+    def reset_expert_load(self) -> None:
+        with self._lock:
+            self._expert_load().reset()
+
+    def start_expert_load_recording(self, path: str) -> None:
+        """Write a window of expert load every expert_load_window_steps steps to `path` (JSON lines;
+        `moe dashboard PATH` shows it)."""
+        with self._lock:
+            self._expert_load().start_recording(path)
+
+    def stop_expert_load_recording(self) -> None:
+        with self._lock:
+            self._expert_load().stop_recording()
+
+    def _expert_load(self) -> "ExpertLoadAPI":
+        core = self.llm_engine.core
+        if core.expert_load is None:
+            raise RuntimeError("no expert load is recorded: the model has no MoE layer, or record_expert_load=False")
+        return ExpertLoadAPI(core)
+

@@ -1,0 +1,184 @@
+"""AsyncLLM: the engine as an API process sees it. Input processing and output processing run
+here (in the event loop's thread); the engine core(s) run in their own processes (moe/engine/core_client.py).
+
+With several engine cores (data parallel without expert parallelism), a new request goes to the
+least-loaded core: the waiting + running count each core last reported, plus the sequences this
+process sent it since. The gauges show the sums over the cores (KV-cache usage: the mean).
+
+`generate()` is an async iterator of per-step deltas of one request; leaving it early (a client
+that disconnected, a cancelled task) aborts the request in the core, which frees its blocks.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from collections import deque
+from functools import partial
+from typing import AsyncIterator
+
+from fastapi import HTTPException
+
+from moe.config import EngineArgs
+from moe.engine.core import CoreStepResult, SchedulerStats
+from moe.engine.core_client import CoreProcessClient, EngineDeadError, launch_cores
+from moe.engine.input_processor import InputProcessor, ProcessedPrompt
+from moe.engine.metrics import EngineMetrics
+from moe.engine.model_info import resolve_model_info
+from moe.engine.output_processor import OutputProcessor
+from moe.expert_load.recording import ExpertLoadMeta, ExpertLoadWindow, windows_to_dashboard_json
+from moe.expert_load.tracker import KEPT_WINDOWS
+from moe.outputs import RequestOutput
+from moe.sampling_params import SamplingParams
+
+logger = logging.getLogger("moe.entrypoints.serve")
+
+
+class AsyncLLM:
+    def __init__(self, args: EngineArgs, core_addresses: list[str] | None = None, core_pids: list[int] | None = None,
+                 server_index: int = 0) -> None:
+        """core_addresses / core_pids: connect to the cores the launcher started (--api-server-count
+        N); else start them. Only API server 0 counts the cores' own totals (preemptions, prefix-cache
+        lookups) into the shared metrics, so that N servers do not count them N times."""
+        self.args = args
+        self.info = resolve_model_info(args)
+        self.input = InputProcessor(self.info)
+        self.metrics = EngineMetrics(args.model)
+        self.input.metrics = self.metrics
+        self.output = OutputProcessor(self.info.tokenizer, self.metrics, log_stats=not args.disable_log_stats,
+                                      count_core_totals=server_index == 0)
+        procs = [None] * len(core_addresses or [])
+        if core_addresses is None:
+            procs, core_addresses = launch_cores(args)
+            core_pids = [p.pid for p in procs]
+        self.clients = [CoreProcessClient(args, partial(self._on_result, i), partial(self._on_stats, i), self._on_dead,
+                                          address, pid, proc)
+                        for i, (address, pid, proc) in enumerate(zip(core_addresses, core_pids, procs))]
+        if len(self.clients) == 1:  # one core: this process keeps only the keys of the images it holds
+            self.input.ipc_sender = self.clients[0].ipc_cache
+        self._core_stats = [SchedulerStats() for _ in self.clients]
+        self._sent_since_stats = [0] * len(self.clients)
+        self._core_of: dict[str, int] = {}  # request id -> the core running it
+        self._queues: dict[str, asyncio.Queue] = {}
+        self._counter = itertools.count()
+        self.expert_load_meta: ExpertLoadMeta | None = None  # from the cores, at start
+        self.expert_load_windows: deque[ExpertLoadWindow] = deque(maxlen=KEPT_WINDOWS)
+        self._window_index = itertools.count()
+
+    async def start(self, timeout_s: float = 600.0) -> None:
+        await asyncio.gather(*(c.start(timeout_s) for c in self.clients))
+        meta = self.clients[0].expert_load_meta
+        if meta is not None:
+            self.expert_load_meta = ExpertLoadMeta.from_json(meta)
+            self.output.expert_load_layers = self.expert_load_meta.layers
+
+    def expert_load_payload(self, since: int = 0) -> dict:
+        """The live dashboard's data: the windows the cores sent (renumbered in arrival order:
+        with -dp, several cores' windows interleave)."""
+        if self.expert_load_meta is None:
+            raise HTTPException(404, "this model records no expert load (no MoE layer, or record_expert_load off)")
+        return windows_to_dashboard_json(self.expert_load_meta, list(self.expert_load_windows), since)
+
+    def _keep_expert_windows(self, windows: list[dict]) -> None:
+        for w in windows:
+            w = dict(w, index=next(self._window_index))
+            self.expert_load_windows.append(ExpertLoadWindow.from_json(w, self.expert_load_meta))
+
+    @property
+    def dead(self) -> str | None:
+        return next((c.dead for c in self.clients if c.dead is not None), None)
+
+    def _pick_core(self, num_seqs: int) -> int:
+        loads = [s.num_running + s.num_waiting + sent for s, sent in zip(self._core_stats, self._sent_since_stats)]
+        core = loads.index(min(loads))
+        self._sent_since_stats[core] += num_seqs
+        return core
+
+    @property
+    def stats(self) -> SchedulerStats:
+        return self.output.stats
+
+    def new_request_id(self, prefix: str) -> str:
+        return f"{prefix}-{next(self._counter)}"
+
+    async def generate(self, prompt: ProcessedPrompt, params: SamplingParams, request_id: str,
+                       arrival_time: float | None = None) -> AsyncIterator[RequestOutput]:
+        """Deltas of the request until it finishes (the last one has finished=True)."""
+        if self.dead is not None:
+            raise EngineDeadError(self.dead)
+        self.input.check_params(params)
+        core_requests = self.input.make_core_requests(request_id, prompt, params)
+        queue: asyncio.Queue = asyncio.Queue()
+        self._queues[request_id] = queue
+        self.output.add_request(request_id, prompt, core_requests, arrival_time or time.monotonic())
+        finished = False
+        core = self._core_of[request_id] = self._pick_core(len(core_requests))
+        try:
+            self._add_to_core(core, core_requests)
+            while not finished:
+                item = await queue.get()
+                if isinstance(item, Exception):
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            self._queues.pop(request_id, None)
+            if not finished:
+                self.abort(request_id)
+            self._core_of.pop(request_id, None)
+
+    def _add_to_core(self, core: int, core_requests: list) -> None:
+        client = self.clients[core]
+        ipc = client.ipc_cache if client.shm is None else client.shm.store  # hits: pixels the core can reach
+        if ipc is None or not any(r.mm_items for r in core_requests):
+            client.add_requests(core_requests)
+            return
+        if client.shm is None and self.input.ipc_sender is not None:  # nothing awaits from here to the send
+            self.input.images.restore_evicted([m for r in core_requests for m in r.mm_items], client.ipc_cache)
+        queries, hits = ipc.queries, ipc.hits
+        client.add_requests(core_requests)
+        self.metrics.mm_ipc_cache_queries.inc(ipc.queries - queries)
+        self.metrics.mm_ipc_cache_hits.inc(ipc.hits - hits)
+
+    def abort(self, request_id: str) -> None:
+        ids = self.output.abort_request(request_id)
+        core = self._core_of.get(request_id)
+        if ids and core is not None:
+            self.clients[core].abort(ids)
+
+    def _aggregate_stats(self, core: int, stats: SchedulerStats) -> SchedulerStats:
+        self._core_stats[core] = stats
+        self._sent_since_stats[core] = 0
+        if len(self._core_stats) == 1:
+            return stats
+        all_stats = self._core_stats
+        return SchedulerStats(
+            sum(s.num_running for s in all_stats), sum(s.num_waiting for s in all_stats),
+            sum(s.kv_cache_usage for s in all_stats) / len(all_stats), sum(s.num_preemptions for s in all_stats),
+            sum(s.prefix_cache_queries for s in all_stats), sum(s.prefix_cache_hits for s in all_stats))
+
+    def _on_result(self, core: int, result: CoreStepResult) -> None:
+        result.stats = self._aggregate_stats(core, result.stats)
+        if result.expert_load_windows and self.expert_load_meta is not None:
+            self._keep_expert_windows(result.expert_load_windows)
+        processed = self.output.process(result)
+        # A request's sequences all run on one core: the one that sent these outputs.
+        self.clients[core].stop(processed.stopped)
+        self.clients[core].abort(processed.aborted)
+        for parent in processed.updated:
+            queue = self._queues.get(parent.request_id)
+            if queue is not None:
+                delta = parent.delta_output()
+                if delta.outputs or delta.finished:
+                    queue.put_nowait(delta)
+
+    def _on_stats(self, core: int, stats: SchedulerStats) -> None:
+        self.output.update_stats(self._aggregate_stats(core, stats))
+
+    def _on_dead(self, why: str) -> None:
+        for queue in self._queues.values():
+            queue.put_nowait(EngineDeadError(why))
+
+    async def shutdown(self) -> None:
+        await asyncio.gather(*(c.shutdown() for c in self.clients))

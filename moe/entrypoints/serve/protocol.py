@@ -1,0 +1,160 @@
+"""The OpenAI request bodies `moe serve` accepts (pydantic), their SamplingParams, and the error body.
+
+Unknown fields are ignored with a warning naming them (as by vLLM; `best_of` among them: vLLM's
+server dropped it with V1, and `n` is what gives several samples); values are range-checked by
+SamplingParams, so a bad one fails with the same message offline and served.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any, Union
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from moe.sampling_params import SamplingParams
+
+logger = logging.getLogger("moe.entrypoints.serve")
+
+
+class ErrorResponse(Exception):
+    """Raised by a handler: answered as {"error": {"message", "type", "param", "code"}}."""
+
+    def __init__(self, message: str, status_code: int = 400, err_type: str = "BadRequestError",
+                 param: str | None = None) -> None:
+        super().__init__(message)
+        self.message, self.status_code, self.err_type, self.param = message, status_code, err_type, param
+
+    def body(self) -> dict:
+        return error_body(self.message, self.err_type, self.status_code, self.param)
+
+
+def error_body(message: str, err_type: str, code: int, param: str | None = None) -> dict:
+    return {"error": {"message": message, "type": err_type, "param": param, "code": code}, "object": "error"}
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class _SamplingRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    stop: Union[str, list[str], None] = None
+    stop_token_ids: list[int] | None = None
+    n: int = 1
+    ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    user: str | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _warn_ignored_fields(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            ignored = sorted(k for k in data if k not in cls.model_fields)
+            if ignored:
+                logger.warning("fields of the request ignored: %s", ", ".join(map(str, ignored)))
+        return data
+
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        """Unset values take OpenAI's defaults (temperature 1, top_p 1)."""
+        return SamplingParams(
+            n=self.n, temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p, top_k=0 if self.top_k is None else self.top_k,
+            min_p=0.0 if self.min_p is None else self.min_p, seed=self.seed, max_tokens=max_tokens,
+            min_tokens=self.min_tokens, stop=self.stop, stop_token_ids=self.stop_token_ids,
+            ignore_eos=self.ignore_eos, presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty,
+            include_stop_str_in_output=self.include_stop_str_in_output, logprobs=logprobs,
+            skip_special_tokens=self.skip_special_tokens)
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(_SamplingRequest):
+    prompt: Union[str, list[str], list[int], list[list[int]], None] = None
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+
+    def prompts(self) -> list[Any]:
+        """The prompt as a list of engine prompts (a text or {"prompt_token_ids": [...]} each)."""
+        p = self.prompt
+        if p is None or p == [] or p == "":
+            raise ErrorResponse("prompt is required: a string, a list of strings, token ids or lists of token ids",
+                                param="prompt")
+        if isinstance(p, str):
+            return [p]
+        if all(isinstance(x, int) for x in p):
+            return [{"prompt_token_ids": p}]
+        return [x if isinstance(x, str) else {"prompt_token_ids": x} for x in p]
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    messages: list[dict[str, Any]] = Field(default_factory=list)
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    echo: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def generation_prompt(self) -> bool:
+        """Whether the template adds the assistant's turn opener. continue_final_message turns it
+        off unless add_generation_prompt was sent true too: that pair is refused, as by vLLM."""
+        if not self.continue_final_message:
+            return self.add_generation_prompt
+        if self.add_generation_prompt and "add_generation_prompt" in self.model_fields_set:
+            raise ErrorResponse("Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
+                                param="continue_final_message")
+        return False
+
+    def response_role(self) -> str:
+        """The role of the generated message: the assistant after a generation prompt, else the
+        last message's (its continuation), as vLLM answers."""
+        if self.generation_prompt() or not self.messages:
+            return "assistant"
+        return str(self.messages[-1].get("role", "assistant"))
+
+    def chat_logprobs(self) -> int | None:
+        if not self.logprobs:
+            if self.top_logprobs:
+                raise ErrorResponse("top_logprobs needs logprobs=true", param="top_logprobs")
+            return None
+        return self.top_logprobs or 0
+
+
+_IMAGE_PART_TYPES = ("image_url", "image_pil", "image")
+
+
+def flatten_content(messages: list[dict]) -> list[dict]:
+    """Message content given as a list of parts ([{"type": "text", "text": ...}]) joined into one
+    string; a content with image parts stays a list (the chat template places the images)."""
+    out = []
+    for m in messages:
+        content = m.get("content")
+        if isinstance(content, list) and not any(isinstance(part, dict) and part.get("type") in _IMAGE_PART_TYPES
+                                                 for part in content):
+            texts = [part.get("text", "") for part in content if isinstance(part, dict) and part.get("type") == "text"]
+            m = {**m, "content": "\n".join(texts)}
+        out.append(m)
+    return out

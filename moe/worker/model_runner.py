@@ -1,0 +1,432 @@
+"""The model runner: keeps per-request token/block state, turns each SchedulerOutput into
+batch tensors, runs the model, samples, and returns the new tokens.
+
+It sees only SchedulerOutputs, so a multi-process executor can broadcast the same object to
+every rank's runner.
+
+Parallel ranks: every rank of a DP replica runs the same batch. With pipeline parallelism a
+stage receives the previous stage's activations and sends its own on (models/parallel/pipeline.py); logits
+come from the last stage (all its TP ranks take part in the vocab gather), and only the
+replica's driver rank (last stage, TP rank 0) samples: sampling is done once and its tokens are
+sent to the other ranks of the replica with the next step (`apply_sampled`), so every rank
+appends exactly the tokens the driver drew, whatever the sampling parameters.
+
+On CUDA the step's inputs go through reused pinned/device buffers (moe/worker/step_buffers.py,
+moe/worker/step_inputs.py), attention runs the Triton kernels, and decode-only steps replay CUDA graphs
+captured at start-up (moe/worker/cuda_graphs.py); elsewhere fresh tensors feed the torch references.
+Images: the encoder runs over the step's scheduled images and their features replace the image
+tokens' embeddings (moe/multimodal/encoder_runner.py); such steps run eagerly.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from all2all import low_latency_for_auto
+from kernels.attention import AttentionMetadata
+from models.layers.attention import use_triton_attention
+from models.layers.moe import DispatchStep
+from models.parallel.state import get_parallel_state, pp_recv, pp_send
+from moe.expert_load.counters import ExpertLoadCounters
+from moe.multimodal.encoder_runner import EncoderRunner
+from moe.worker.block_tables import BlockTables
+from moe.worker.cuda_graphs import DecodeGraphs, default_capture_sizes
+from moe.worker.sampler import SamplingBatch, sample
+from moe.worker.step_buffers import StepBuffers
+from moe.worker.step_inputs import RequestState, StepBatch, buffer_metadata, host_metadata, upload
+from scheduler import KVCacheGroup, SchedulerOutput
+
+logger = logging.getLogger("moe.runner")
+
+
+@dataclass
+class TokenLogprobs:
+    """Raw logprobs of one sampled token: the token's own, its rank, and the top-k."""
+    token_id: int
+    logprob: float
+    rank: int
+    top_ids: list[int]
+    top_logprobs: list[float]
+
+
+@dataclass
+class ModelRunnerOutput:
+    sampled: dict[str, list[int]] = field(default_factory=dict)
+    logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+
+
+class PendingStep:
+    """A launched step whose sampled tokens (and logprobs) may still be on their way
+    (ModelRunner.launch). On CUDA they are copied to pinned memory right after sampling, so waiting
+    for them does not wait for a later step queued behind."""
+
+    def __init__(self, batch: StepBatch, result) -> None:
+        self.batch = batch
+        self.sampled_B = result.sampled_B
+        self.sample_index = {batch.req_ids[i]: j for j, i in enumerate(batch.sample_rows)}
+        outputs = {"sampled": result.sampled_B, "logprob": result.sampled_logprob_B, "rank": result.sampled_rank_B,
+                   "top_ids": result.logprob_ids_BK, "top_vals": result.logprob_vals_BK}
+        self._outputs = {k: t for k, t in outputs.items() if t is not None}
+        self._ready = None
+        if self.sampled_B.is_cuda:
+            staged = {}
+            for k, t in self._outputs.items():
+                staged[k] = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+                staged[k].copy_(t, non_blocking=True)
+            self._outputs = staged
+            self._ready = torch.cuda.Event()
+            self._ready.record()
+
+    def lists(self) -> dict[str, list]:
+        """The step's outputs as lists: sampled, and logprob / rank / top_ids / top_vals when asked."""
+        if self._ready is not None:
+            self._ready.synchronize()
+        return {k: t.tolist() for k, t in self._outputs.items()}
+
+
+def _derived_seed(seed: int, output_index: int) -> int:
+    # A seeded request's draw for its i-th token depends only on (seed, i): reproducible
+    # across batch compositions and after preemption.
+    return hash((seed, output_index)) & ((1 << 63) - 1)
+
+
+class ModelRunner:
+    def __init__(self, model: torch.nn.Module, device: torch.device, block_size: int,
+                 eos_token_ids: tuple[int, ...], vocab_size: int, enforce_eager: bool = True,
+                 cudagraph_capture_sizes: list[int] | None = None) -> None:
+        self.model = model
+        self.device = device
+        self.block_size = block_size
+        self.eos_token_ids = list(eos_token_ids)
+        self.vocab_size = vocab_size
+        self.requests: dict[str, RequestState] = {}
+        self.images = EncoderRunner(model, device)  # the vision encoder's side of a step
+        self.block_tables: BlockTables | None = None  # made with the KV cache (its group count)
+        self.kv_caches: list[torch.Tensor] = []
+        ps = get_parallel_state()
+        self.is_driver = ps.is_driver
+        self.pp_size, self.is_first_stage, self.is_last_stage = ps.pp_size, ps.is_first_pp_rank, ps.is_last_pp_rank
+        # A replica without work still runs a one-token forward (MoE collectives span DP
+        # replicas); its KV write goes to one extra block that the scheduler never hands out.
+        self.reserve_dummy_block = ps.needs_dummy_batches
+        self.dummy_blocks: list[int] | None = None  # per KV-cache group
+        # The GPU path: step inputs through reused pinned/device buffers, Triton attention, and
+        # CUDA graphs for decode-only steps (not across pipeline stages, nor with a token
+        # dispatcher whose count exchange syncs with the host: under expert parallelism only the
+        # fixed-capacity "low_latency" one, which "auto" is on CUDA, is captured, for steps whose
+        # every replica fits it).
+        self.gpu_inputs = use_triton_attention(torch.empty(0, device=device))
+        ep = ps.enable_expert_parallel and ps.ep_size > 1
+        self.graphs_need_capacity = ep and (ps.all2all_backend == "low_latency" or (
+            ps.all2all_backend == "auto" and low_latency_for_auto(device.type)))
+        graphs_ok = self.gpu_inputs and ps.pp_size == 1 and (not ep or self.graphs_need_capacity)
+        if self.gpu_inputs and not enforce_eager and not graphs_ok:
+            logger.info("CUDA graphs are off for pipeline parallelism, and for expert parallelism with "
+                        "all2all_backend 'all_to_all' or 'allgather_reducescatter' (their count exchange "
+                        "syncs with the host): steps run eagerly")
+        self.use_cuda_graphs = graphs_ok and not enforce_eager and device.type == "cuda"
+        self.cudagraph_capture_sizes = cudagraph_capture_sizes
+        self.limits: tuple[int, int, int] | None = None  # max_num_seqs, max_model_len, max_num_batched_tokens
+        self.buffers: StepBuffers | None = None
+        self.graphs: DecodeGraphs | None = None
+        self.counters: ExpertLoadCounters | None = None  # set by the worker when expert load is recorded
+        self.dispatch_step = DispatchStep()  # sized by configure
+
+    def configure(self, max_num_seqs: int, max_model_len: int, max_num_batched_tokens: int) -> None:
+        """The engine's limits, which size the step buffers and the CUDA graphs."""
+        self.limits = (max_num_seqs, max_model_len, max_num_batched_tokens)
+        self.dispatch_step.capacity = max(max_num_seqs, max(self.cudagraph_capture_sizes or [1]))
+        if self.counters is not None:
+            self.counters.reserve(max(max_num_batched_tokens, max_num_seqs))
+
+    # ---- KV cache ----------------------------------------------------------------------
+    def kv_cache_bytes_per_block(self) -> int:
+        total = 0
+        for attn in self.model.attention_layers():
+            shape = attn.kv_cache_shape(1, self.block_size)
+            total += int(np.prod(shape)) * torch.finfo(self.kv_dtype).bits // 8
+        return total
+
+    @property
+    def kv_dtype(self) -> torch.dtype:
+        return next(self.model.parameters()).dtype
+
+    def allocate_kv_cache(self, groups: int | list[KVCacheGroup]) -> None:
+        """One zeroed cache tensor per attention layer, sized by its KV-cache group's block
+        count (an int = one full-attention group of that many blocks)."""
+        if isinstance(groups, int):
+            groups = [KVCacheGroup(None, groups)]
+        keys = [g.chunk_size for g in groups]
+        self.kv_caches = []
+        self.num_kv_groups = len(groups)
+        self.requests.clear()  # their blocks belonged to the previous cache
+        self.images.holding.clear()
+        self.block_tables = BlockTables(len(groups))
+        self.graphs = None  # captured over the previous cache tensors
+        # The dummy batch writes to one extra block per group, never handed out by the scheduler.
+        self.dummy_blocks = [g.num_blocks for g in groups] if self.reserve_dummy_block and groups[0].num_blocks \
+            else None
+        extra = 1 if self.dummy_blocks else 0
+        for attn in self.model.attention_layers():
+            group = keys.index(getattr(attn, "chunk_size", None))
+            attn.kv_group = group
+            cache = torch.zeros(attn.kv_cache_shape(groups[group].num_blocks + extra, self.block_size),
+                                dtype=self.kv_dtype, device=self.device)
+            attn.kv_cache = cache
+            self.kv_caches.append(cache)
+        if self.gpu_inputs and self.limits is not None:
+            max_num_seqs, max_model_len, max_tokens = self.limits
+            sizes = self._capture_sizes()
+            # The profiling forward packs the token budget into sequences of max_model_len.
+            max_seqs = max(max_num_seqs, max(sizes, default=1), -(-max_tokens // max_model_len))
+            self.buffers = StepBuffers(self.device, max(max_tokens, max_seqs), max_seqs,
+                                       -(-max_model_len // self.block_size) + 1, len(groups))
+
+    def _capture_sizes(self) -> list[int]:
+        if not self.use_cuda_graphs or self.limits is None:
+            return []
+        return self.cudagraph_capture_sizes or default_capture_sizes(self.limits[0])
+
+    def capture_cuda_graphs(self) -> None:
+        """Capture the decode forwards (after the KV cache is allocated; every rank of a
+        tensor-parallel group captures the same sizes in the same order)."""
+        sizes = self._capture_sizes()
+        if not sizes or self.buffers is None or not self.kv_caches:
+            return
+        self.graphs = DecodeGraphs(sizes)
+        self.graphs.capture(self._upload_padding, self._graph_forward, self.device)
+
+    def _upload_padding(self, b: int) -> None:
+        """b padding decode rows into the step buffers (what a graph is captured over)."""
+        upload(self.buffers, StepBatch.empty(self.num_kv_groups), self.block_size, padded=b)
+
+    @torch.inference_mode()
+    def _graph_forward(self, b: int) -> torch.Tensor:
+        """The model on b decode rows read from the step buffers (what a graph captures)."""
+        buf = self.buffers
+        self.dispatch_step.max_tokens = b  # every rank captures the same sizes in the same order
+        meta = buffer_metadata(buf, self.num_kv_groups, b, b, 1, list(range(b + 1)), [1] * b, decode_only=True)
+        return self._forward(buf.dev_view("input_ids", b), buf.dev_view("positions", b), meta)
+
+    def release(self) -> None:
+        """Drop the KV cache, the CUDA graphs (their memory pool) and the step buffers."""
+        for attn in self.model.attention_layers():
+            attn.kv_cache = None
+        self.kv_caches, self.graphs, self.buffers = [], None, None
+        self.requests.clear()
+        self.images.holding.clear()
+
+    def kv_cache_chunk_sizes(self) -> list[int | None]:
+        """Per attention layer of this rank: its chunked-local window, or None."""
+        return [getattr(attn, "chunk_size", None) for attn in self.model.attention_layers()]
+
+    # ---- one step ----------------------------------------------------------------------
+    def _update_states(self, so: SchedulerOutput) -> None:
+        tables = self.block_tables
+        for req_id in so.finished_req_ids | so.preempted_req_ids:
+            state = self.requests.pop(req_id, None)
+            if state is not None:
+                tables.remove(state.row)
+                self.images.free(req_id, None)
+        for req_id, index in so.free_encoder_inputs:
+            self.images.free(req_id, self.requests.get(req_id), index)
+        for new in so.scheduled_new_reqs:
+            self.requests[new.req_id] = RequestState(list(new.token_ids), new.num_prompt_tokens,
+                                                     new.sampling_params, tables.add(new.block_ids),
+                                                     new.num_computed_tokens, new.mm_items)
+        cached = so.scheduled_cached_reqs
+        for req_id, new_blocks, num_computed in zip(cached.req_ids, cached.new_block_ids, cached.num_computed_tokens):
+            state = self.requests[req_id]
+            for group, ids in enumerate(new_blocks):  # () when no group added a block
+                tables.extend(state.row, group, ids)
+            state.num_computed_tokens = num_computed
+
+    def _sampling_batch(self, states: list[RequestState], seq_lens: list[int]) -> SamplingBatch:
+        """seq_lens: each row's context after the step, so the token sampled now is output number
+        seq_len - num_prompt_tokens (also with async scheduling, where token_ids lags)."""
+        dev = self.device
+        params = [s.params for s in states]
+        num_out = [L - s.num_prompt_tokens for s, L in zip(states, seq_lens)]
+        all_greedy = all(p.is_greedy for p in params)
+        top_k = [p.top_k for p in params]
+        top_p = [p.top_p for p in params]
+        min_p = [p.min_p for p in params]
+        batch = SamplingBatch(
+            temperature_B=None if all_greedy else torch.tensor([p.temperature for p in params], dtype=torch.float32,
+                                                               device=dev),
+            top_k_B=torch.tensor(top_k, device=dev) if not all_greedy and any(top_k) else None,
+            top_p_B=torch.tensor(top_p, dtype=torch.float32, device=dev)
+            if not all_greedy and any(x < 1 for x in top_p) else None,
+            min_p_B=torch.tensor(min_p, dtype=torch.float32, device=dev) if not all_greedy and any(min_p) else None,
+            seeds=None if all_greedy else
+            [None if p.seed is None else _derived_seed(p.seed, n) for p, n in zip(params, num_out)],
+            all_greedy=all_greedy,
+            max_num_logprobs=max((p.logprobs for p in params if p.logprobs is not None), default=-1),
+        )
+        if any(p.repetition_penalty != 1 or p.frequency_penalty or p.presence_penalty for p in params):
+            V, B = self.vocab_size, len(states)
+            counts = torch.zeros(B, V, dtype=torch.float32, device=dev)
+            prompt = torch.zeros(B, V, dtype=torch.bool, device=dev)
+            for i, s in enumerate(states):
+                out = torch.tensor(s.token_ids[s.num_prompt_tokens:], dtype=torch.long, device=dev)
+                counts[i].index_add_(0, out, torch.ones_like(out, dtype=torch.float32))
+                prompt[i, torch.tensor(s.token_ids[:s.num_prompt_tokens], dtype=torch.long, device=dev)] = True
+            batch.output_counts_BV, batch.prompt_mask_BV = counts, prompt
+            batch.repetition_penalty_B = torch.tensor([p.repetition_penalty for p in params], device=dev)
+            batch.frequency_penalty_B = torch.tensor([p.frequency_penalty for p in params], device=dev)
+            batch.presence_penalty_B = torch.tensor([p.presence_penalty for p in params], device=dev)
+        banned = []
+        for i, (p, n) in enumerate(zip(params, num_out)):
+            if p.min_tokens and n < p.min_tokens:
+                stops = ([] if p.ignore_eos else self.eos_token_ids) + list(p.stop_token_ids)
+                if stops:
+                    banned.append((i, stops))
+        batch.banned_tokens = banned or None
+        return batch
+
+    def apply_sampled(self, sampled: dict[str, list[int]]) -> None:
+        """Append the tokens the replica's driver rank sampled last step (non-driver ranks)."""
+        for req_id, tokens in sampled.items():
+            state = self.requests.get(req_id)
+            if state is not None:
+                state.token_ids.extend(tokens)
+
+    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                 inputs_embeds: torch.Tensor | None = None):
+        """The model on this rank's stage: final hidden states [T, D] on the last stage, None on
+        the others (their activations went to the next stage). inputs_embeds: the first stage's
+        input embeddings instead of the ids' (a step that reads image features)."""
+        embeds = {} if inputs_embeds is None else {"inputs_embeds": inputs_embeds}
+        if self.pp_size == 1:
+            out = self.model(input_ids, positions, meta, **embeds)
+            if self.counters is not None:
+                self.counters.count_pending()  # inside a graph capture too: replays count
+            return out
+        intermediate = None
+        if not self.is_first_stage:
+            intermediate = self.model.make_empty_intermediate_tensors(input_ids.shape[0], self.kv_dtype, self.device)
+            pp_recv(intermediate)
+        out = self.model(input_ids, positions, meta, intermediate_tensors=intermediate, **embeds)
+        if self.counters is not None:
+            self.counters.count_pending()
+        if self.is_last_stage:
+            return out
+        pp_send(out)
+        return None
+
+    def _run_batch(self, batch: StepBatch, counted: bool = True, with_images: bool = False,
+                   prev: PendingStep | None = None):
+        """Hidden states of the batch's tokens (None off the last pipeline stage): a CUDA-graph
+        replay for a decode-only step within the captured sizes, else an eager forward.
+        counted: whether the expert-load counters count its tokens (not a dummy batch's).
+        with_images: some request of the batch holds image features (this stage embeds them).
+        prev: the step in flight whose sampled tokens are this batch's pending inputs (async)."""
+        T, B = len(batch.input_ids_T), len(batch.req_ids)
+        if self.counters is not None:  # a graph's padding rows lie past T: not counted
+            self.counters.set_num_valid(T if counted else 0)
+        if self.buffers is None or not self.buffers.fits(T, B, max(t.shape[1] for t in batch.tables)):
+            meta = host_metadata(batch, self.device, self.block_size, device_fields=self.gpu_inputs)
+            input_ids = torch.from_numpy(batch.input_ids_T).to(self.device)
+            self._fill_pending(input_ids, batch, prev)
+            embeds = self.images.inputs_embeds(batch, input_ids) if with_images else None
+            return self._forward(input_ids, torch.from_numpy(batch.positions_T).to(self.device), meta, embeds)
+        replayable = batch.decode_only and self.graphs is not None and not with_images and (
+            not self.graphs_need_capacity or self.dispatch_step.max_tokens <= self.dispatch_step.capacity)
+        padded = self.graphs.padded_size(B) if replayable else None
+        meta = upload(self.buffers, batch, self.block_size, padded)
+        self._fill_pending(self.buffers.dev_view("input_ids", T), batch, prev)
+        if padded is not None:
+            return self.graphs.replay(padded)[:B]
+        input_ids = self.buffers.dev_view("input_ids", T)
+        embeds = self.images.inputs_embeds(batch, input_ids) if with_images else None
+        return self._forward(input_ids, self.buffers.dev_view("positions", T), meta, embeds)
+
+    def _fill_pending(self, input_ids_T: torch.Tensor, batch: StepBatch, prev: PendingStep | None) -> None:
+        """Async scheduling: copy the in-flight step's sampled tokens into this step's inputs, on
+        the device (stream-ordered after that step's sampling)."""
+        if not batch.pending_T:
+            return
+        if prev is None:
+            raise RuntimeError("a step has inputs from a step in flight, but none was given")
+        missing = [req_id for _, req_id in batch.pending_T if req_id not in prev.sample_index]
+        if missing:
+            raise RuntimeError(f"requests {missing} wait for tokens that the step in flight does not sample")
+        # [destination rows; source rows], through pinned memory on CUDA: a copy from pageable
+        # memory would wait for the step in flight.
+        idx = torch.tensor([[t for t, _ in batch.pending_T], [prev.sample_index[r] for _, r in batch.pending_T]],
+                           dtype=torch.long, pin_memory=self.device.type == "cuda")
+        idx = idx.to(self.device, non_blocking=True)
+        input_ids_T.index_copy_(0, idx[0], prev.sampled_B.index_select(0, idx[1]))
+
+    @torch.inference_mode()
+    def execute_dummy(self) -> None:
+        """One token at position 0 written to the reserved block: runs every collective of a
+        forward (MoE dispatch/combine, TP, PP) without touching any request's state."""
+        if self.dummy_blocks is None:
+            raise RuntimeError("a dummy batch needs the reserved KV blocks (allocate_kv_cache first)")
+        batch = StepBatch.one_token(self.dummy_blocks)
+        self._run_batch(batch, counted=False)
+
+    @torch.inference_mode()
+    def execute_model(self, so: SchedulerOutput, dummy: bool = False) -> ModelRunnerOutput:
+        """Run one step. `dummy`: when `so` is empty, run a one-token forward anyway (another DP
+        replica has work and the MoE collectives need every rank)."""
+        pending = self.launch(so, dummy=dummy)
+        return self.collect(pending) if pending is not None else ModelRunnerOutput()
+
+    @torch.inference_mode()
+    def launch(self, so: SchedulerOutput, prev: PendingStep | None = None,
+               dummy: bool = False) -> PendingStep | None:
+        """Queue one step's forward and sampling without waiting for them; None when the step
+        samples nothing here. prev: the step still in flight (async scheduling), whose sampled
+        tokens feed this step's pending inputs."""
+        self._update_states(so)
+        if so.is_empty:
+            if dummy:
+                self.execute_dummy()
+            return None
+        batch = StepBatch.build(so, self.requests, self.block_tables)
+        with_images = False
+        if self.is_first_stage:  # images are embedded where the token embeddings are
+            if so.scheduled_encoder_inputs:
+                self.images.encode(so, self.requests, self.kv_dtype)
+            with_images = bool(self.images.holding)
+        hidden = self._run_batch(batch, with_images=with_images, prev=prev)
+        sample_rows = batch.sample_rows
+        if not sample_rows or hidden is None:
+            return None
+        if len(sample_rows) == hidden.shape[0]:  # every token samples (decode-only)
+            last = hidden
+        else:
+            last = hidden[torch.from_numpy(batch.query_start_loc[np.asarray(sample_rows) + 1] - 1).to(self.device)]
+        logits = self.model.compute_logits(last)  # a TP collective: every TP rank of the stage
+        if not self.is_driver:
+            return None
+        states = batch.states
+        sample_states = [states[i] for i in sample_rows]
+        result = sample(logits, self._sampling_batch(sample_states, batch.seq_lens_B[sample_rows].tolist()))
+        return PendingStep(batch, result)
+
+    def collect(self, pending: PendingStep) -> ModelRunnerOutput:
+        """Wait for a launched step's tokens, append them to the request states, and return them."""
+        batch, got = pending.batch, pending.lists()
+        sampled = got["sampled"]
+        want_logprobs = "logprob" in got
+        if want_logprobs:
+            lp, ranks = got["logprob"], got["rank"]
+            top_ids, top_vals = got.get("top_ids"), got.get("top_vals")
+        out = ModelRunnerOutput()
+        req_ids, states = batch.req_ids, batch.states
+        for j, i in enumerate(batch.sample_rows):
+            req_id, state = req_ids[i], states[i]
+            state.token_ids.append(sampled[j])  # a state dropped meanwhile (finished, preempted) is unused
+            out.sampled[req_id] = [sampled[j]]
+            k = state.params.logprobs
+            if want_logprobs and k is not None:
+                out.logprobs[req_id] = [TokenLogprobs(sampled[j], lp[j], ranks[j],
+                                                      top_ids[j][:k] if top_ids else [],
+                                                      top_vals[j][:k] if top_vals else [])]
+        return out

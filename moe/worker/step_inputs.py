@@ -1,0 +1,202 @@
+"""One step's inputs on their way to the model: the batch layout on the host (`StepBatch`, built
+from the runner's request states) and the attention metadata made from it, either as fresh tensors
+(`host_metadata`: the torch reference path of CPU runs, or a GPU step larger than the buffers) or as
+views of the runner's reused `StepBuffers` (`upload`: the GPU path, padded to a CUDA graph's size on
+decode-only steps).
+
+Legend: T tokens of the step, B sequences, m the longest block table of the step.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from kernels.attention import AttentionMetadata
+from moe.sampling_params import SamplingParams
+from moe.worker.block_tables import BlockTables
+from moe.worker.step_buffers import StepBuffers
+from scheduler import SchedulerOutput
+
+
+@dataclass
+class RequestState:
+    """What the runner keeps of one request between steps."""
+    token_ids: list[int]
+    num_prompt_tokens: int
+    params: SamplingParams
+    row: int  # its row of the runner's BlockTables
+    num_computed_tokens: int
+    mm_items: list | tuple = ()  # the prompt's images (moe/multimodal/inputs.py's ImageItem)
+    # Encoder features [num_embeds, D] of the images whose tokens are being computed, by item index.
+    encoder_outputs: dict = field(default_factory=dict)
+
+
+@dataclass
+class StepBatch:
+    """One step's batch on the host: the layout every path derives its tensors from."""
+    req_ids: list[str]
+    states: list[RequestState]
+    num_tokens_B: np.ndarray       # new tokens per sequence
+    query_start_loc: np.ndarray    # [B+1]
+    seq_lens_B: np.ndarray         # context after this step
+    input_ids_T: np.ndarray
+    positions_T: np.ndarray
+    row_T: np.ndarray              # sequence of each token
+    tables: list[np.ndarray]       # per KV-cache group [B, m]
+    sample_rows: list[int]         # sequences that produce a token this step
+    # Async scheduling: (token index, request id) of input tokens not known yet on the host (the
+    # previous step samples them); their input_ids_T entries are 0 until filled on the device.
+    pending_T: list[tuple[int, str]] = field(default_factory=list)
+
+    @property
+    def decode_only(self) -> bool:
+        return len(self.input_ids_T) == len(self.req_ids)
+
+    @classmethod
+    def build(cls, so: SchedulerOutput, requests: dict[str, RequestState], tables: BlockTables) -> "StepBatch":
+        req_ids = list(so.num_scheduled_tokens)
+        states = [requests[r] for r in req_ids]
+        n = np.fromiter(so.num_scheduled_tokens.values(), dtype=np.int64, count=len(req_ids))
+        computed = np.fromiter((s.num_computed_tokens for s in states), dtype=np.int64, count=len(states))
+        qsl = np.zeros(len(req_ids) + 1, dtype=np.int64)
+        np.cumsum(n, out=qsl[1:])
+        seq_lens = computed + n
+        T = int(qsl[-1])
+        known = np.fromiter((len(s.token_ids) for s in states), dtype=np.int64, count=len(states))
+        pending: list[tuple[int, str]] = []
+        if T == len(states):  # decode-only: each sequence's newest token
+            if (computed < known).all():
+                input_ids = np.fromiter((s.token_ids[s.num_computed_tokens] for s in states), dtype=np.int64, count=T)
+            else:
+                input_ids = np.asarray([s.token_ids[c] if c < len(s.token_ids) else 0
+                                        for s, c in zip(states, computed.tolist())], dtype=np.int64)
+                pending = [(i, req_ids[i]) for i in np.nonzero(computed >= known)[0].tolist()]
+            row, positions = np.arange(T), computed
+        else:
+            ids: list[int] = []
+            for i, (s, k) in enumerate(zip(states, n.tolist())):  # Python ints: numpy scalars index slowly
+                c = s.num_computed_tokens
+                have = s.token_ids[c:c + k]
+                if len(have) < k:  # async: the last token comes from the step in flight
+                    pending.append((len(ids) + k - 1, req_ids[i]))
+                    have = have + [0]
+                ids.extend(have)
+            input_ids = np.asarray(ids, dtype=np.int64)
+            row = np.repeat(np.arange(len(states)), n)
+            positions = np.arange(T) - qsl[:-1][row] + computed[row]
+        rows = np.fromiter((s.row for s in states), dtype=np.int64, count=len(states))
+        block_tables = [tables.gather(g, rows) for g in range(tables.num_groups)]
+        # Rows that reach the end of their known tokens (async: past it) produce a next token.
+        sample_rows = np.nonzero(seq_lens >= known)[0].tolist()
+        return cls(req_ids, states, n, qsl, seq_lens, input_ids, positions, row, block_tables, sample_rows,
+                   pending)
+
+    @classmethod
+    def one_token(cls, blocks: list[int]) -> "StepBatch":
+        """A one-token sequence at position 0 writing to the given block of each group."""
+        one, zero = np.ones(1, dtype=np.int64), np.zeros(1, dtype=np.int64)
+        return cls(["dummy"], [], one, np.array([0, 1]), one, zero, zero, zero,
+                   [np.array([[b]], dtype=np.int64) for b in blocks], [])
+
+    @classmethod
+    def empty(cls, num_groups: int) -> "StepBatch":
+        """No sequence at all (every row of a padded upload is then padding)."""
+        none = np.zeros(0, dtype=np.int64)
+        return cls([], [], none, np.zeros(1, dtype=np.int64), none, none, none, none,
+                   [np.zeros((0, 0), dtype=np.int64)] * num_groups, [])
+
+    def slots(self, table: np.ndarray, block_size: int) -> np.ndarray:
+        """Cache slot of each token through one group's block table."""
+        return table[self.row_T, self.positions_T // block_size] * block_size + self.positions_T % block_size
+
+
+def host_metadata(batch: StepBatch, device: torch.device, block_size: int, device_fields: bool) -> AttentionMetadata:
+    """Metadata as fresh tensors (the torch reference path); `device_fields` adds the GPU kernels'
+    layout too (a GPU step that does not fit the step buffers)."""
+    qsl, seq_lens = batch.query_start_loc, batch.seq_lens_B
+    decode = np.nonzero(batch.num_tokens_B == 1)[0]
+    layout = dict(query_start_loc=qsl.tolist(), seq_lens=seq_lens.tolist(), decode_seqs=decode.tolist(),
+                  prefill_seqs=np.nonzero(batch.num_tokens_B != 1)[0].tolist())
+    metas = [AttentionMetadata(block_tables_BM=torch.from_numpy(table).to(device),
+                               slot_mapping_T=torch.from_numpy(batch.slots(table, block_size)).to(device), **layout)
+             for table in batch.tables]
+    _add_decode_rows(metas, batch, device, block_size)
+    if device_fields:
+        for meta in metas:
+            meta.query_start_loc_t = torch.from_numpy(qsl).to(device, torch.int32)
+            meta.seq_lens_t = torch.from_numpy(seq_lens).to(device, torch.int32)
+            meta.max_query_len, meta.decode_only = int(batch.num_tokens_B.max()), batch.decode_only
+    return _grouped(metas)
+
+
+def upload(buf: StepBuffers, batch: StepBatch, block_size: int, padded: int | None = None) -> AttentionMetadata:
+    """Write the batch into the step buffers (decode rows padded to `padded` rows: one query each,
+    context 0, slot -1), upload it, and return metadata over the device views."""
+    T, B = len(batch.input_ids_T), len(batch.req_ids)
+    t, b = (padded, padded) if padded else (T, B)
+    buf.begin()
+    sizes = {"input_ids": t, "positions": t, "query_start_loc": b + 1, "seq_lens": b}
+    _fill(buf.host_view("input_ids", t), batch.input_ids_T, 0)
+    _fill(buf.host_view("positions", t), batch.positions_T, 0)
+    qsl = buf.host_view("query_start_loc", b + 1)
+    qsl[:B + 1] = batch.query_start_loc
+    qsl[B + 1:] = T + np.arange(1, b - B + 1)
+    _fill(buf.host_view("seq_lens", b), batch.seq_lens_B, 0)
+    for g, table in enumerate(batch.tables):
+        _fill(buf.host_view(f"slots{g}", t), batch.slots(table, block_size), -1)
+        sizes[f"slots{g}"] = t
+        buf.upload_tables(g, table)
+    buf.upload(sizes)
+    meta = buffer_metadata(buf, len(batch.tables), t, b, int(batch.num_tokens_B.max(initial=1)),
+                           batch.query_start_loc.tolist(), batch.seq_lens_B.tolist(), batch.decode_only)
+    if not batch.decode_only:  # a mixed batch: its decode rows for MLA's absorbed path
+        _add_decode_rows(meta.group_metas or [meta], batch, buf.device, block_size)
+    return meta
+
+
+def buffer_metadata(buf: StepBuffers, num_groups: int, t: int, b: int, max_query_len: int, qsl: list[int],
+                    seq_lens: list[int], decode_only: bool) -> AttentionMetadata:
+    """Metadata over the first t tokens and b sequences of the step buffers (what a CUDA graph
+    captures: the same views are read at every replay)."""
+    if decode_only:
+        decode, prefill = list(range(len(seq_lens))), []
+    else:
+        decode = [i for i in range(len(seq_lens)) if qsl[i + 1] - qsl[i] == 1]
+        prefill = [i for i in range(len(seq_lens)) if qsl[i + 1] - qsl[i] != 1]
+    qsl_t, seq_lens_t = buf.dev_view("query_start_loc", b + 1), buf.dev_view("seq_lens", b)
+    metas = [AttentionMetadata(qsl, seq_lens, buf.tables[g][:b], buf.dev_view(f"slots{g}", t), decode, prefill,
+                               query_start_loc_t=qsl_t, seq_lens_t=seq_lens_t, max_query_len=max_query_len,
+                               decode_only=decode_only)
+             for g in range(num_groups)]
+    return _grouped(metas)
+
+
+def _add_decode_rows(metas: list[AttentionMetadata], batch: StepBatch, device: torch.device,
+                     block_size: int) -> None:
+    """The decode sequences' token rows, context lengths and block tables (cut to their longest
+    context), which the torch reference and MLA's absorbed path batch together."""
+    decode = np.nonzero(batch.num_tokens_B == 1)[0]
+    if not len(decode):
+        return
+    nblk = -(-int(batch.seq_lens_B[decode].max()) // block_size)
+    for meta, table in zip(metas, batch.tables):
+        meta.decode_token_idx = torch.from_numpy(batch.query_start_loc[decode]).to(device)
+        meta.decode_seq_lens = torch.from_numpy(batch.seq_lens_B[decode]).to(device)
+        meta.decode_block_tables = torch.from_numpy(np.ascontiguousarray(table[decode, :nblk])).to(device)
+
+
+def _fill(dst: np.ndarray, values: np.ndarray, pad: int) -> None:
+    """dst = values followed by `pad` up to dst's length."""
+    n = len(values)
+    dst[:n] = values
+    dst[n:] = pad
+
+
+def _grouped(metas: list[AttentionMetadata]) -> AttentionMetadata:
+    """Group 0's metadata, carrying every group's when there are several."""
+    meta = metas[0]
+    if len(metas) > 1:
+        meta.group_metas = metas
+    return meta
