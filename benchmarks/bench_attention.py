@@ -1,11 +1,16 @@
 """Triton paged attention at Qwen3-30B-A3B attention shapes (H=32, G=4, d=128, bf16, block 16) on
 one GPU, against torch SDPA on the same K/V gathered contiguous beforehand (gather not timed) and
 against hardware floors (KV bytes at 4.8 TB/s for decode, causal FLOPs at 700 TFLOP/s for prefill).
+Mixed steps (decode rows beside one prefill chunk over cached context, in one launch) compare the
+varlen prefill kernel, which serves them today, with the unified kernel (MOE_UNIFIED_ATTENTION=1),
+against the larger of the bytes floor (each sequence's visible K/V once per KV head, q and out) and
+the FLOP floor, and both outputs against the torch reference.
 
     python benchmarks/bench_attention.py --out results/attention_h200.json [--sweep]
 
-Decode is timed as CUDA-graph replays (as the model runner runs it); all timings are
-triton.testing.do_bench medians. --sweep also times a few prefill tile configs / decode splits.
+Decode is timed as CUDA-graph replays (as the model runner runs it), prefill and mixed steps
+eagerly (they are not captured); all timings are triton.testing.do_bench medians. --sweep also
+times a few prefill tile configs / decode splits / unified tile heights and key tiles.
 """
 from __future__ import annotations
 
@@ -20,6 +25,13 @@ PEAK_FLOPS = 700e12
 DECODE_BATCHES = (1, 32, 256)
 DECODE_CONTEXTS = (512, 2048, 8192)
 PREFILLS = ((8, 1024), (1, 8192))  # (sequences, new tokens each), no cached context
+# (decode rows, their mean context, chunk tokens, tokens cached before the chunk); the chunk is the
+# batch's last sequence, as a new prompt's first chunk is scheduled after the running requests.
+# (decodes, their mean context, chunk, cached tokens before it): an offline batch's steps, and the
+# serving steps at a few requests per second (a few dozen decodes beside a new prompt; one cached
+# token keeps the reference on its paged path).
+MIXED_STEPS = ((256, 600, 512, 1000), (64, 600, 2048, 1000), (16, 400, 512, 1), (32, 400, 512, 1),
+               (64, 400, 1024, 1))
 
 
 def paged_cache(torch, lens, seed=0):
@@ -106,10 +118,61 @@ def bench_prefill(torch, do_bench, F, prefill, nseq, n, config=None):
             "triton_tflops": flops / t_triton / 1e12, "rel_err_vs_sdpa": err}
 
 
+def bench_mixed(torch, do_bench, prefill, unified, reference, num_decodes, ctx, chunk, cached,
+                block_q=None, config=None):
+    """One mixed step: num_decodes decode rows with contexts ctx +- 20% (seeded) and one chunk of
+    `chunk` new tokens over `cached` ones, through the prefill kernel and the unified kernel."""
+    from kernels.attention import AttentionMetadata
+
+    gen = torch.Generator().manual_seed(num_decodes * chunk)
+    lens = torch.randint(int(ctx * 0.8), int(ctx * 1.2) + 1, (num_decodes,), generator=gen).tolist()
+    lens.append(cached + chunk)
+    new = [1] * num_decodes + [chunk]
+    cache, tables = paged_cache(torch, lens, seed=num_decodes + chunk)
+    qsl_host = [0]
+    for n in new:
+        qsl_host.append(qsl_host[-1] + n)
+    T = qsl_host[-1]
+    q = torch.randn(T, H, D, device="cuda", dtype=torch.bfloat16)
+    qsl = torch.tensor(qsl_host, dtype=torch.int32, device="cuda")
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    out_p, out_u = torch.empty_like(q), torch.empty_like(q)
+    scale = D ** -0.5
+    max_q = max(new)
+    t_prefill = do_bench(lambda: prefill(q, cache, tables, qsl, seq_lens, max_q, scale, out_THd=out_p),
+                         warmup=10, rep=50, return_mode="median") * 1e-3
+    t_unified = do_bench(lambda: unified(q, cache, tables, qsl, seq_lens, scale, out_THd=out_u, block_q=block_q,
+                                         config=config), warmup=10, rep=50, return_mode="median") * 1e-3
+
+    meta = AttentionMetadata(query_start_loc=qsl_host, seq_lens=lens, block_tables_BM=tables,
+                             slot_mapping_T=torch.zeros(0, dtype=torch.int64, device="cuda"),
+                             decode_seqs=list(range(num_decodes)), prefill_seqs=[num_decodes],
+                             decode_token_idx=torch.arange(num_decodes, device="cuda"),
+                             decode_seq_lens=seq_lens[:num_decodes].long(), decode_block_tables=tables[:num_decodes])
+    ref = reference(q.float(), None, None, cache.float(), meta, scale).float()  # the chunk has cached context
+    errs = [((o.float() - ref).norm() / ref.norm()).item() for o in (out_p, out_u)]
+
+    keys = sum(lens)  # every sequence's whole context is visible to its last query
+    nbytes = 2 * keys * G * D * 2 + 2 * T * H * D * 2
+    visible = sum(lens[:num_decodes]) + chunk * cached + chunk * (chunk + 1) // 2  # (query, key) pairs
+    flops = 4 * H * D * visible
+    floor = max(nbytes / HBM_BPS, flops / PEAK_FLOPS)
+    return {"kind": "mixed", "decodes": num_decodes, "decode_context": ctx, "chunk": chunk, "cached": cached,
+            "tokens": T, "block_q": block_q, "config": config, "prefill_us": t_prefill * 1e6,
+            "unified_us": t_unified * 1e6, "speedup": t_prefill / t_unified, "bytes_read_floor": nbytes,
+            "bytes_floor_us": nbytes / HBM_BPS * 1e6, "flops_floor_us": flops / PEAK_FLOPS * 1e6,
+            "floor_us": floor * 1e6, "pct_of_floor": 100 * floor / t_unified,
+            "rel_err_prefill_vs_torch": errs[0], "rel_err_unified_vs_torch": errs[1]}
+
+
 SWEEP_PREFILL = [{"BLOCK_M": m, "BLOCK_N": n, "num_warps": w, "num_stages": s}
                  for m, n, w, s in ((64, 64, 4, 2), (128, 64, 8, 2), (128, 64, 4, 3), (128, 128, 8, 2),
                                     (64, 128, 4, 2), (128, 32, 4, 3))]
 SWEEP_SPLITS = (1, 2, 4, 8, 16, 32)
+# Unified kernel: (rows per tile, i.e. block_q * H/G; BLOCK_N, num_warps, num_stages).
+SWEEP_UNIFIED = [(rows, {"BLOCK_N": n, "num_warps": w, "num_stages": st})
+                 for rows, n, w, st in ((16, 64, 4, 2), (16, 32, 4, 3), (16, 128, 4, 2), (32, 64, 4, 2),
+                                        (64, 64, 4, 2), (64, 64, 8, 2), (64, 128, 8, 2), (128, 64, 8, 2))]
 
 
 def main():
@@ -123,8 +186,10 @@ def main():
     import torch.nn.functional as F
     from triton.testing import do_bench
 
+    from kernels.attention import paged_attention_torch
     from kernels.triton_attention.decode import paged_attention_decode_triton
     from kernels.triton_attention.prefill import paged_attention_prefill_triton
+    from kernels.triton_attention.unified import unified_attention_triton
 
     if not torch.cuda.is_available():
         raise SystemExit("bench_attention.py needs a GPU")
@@ -142,6 +207,14 @@ def main():
         if args.sweep:
             rows += [bench_prefill(torch, do_bench, F, paged_attention_prefill_triton, nseq, n, c)
                      for c in SWEEP_PREFILL]
+    mixed = []
+    for step in MIXED_STEPS:
+        kernels = (paged_attention_prefill_triton, unified_attention_triton, paged_attention_torch)
+        mixed.append(bench_mixed(torch, do_bench, *kernels, *step))
+        if args.sweep:
+            mixed += [bench_mixed(torch, do_bench, *kernels, *step, block_q=max(1, r // (H // G)), config=c)
+                      for r, c in SWEEP_UNIFIED]
+        torch.cuda.empty_cache()
     print(f"{'case':<34}{'triton us':>11}{'sdpa us':>11}{'floor us':>10}{'% floor':>9}{'rel err':>10}")
     for r in rows:
         if r["kind"] == "decode":
@@ -151,6 +224,14 @@ def main():
             name = f"prefill {r['seqs']}x{r['new_tokens']}{cfg}"
         print(f"{name:<34}{r['triton_us']:>11.1f}{r['sdpa_us']:>11.1f}{r['floor_us']:>10.1f}"
               f"{r['pct_of_floor']:>9.1f}{r['rel_err_vs_sdpa']:>10.2e}")
+    print(f"\n{'mixed step':<48}{'prefill us':>11}{'unified us':>11}{'speedup':>8}{'floor us':>10}"
+          f"{'% floor':>9}{'err pre':>10}{'err uni':>10}")
+    for r in mixed:
+        cfg = "" if r["config"] is None else f" bq={r['block_q']} " + "/".join(str(v) for v in r["config"].values())
+        name = f"{r['decodes']}x{r['decode_context']} + {r['chunk']}@{r['cached']}{cfg}"
+        print(f"{name:<48}{r['prefill_us']:>11.1f}{r['unified_us']:>11.1f}{r['speedup']:>8.2f}{r['floor_us']:>10.1f}"
+              f"{r['pct_of_floor']:>9.1f}{r['rel_err_prefill_vs_torch']:>10.2e}{r['rel_err_unified_vs_torch']:>10.2e}")
+    rows += mixed
     if args.out:
         meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
                 "shape": {"H": H, "G": G, "d": D, "block": S, "dtype": "bf16"}}

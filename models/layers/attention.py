@@ -2,10 +2,11 @@
 the block tables. The cache tensor is bound by the model runner after it is allocated.
 
 On CUDA the Triton kernels run (kernels/triton_attention): one launch for the KV write and one
-for the whole batch's attention (the split-KV decode kernel on decode-only steps, the only ones
-captured in CUDA graphs, else the varlen prefill kernel, which also serves the decode rows of a
-mixed batch). Elsewhere the batched CPU path runs (kernels/cpu_attention.py, tested against the
-pure-torch reference kernels.attention.paged_attention_torch).
+for the whole batch's attention: the split-KV decode kernel on decode-only steps (the only ones
+captured in CUDA graphs), else the unified kernel, whose tiles of a few query tokens times a KV
+head's query heads serve prefill chunks and decode rows of a mixed batch alike
+(MOE_UNIFIED_ATTENTION=0: the varlen prefill kernel instead, its tile height set by the longest query). Elsewhere the batched CPU path runs (kernels/cpu_attention.py,
+tested against the pure-torch reference kernels.attention.paged_attention_torch).
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ try:  # Triton is absent on some platforms; the torch reference then serves ever
     from kernels.triton_attention.decode import paged_attention_decode_triton
     from kernels.triton_attention.kv_cache import write_kv_cache_triton
     from kernels.triton_attention.prefill import paged_attention_prefill_triton
+    from kernels.triton_attention.unified import unified_attention_triton
     HAVE_TRITON_ATTENTION = True
 except ImportError:
     HAVE_TRITON_ATTENTION = False
@@ -28,6 +30,9 @@ except ImportError:
 
 # MOE_ROPE_KV_WRITE=0 keeps the KV write a launch of its own (for A/B runs).
 ROPE_WRITES_KV = os.environ.get("MOE_ROPE_KV_WRITE", "1") != "0"
+# Batches that are not decode-only go through the unified kernel (faster than the varlen prefill
+# kernel on an H200 in mixed steps, BENCHMARKS.md §2); MOE_UNIFIED_ATTENTION=0 keeps the prefill kernel.
+UNIFIED_ATTENTION = os.environ.get("MOE_UNIFIED_ATTENTION", "1") != "0"
 
 
 def use_triton_attention(x: torch.Tensor) -> bool:
@@ -90,5 +95,8 @@ class Attention(nn.Module):
         if meta.decode_only:
             return paged_attention_decode_triton(q, self.kv_cache, meta.block_tables_BM, meta.seq_lens_t,
                                                  self.scale, self.chunk_size)
+        if UNIFIED_ATTENTION:
+            return unified_attention_triton(q, self.kv_cache, meta.block_tables_BM, meta.query_start_loc_t,
+                                            meta.seq_lens_t, self.scale, self.chunk_size)
         return paged_attention_prefill_triton(q, self.kv_cache, meta.block_tables_BM, meta.query_start_loc_t,
                                               meta.seq_lens_t, meta.max_query_len, self.scale, self.chunk_size)

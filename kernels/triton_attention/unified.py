@@ -1,0 +1,200 @@
+"""Unified paged attention: one launch for a whole mixed batch (prefill chunks, fresh prompts and
+decode rows together) in which every K/V tile is read once per KV head and query tile.
+Reference: kernels.attention.paged_attention_torch.
+
+Legend: T query tokens (rows of q, at least query_start_loc[B]), B sequences, H query heads,
+G KV heads, HG = H // G query heads per KV head, d head dim, N cache blocks, S block size,
+BQ query tokens of a tile, M = BQ * HG rows of a tile padded to a power of two (>= 16, tl.dot's
+smallest), n_b queries and L_b context tokens of sequence b.
+
+Sequence b owns query rows query_start_loc[b] .. query_start_loc[b+1]-1; query i sits at position
+L_b - n_b + i and sees keys chunk_start(pos) .. pos through the block table (the new tokens' K/V
+are in the cache already). A program takes BQ consecutive queries of one sequence times all HG
+query heads of one KV head, so the GQA group shares every K/V tile it loads, and a decode row is
+a sequence of one tile (BQ = 16 // HG by default keeps its wasted rows few, unlike the varlen
+prefill kernel whose tile height follows the longest query of the batch).
+
+Grid (T // BQ + B, G), from shapes only, so the launch replays in a CUDA graph for any lengths:
+tile slot j of the flat numbering belongs to the last sequence b with
+query_start_loc[b] // BQ + b <= j (a binary search over the device offsets). That numbering gives
+sequence b at least cdiv(n_b, BQ) slots (one spare at most) without a prefix sum over the batch;
+spare slots, and slots past query_start_loc[B] when q has padding rows, return at once and write
+nothing.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.pdl import pdl_enter, pdl_launch
+from kernels.triton_attention.common import (
+    LOG2E,
+    NEG_BIG,
+    attend_key_tile,
+    check_block_tables,
+    check_cache,
+    dot_flags,
+    head_dim_pad,
+)
+
+# Rows (query tokens x query heads) a tile aims at. On an H200 (Qwen3-30B-A3B's 32/4 heads, so 8
+# query tokens a tile) 64 rows beat 16 and 32 both beside 256 decodes and beside a 2,048-token
+# chunk (BENCHMARKS.md §2). MOE_UNIFIED_ROWS overrides it for A/B runs.
+DEFAULT_ROWS = int(os.environ.get("MOE_UNIFIED_ROWS", "64"))
+
+
+@triton.jit
+def _find_tile(qsl_ptr, B, slot, BQ: tl.constexpr):
+    """(b, tile): the sequence of flat tile slot `slot` and the tile's index within it
+    (b == B: past the batch)."""
+    lo = slot * 0
+    hi = lo + B
+    # Invariant: f(lo) <= slot, the answer lies in lo .. hi; f(b) = qsl[b] // BQ + b rises strictly.
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        f_mid = tl.load(qsl_ptr + mid) // BQ + mid
+        fits = f_mid <= slot
+        lo = tl.where(fits, mid, lo)
+        hi = tl.where(fits, hi, mid - 1)
+    return lo, slot - (tl.load(qsl_ptr + lo) // BQ + lo)
+
+
+@triton.jit
+def _unified_kernel(q_ptr, kv_ptr, bt_ptr, qsl_ptr, seq_lens_ptr, o_ptr, B,
+                    stride_qt, stride_qh, stride_ot, stride_oh, stride_btb, stride_btm,
+                    v_offset, stride_blk, stride_tok, scale_log2, chunk_size,
+                    HG: tl.constexpr, BQ: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr,
+                    D_PAD: tl.constexpr, BLOCK_N: tl.constexpr, S: tl.constexpr, USE_CHUNK: tl.constexpr,
+                    PRECISION: tl.constexpr, UPCAST: tl.constexpr, USE_PDL: tl.constexpr):
+    pdl_enter(USE_PDL)
+    # Slots in reverse: a sequence's last tiles see the most keys, so they start first and the
+    # grid's tail is short tiles (the order changes nothing else).
+    slot = tl.num_programs(0) - 1 - tl.program_id(0)
+    kv_head = tl.program_id(1)
+    b, tile = _find_tile(qsl_ptr, B, slot, BQ)
+    if b >= B:
+        return
+    q_begin = tl.load(qsl_ptr + b)
+    n = tl.load(qsl_ptr + b + 1) - q_begin
+    m0 = tile * BQ
+    if m0 >= n:
+        return
+    L = tl.load(seq_lens_ptr + b)
+
+    r = tl.arange(0, BLOCK_M)
+    qi = m0 + r // HG
+    head = kv_head * HG + r % HG
+    row_ok = (r < BQ * HG) & (qi < n)
+    qpos = L - n + qi
+    dd = tl.arange(0, D_PAD)
+    q_off = (q_begin + qi).to(tl.int64) * stride_qt + head * stride_qh
+    q = tl.load(q_ptr + q_off[:, None] + dd[None, :],
+                mask=row_ok[:, None] & (dd[None, :] < HEAD_DIM), other=0.0)
+
+    q_first = L - n + m0
+    q_last = tl.minimum(q_first + BQ - 1, L - 1)
+    if USE_CHUNK:
+        row_lo = (qpos // chunk_size) * chunk_size
+        # Keys before the earliest row's chunk are never read (>= 0: a padded row has L = 0).
+        k_lo = tl.maximum((q_first // chunk_size) * chunk_size, 0)
+        same_chunk = k_lo == (q_last // chunk_size) * chunk_size
+    else:
+        row_lo = qpos * 0
+        k_lo = q_first * 0
+        same_chunk = True
+    # Keys k_lo .. q_first are visible to every row when all rows share one chunk: whole tiles of
+    # them run without masks, the rest (causal diagonal, chunk edges, the context's end) masked.
+    if same_chunk:
+        k_free = k_lo + ((q_first + 1 - k_lo) // BLOCK_N) * BLOCK_N
+    else:
+        k_free = k_lo
+
+    bt_row_ptr = bt_ptr + b.to(tl.int64) * stride_btb
+    acc = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], NEG_BIG, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    for k0 in range(k_lo, k_free, BLOCK_N):
+        acc, m_i, l_i = attend_key_tile(acc, m_i, l_i, q, kv_ptr, bt_row_ptr, stride_btm, kv_head, v_offset,
+                                        stride_blk, stride_tok, k0, qpos, row_lo, L, scale_log2, dd,
+                                        S, BLOCK_N, HEAD_DIM, D_PAD, False, USE_CHUNK, PRECISION, UPCAST)
+    for k0 in range(k_free, q_last + 1, BLOCK_N):
+        acc, m_i, l_i = attend_key_tile(acc, m_i, l_i, q, kv_ptr, bt_row_ptr, stride_btm, kv_head, v_offset,
+                                        stride_blk, stride_tok, k0, qpos, row_lo, L, scale_log2, dd,
+                                        S, BLOCK_N, HEAD_DIM, D_PAD, True, USE_CHUNK, PRECISION, UPCAST)
+    # A row that saw no key (padding, L = 0) has acc = 0: zeros, not NaN.
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    o_off = (q_begin + qi).to(tl.int64) * stride_ot + head * stride_oh
+    tl.store(o_ptr + o_off[:, None] + dd[None, :], out.to(o_ptr.dtype.element_ty),
+             mask=row_ok[:, None] & (dd[None, :] < HEAD_DIM))
+
+
+def default_block_q(hg: int, rows: int = DEFAULT_ROWS) -> int:
+    """Query tokens per tile: as many as fill `rows` rows with all HG heads, at least one."""
+    return max(1, rows // hg)
+
+
+def tile_rows(block_q: int, hg: int) -> int:
+    """BLOCK_M: the tile's BQ * HG rows padded to a power of two, at least 16 (tl.dot)."""
+    return max(16, triton.next_power_of_2(block_q * hg))
+
+
+def num_tile_slots(T: int, B: int, block_q: int) -> int:
+    """The grid's first dimension: an upper bound on the batch's query tiles from shapes alone."""
+    return T // block_q + B
+
+
+def unified_attention_triton(q_THd: torch.Tensor, kv_cache_2NSGd: torch.Tensor, block_tables_BM: torch.Tensor,
+                             query_start_loc_B1: torch.Tensor, seq_lens_B: torch.Tensor, scale: float,
+                             chunk_size: int | None = None, out_THd: torch.Tensor | None = None,
+                             block_q: int | None = None, config: dict | None = None) -> torch.Tensor:
+    """Causal (optionally chunked-local) GQA attention of each sequence's queries over its cached
+    context, any mix of prefill and decode rows; returns out_THd [T, H, d] in q's dtype.
+
+    q_THd: [T, H, d] fp32/fp16/bf16, any strides with a unit stride along d. Rows at and past
+    query_start_loc[B] (padding) are neither read nor written.
+    kv_cache_2NSGd: contiguous [2, N, S, G, d]; K/V are cast to q's dtype on load.
+    block_tables_BM: [B, max_blocks] int32/int64. query_start_loc_B1: [B+1], seq_lens_B: [B]
+    int32/int64, on the device; only their shapes are read on the host (CUDA-graph safe).
+    block_q: query tokens per tile (None: default_block_q). config: optional BLOCK_N / num_warps /
+    num_stages (tuning).
+    """
+    if q_THd.dim() != 3 or q_THd.stride(2) != 1:
+        raise ValueError(f"q_THd must be [T, H, d] with unit stride along d, got {tuple(q_THd.shape)}")
+    T, H, d = q_THd.shape
+    S, G = check_cache(kv_cache_2NSGd, d)
+    if H % G:
+        raise ValueError(f"query heads {H} must be a multiple of KV heads {G}")
+    B = seq_lens_B.shape[0]
+    check_block_tables(block_tables_BM, B)
+    if query_start_loc_B1.shape != (B + 1,):
+        raise ValueError(f"query_start_loc_B1 must be [B+1={B + 1}], got {tuple(query_start_loc_B1.shape)}")
+    if chunk_size is not None and chunk_size <= 0:
+        raise ValueError(f"chunk_size must be positive or None, got {chunk_size}")
+    if out_THd is None:
+        out_THd = torch.empty_like(q_THd)
+    elif out_THd.shape != q_THd.shape or out_THd.stride(2) != 1:
+        raise ValueError(f"out_THd must be [T, H, d] = {tuple(q_THd.shape)} with unit stride along d")
+    if T == 0 or B == 0:
+        return out_THd
+    hg = H // G
+    if block_q is None:
+        block_q = default_block_q(hg)
+    if block_q < 1:
+        raise ValueError(f"block_q must be >= 1, got {block_q}")
+    d_pad = head_dim_pad(d)
+    cfg = {"BLOCK_N": 64 if d_pad <= 128 else 32, "num_warps": 4, "num_stages": 2, **(config or {})}
+    precision, upcast = dot_flags(q_THd.dtype)
+    N = kv_cache_2NSGd.shape[1]
+    grid = (num_tile_slots(T, B, block_q), G)
+    _unified_kernel[grid](
+        q_THd, kv_cache_2NSGd, block_tables_BM, query_start_loc_B1, seq_lens_B, out_THd, B,
+        q_THd.stride(0), q_THd.stride(1), out_THd.stride(0), out_THd.stride(1),
+        block_tables_BM.stride(0), block_tables_BM.stride(1),
+        N * S * G * d, S * G * d, G * d, scale * LOG2E, chunk_size or 1,
+        HG=hg, BQ=block_q, BLOCK_M=tile_rows(block_q, hg), HEAD_DIM=d, D_PAD=d_pad, BLOCK_N=cfg["BLOCK_N"], S=S,
+        USE_CHUNK=chunk_size is not None, PRECISION=precision, UPCAST=upcast,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_launch(q_THd))
+    return out_THd
