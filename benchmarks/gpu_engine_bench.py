@@ -9,6 +9,11 @@ Stages:
   qwen3    a Qwen3-30B-A3B-shaped model with dummy bf16 weights through `LLM.generate`:
            decode step at 256 running requests, batch-1 and batch-32 TPOT, offline throughput
            at (1000 prompts, 1024 in, 256 out) and (256, 2048, 512); each against its floor.
+           `--runs mixed`: real traffic offline, 400 prompts of 128-896 tokens generating 32-224
+           tokens each (input 512 / output 128, range ratio 0.75, as `moe bench throughput
+           --random-range-ratio` draws them) in one `LLM.generate`: wall time, output tok/s, the
+           fraction of the floor, and per kind of step (decode-only, mixed prefill + decode,
+           prefill-only) the count, seconds, ms and tokens per step, device time and floor.
   eager    the decode step at 256 again with enforce_eager=True (what the graphs buy).
   qwen3-tp2 (two GPUs) the qwen3 runs (--runs) under tensor_parallel_size=2 only.
   tp2      (two GPUs) tiny checkpoints' greedy tokens under tensor_parallel_size=2 (eager and CUDA
@@ -48,6 +53,7 @@ import time
 import torch
 
 from moe.bench.common import DEEPSEEK_V3, QWEN3_30B_A3B
+from moe.bench.engine_workload import random_token_requests
 from moe import LLM, SamplingParams
 
 HBM_BYTES_PER_S = 4.8e12
@@ -146,6 +152,28 @@ class Costs:
             left -= batch
         return total
 
+    def lengths_run_s(self, lengths: list[tuple[int, int]], max_num_seqs: int) -> float:
+        """run_s for requests of their own (input, output) lengths: each prompt's prefill at full
+        rate plus every output token decoded in full batches of max_num_seqs at the tokens' mean
+        context (the ideal schedule)."""
+        total = sum(self.prefill_s(1, n_in) for n_in, _ in lengths)
+        tokens = sum(n_out for _, n_out in lengths)
+        context = sum(n_out * (n_in + n_out / 2) for n_in, n_out in lengths) / tokens
+        full, rest = divmod(tokens, max_num_seqs)
+        return total + full * self.decode_step_s(max_num_seqs, context) + \
+            (self.decode_step_s(rest, context) if rest else 0.0)
+
+    def step_s(self, tokens: int, attn_pairs: float, kv_read_tokens: float, sampled: int) -> float:
+        """Roofline floor of one step of any kind: its FLOPs at peak or its bytes at HBM rate,
+        whichever is longer. FLOPs: every token through the dense and the active expert weights,
+        attention over `attn_pairs` (query, key) pairs, one lm_head row per sampled token. Bytes:
+        the dense weights, the experts the step's tokens touch, the KV of `kv_read_tokens`."""
+        flops = 2 * (self.dense_params + self.active_expert_params) * tokens + self.attn_flops_per_pair * attn_pairs \
+            + 2 * self.lm_head_params * sampled
+        touched = sum(b * (1 - (1 - self.top_k / E) ** tokens) for E, b, _ in self.expert_layers)
+        moved = self.dense_bytes + touched + kv_read_tokens * self.kv_bytes_per_token
+        return max(flops / BF16_FLOP_PER_S, moved / HBM_BYTES_PER_S)
+
 
 # ---- the Qwen3-30B-A3B shape ----------------------------------------------------------------
 def _dummy_model(max_model_len: int) -> str:
@@ -237,6 +265,227 @@ def _wrap_timer(obj, name: str, key: str, timers: dict) -> None:
         timers.setdefault(key, []).append(time.perf_counter() - t)
         return out
     setattr(obj, name, timed)
+
+
+# ---- real traffic: varied lengths, steps by kind ---------------------------------------------
+STEP_KINDS = ("decode", "mixed", "prefill", "empty")
+_MISSING = object()
+
+
+def _step_plan(so, requests: dict) -> tuple[int, int, float, float, int]:
+    """What one SchedulerOutput asks for, read right after Scheduler.schedule (which has advanced
+    each scheduled request's num_computed_tokens by its tokens): (prefill tokens, decode requests,
+    attention (query, key) pairs, KV tokens read, rows sampled). A request's slice is a decode when
+    it is the one token after its prompt or after a generated token; anything else (a prompt chunk,
+    the recompute after a preemption) is prefill work."""
+    prefill = decodes = sampled = 0
+    pairs = kv = 0.0
+    for rid, n in so.num_scheduled_tokens.items():
+        req = requests[rid]
+        end = req.num_computed_tokens
+        before = end - n
+        kv += end
+        if n == 1 and before >= req.num_prompt_tokens:
+            decodes += 1
+            sampled += 1
+            pairs += end
+        else:
+            prefill += n
+            pairs += n * before + n * (n + 1) / 2
+            sampled += end >= len(req.all_token_ids)  # the prompt's last chunk samples its first token
+    return prefill, decodes, pairs, kv, sampled
+
+
+def _kind(plan: tuple) -> str:
+    prefill, decodes = plan[0], plan[1]
+    return ("mixed" if decodes else "prefill") if prefill else ("decode" if decodes else "empty")
+
+
+class StepKinds:
+    """Each engine step's wall time by the kind of work it finished, read without changing the
+    engine: Scheduler.schedule is wrapped to read what each SchedulerOutput asks for (_step_plan);
+    the executor's execute_model (synchronous steps) and launch / collect (async scheduling) to see
+    which scheduled step's work a call of LLMEngine.step finishes; LLMEngine.step (_wrap_timer) to
+    time it. With async scheduling, step N launches its work and waits for step N-1's tokens, so
+    its wall time is (in the steady state) step N-1's device time: it counts under N-1's kind; the
+    first step finishes nothing ("launch_only"). Device time per scheduled step (in-process CUDA
+    executors): CUDA events around its launch, stream-ordered, so from the end of the work queued
+    before it to the end of its own, gaps for the host included. Undone on exit."""
+
+    def __init__(self, llm: LLM) -> None:
+        self.engine = llm.llm_engine
+        self.scheduler, self.executor = self.engine.scheduler, self.engine.executor
+        if not hasattr(self.scheduler, "requests"):
+            raise RuntimeError("StepKinds reads one scheduler: no data parallelism")
+        self.events = torch.cuda.is_available() and hasattr(self.executor, "runner") \
+            and self.engine.core.device.type == "cuda"
+        self.timers: dict[str, list[float]] = {}
+        self.plans: dict[int, tuple] = {}      # id(SchedulerOutput) -> (it, its plan), until launched
+        self.pending: dict[int, tuple] = {}    # id(PendingStep) -> (it, its plan), until collected
+        self.finished: list[tuple[int, tuple | None]] = []  # (index of the engine step, plan finished)
+        self.device: list[tuple[tuple | None, object, object]] = []  # (plan, start event, end event)
+        self._saved: list[tuple[object, str, object]] = []
+
+    def _patch(self, obj, name: str, fn=None) -> None:
+        self._saved.append((obj, name, obj.__dict__.get(name, _MISSING)))
+        if fn is not None:
+            setattr(obj, name, fn)
+
+    def _event(self):
+        if not self.events:
+            return None
+        e = torch.cuda.Event(enable_timing=True)
+        e.record()
+        return e
+
+    def __enter__(self) -> "StepKinds":
+        sched, ex = self.scheduler, self.executor
+        schedule, execute, launch, collect = sched.schedule, ex.execute_model, ex.launch, ex.collect
+
+        def index() -> int:  # the engine step running now: the timer appends after it returns
+            return len(self.timers.get("step", ()))
+
+        def planned(so):
+            return self.plans.pop(id(so), (None, None))[1]
+
+        def timed_schedule(*a, **k):
+            so = schedule(*a, **k)
+            self.plans[id(so)] = (so, _step_plan(so, sched.requests))
+            return so
+
+        def timed_execute(so, *a, **k):
+            plan, start = planned(so), self._event()
+            out = execute(so, *a, **k)
+            if start is not None:
+                self.device.append((plan, start, self._event()))
+            self.finished.append((index(), plan))
+            return out
+
+        def timed_launch(so, *a, **k):
+            plan, start = planned(so), self._event()
+            pending = launch(so, *a, **k)
+            if start is not None:
+                self.device.append((plan, start, self._event()))
+            if pending is None:  # nothing samples: done with its launch
+                self.finished.append((index(), plan))
+            else:
+                self.pending[id(pending)] = (pending, plan)
+            return pending
+
+        def timed_collect(pending, *a, **k):
+            out = collect(pending, *a, **k)
+            self.finished.append((index(), self.pending.pop(id(pending), (None, None))[1]))
+            return out
+
+        self._patch(sched, "schedule", timed_schedule)
+        self._patch(ex, "execute_model", timed_execute)
+        self._patch(ex, "launch", timed_launch)
+        self._patch(ex, "collect", timed_collect)
+        self._patch(self.engine, "step")
+        _wrap_timer(self.engine, "step", "step", self.timers)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for obj, name, prev in reversed(self._saved):
+            if prev is _MISSING:
+                delattr(obj, name)
+            else:
+                setattr(obj, name, prev)
+        self._saved.clear()
+
+    def summary(self, costs: "Costs | None") -> dict:
+        """Per kind: engine steps, their seconds (and share of all steps'), ms per step (mean,
+        median, p90), tokens per step (prefill tokens, decode requests), and where known the
+        device time of the scheduled steps of that kind and the floor (Costs.step_s)."""
+        if self.events:
+            torch.cuda.synchronize()
+        done: dict[int, list[tuple]] = {}
+        for i, plan in self.finished:
+            if plan is not None:
+                done.setdefault(i, []).append(plan)
+        rows: dict[str, dict] = {}
+        for i, t in enumerate(self.timers.get("step", [])):
+            plans = done.get(i)
+            kind = "launch_only" if not plans else _kind(tuple(map(sum, zip(*plans))))
+            r = rows.setdefault(kind, {"times": [], "prefill": 0, "decodes": 0, "floor": 0.0})
+            r["times"].append(t)
+            for p in plans or ():
+                r["prefill"] += p[0]
+                r["decodes"] += p[1]
+                if costs is not None:
+                    r["floor"] += costs.step_s(p[0] + p[1], p[2], p[3], p[4])
+        device: dict[str, list[float]] = {}
+        for plan, start, end in self.device:
+            if plan is not None:
+                device.setdefault(_kind(plan), []).append(start.elapsed_time(end) / 1e3)
+        all_s = sum(sum(r["times"]) for r in rows.values())
+        out = {}
+        for kind in (*STEP_KINDS, "launch_only"):
+            if kind not in rows:
+                continue
+            r, times = rows[kind], sorted(rows[kind]["times"])
+            n, total = len(times), sum(times)
+            row = {"steps": n, "total_s": total, "share_of_step_time": total / all_s if all_s else None,
+                   "mean_ms": 1e3 * total / n, "median_ms": 1e3 * times[n // 2],
+                   "p90_ms": 1e3 * times[min(n - 1, int(0.9 * n))],
+                   "tokens_per_step": (r["prefill"] + r["decodes"]) / n,
+                   "prefill_tokens_per_step": r["prefill"] / n, "decode_requests_per_step": r["decodes"] / n}
+            if kind in device:
+                d = device[kind]
+                row.update(device_steps=len(d), device_s=sum(d), device_mean_ms=1e3 * sum(d) / len(d))
+            if costs is not None and kind != "launch_only":
+                row.update(floor_s=r["floor"], floor_over_time=r["floor"] / total if total else None)
+                if kind in device:
+                    row["floor_over_device"] = r["floor"] / row["device_s"] if row["device_s"] else None
+            out[kind] = {k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}
+        return out
+
+
+def _sync(llm: LLM) -> None:
+    if llm.llm_engine.core.device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def mixed_traffic(llm: LLM, num_prompts: int = 400, input_len: int = 512, output_len: int = 128,
+                  range_ratio: float = 0.75, seed: int = 5, warmup: int = 128) -> dict:
+    """Real traffic offline: num_prompts requests of their own input and output lengths (drawn as
+    `moe bench throughput --random-range-ratio` draws them; greedy, ignore_eos) in one
+    LLM.generate, timed whole and per engine step by kind (StepKinds). A warm-up first on other
+    prompts of the same lengths (16 tokens each), so the kernels of every step shape compile
+    outside the timed run and no timed prompt is in the prefix cache."""
+    engine = llm.llm_engine
+    vocab = min(129000, engine.model_config.vocab_size)  # below every benchmarked model's vocabulary
+    requests = random_token_requests(num_prompts, input_len, output_len, vocab, seed, range_ratio)
+    lengths = [(len(p["prompt_token_ids"]), n) for p, n in requests]
+    warm = random_token_requests(min(warmup, num_prompts), input_len, output_len, vocab, seed + 1, range_ratio)
+    llm.generate([p for p, _ in warm], SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True),
+                 use_tqdm=False)
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for _, n in requests]
+    _sync(llm)
+    with StepKinds(llm) as kinds:
+        t = time.perf_counter()
+        outs = llm.generate([p for p, _ in requests], params, use_tqdm=False)
+        _sync(llm)
+        elapsed = time.perf_counter() - t
+    prompt_tokens = sum(len(o.prompt_token_ids) for o in outs)
+    generated = sum(len(c.token_ids) for o in outs for c in o.outputs)
+    costs = Costs.of(llm)
+    max_num_seqs = engine.scheduler.config.max_num_seqs
+    floor = costs.lengths_run_s(lengths, max_num_seqs) if costs else None
+    steps = kinds.summary(costs)
+    step_s = sum(r["total_s"] for r in steps.values())
+
+    def spread(xs: list[int]) -> dict:
+        return {"min": min(xs), "mean": round(sum(xs) / len(xs), 1), "max": max(xs)}
+
+    return {"num_prompts": num_prompts, "input_len": input_len, "output_len": output_len, "range_ratio": range_ratio,
+            "seed": seed, "input_lens": spread([a for a, _ in lengths]), "output_lens": spread([b for _, b in lengths]),
+            "total_prompt_tokens": prompt_tokens, "total_output_tokens": generated, "elapsed_s": elapsed,
+            "requests_s": len(outs) / elapsed, "output_tok_s": generated / elapsed,
+            "total_tok_s": (prompt_tokens + generated) / elapsed, "floor_s": floor,
+            "floor_over_time": floor and floor / elapsed, "async_scheduling": engine.core.async_scheduling,
+            "max_num_seqs": max_num_seqs, "engine_steps": sum(r["steps"] for r in steps.values()),
+            "step_time_s": step_s, "outside_steps_s": elapsed - step_s, "steps": steps}
 
 
 def _start_decoding(llm: LLM, num_requests: int, prompt_len: int, max_tokens: int) -> None:
@@ -420,6 +669,7 @@ def qwen3(results: dict, eager: bool, runs: list[str], tp: int = 1, record: bool
         "replay32": lambda: graph_replay(llm, 32),
         "replay256": lambda: graph_replay(llm, 256),
         "prefill8192": lambda: profile_prefill(llm),
+        "mixed": lambda: mixed_traffic(llm),  # 400 prompts, 512 / 128 tokens +-75%
     }
     for name in runs:
         r = jobs[name]()

@@ -26,6 +26,10 @@
 #                 (needs benchmarks/vllm_kernel/ carried: benchmarks/fetch_vllm_kernel.py) -> $OUT/kernel_vllm.json
 #   engine        benchmarks/gpu_engine_bench.py $ENGINE (default: parity qwen3 eager families)
 #                 -> $OUT/engine.json; RUNS= picks the qwen3 runs (tp2 needs two GPUs)
+#   mixed         gpu_engine_bench.py qwen3 --runs mixed: real traffic offline on the Qwen3-30B-A3B shape,
+#                 400 prompts of 512 +-75% tokens generating 128 +-75% in one LLM.generate; wall time,
+#                 output tok/s, fraction of the floor, and per kind of step (decode / mixed / prefill) the
+#                 count, seconds, ms and tokens per step -> $OUT/engine_mixed.json (~1 min)
 #   a2a-ll        moe bench all2all on 2 GPUs with the low_latency dispatcher and auto beside the others and the
 #                 bare collective, eager and replayed from CUDA graphs (DeepSeek-V3 shapes, 128-16384 tokens per
 #                 rank) -> $OUT/a2a_low_latency.json
@@ -36,6 +40,12 @@
 #   serve         benchmarks/serve_gpu_bench.py: offline vs `moe serve` (1 and 4 API processes) on the
 #                 Qwen3-30B-A3B shape (SERVE_CKPT, default .gpu_ckpts/qwen3_30b_a3b; SERVE_ARGS adds flags,
 #                 e.g. "--num-prompts 500") -> $OUT/serve/summary.json
+#   serve-poisson serve_gpu_bench.py --request-rates 4,8,16,inf: one `moe serve` (1 API process) on the
+#                 Qwen3-30B-A3B shape (SERVE_CKPT as above; the default's config.json is written when missing)
+#                 driven by `moe bench serve` at each rate in turn (Poisson arrivals), 400 text prompts of
+#                 512 +-75% tokens, 128 +-75% out; TTFT / TPOT / ITL / E2E mean, p50, p90, p99 per rate
+#                 (POISSON_ARGS adds flags, e.g. "--api-server-counts 4") -> $OUT/serve_poisson/summary.json
+#                 (~4-5 min: 100 + 50 + 25 s of arrivals, the inf run, start-up and warm-up; bound 8 min)
 #   mm-fixtures   HF's Llama-4 processor (needs torchvision) on the test images -> $OUT/fixtures (installs the
 #                 carried .whl-hf wheels into /tmp/site-hf when transformers < 5.23 is missing)
 #   mm-tests      the image tests on the GPU (tokens equal the CPU path's, with and without CUDA graphs)
@@ -116,6 +126,16 @@ for stage in "$@"; do
            --out "$OUT/parallel_fp8.json" ;;
     serve) step serve timeout 590 python3 benchmarks/serve_gpu_bench.py ${SERVE_CKPT:-.gpu_ckpts/qwen3_30b_a3b} \
            --out-dir "$OUT/serve" --deadline-s 570 ${SERVE_ARGS:-} ;;
+    mixed) step mixed timeout 300 python3 benchmarks/gpu_engine_bench.py qwen3 --runs mixed \
+           --out "$OUT/engine_mixed.json" ;;
+    serve-poisson) CKPT=${SERVE_CKPT:-.gpu_ckpts/qwen3_30b_a3b}
+      [ -n "${SERVE_CKPT:-}" ] || [ -f "$CKPT/config.json" ] || python3 -c "import json, os, sys
+from moe.bench.common import QWEN3_30B_A3B
+os.makedirs(sys.argv[1], exist_ok=True)
+json.dump(QWEN3_30B_A3B, open(os.path.join(sys.argv[1], 'config.json'), 'w'))" "$CKPT"
+      step serve-poisson timeout 480 python3 benchmarks/serve_gpu_bench.py "$CKPT" --out-dir "$OUT/serve_poisson" \
+           --request-rates 4,8,16,inf --num-prompts 400 --input-len 512 --output-len 128 --random-range-ratio 0.75 \
+           --deadline-s 465 ${POISSON_ARGS:-} ;;
     mm-fixtures) mkdir -p "$OUT/fixtures"
       step mm-fixtures env PYTHONPATH="$(hf_path)" timeout 200 \
         python3 tests/fixtures/llama4_processor/make_fixtures.py "$OUT/fixtures" ;;

@@ -1,5 +1,6 @@
 """Pieces `moe bench throughput` and `moe bench latency` share: the engine flags, random prompts
-(vLLM's `--dataset-name random`: uniform token ids) and writing the result JSON."""
+(vLLM's `--dataset-name random`: uniform token ids, with per-request lengths drawn as `moe bench
+serve` draws them for --random-range-ratio) and writing the result JSON."""
 from __future__ import annotations
 
 import argparse
@@ -10,6 +11,7 @@ import random
 
 import torch
 
+from moe.bench.serve import sample_lengths
 from moe.config import EngineArgs
 
 DEFAULT_MODEL = "tiny-qwen3-moe"
@@ -31,13 +33,22 @@ def engine_kwargs_from_args(args: argparse.Namespace) -> dict:
     return vars(EngineArgs.from_cli_args(args))
 
 
+def random_token_requests(num_prompts: int, input_len: int, output_len: int, vocab_size: int, seed: int,
+                          range_ratio: float = 0.0) -> list[tuple[dict, int]]:
+    """(prompt, output length) per request: the lengths drawn by moe.bench.serve.sample_lengths
+    (`input_len` and `output_len` exactly when range_ratio is 0), then each prompt's uniform random
+    token ids below vocab_size, all from one random.Random(seed)."""
+    if num_prompts < 1 or input_len < 1 or output_len < 1:
+        raise ValueError(f"need num_prompts, input_len and output_len >= 1, got {num_prompts}, {input_len} and "
+                         f"{output_len}")
+    rng = random.Random(seed)
+    lengths = sample_lengths(rng, num_prompts, input_len, output_len, range_ratio)
+    return [({"prompt_token_ids": [rng.randrange(vocab_size) for _ in range(n_in)]}, n_out) for n_in, n_out in lengths]
+
+
 def random_prompts(num_prompts: int, input_len: int, vocab_size: int, seed: int) -> list[dict]:
     """`num_prompts` prompts of exactly `input_len` uniform random token ids."""
-    if num_prompts < 1 or input_len < 1:
-        raise ValueError(f"need num_prompts >= 1 and input_len >= 1, got {num_prompts} and {input_len}")
-    rng = random.Random(seed)
-    return [{"prompt_token_ids": [rng.randrange(vocab_size) for _ in range(input_len)]}
-            for _ in range(num_prompts)]
+    return [p for p, _ in random_token_requests(num_prompts, input_len, 1, vocab_size, seed)]
 
 
 def environment(engine_kwargs: dict) -> dict:

@@ -72,16 +72,32 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def check_range_ratio(range_ratio: float) -> None:
+    """--random-range-ratio must lie in [0, 1), as vLLM's."""
+    if not 0.0 <= range_ratio < 1.0:
+        raise ValueError(f"--random-range-ratio must lie in [0, 1), got {range_ratio}")
+
+
+def sample_lengths(rng: random.Random, num_prompts: int, input_len: int, output_len: int,
+                   range_ratio: float) -> list[tuple[int, int]]:
+    """(input length, output length) per request, drawn from `rng` in that order: each uniform
+    (inclusive) in [int(len * (1 - r)), int(len * (1 + r))] and at least 1; exactly len when r is 0
+    (nothing drawn). The definition of --random-range-ratio of every `moe bench` that has it."""
+    check_range_ratio(range_ratio)
+
+    def length(n: int) -> int:
+        r = range_ratio
+        return max(1, rng.randint(int(n * (1 - r)), int(n * (1 + r)))) if r else n
+
+    return [(length(input_len), length(output_len)) for _ in range(num_prompts)]
+
+
 def random_requests(args: argparse.Namespace, tokenizer=None) -> list[tuple[str | list[int], int]]:
     """(prompt, output length) per request, seeded: a text of the drawn token length when a
     tokenizer is given, else token ids."""
     rng = random.Random(args.seed)
-
-    def length(n: int) -> int:
-        r = args.random_range_ratio
-        return max(1, rng.randint(int(n * (1 - r)), int(n * (1 + r)))) if r else n
-
-    lengths = [(length(args.random_input_len), length(args.random_output_len)) for _ in range(args.num_prompts)]
+    lengths = sample_lengths(rng, args.num_prompts, args.random_input_len, args.random_output_len,
+                             args.random_range_ratio)
     if tokenizer is None:
         return [([rng.randrange(1, args.vocab_size) for _ in range(n_in)], n_out) for n_in, n_out in lengths]
     pieces = _round_trip_tokens(tokenizer)
@@ -279,6 +295,7 @@ def main(argv: list[str] | None = None) -> int:
         raise ValueError("--num-prompts, --random-input-len and --random-output-len must be >= 1")
     if args.request_rate <= 0 or (args.max_concurrency is not None and args.max_concurrency < 1):
         raise ValueError("--request-rate must be > 0 and --max-concurrency >= 1")
+    check_range_ratio(args.random_range_ratio)
     _raise_open_files_limit()  # one connection per request in flight
     summary = asyncio.run(run_benchmark(args))
     print_summary(summary)

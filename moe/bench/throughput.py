@@ -2,10 +2,15 @@
 `--input-len` random token ids, each generating exactly `--output-len` tokens (ignore_eos,
 temperature 1.0), all submitted to one `LLM.generate`; the time is that call's.
 
+`--random-range-ratio R` (vLLM's flag, in [0, 1)) draws each request's input and output length
+uniformly in [len * (1 - R), len * (1 + R)] (at least 1) with a random.Random(--seed), as
+`moe bench serve` draws them (moe.bench.serve.sample_lengths); R = 0 (the default): every
+request exactly --input-len and --output-len. The result counts the tokens actually used.
+
 Defaults are sized for the CPU and the built-in tiny model (a few seconds). The CPU workload of
 BENCHMARKS.md's engine section is `--num-prompts 64 --input-len 128 --output-len 64 --dtype
 float32 --no-enable-prefix-caching`; on a GPU, e.g. `--model CKPT --load-format dummy
---num-prompts 1000 --input-len 1024 --output-len 256`.
+--num-prompts 1000 --input-len 1024 --output-len 256` (mixed lengths: `--random-range-ratio 0.75`).
 """
 from __future__ import annotations
 
@@ -13,31 +18,37 @@ import argparse
 import sys
 import time
 
-from moe.bench.engine_workload import (add_engine_args, engine_kwargs_from_args, environment, random_prompts,
+from moe.bench.engine_workload import (add_engine_args, engine_kwargs_from_args, environment, random_token_requests,
                                        write_json)
+from moe.bench.serve import check_range_ratio
 
 
 def run_throughput(engine_kwargs: dict, input_len: int, output_len: int, num_prompts: int, seed: int = 0,
-                   use_tqdm: bool = False) -> dict:
+                   use_tqdm: bool = False, range_ratio: float = 0.0) -> dict:
     """Build an LLM from `engine_kwargs` (with "model"), run the workload once, return vLLM's
-    throughput fields plus token counts and where it ran."""
+    throughput fields plus token counts, the per-request lengths asked for and where it ran."""
     from moe import LLM, SamplingParams
 
     if output_len < 1:
         raise ValueError(f"output_len must be >= 1, got {output_len}")
+    check_range_ratio(range_ratio)  # before the engine starts
     kwargs = dict(engine_kwargs)
     llm = LLM(kwargs.pop("model"), **kwargs)
     try:
-        prompts = random_prompts(num_prompts, input_len, llm.llm_engine.model_config.vocab_size, seed)
-        params = SamplingParams(n=1, temperature=1.0, top_p=1.0, ignore_eos=True, max_tokens=output_len)
+        requests = random_token_requests(num_prompts, input_len, output_len, llm.llm_engine.model_config.vocab_size,
+                                         seed, range_ratio)
+        params = [SamplingParams(n=1, temperature=1.0, top_p=1.0, ignore_eos=True, max_tokens=n_out)
+                  for _, n_out in requests]
         start = time.perf_counter()
-        outputs = llm.generate(prompts, params, use_tqdm=use_tqdm)
+        outputs = llm.generate([p for p, _ in requests], params, use_tqdm=use_tqdm)
         elapsed = time.perf_counter() - start
     finally:
         llm.shutdown()
     prompt_tokens = sum(len(o.prompt_token_ids) for o in outputs)
     output_tokens = sum(len(c.token_ids) for o in outputs for c in o.outputs)
     total = prompt_tokens + output_tokens
+    input_lens = [len(p["prompt_token_ids"]) for p, _ in requests]
+    output_lens = [n for _, n in requests]
     return {
         "elapsed_time": elapsed,
         "num_requests": len(outputs),
@@ -48,7 +59,8 @@ def run_throughput(engine_kwargs: dict, input_len: int, output_len: int, num_pro
         "tokens_per_second": total / elapsed,
         "output_tokens_per_second": output_tokens / elapsed,
         "workload": {"input_len": input_len, "output_len": output_len, "num_prompts": num_prompts, "seed": seed,
-                     "dataset_name": "random"},
+                     "dataset_name": "random", "random_range_ratio": range_ratio,
+                     "input_lens": input_lens, "output_lens": output_lens},
         "engine_kwargs": engine_kwargs,
         **environment(engine_kwargs),
     }
@@ -61,6 +73,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="random: uniform random token ids (the only dataset)")
     p.add_argument("--input-len", type=int, default=32, help="prompt tokens per request (default: %(default)s)")
     p.add_argument("--output-len", type=int, default=16, help="generated tokens per request (default: %(default)s)")
+    p.add_argument("--random-range-ratio", type=float, default=0.0,
+                   help="per-request lengths drawn uniformly in [len * (1 - r), len * (1 + r)], r in [0, 1) "
+                        "(default: %(default)s: every request exactly --input-len / --output-len)")
     p.add_argument("--num-prompts", type=int, default=16, help="requests (default: %(default)s)")
     p.add_argument("--output-json", default=None, help="write the result as JSON here")
     p.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
@@ -69,9 +84,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        check_range_ratio(args.random_range_ratio)
+    except ValueError as e:
+        parser.error(str(e))
     r = run_throughput(engine_kwargs_from_args(args), args.input_len, args.output_len, args.num_prompts,
-                       seed=args.seed, use_tqdm=not args.disable_tqdm)
+                       seed=args.seed, use_tqdm=not args.disable_tqdm, range_ratio=args.random_range_ratio)
     print(f"Throughput: {r['requests_per_second']:.2f} requests/s, {r['tokens_per_second']:.2f} total tokens/s, "
           f"{r['output_tokens_per_second']:.2f} output tokens/s")
     print(f"Total num prompt tokens:  {r['total_prompt_tokens']}\nTotal num output tokens:  {r['total_output_tokens']}")

@@ -1,5 +1,6 @@
 """`moe bench throughput` and `moe bench latency` on the CPU: the function API and the command
-line, with the built-in tiny model and with a folder holding only config.json (dummy weights)."""
+line, with the built-in tiny model and with a folder holding only config.json (dummy weights);
+throughput's --random-range-ratio (per-request lengths, as `moe bench serve` draws them)."""
 from __future__ import annotations
 
 import json
@@ -7,7 +8,7 @@ import json
 import pytest
 
 from models.tiny import TINY_QWEN3_MOE_CONFIG
-from moe.bench import latency, throughput
+from moe.bench import latency, serve, throughput
 
 ENGINE = {"model": "tiny-qwen3-moe", "device": "cpu", "dtype": "float32", "max_num_seqs": 4}
 
@@ -27,6 +28,8 @@ def test_run_throughput_counts_every_token(cache_dir):
     assert r["requests_per_second"] == pytest.approx(6 / r["elapsed_time"])
     assert r["tokens_per_second"] == pytest.approx(48 / r["elapsed_time"])
     assert r["output_tokens_per_second"] == pytest.approx(18 / r["elapsed_time"])
+    w = r["workload"]  # range ratio 0 (the default): every request the same lengths
+    assert w["random_range_ratio"] == 0.0 and w["input_lens"] == [5] * 6 and w["output_lens"] == [3] * 6
 
 
 def test_throughput_command_line_on_a_config_only_folder(cache_dir, capsys):
@@ -44,6 +47,50 @@ def test_throughput_command_line_on_a_config_only_folder(cache_dir, capsys):
     r = json.loads(out.read_text())
     assert (r["num_requests"], r["total_output_tokens"], r["total_num_tokens"]) == (3, 6, 18)
     assert r["engine_kwargs"]["load_format"] == "dummy" and r["engine_kwargs"]["max_num_seqs"] == 2
+
+
+def test_throughput_range_ratio_varies_the_lengths_and_counts_them(cache_dir):
+    L_in, L_out, R, n = 12, 6, 0.5, 10
+    r = throughput.run_throughput(ENGINE, input_len=L_in, output_len=L_out, num_prompts=n, seed=3, range_ratio=R)
+    w = r["workload"]
+    ins, outs = w["input_lens"], w["output_lens"]
+    assert len(ins) == len(outs) == n == r["num_requests"] and w["random_range_ratio"] == R
+    assert all(L_in * (1 - R) <= x <= L_in * (1 + R) for x in ins) and len(set(ins)) > 1
+    assert all(L_out * (1 - R) <= x <= L_out * (1 + R) for x in outs) and len(set(outs)) > 1
+    # what the engine saw and generated (ignore_eos: exactly the lengths asked for)
+    assert r["total_prompt_tokens"] == sum(ins) and r["total_output_tokens"] == sum(outs)
+    assert r["total_num_tokens"] == sum(ins) + sum(outs)
+    assert r["tokens_per_second"] == pytest.approx(r["total_num_tokens"] / r["elapsed_time"])
+    assert r["output_tokens_per_second"] == pytest.approx(sum(outs) / r["elapsed_time"])
+    assert r["requests_per_second"] == pytest.approx(n / r["elapsed_time"])
+    # one definition with `moe bench serve`: the same seed draws the same lengths there
+    import argparse
+    args = argparse.Namespace(seed=3, num_prompts=n, random_input_len=L_in, random_output_len=L_out,
+                              random_range_ratio=R, vocab_size=500)
+    assert [(len(p), o) for p, o in serve.random_requests(args)] == list(zip(ins, outs))
+
+
+def test_throughput_command_line_range_ratio(cache_dir, capsys):
+    out = cache_dir / "rr.json"
+    rc = throughput.main(["--device", "cpu", "--num-prompts", "6", "--input-len", "8", "--output-len", "4",
+                          "--random-range-ratio", "0.75", "--seed", "1", "--output-json", str(out), "--disable-tqdm"])
+    assert rc == 0
+    lines = capsys.readouterr().out.splitlines()
+    r = json.loads(out.read_text())
+    ins, outs = r["workload"]["input_lens"], r["workload"]["output_lens"]
+    assert all(2 <= x <= 14 for x in ins) and all(1 <= x <= 7 for x in outs) and len(set(ins + outs)) > 1
+    assert lines[1] == f"Total num prompt tokens:  {sum(ins)}" and lines[2] == f"Total num output tokens:  {sum(outs)}"
+    assert (r["total_prompt_tokens"], r["total_output_tokens"]) == (sum(ins), sum(outs))
+    assert set(r) >= {"elapsed_time", "num_requests", "total_num_tokens", "requests_per_second", "tokens_per_second"}
+
+
+@pytest.mark.parametrize("ratio", [-0.1, 1.0, 1.5])
+def test_invalid_range_ratio_is_refused(ratio, capsys):
+    with pytest.raises(ValueError, match=r"--random-range-ratio must lie in \[0, 1\)"):
+        throughput.run_throughput({"model": "/nonexistent"}, 4, 2, 1, range_ratio=ratio)  # before the engine
+    with pytest.raises(SystemExit) as exc:
+        throughput.main(["--model", "/nonexistent", "--random-range-ratio", str(ratio)])
+    assert exc.value.code == 2 and "--random-range-ratio must lie in [0, 1)" in capsys.readouterr().err
 
 
 def test_run_latency_times_every_iteration(cache_dir):
