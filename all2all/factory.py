@@ -10,7 +10,7 @@ The `auto` rule (bytes per rank, the quantity that dominates at the sizes that m
     of k distinct experts among E, E/P per rank:  m = P * (1 - C(E - E/P, k) / C(E, k)).
   * pick "all_to_all" when m / P <= AUTO_A2A_MAX_BYTES_RATIO, else "allgather_reducescatter".
     The margin pays for what all-to-all adds (the permutation, index_add_, smaller messages):
-    at m/P ~ 1 (EP=2, top-8 of 256) it can at best tie all-gather (BENCHMARKS.md §2).
+    at m/P ~ 1 (EP=2, top-8 of 256) it can at best tie all-gather (BENCHMARKS.md §3).
 Examples: EP=2, top-8/256 -> m/P 0.996 -> all-gather; EP=8, top-8/256 -> 0.66 -> all-to-all;
 EP=2, top-1 (Llama-4) -> 0.5 -> all-to-all. The threshold is to be recalibrated with
 `moe bench all2all` (moe/bench/all2all.py) on the target GPUs.
@@ -18,7 +18,7 @@ EP=2, top-1 (Llama-4) -> 0.5 -> all-to-all. The threshold is to be recalibrated 
 On CUDA (an NCCL group) "auto" is "low_latency" with that backend as its fallback: a call whose
 every rank fits the capacity (decode) moves fixed-size buffers without a host sync, so decode
 steps replay CUDA graphs under expert parallelism (on two H200s a DP=2 + EP decode step at 256
-requests took 20 ms with graphs against 110-122 ms eagerly, BENCHMARKS.md §2); larger calls
+requests took 20 ms with graphs against 110-122 ms eagerly, BENCHMARKS.md §3); larger calls
 (prefill) take the bytes rule's backend. `low_latency_for_auto` says where this applies.
 """
 from __future__ import annotations

@@ -7,7 +7,7 @@ A packed row is [ x (D * itemsize bytes) | pad to 16 | weights (K float32) | ids
 its length a multiple of 16 bytes so that every row of the receive buffer, and therefore every
 row of the `x_RD` view handed to the expert kernel, starts 16-byte aligned, and the metadata can
 be read as int32/float32 in place. Sending the metadata in the same rows saves one collective per
-dispatch, which at small batches is most of the cost (BENCHMARKS.md §2).
+dispatch, which at small batches is most of the cost (BENCHMARKS.md §3).
 
 Copies into and out of packed rows go through the widest integer view that divides the row
 (int64 for bf16 D=7168): a uint8 view would make every copy/gather kernel move one byte per

@@ -12,7 +12,7 @@ What is batched (measured on a 2-core AVX-512 VM, 64 sequences, H=8, G=4, d=32, 
   more than PAD_SLACK of the exact work.
 - decode rows (fp32): one call of the native kernel (kernels/cpu_native/paged_decode.c) over the
   paged cache, no gather (2.4-6.5x faster than the grouped SDPA at the workload's decode step,
-  BENCHMARKS.md §4); its fallback (no C compiler, other dtypes): one SDPA per group of sequences
+  BENCHMARKS.md §6); its fallback (no C compiler, other dtypes): one SDPA per group of sequences
   of similar context length, reading only the group's blocks, gathered with one index_select on
   the [N, S*G*d] view of each of K and V (advanced indexing on the 5-D cache cost 2.5x more); 64
   sequences of 160 tokens: 2.6 ms against 4.5 ms for the reference's gather of the whole batch.

@@ -5,7 +5,7 @@ Legend: T tokens, D hidden, E experts (local), F expert intermediate size, K top
 R = T*K routed rows, V rows routed to experts on this rank.
 
 Up to GROUPED_MAX_ROWS routed rows the native kernel (kernels/cpu_native/experts.c) runs where it
-builds (ahead of the grouped GEMM end to end, BENCHMARKS.md §4); else, and
+builds (ahead of or level with the grouped GEMM end to end, BENCHMARKS.md §6); else, and
 as its fallback, two shapes of the same computation, chosen by the number of routed rows (measured on a 2-core
 AVX-512 VM at D=256, F=128, E=16, top-4, fp32):
 - few rows (decode steps, small prefills): rows sorted by expert once, then torch's CPU grouped

@@ -9,7 +9,7 @@ predecessor began.
 
 User: split-KV decode attention at small batches asks for its KV blocks before its PDL wait, while
 the kernel before it (RoPE + KV write) runs. Asking for weight streams instead (the expert GEMMs'
-slabs, the skinny GEMM's weight) made those kernels slower on an H200 (BENCHMARKS.md §3).
+slabs, the skinny GEMM's weight) made those kernels slower on an H200 (BENCHMARKS.md §4).
 
 Off under the Triton interpreter and on GPUs before compute capability 9 (no bulk copies).
 """

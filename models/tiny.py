@@ -1,7 +1,7 @@
 """The built-in tiny checkpoint `tiny-qwen3-moe`: a real Hugging Face-format folder (config.json,
 model.safetensors, tokenizer.json) with seeded random weights, made on first use.
 
-Its shape is the CPU benchmark model of BENCHMARKS.md §4: hidden 256, 4 layers, 8 heads (4 KV,
+Its shape is the CPU benchmark model of BENCHMARKS.md §6: hidden 256, 4 layers, 8 heads (4 KV,
 head_dim 32), 16 experts top-4, moe_intermediate 128, vocabulary 512.
 """
 from __future__ import annotations

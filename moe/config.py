@@ -90,7 +90,7 @@ def parse_mm_limits(value: dict | str | None) -> dict[str, int]:
 
 @dataclass
 class EngineArgs:
-    """Engine arguments (vLLM's names; README "Engine arguments" has the full table).
+    """Engine arguments (vLLM's names; docs/engine_args.md has the full table).
 
     quantization: how an FP8 block-quantised checkpoint (config.json `quantization_config`,
     quant_method "fp8", `weight_block_size`) is served. None (auto): the routed experts stay

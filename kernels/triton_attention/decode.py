@@ -16,7 +16,7 @@ seq_lens; rows with seq_lens 0 (padding) get zeros.
 With few splits (P <= FUSED_MERGE_MAX_SPLITS) the last program of each (b, g) to finish merges
 its HG heads' P parts (kernels/last_program.py) instead of a second launch; with more, the merge
 is a program's serial tail that costs more than the merge kernel's launch (measured on an H200,
-BENCHMARKS.md §3). MOE_DECODE_FUSED_MERGE=0 keeps the merge kernel everywhere, and
+BENCHMARKS.md §2). MOE_DECODE_FUSED_MERGE=0 keeps the merge kernel everywhere, and
 MOE_DECODE_MAX_SPLITS caps P (A/B runs).
 
 With PREFETCH (small batches, kernels/l2_prefetch.py) the programs of KV head 0 ask L2 for the
@@ -53,7 +53,7 @@ FUSED_MERGE = os.environ.get("MOE_DECODE_FUSED_MERGE", "1") != "0"
 FUSED_MERGE_MAX_SPLITS = 4
 MAX_SPLITS = int(os.environ.get("MOE_DECODE_MAX_SPLITS", "64"))
 # KV blocks are prefetched into L2 up to this many sequences (the whole KV of a large batch would
-# not stay in L2); in a batch-1 decode graph on an H200 it saved 0.03 ms a step (BENCHMARKS.md §3).
+# not stay in L2); in a batch-1 decode graph on an H200 it saved 0.03 ms a step (BENCHMARKS.md §2).
 # MOE_DECODE_PREFETCH=0: never (A/B runs).
 PREFETCH_MAX_SEQS = 16 if os.environ.get("MOE_DECODE_PREFETCH", "1") != "0" else 0
 NUM_WARPS = 4

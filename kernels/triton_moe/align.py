@@ -34,11 +34,11 @@ import triton.language as tl
 from kernels.pdl import pdl_enter, pdl_launch
 
 SMALL_CHUNK_ROWS = 4096  # rows the one-program path holds at a time
-# path="auto" (measured on an H200, BENCHMARKS.md §1 and §3): the one program is the faster in
-# GPU time up to ~4096 rows (8192: 29 µs against 11). Called eagerly from an idle GPU the one
-# launch instead of four looked better up to 65536 rows, but inside the engine the launches
-# queue behind the GPU's work and only GPU time counts: a prefill step of 8192 tokens x top-8
-# (65536 rows) spent 262 µs per layer aligning on the one program.
+# path="auto" (measured on an H200, BENCHMARKS.md §1): the one program is the faster in GPU
+# time at 2048 rows (11.1 µs against 12.6), the slower at 8192 (29.9 against 12.6). Called
+# eagerly from an idle GPU the one launch instead of four looked better up to 65536 rows, but
+# inside the engine the launches queue behind the GPU's work and only GPU time counts: a prefill
+# step of 8192 tokens x top-8 (65536 rows) spent 262 µs per layer aligning on the one program.
 AUTO_SMALL_ROWS = 4096
 # The ranked path's programs: each places up to RANKED_CHUNK_ROWS rows (a [CHUNK, CHUNK]
 # comparison) and fills up to RANKED_MAX_BLOCKS blocks (a [blocks, bins] comparison), so that
@@ -46,7 +46,7 @@ AUTO_SMALL_ROWS = 4096
 RANKED_CHUNK_ROWS = 64
 RANKED_MAX_BLOCKS = 16
 # From this many rows up to AUTO_SMALL_ROWS auto takes the ranked path: in CUDA-graph replay on an
-# H200 (Qwen3-30B-A3B, top-8; BENCHMARKS.md §3) it took 3.9 against 4.2 µs at 512 rows and 5.4
+# H200 (Qwen3-30B-A3B, top-8; BENCHMARKS.md §1) it took 3.9 against 4.2 µs at 512 rows and 5.4
 # against 10.5 at 2048, but 3.6 against 3.3 at 256. MOE_ALIGN_RANKED=0: never (A/B runs).
 RANKED_MIN_ROWS = 512 if os.environ.get("MOE_ALIGN_RANKED", "1") != "0" else AUTO_SMALL_ROWS + 1
 

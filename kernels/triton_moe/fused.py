@@ -24,7 +24,7 @@ from kernels.triton_moe.quant import FP8_DTYPE, per_token_group_quant_fp8
 MOE_SUM_MAX_TOKENS = 256 if os.environ.get("MOE_SUM_KERNEL", "1") != "0" else 0
 # The top-k sum is left to the next RMSNorm (defer_sum) from this many tokens: in a decode graph on
 # an H200 it saved 0.07 ms a step at 256 tokens and 0.01 at 32, but cost 0.02 at one token, where
-# the norm's single program replaces moe_sum's eight (BENCHMARKS.md §3).
+# the norm's single program replaces moe_sum's eight (BENCHMARKS.md §1).
 DEFER_SUM_MIN_TOKENS = 32
 # A step of one token skips the alignment launch (one_row_blocks); MOE_DIRECT_ALIGN=0 keeps it (A/B runs).
 DIRECT_ALIGN = os.environ.get("MOE_DIRECT_ALIGN", "1") != "0"
@@ -128,7 +128,7 @@ def _run(x_TD, w13_EFD, w2_EDF, topk_weights_TK, topk_ids_TK, expert_map_E, cfg,
         return out.to(out_dtype)  # no copy for fp32
     if K == 1:
         return out
-    if T <= MOE_SUM_MAX_TOKENS:  # one Triton launch, faster than torch's reduction there (BENCHMARKS.md §3)
+    if T <= MOE_SUM_MAX_TOKENS:  # one Triton launch, faster than torch's reduction there (BENCHMARKS.md §1)
         if defer_sum and T >= DEFER_SUM_MIN_TOKENS:
             return TopKSum(out.view(T, K, D))
         return moe_sum(out.view(T, K, D))

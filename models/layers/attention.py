@@ -5,8 +5,9 @@ On CUDA the Triton kernels run (kernels/triton_attention): one launch for the KV
 for the whole batch's attention: the split-KV decode kernel on decode-only steps (the only ones
 captured in CUDA graphs), else the unified kernel, whose tiles of a few query tokens times a KV
 head's query heads serve prefill chunks and decode rows of a mixed batch alike
-(MOE_UNIFIED_ATTENTION=0: the varlen prefill kernel instead, its tile height set by the longest query). Elsewhere the batched CPU path runs (kernels/cpu_attention.py,
-tested against the pure-torch reference kernels.attention.paged_attention_torch).
+(MOE_UNIFIED_ATTENTION=0: the varlen prefill kernel instead, its tile height set by the longest
+query). Elsewhere the batched CPU path runs (kernels/cpu_attention.py, tested against the
+pure-torch reference kernels.attention.paged_attention_torch).
 """
 from __future__ import annotations
 

@@ -20,7 +20,7 @@ _SKINNY = os.environ.get("MOE_SKINNY_GEMM", "1") != "0"
 
 def skinny_wins(M: int, N: int) -> bool:
     """Where the skinny Triton GEMM (kernels/triton_fused/skinny_gemm.py) measured faster than
-    cuBLAS on an H200 in CUDA-graph replay (BENCHMARKS.md §3; Qwen3-30B-A3B's projections at TP 1
+    cuBLAS on an H200 in CUDA-graph replay (BENCHMARKS.md §4; Qwen3-30B-A3B's projections at TP 1
     and 2): 1 or 2 rows, and up to 4 rows of a narrow output (the router). Elsewhere cuBLAS wins."""
     return M <= 2 or (M <= 4 and N <= 256)
 

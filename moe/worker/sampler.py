@@ -90,7 +90,7 @@ def sample(logits_BV: torch.Tensor, b: SamplingBatch) -> SamplerOutput:
     if b.all_greedy and b.max_num_logprobs < 0 and b.output_counts_BV is None and not b.banned_tokens:
         # The argmax of the logits as they come (bf16 on a GPU): the float32 copy would be exact,
         # so its argmax (the first maximum) is the same, but at 256 rows of a 152k vocabulary the
-        # copy alone cost ~90 us of a decode step on an H200 (BENCHMARKS.md §3).
+        # copy alone cost 94 us of a decode step on an H200 (BENCHMARKS.md §4).
         return SamplerOutput(logits_BV.argmax(-1))
     logits = logits_BV.float()
     raw_logprobs = logits.log_softmax(-1) if b.max_num_logprobs >= 0 else None
