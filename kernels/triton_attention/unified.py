@@ -108,7 +108,9 @@ def _unified_kernel(q_ptr, kv_ptr, bt_ptr, qsl_ptr, seq_lens_ptr, o_ptr, B,
     # Keys k_lo .. q_first are visible to every row when all rows share one chunk: whole tiles of
     # them run without masks, the rest (causal diagonal, chunk edges, the context's end) masked.
     if same_chunk:
-        k_free = k_lo + ((q_first + 1 - k_lo) // BLOCK_N) * BLOCK_N
+        # At least k_lo: rows of a padding sequence (L = 0) sit at negative positions, and a key
+        # tile below 0 would read before the block table's row.
+        k_free = tl.maximum(k_lo + ((q_first + 1 - k_lo) // BLOCK_N) * BLOCK_N, k_lo)
     else:
         k_free = k_lo
 

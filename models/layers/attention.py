@@ -41,6 +41,13 @@ def use_triton_attention(x: torch.Tensor) -> bool:
     return HAVE_TRITON_ATTENTION and x.is_cuda
 
 
+def mixed_steps_graph_safe(layers: list[nn.Module]) -> bool:
+    """Whether a forward through these attention layers replays from a CUDA graph for any mixed
+    batch of its captured size: the unified kernel reads the whole layout from device tensors
+    (MLA's prefill and the varlen prefill kernel take host lengths)."""
+    return UNIFIED_ATTENTION and bool(layers) and all(isinstance(layer, Attention) for layer in layers)
+
+
 class Attention(nn.Module):
     """chunk_size: None for global causal attention, else chunked-local attention (a query at
     position p sees keys floor(p / chunk_size) * chunk_size .. p)."""

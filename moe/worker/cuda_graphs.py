@@ -1,21 +1,31 @@
-"""CUDA graphs for decode-only steps: the model forward captured once per batch size at start-up
-and replayed, so a decode step costs a few launches instead of thousands.
+"""CUDA graphs of whole forwards, captured at start-up and replayed, so a step costs a few launches
+instead of thousands.
 
-A decode step of B sequences replays the graph of the smallest captured size b >= B; rows B..b
-are padding (slot -1: no KV write; seq_len 0: attention reads nothing) and their outputs are
-dropped. The graphs read their inputs from the runner's StepBuffers, so a replay needs only the
-upload that every step does anyway.
+Decode-only steps: one graph per batch size. A step of B sequences replays the graph of the
+smallest captured size b >= B; rows B..b are padding (slot -1: no KV write; seq_len 0: attention
+reads nothing) and their outputs are dropped.
+Mixed steps (prefill chunks, with or without decodes): one graph per token count, each over
+max_num_seqs + 1 sequences. A step of T tokens replays the graph of the smallest captured count
+t >= T; its padding tokens form sequences of context 0 after the real ones (attention writes
+zeros for them). Only where every attention launch reads its layout from device tensors alone
+(the unified kernel of models/layers/attention.py; not MLA), and not under expert parallelism.
+The graphs read their inputs from the runner's StepBuffers, so a replay needs only the upload
+that every step does anyway.
 """
 from __future__ import annotations
 
 import bisect
 import logging
+import os
 import time
 from typing import Callable
 
 import torch
 
 logger = logging.getLogger("moe.worker.cuda_graphs")
+
+
+MIXED_GRAPHS = os.environ.get("MOE_MIXED_GRAPHS", "1") != "0"  # 0: mixed steps run eagerly (A/B runs)
 
 
 def default_capture_sizes(max_num_seqs: int) -> list[int]:
@@ -26,12 +36,23 @@ def default_capture_sizes(max_num_seqs: int) -> list[int]:
     return sizes
 
 
-class DecodeGraphs:
-    """Captured decode forwards by padded batch size."""
+def default_mixed_sizes(max_num_batched_tokens: int) -> list[int]:
+    """Token counts of the mixed-step graphs: powers of two from 64 to 512, then every 512 up to
+    the step budget (which is added): padding at most doubles a step of up to 1024 tokens and
+    adds at most 511 tokens to a larger one."""
+    sizes = [s for s in [64, 128, 256, 512] + list(range(1024, max_num_batched_tokens + 1, 512))
+             if s <= max_num_batched_tokens]
+    if max_num_batched_tokens not in sizes:
+        sizes.append(max_num_batched_tokens)
+    return sizes
+
+
+class StepGraphs:
+    """Captured forwards by padded size (sequences of a decode step, or tokens of a mixed one)."""
 
     def __init__(self, sizes: list[int]) -> None:
         if not sizes or min(sizes) < 1:
-            raise ValueError(f"cudagraph_capture_sizes must be positive batch sizes, got {sizes}")
+            raise ValueError(f"cudagraph_capture_sizes must be positive sizes, got {sizes}")
         self.sizes = sorted(set(sizes))
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
@@ -40,19 +61,20 @@ class DecodeGraphs:
     def max_size(self) -> int:
         return self.sizes[-1]
 
-    def padded_size(self, num_seqs: int) -> int | None:
-        """The captured size a decode step of num_seqs replays, or None (run it eagerly)."""
-        i = bisect.bisect_left(self.sizes, num_seqs)
+    def padded_size(self, n: int) -> int | None:
+        """The captured size a step of size n replays, or None (run it eagerly)."""
+        i = bisect.bisect_left(self.sizes, n)
         return self.sizes[i] if i < len(self.sizes) and self.graphs else None
 
     def capture(self, prepare: Callable[[int], None], forward: Callable[[int], torch.Tensor],
-                device: torch.device) -> None:
-        """prepare(b) uploads b padding decode rows (outside the capture: host work); forward(b)
-        runs the model on them and returns its output tensor. Largest first, all sharing one
-        memory pool (smaller graphs reuse the larger's blocks)."""
+                device: torch.device, what: str, pool=None):
+        """prepare(b) uploads a padding-only step of size b (outside the capture: host work);
+        forward(b) runs the model on it and returns its output tensor. Largest first, all sharing
+        one memory pool (smaller graphs reuse the larger's blocks; steps replay one at a time, in
+        stream order). Returns the pool, for the next set of graphs to share."""
         torch.cuda.synchronize(device)
         start, free_before = time.perf_counter(), torch.cuda.mem_get_info(device)[0]
-        pool = torch.cuda.graph_pool_handle()
+        pool = torch.cuda.graph_pool_handle() if pool is None else pool
         for b in reversed(self.sizes):
             prepare(b)
             forward(b)  # warm-up: compiles this size's kernels, initialises collectives
@@ -63,8 +85,9 @@ class DecodeGraphs:
             self.graphs[b] = graph
         torch.cuda.synchronize(device)
         used = free_before - torch.cuda.mem_get_info(device)[0]
-        logger.info("Captured %d CUDA graphs for decode batch sizes %d..%d in %.1f s, %.2f GiB",
-                    len(self.sizes), self.sizes[0], self.max_size, time.perf_counter() - start, used / 2**30)
+        logger.info("Captured %d CUDA graphs for %s %d..%d in %.1f s, %.2f GiB", len(self.sizes), what,
+                    self.sizes[0], self.max_size, time.perf_counter() - start, used / 2**30)
+        return pool
 
     def replay(self, b: int) -> torch.Tensor:
         self.graphs[b].replay()

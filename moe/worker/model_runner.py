@@ -12,8 +12,9 @@ sent to the other ranks of the replica with the next step (`apply_sampled`), so 
 appends exactly the tokens the driver drew, whatever the sampling parameters.
 
 On CUDA the step's inputs go through reused pinned/device buffers (moe/worker/step_buffers.py,
-moe/worker/step_inputs.py), attention runs the Triton kernels, and decode-only steps replay CUDA graphs
-captured at start-up (moe/worker/cuda_graphs.py); elsewhere fresh tensors feed the torch references.
+moe/worker/step_inputs.py), attention runs the Triton kernels, and steps replay CUDA graphs captured at
+start-up (moe/worker/cuda_graphs.py): decode-only steps by batch size, mixed steps by token count;
+elsewhere fresh tensors feed the torch references.
 Images: the encoder runs over the step's scheduled images and their features replace the image
 tokens' embeddings (moe/multimodal/encoder_runner.py); such steps run eagerly.
 """
@@ -27,13 +28,13 @@ import torch
 
 from all2all import low_latency_for_auto
 from kernels.attention import AttentionMetadata
-from models.layers.attention import use_triton_attention
+from models.layers.attention import mixed_steps_graph_safe, use_triton_attention
 from models.layers.moe import DispatchStep
 from models.parallel.state import get_parallel_state, pp_recv, pp_send
 from moe.expert_load.counters import ExpertLoadCounters
 from moe.multimodal.encoder_runner import EncoderRunner
 from moe.worker.block_tables import BlockTables
-from moe.worker.cuda_graphs import DecodeGraphs, default_capture_sizes
+from moe.worker.cuda_graphs import MIXED_GRAPHS, StepGraphs, default_capture_sizes, default_mixed_sizes
 from moe.worker.sampler import SamplingBatch, sample
 from moe.worker.step_buffers import StepBuffers
 from moe.worker.step_inputs import RequestState, StepBatch, buffer_metadata, host_metadata, upload
@@ -128,10 +129,16 @@ class ModelRunner:
                         "all2all_backend 'all_to_all' or 'allgather_reducescatter' (their count exchange "
                         "syncs with the host): steps run eagerly")
         self.use_cuda_graphs = graphs_ok and not enforce_eager and device.type == "cuda"
+        # Mixed steps replay graphs where attention reads its whole layout from device tensors (the
+        # unified kernel; MLA's prefill reads host lengths) and no token dispatcher sizes its work
+        # on the host.
+        self.use_mixed_graphs = self.use_cuda_graphs and MIXED_GRAPHS and not ep and mixed_steps_graph_safe(
+            model.attention_layers())
         self.cudagraph_capture_sizes = cudagraph_capture_sizes
         self.limits: tuple[int, int, int] | None = None  # max_num_seqs, max_model_len, max_num_batched_tokens
         self.buffers: StepBuffers | None = None
-        self.graphs: DecodeGraphs | None = None
+        self.graphs: StepGraphs | None = None  # decode-only steps, by batch size
+        self.mixed_graphs: StepGraphs | None = None  # the others, by token count
         self.counters: ExpertLoadCounters | None = None  # set by the worker when expert load is recorded
         self.dispatch_step = DispatchStep()  # sized by configure
 
@@ -165,7 +172,7 @@ class ModelRunner:
         self.requests.clear()  # their blocks belonged to the previous cache
         self.images.holding.clear()
         self.block_tables = BlockTables(len(groups))
-        self.graphs = None  # captured over the previous cache tensors
+        self.graphs = self.mixed_graphs = None  # captured over the previous cache tensors
         # The dummy batch writes to one extra block per group, never handed out by the scheduler.
         self.dummy_blocks = [g.num_blocks for g in groups] if self.reserve_dummy_block and groups[0].num_blocks \
             else None
@@ -180,8 +187,9 @@ class ModelRunner:
         if self.gpu_inputs and self.limits is not None:
             max_num_seqs, max_model_len, max_tokens = self.limits
             sizes = self._capture_sizes()
-            # The profiling forward packs the token budget into sequences of max_model_len.
-            max_seqs = max(max_num_seqs, max(sizes, default=1), -(-max_tokens // max_model_len))
+            # The profiling forward packs the token budget into sequences of max_model_len; a mixed
+            # step's graph has a padding sequence beyond max_num_seqs.
+            max_seqs = max(max_num_seqs + self.use_mixed_graphs, max(sizes, default=1), -(-max_tokens // max_model_len))
             self.buffers = StepBuffers(self.device, max(max_tokens, max_seqs), max_seqs,
                                        -(-max_model_len // self.block_size) + 1, len(groups))
 
@@ -191,17 +199,31 @@ class ModelRunner:
         return self.cudagraph_capture_sizes or default_capture_sizes(self.limits[0])
 
     def capture_cuda_graphs(self) -> None:
-        """Capture the decode forwards (after the KV cache is allocated; every rank of a
-        tensor-parallel group captures the same sizes in the same order)."""
+        """Capture the mixed and the decode forwards (after the KV cache is allocated; every rank
+        of a tensor-parallel group captures the same sizes in the same order), in one memory pool."""
         sizes = self._capture_sizes()
         if not sizes or self.buffers is None or not self.kv_caches:
             return
-        self.graphs = DecodeGraphs(sizes)
-        self.graphs.capture(self._upload_padding, self._graph_forward, self.device)
+        pool = None
+        if self.use_mixed_graphs:
+            self.mixed_graphs = StepGraphs(default_mixed_sizes(self.limits[2]))
+            pool = self.mixed_graphs.capture(self._upload_mixed_padding, self._mixed_graph_forward, self.device,
+                                             "mixed steps of tokens", pool)
+        self.graphs = StepGraphs(sizes)
+        self.graphs.capture(self._upload_padding, self._graph_forward, self.device, "decode batch sizes", pool)
+
+    @property
+    def mixed_graph_seqs(self) -> int:
+        """Sequences of every mixed-step graph: the most a step has, and one for padding tokens."""
+        return self.limits[0] + 1
 
     def _upload_padding(self, b: int) -> None:
         """b padding decode rows into the step buffers (what a graph is captured over)."""
-        upload(self.buffers, StepBatch.empty(self.num_kv_groups), self.block_size, padded=b)
+        upload(self.buffers, StepBatch.empty(self.num_kv_groups), self.block_size, padded=(b, b))
+
+    def _upload_mixed_padding(self, t: int) -> None:
+        """A mixed step's graph layout with t padding tokens and no real sequence."""
+        upload(self.buffers, StepBatch.empty(self.num_kv_groups), self.block_size, padded=(t, self.mixed_graph_seqs))
 
     @torch.inference_mode()
     def _graph_forward(self, b: int) -> torch.Tensor:
@@ -210,6 +232,14 @@ class ModelRunner:
         self.dispatch_step.max_tokens = b  # every rank captures the same sizes in the same order
         meta = buffer_metadata(buf, self.num_kv_groups, b, b, 1, list(range(b + 1)), [1] * b, decode_only=True)
         return self._forward(buf.dev_view("input_ids", b), buf.dev_view("positions", b), meta)
+
+    @torch.inference_mode()
+    def _mixed_graph_forward(self, t: int) -> torch.Tensor:
+        """The model on a mixed step of t tokens read from the step buffers (what a graph captures:
+        the attention kernels read only the device layout, not the host lists given here)."""
+        buf, b = self.buffers, self.mixed_graph_seqs
+        meta = buffer_metadata(buf, self.num_kv_groups, t, b, t, [0] * (b + 1), [0] * b, decode_only=False)
+        return self._forward(buf.dev_view("input_ids", t), buf.dev_view("positions", t), meta)
 
     def release(self) -> None:
         """Drop the KV cache, the CUDA graphs (their memory pool) and the step buffers."""
@@ -333,13 +363,18 @@ class ModelRunner:
             self._fill_pending(input_ids, batch, prev)
             embeds = self.images.inputs_embeds(batch, input_ids) if with_images else None
             return self._forward(input_ids, torch.from_numpy(batch.positions_T).to(self.device), meta, embeds)
-        replayable = batch.decode_only and self.graphs is not None and not with_images and (
-            not self.graphs_need_capacity or self.dispatch_step.max_tokens <= self.dispatch_step.capacity)
-        padded = self.graphs.padded_size(B) if replayable else None
+        graphs, padded = None, None
+        if batch.decode_only and self.graphs is not None and not with_images and (
+                not self.graphs_need_capacity or self.dispatch_step.max_tokens <= self.dispatch_step.capacity):
+            graphs, size = self.graphs, self.graphs.padded_size(B)
+            padded = None if size is None else (size, size)
+        elif not batch.decode_only and self.mixed_graphs is not None and not with_images:
+            graphs, size = self.mixed_graphs, self.mixed_graphs.padded_size(T)
+            padded = None if size is None else (size, self.mixed_graph_seqs)
         meta = upload(self.buffers, batch, self.block_size, padded)
         self._fill_pending(self.buffers.dev_view("input_ids", T), batch, prev)
         if padded is not None:
-            return self.graphs.replay(padded)[:B]
+            return graphs.replay(padded[0])[:T]
         input_ids = self.buffers.dev_view("input_ids", T)
         embeds = self.images.inputs_embeds(batch, input_ids) if with_images else None
         return self._forward(input_ids, self.buffers.dev_view("positions", T), meta, embeds)

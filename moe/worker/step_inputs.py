@@ -1,8 +1,7 @@
 """One step's inputs on their way to the model: the batch layout on the host (`StepBatch`, built
 from the runner's request states) and the attention metadata made from it, either as fresh tensors
 (`host_metadata`: the torch reference path of CPU runs, or a GPU step larger than the buffers) or as
-views of the runner's reused `StepBuffers` (`upload`: the GPU path, padded to a CUDA graph's size on
-decode-only steps).
+views of the runner's reused `StepBuffers` (`upload`: the GPU path, padded to a CUDA graph's size).
 
 Legend: T tokens of the step, B sequences, m the longest block table of the step.
 """
@@ -131,18 +130,27 @@ def host_metadata(batch: StepBatch, device: torch.device, block_size: int, devic
     return _grouped(metas)
 
 
-def upload(buf: StepBuffers, batch: StepBatch, block_size: int, padded: int | None = None) -> AttentionMetadata:
-    """Write the batch into the step buffers (decode rows padded to `padded` rows: one query each,
-    context 0, slot -1), upload it, and return metadata over the device views."""
+def upload(buf: StepBuffers, batch: StepBatch, block_size: int,
+           padded: tuple[int, int] | None = None) -> AttentionMetadata:
+    """Write the batch into the step buffers, upload it, and return metadata over the device views.
+
+    padded: (tokens t, sequences b) of a CUDA graph the step replays. Sequences B..b-1 are padding
+    of context 0 (attention reads nothing and writes zeros): each takes one of the padding tokens
+    T..t-1 (slot -1, position 0) while more than one padding sequence is left, the last takes the
+    rest (none, or many in a mixed step's graph)."""
     T, B = len(batch.input_ids_T), len(batch.req_ids)
-    t, b = (padded, padded) if padded else (T, B)
+    t, b = padded if padded else (T, B)
+    if t < T or b < B or (t > T and b == B):
+        raise ValueError(f"a step of {T} tokens in {B} sequences cannot pad to {t} tokens in {b} sequences")
     buf.begin()
     sizes = {"input_ids": t, "positions": t, "query_start_loc": b + 1, "seq_lens": b}
     _fill(buf.host_view("input_ids", t), batch.input_ids_T, 0)
     _fill(buf.host_view("positions", t), batch.positions_T, 0)
     qsl = buf.host_view("query_start_loc", b + 1)
     qsl[:B + 1] = batch.query_start_loc
-    qsl[B + 1:] = T + np.arange(1, b - B + 1)
+    ones = max(0, min(b - B - 1, t - T))  # padding sequences of one token each; the last holds the rest
+    qsl[B + 1:B + 1 + ones] = T + np.arange(1, ones + 1)
+    qsl[B + 1 + ones:] = t
     _fill(buf.host_view("seq_lens", b), batch.seq_lens_B, 0)
     for g, table in enumerate(batch.tables):
         _fill(buf.host_view(f"slots{g}", t), batch.slots(table, block_size), -1)
@@ -151,7 +159,7 @@ def upload(buf: StepBuffers, batch: StepBatch, block_size: int, padded: int | No
     buf.upload(sizes)
     meta = buffer_metadata(buf, len(batch.tables), t, b, int(batch.num_tokens_B.max(initial=1)),
                            batch.query_start_loc.tolist(), batch.seq_lens_B.tolist(), batch.decode_only)
-    if not batch.decode_only:  # a mixed batch: its decode rows for MLA's absorbed path
+    if not batch.decode_only and not padded:  # an eager mixed batch: its decode rows for MLA's absorbed path
         _add_decode_rows(meta.group_metas or [meta], batch, buf.device, block_size)
     return meta
 

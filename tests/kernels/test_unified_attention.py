@@ -100,6 +100,37 @@ def test_rejects_bad_inputs():
         unified_attention_triton(q, cache, tables, qsl[:1], lens, 1.0)
 
 
+
+@pytest.mark.parametrize("pad_tokens,pad_seqs,chunk", [(0, 1, None), (5, 9, None), (23, 2, None), (23, 2, 8)])
+def test_cuda_graph_padding_layout(pad_tokens, pad_seqs, chunk):
+    """A mixed step as the runner uploads it for a graph of more tokens and sequences
+    (moe/worker/step_inputs.py `upload(padded=...)`): the real rows equal the reference, the
+    padding rows (sequences of context 0) come out as zeros, never NaN, also chunked-local."""
+    import numpy as np
+
+    from moe.worker.step_buffers import StepBuffers
+    from moe.worker.step_inputs import StepBatch, upload
+
+    H, G, d, S = 4, 2, 16, 4
+    batch = paged_batch(MIXED, S, H, G, d, seed=13)
+    meta = batch.meta
+    qsl, seq_lens = np.array(meta.query_start_loc), np.array(meta.seq_lens)
+    n = np.diff(qsl)
+    row = np.repeat(np.arange(len(n)), n)
+    positions = np.arange(qsl[-1]) - qsl[:-1][row] + (seq_lens - n)[row]
+    step = StepBatch([str(i) for i in range(len(n))], [], n, qsl, seq_lens, np.zeros(qsl[-1], dtype=np.int64),
+                     positions, row, [meta.block_tables_BM.numpy()], [])
+    T, B = int(qsl[-1]), len(n)
+    t, b = T + pad_tokens, B + pad_seqs
+    buf = StepBuffers(torch.device(DEV), t, b, meta.block_tables_BM.shape[1], 1)
+    graph_meta = upload(buf, step, S, padded=(t, b))
+    q = torch.cat([batch.q, torch.randn(pad_tokens, H, d)]).to(DEV)
+    out = torch.full_like(q, float("nan"))
+    unified_attention_triton(q, batch.cache.to(DEV), graph_meta.block_tables_BM, graph_meta.query_start_loc_t,
+                             graph_meta.seq_lens_t, batch.scale, chunk, out_THd=out, config=SMALL)
+    torch.testing.assert_close(out[:T].cpu(), reference(batch, torch.float32, chunk), atol=1e-5, rtol=1e-5)
+    assert (out[T:] == 0).all()
+
 # --- the layer's switch --------------------------------------------------------------------------
 
 @pytest.mark.parametrize("unified", [False, True])

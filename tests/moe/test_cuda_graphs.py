@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from moe.config import EngineArgs
-from moe.worker.cuda_graphs import DecodeGraphs, default_capture_sizes
+from moe.worker.cuda_graphs import StepGraphs, default_capture_sizes
 
 
 def test_default_capture_sizes():
@@ -15,7 +15,7 @@ def test_default_capture_sizes():
 
 
 def test_padded_size_is_the_smallest_captured_size_that_fits():
-    graphs = DecodeGraphs([8, 1, 4, 2, 4])
+    graphs = StepGraphs([8, 1, 4, 2, 4])
     assert graphs.sizes == [1, 2, 4, 8]
     assert graphs.padded_size(3) is None  # nothing captured yet: run eagerly
     graphs.graphs = {s: object() for s in graphs.sizes}
@@ -73,3 +73,64 @@ def test_async_scheduling_gives_the_synchronous_tokens_with_graphs():
             outs[requested] = [(o.outputs[0].token_ids, o.outputs[0].finish_reason)
                                for o in llm.generate(prompts, params, use_tqdm=False)]
     assert outs[None] == outs[False]
+
+
+def test_default_mixed_sizes():
+    from moe.worker.cuda_graphs import default_mixed_sizes
+    assert default_mixed_sizes(100) == [64, 100]
+    sizes = default_mixed_sizes(8192)
+    assert sizes[:5] == [64, 128, 256, 512, 1024] and sizes[-1] == 8192
+    assert all(b - a == 512 for a, b in zip(sizes[4:], sizes[5:]))
+    assert default_mixed_sizes(2000)[-2:] == [1536, 2000]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize("mixed_sizes", [None, [16, 32]])  # [16, 32]: larger steps fall back to eager
+def test_mixed_step_graphs_give_the_eager_tokens(mixed_sizes, monkeypatch):
+    """Steps that mix prefill chunks with decodes replay the mixed graphs (chunked prefill across
+    token buckets, shared prefixes hitting the cache, requests finishing mid-batch, preemption
+    with a small KV cache) and give the eager tokens and logprobs (up to a near-tie)."""
+    import random
+
+    import moe.worker.model_runner as model_runner
+    from moe import LLM, SamplingParams
+    if mixed_sizes is not None:
+        monkeypatch.setattr(model_runner, "default_mixed_sizes", lambda max_tokens: mixed_sizes)
+    rng = random.Random(2)
+    shared = [rng.randrange(1, 512) for _ in range(40)]
+    prompts = [{"prompt_token_ids": shared + [rng.randrange(1, 512) for _ in range(n)]} for n in (3, 30, 61)]
+    prompts += [{"prompt_token_ids": [rng.randrange(1, 512) for _ in range(n)]} for n in (1, 9, 70, 5, 17, 90)]
+    params = [SamplingParams(temperature=0.0, max_tokens=6 + 3 * i, logprobs=2, ignore_eos=True)
+              for i in range(len(prompts))]
+    outs, replays = {}, {}
+    for eager in (True, False):
+        with LLM("tiny-qwen3-moe", device="cuda", dtype="float32", enforce_eager=eager, max_num_seqs=4,
+                 max_num_batched_tokens=64, max_model_len=192, kv_cache_memory_bytes=12 * 64 * 1024,
+                 gpu_memory_utilization=0.2) as llm:
+            runner = llm.llm_engine.executor.runner
+            assert (runner.mixed_graphs is None) == eager
+            if not eager:
+                assert runner.mixed_graphs.sizes == (mixed_sizes or [64])
+                real_replay = runner.mixed_graphs.replay
+                replays[eager] = []
+                runner.mixed_graphs.replay = lambda t: replays[eager].append(t) or real_replay(t)
+            outs[eager] = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+            if not eager:
+                preempted = {m.name: m.value for m in llm.get_metrics()}.get("moe:num_preemptions", 0)
+    assert replays[False], "no mixed step replayed a graph"
+    assert preempted > 0, "the KV cache was large enough to never preempt: the test lost its edge case"
+    compared = sum(_agree_until_a_near_tie(g, e) for g, e in zip(outs[False], outs[True]))
+    assert compared >= sum(p.max_tokens for p in params) // 4  # the comparison reached far enough
+
+
+def _agree_until_a_near_tie(graphs_out, eager_out, margin: float = 0.02) -> int:
+    """Greedy tokens and their logprobs agree, up to the first step whose two best eager logprobs
+    lie within `margin`: a padded graph runs other GEMM shapes (other kernel configs, tf32 dots),
+    whose last-bit differences may pick the other token there. Returns the steps compared."""
+    for i, (tok, lp) in enumerate(zip(eager_out.token_ids, eager_out.logprobs)):
+        assert graphs_out.token_ids[i] == tok, f"token {i} differs away from a near-tie"
+        assert graphs_out.logprobs[i][tok].logprob == pytest.approx(lp[tok].logprob, abs=1e-2)
+        best = sorted((v.logprob for v in lp.values()), reverse=True)
+        if len(best) > 1 and best[0] - best[1] < margin:
+            return i + 1
+    return len(eager_out.token_ids)

@@ -24,3 +24,56 @@ def test_tables_go_to_the_corner():
     buf = StepBuffers(torch.device("cpu"), max_tokens=4, max_seqs=3, max_blocks=4, num_groups=1)
     buf.upload_tables(0, np.array([[5, 6], [7, 8]], dtype=np.int64))
     assert buf.tables[0].tolist() == [[5, 6, 0, 0], [7, 8, 0, 0], [0, 0, 0, 0]]
+
+
+def _batch(seqs, block_size=4):
+    """A StepBatch of (cached, new) sequences whose blocks are numbered in order."""
+    from moe.worker.step_inputs import StepBatch
+    n = np.array([k for _, k in seqs])
+    qsl = np.concatenate([[0], np.cumsum(n)])
+    seq_lens = np.array([c + k for c, k in seqs])
+    row = np.repeat(np.arange(len(seqs)), n)
+    positions = np.arange(qsl[-1]) - qsl[:-1][row] + (seq_lens - n)[row]
+    width = max(-(-L // block_size) for L in seq_lens)
+    table = np.arange(len(seqs) * width).reshape(len(seqs), width) + 1
+    return StepBatch([f"r{i}" for i in range(len(seqs))], [], n, qsl, seq_lens, positions + 100, positions, row,
+                     [table], list(range(len(seqs))))
+
+
+def test_mixed_graph_padding_layout():
+    """A mixed step padded to a graph of t tokens and b sequences: the padding tokens form
+    sequences of context 0 after the real ones, with slot -1 and position 0."""
+    from moe.worker.step_inputs import upload
+    buf = StepBuffers(torch.device("cpu"), max_tokens=16, max_seqs=6, max_blocks=4, num_groups=1)
+    batch = _batch([(3, 1), (0, 5), (6, 1)])  # T = 7, B = 3
+    meta = upload(buf, batch, 4, padded=(10, 6))
+    assert meta.query_start_loc_t.tolist() == [0, 1, 6, 7, 8, 9, 10]  # three padding tokens, one each
+    assert meta.seq_lens_t.tolist() == [4, 5, 7, 0, 0, 0]
+    assert buf.dev_view("slots0", 10).tolist()[7:] == [-1] * 3
+    assert buf.dev_view("positions", 10).tolist() == batch.positions_T.tolist() + [0] * 3
+    assert meta.block_tables_BM.shape == (6, 4) and not meta.decode_only
+    # More padding tokens than spare sequences: the last one holds the rest.
+    meta = upload(buf, batch, 4, padded=(16, 5))
+    assert meta.query_start_loc_t.tolist() == [0, 1, 6, 7, 8, 16]
+    # No padding token: the spare sequences are empty.
+    meta = upload(buf, batch, 4, padded=(7, 6))
+    assert meta.query_start_loc_t.tolist() == [0, 1, 6, 7, 7, 7, 7]
+
+
+def test_decode_graph_padding_layout():
+    from moe.worker.step_inputs import upload
+    buf = StepBuffers(torch.device("cpu"), max_tokens=8, max_seqs=8, max_blocks=4, num_groups=1)
+    meta = upload(buf, _batch([(3, 1), (7, 1)]), 4, padded=(4, 4))
+    assert meta.query_start_loc_t.tolist() == [0, 1, 2, 3, 4] and meta.seq_lens_t.tolist() == [4, 8, 0, 0]
+    assert meta.decode_only
+
+
+def test_padding_that_cannot_hold_the_step_is_refused():
+    import pytest
+
+    from moe.worker.step_inputs import upload
+    buf = StepBuffers(torch.device("cpu"), max_tokens=16, max_seqs=6, max_blocks=4, num_groups=1)
+    batch = _batch([(3, 1), (0, 5)])
+    for padded in [(5, 4), (6, 1), (9, 2)]:  # fewer tokens, fewer sequences, padding tokens but no sequence
+        with pytest.raises(ValueError, match="cannot pad"):
+            upload(buf, batch, 4, padded=padded)
