@@ -78,6 +78,45 @@ def attend_key_tile(acc, m_i, l_i, q, kv_ptr, bt_row_ptr, stride_btm, kv_head, v
     return acc, m_new, l_i
 
 
+@triton.jit
+def attend_context(q, qpos, q_first, num_queries, L, chunk_size, kv_ptr, bt_row_ptr, stride_btm, kv_head,
+                   v_offset, stride_blk, stride_tok, scale_log2, dd, BLOCK_M: tl.constexpr, S: tl.constexpr,
+                   BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+                   USE_CHUNK: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """Causal (optionally chunked-local) attention of a tile's rows q [BLOCK_M, D_PAD] at
+    positions qpos (the tile's queries q_first .. q_first + num_queries - 1) over the keys
+    0 .. L - 1 of one sequence through its block-table row; returns the normalised fp32 output.
+    A row that sees no key (a padding sequence has L = 0, its rows negative positions) gets
+    zeros: no key tile below 0 or past L - 1 is read."""
+    q_last = tl.minimum(q_first + num_queries - 1, L - 1)
+    if USE_CHUNK:
+        row_lo = (qpos // chunk_size) * chunk_size
+        k_lo = tl.maximum((q_first // chunk_size) * chunk_size, 0)  # keys before the first row's chunk: never read
+        same_chunk = k_lo == (q_last // chunk_size) * chunk_size
+    else:
+        row_lo = qpos * 0
+        k_lo = q_first * 0
+        same_chunk = True
+    # Keys k_lo .. q_first are visible to every row when all rows share one chunk: whole tiles of
+    # them run without masks, the rest (causal diagonal, chunk edges, the context's end) masked.
+    if same_chunk:
+        k_free = tl.maximum(k_lo + ((q_first + 1 - k_lo) // BLOCK_N) * BLOCK_N, k_lo)
+    else:
+        k_free = k_lo
+    acc = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], NEG_BIG, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    for k0 in range(k_lo, k_free, BLOCK_N):
+        acc, m_i, l_i = attend_key_tile(acc, m_i, l_i, q, kv_ptr, bt_row_ptr, stride_btm, kv_head, v_offset,
+                                        stride_blk, stride_tok, k0, qpos, row_lo, L, scale_log2, dd,
+                                        S, BLOCK_N, HEAD_DIM, D_PAD, False, USE_CHUNK, PRECISION, UPCAST)
+    for k0 in range(k_free, q_last + 1, BLOCK_N):
+        acc, m_i, l_i = attend_key_tile(acc, m_i, l_i, q, kv_ptr, bt_row_ptr, stride_btm, kv_head, v_offset,
+                                        stride_blk, stride_tok, k0, qpos, row_lo, L, scale_log2, dd,
+                                        S, BLOCK_N, HEAD_DIM, D_PAD, True, USE_CHUNK, PRECISION, UPCAST)
+    return acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+
+
 def dot_flags(dtype: torch.dtype) -> tuple[str, bool]:
     """(input_precision, upcast): exact fp32 dots for fp32 inputs; fp32 dots under the interpreter
     for half types (its bf16 dot is wrong)."""

@@ -21,8 +21,7 @@ import triton.language as tl
 from kernels.pdl import pdl_enter, pdl_launch
 from kernels.triton_attention.common import (
     LOG2E,
-    NEG_BIG,
-    attend_key_tile,
+    attend_context,
     check_block_tables,
     check_cache,
     dot_flags,
@@ -61,36 +60,10 @@ def _prefill_kernel(q_ptr, kv_ptr, bt_ptr, qsl_ptr, seq_lens_ptr, o_ptr,
     q = tl.load(q_ptr + q_off[:, None] + dd[None, :],
                 mask=row_ok[:, None] & (dd[None, :] < HEAD_DIM), other=0.0)
 
-    q_first = L - n + m0
-    q_last = tl.minimum(q_first + QPT - 1, L - 1)
-    if USE_CHUNK:
-        row_lo = (qpos // chunk_size) * chunk_size
-        k_lo = (q_first // chunk_size) * chunk_size  # keys before the earliest row's chunk: never read
-        same_chunk = k_lo == (q_last // chunk_size) * chunk_size
-    else:
-        row_lo = qpos * 0
-        k_lo = q_first * 0
-        same_chunk = True
-    # Keys k_lo .. q_first are visible to every row when all rows share one chunk.
-    if same_chunk:
-        k_free = k_lo + ((q_first + 1 - k_lo) // BLOCK_N) * BLOCK_N
-    else:
-        k_free = k_lo
-
     bt_row_ptr = bt_ptr + b.to(tl.int64) * stride_btb
-    acc = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
-    m_i = tl.full([BLOCK_M], NEG_BIG, dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    for k0 in range(k_lo, k_free, BLOCK_N):
-        acc, m_i, l_i = attend_key_tile(acc, m_i, l_i, q, kv_ptr, bt_row_ptr, stride_btm, kv_head, v_offset,
-                                        stride_blk, stride_tok, k0, qpos, row_lo, L, scale_log2, dd,
-                                        S, BLOCK_N, HEAD_DIM, D_PAD, False, USE_CHUNK, PRECISION, UPCAST)
-    for k0 in range(k_free, q_last + 1, BLOCK_N):
-        acc, m_i, l_i = attend_key_tile(acc, m_i, l_i, q, kv_ptr, bt_row_ptr, stride_btm, kv_head, v_offset,
-                                        stride_blk, stride_tok, k0, qpos, row_lo, L, scale_log2, dd,
-                                        S, BLOCK_N, HEAD_DIM, D_PAD, True, USE_CHUNK, PRECISION, UPCAST)
-    l_i = tl.where(l_i == 0.0, 1.0, l_i)  # rows past the sequence saw nothing; never stored
-    out = acc / l_i[:, None]
+    out = attend_context(q, qpos, L - n + m0, QPT, L, chunk_size, kv_ptr, bt_row_ptr, stride_btm, kv_head, v_offset,
+                         stride_blk, stride_tok, scale_log2, dd, BLOCK_M, S, BLOCK_N, HEAD_DIM, D_PAD, USE_CHUNK,
+                         PRECISION, UPCAST)
     o_off = (q_begin + qi).to(tl.int64) * stride_ot + head * stride_oh
     tl.store(o_ptr + o_off[:, None] + dd[None, :], out.to(o_ptr.dtype.element_ty),
              mask=row_ok[:, None] & (dd[None, :] < HEAD_DIM))

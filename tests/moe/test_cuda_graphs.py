@@ -125,7 +125,7 @@ def test_mixed_step_graphs_give_the_eager_tokens(mixed_sizes, monkeypatch):
 
 def _agree_until_a_near_tie(graphs_out, eager_out, margin: float = 0.02) -> int:
     """Greedy tokens and their logprobs agree, up to the first step whose two best eager logprobs
-    lie within `margin`: a padded graph runs other GEMM shapes (other kernel configs, tf32 dots),
+    lie within `margin`: a padded graph runs other GEMM shapes (other kernel configs, sums in another order),
     whose last-bit differences may pick the other token there. Returns the steps compared."""
     for i, (tok, lp) in enumerate(zip(eager_out.token_ids, eager_out.logprobs)):
         assert graphs_out.token_ids[i] == tok, f"token {i} differs away from a near-tie"
