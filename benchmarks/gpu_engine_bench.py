@@ -610,6 +610,37 @@ def step_timeline(llm: LLM, num_requests: int, prompt_len: int = 512, steps: int
             "outside_layers_us_per_step": [[k[:60], round(c, 2), round(us, 2)] for k, c, us in per_step[:14]]}
 
 
+def mixed_step(llm: LLM, num_decodes: int = 255, chunk: int = 512, prompt_len: int = 512, rounds: int = 8) -> dict:
+    """The mixed step of the #30 target: num_decodes running requests decoding beside one new
+    prompt of `chunk` tokens, `rounds` times (each new prompt asks one token, so it leaves the
+    batch after its prefill). Device time per step by kind (StepKinds) against the step's floor,
+    then the kernels of one more such step under the profiler (graph replays included)."""
+    engine = llm.llm_engine
+    _start_decoding(llm, num_decodes, prompt_len, max_tokens=4 * rounds + 40)
+    one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    prompts = _prompts(rounds + 1, chunk, seed=9)
+
+    def step_with_chunk(i: int) -> None:
+        engine.add_request(f"chunk{i}", prompts[i], one)
+        for _ in range(3):  # the step that holds the chunk, the one that reads its token, one decode
+            engine.step()
+    step_with_chunk(0)  # warm-up
+    _sync(llm)
+    with StepKinds(llm) as kinds:
+        for i in range(1, rounds):
+            step_with_chunk(i)
+        _sync(llm)
+    steps = kinds.summary(Costs.of(llm))
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        step_with_chunk(rounds)
+        _sync(llm)
+    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=20, max_name_column_width=60)
+    print(table, flush=True)
+    while engine.has_unfinished_requests():
+        engine.step()
+    return {"num_decodes": num_decodes, "chunk": chunk, "rounds": rounds - 1, "steps": steps, "top_kernels": table}
+
+
 def profile_prefill(llm: LLM, num_prompts: int = 16, prompt_len: int = 512) -> dict:
     """One prefill step of num_prompts x prompt_len tokens: wall time (median of 3, after a
     warm-up) and the top kernels of one more step under the profiler."""
@@ -670,6 +701,7 @@ def qwen3(results: dict, eager: bool, runs: list[str], tp: int = 1, record: bool
         "replay256": lambda: graph_replay(llm, 256),
         "prefill8192": lambda: profile_prefill(llm),
         "mixed": lambda: mixed_traffic(llm),  # 400 prompts, 512 / 128 tokens +-75%
+        "mixed_step": lambda: mixed_step(llm),  # 255 decodes beside a 512-token chunk
     }
     for name in runs:
         r = jobs[name]()

@@ -126,7 +126,7 @@ for stage in "$@"; do
            --out "$OUT/parallel_fp8.json" ;;
     serve) step serve timeout 590 python3 benchmarks/serve_gpu_bench.py ${SERVE_CKPT:-.gpu_ckpts/qwen3_30b_a3b} \
            --out-dir "$OUT/serve" --deadline-s 570 ${SERVE_ARGS:-} ;;
-    mixed) step mixed timeout 300 python3 benchmarks/gpu_engine_bench.py qwen3 --runs mixed \
+    mixed) step mixed timeout 300 python3 benchmarks/gpu_engine_bench.py qwen3 --runs ${MIXED_RUNS:-mixed} \
            --out "$OUT/engine_mixed.json" ;;
     serve-poisson) CKPT=${SERVE_CKPT:-.gpu_ckpts/qwen3_30b_a3b}
       [ -n "${SERVE_CKPT:-}" ] || [ -f "$CKPT/config.json" ] || python3 -c "import json, os, sys

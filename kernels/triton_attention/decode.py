@@ -13,6 +13,11 @@ kernel writes the output directly. The grid and P depend only on shapes, never o
 parts past a sequence's end contribute nothing (lse = -inf), so a captured graph replays for any
 seq_lens; rows with seq_lens 0 (padding) get zeros.
 
+Inside a mixed batch (query_start_loc given: sequence b owns rows qsl[b] .. qsl[b+1]-1 of T), the
+programs of sequences with one query read and write that row and the others return at once: the
+decode rows of a mixed step keep this kernel's 16-row tiles, and the unified kernel
+(unified.py) takes the rest.
+
 With few splits (P <= FUSED_MERGE_MAX_SPLITS) the last program of each (b, g) to finish merges
 its HG heads' P parts (kernels/last_program.py) instead of a second launch; with more, the merge
 is a program's serial tail that costs more than the merge kernel's launch (measured on an H200,
@@ -76,17 +81,22 @@ def _split_keys(seq_lens_ptr, b, split, chunk_size, BLOCK_N: tl.constexpr, NUM_S
 
 
 @triton.jit
-def _decode_split_kernel(q_ptr, kv_ptr, bt_ptr, seq_lens_ptr, o_ptr, part_o_ptr, part_lse_ptr, counter_ptr,
+def _decode_split_kernel(q_ptr, kv_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, o_ptr, part_o_ptr, part_lse_ptr, counter_ptr,
                          stride_qb, stride_qh, stride_ob, stride_oh, stride_btb, stride_btm,
                          v_offset, stride_blk, stride_tok, scale_log2, chunk_size,
                          HG: tl.constexpr, HG_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
                          D_PAD: tl.constexpr, BLOCK_N: tl.constexpr, S: tl.constexpr,
                          NUM_SPLITS: tl.constexpr, USE_CHUNK: tl.constexpr, FUSED_MERGE: tl.constexpr,
                          PRECISION: tl.constexpr, UPCAST: tl.constexpr, USE_PDL: tl.constexpr,
-                         PREFETCH: tl.constexpr, LANES: tl.constexpr):
+                         PREFETCH: tl.constexpr, LANES: tl.constexpr, MIXED: tl.constexpr):
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
+    row = b
+    if MIXED:  # see the module docstring; PREFETCH is off
+        row = tl.load(qsl_ptr + b)
+        if tl.load(qsl_ptr + b + 1) - row != 1:
+            return
     bt_row_ptr = bt_ptr + b.to(tl.int64) * stride_btb
     if PREFETCH:  # before the wait: see the module docstring
         if kv_head == 0:
@@ -108,7 +118,7 @@ def _decode_split_kernel(q_ptr, kv_ptr, bt_ptr, seq_lens_ptr, o_ptr, part_o_ptr,
     row_ok = r < HG
     dd = tl.arange(0, D_PAD)
     d_ok = dd < HEAD_DIM
-    q_off = b.to(tl.int64) * stride_qb + head * stride_qh
+    q_off = row.to(tl.int64) * stride_qb + head * stride_qh
     q = tl.load(q_ptr + q_off[:, None] + dd[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
     qpos = r * 0 + (L - 1)
 
@@ -122,7 +132,7 @@ def _decode_split_kernel(q_ptr, kv_ptr, bt_ptr, seq_lens_ptr, o_ptr, part_o_ptr,
     empty = l_i == 0.0
     out = acc / tl.where(empty, 1.0, l_i)[:, None]  # an empty split leaves acc = 0
     if NUM_SPLITS == 1:
-        o_off = b.to(tl.int64) * stride_ob + head * stride_oh
+        o_off = row.to(tl.int64) * stride_ob + head * stride_oh
         tl.store(o_ptr + o_off[:, None] + dd[None, :], out.to(o_ptr.dtype.element_ty),
                  mask=row_ok[:, None] & d_ok[None, :])
     else:
@@ -136,7 +146,7 @@ def _decode_split_kernel(q_ptr, kv_ptr, bt_ptr, seq_lens_ptr, o_ptr, part_o_ptr,
             count_ptr = counter_ptr + b * tl.num_programs(1) + kv_head
             if tl.atomic_add(count_ptr, 1, sem="acq_rel") == NUM_SPLITS - 1:
                 first = part - split
-                o_off = b.to(tl.int64) * stride_ob + head * stride_oh
+                o_off = row.to(tl.int64) * stride_ob + head * stride_oh
                 _merge_parts(part_o_ptr, part_lse_ptr, o_ptr, first, o_off, row_ok, dd, d_ok,
                              HG_PAD, D_PAD, NUM_SPLITS)
                 tl.atomic_xchg(count_ptr, 0)  # ready for the next launch
@@ -166,12 +176,18 @@ def _merge_parts(part_o_ptr, part_lse_ptr, o_ptr, first, o_off, row_ok, dd, d_ok
 
 
 @triton.jit
-def _decode_merge_kernel(part_o_ptr, part_lse_ptr, o_ptr, stride_ob, stride_oh, H,
+def _decode_merge_kernel(part_o_ptr, part_lse_ptr, o_ptr, qsl_ptr, stride_ob, stride_oh, H,
                          HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
-                         NUM_SPLITS: tl.constexpr, P_PAD: tl.constexpr, USE_PDL: tl.constexpr):
+                         NUM_SPLITS: tl.constexpr, P_PAD: tl.constexpr, USE_PDL: tl.constexpr,
+                         MIXED: tl.constexpr):
     pdl_enter(USE_PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
+    row = b
+    if MIXED:
+        row = tl.load(qsl_ptr + b)
+        if tl.load(qsl_ptr + b + 1) - row != 1:
+            return
     s = tl.arange(0, P_PAD)
     dd = tl.arange(0, D_PAD)
     base = (b.to(tl.int64) * H + h) * NUM_SPLITS
@@ -183,7 +199,7 @@ def _decode_merge_kernel(part_o_ptr, part_lse_ptr, o_ptr, stride_ob, stride_oh, 
                     mask=(s[:, None] < NUM_SPLITS), other=0.0)
     total = tl.sum(w, 0)
     out = tl.sum(parts * w[:, None], 0) / tl.where(total == 0.0, 1.0, total)
-    tl.store(o_ptr + b.to(tl.int64) * stride_ob + h * stride_oh + dd, out.to(o_ptr.dtype.element_ty),
+    tl.store(o_ptr + row.to(tl.int64) * stride_ob + h * stride_oh + dd, out.to(o_ptr.dtype.element_ty),
              mask=dd < HEAD_DIM)
 
 
@@ -198,7 +214,8 @@ def paged_attention_decode_triton(q_BHd: torch.Tensor, kv_cache_2NSGd: torch.Ten
                                   block_tables_BM: torch.Tensor, seq_lens_B: torch.Tensor, scale: float,
                                   chunk_size: int | None = None, out_BHd: torch.Tensor | None = None,
                                   num_splits: int | None = None, block_n: int | None = None,
-                                  fused_merge: bool | None = None) -> torch.Tensor:
+                                  fused_merge: bool | None = None,
+                                  query_start_loc_B1: torch.Tensor | None = None) -> torch.Tensor:
     """One query per sequence over its paged context; returns out_BHd [B, H, d] in q's dtype.
 
     q_BHd: [B, H, d] fp32/fp16/bf16, any strides with a unit stride along d.
@@ -208,10 +225,17 @@ def paged_attention_decode_triton(q_BHd: torch.Tensor, kv_cache_2NSGd: torch.Ten
     block_n: keys per tile (power of two >= 16); None = 64 for d <= 128 (tests use 16).
     fused_merge: merge the splits in the last program of each (sequence, KV head) instead of a
     second launch; None = with at most FUSED_MERGE_MAX_SPLITS splits (MOE_DECODE_FUSED_MERGE=0: never).
+    query_start_loc_B1: [B+1] on the device for a mixed batch: q and out_BHd are then [T, H, d]
+    (any T) and only the rows of the sequences with one query are written (module docstring).
     """
     if q_BHd.dim() != 3 or q_BHd.stride(2) != 1:
         raise ValueError(f"q_BHd must be [B, H, d] with unit stride along d, got {tuple(q_BHd.shape)}")
     B, H, d = q_BHd.shape
+    mixed = query_start_loc_B1 is not None
+    if mixed:
+        B = seq_lens_B.shape[0]
+        if query_start_loc_B1.shape != (B + 1,):
+            raise ValueError(f"query_start_loc_B1 must be [B+1={B + 1}], got {tuple(query_start_loc_B1.shape)}")
     S, G = check_cache(kv_cache_2NSGd, d)
     check_block_tables(block_tables_BM, B)
     if seq_lens_B.shape != (B,):
@@ -248,19 +272,20 @@ def paged_attention_decode_triton(q_BHd: torch.Tensor, kv_cache_2NSGd: torch.Ten
     else:
         part_o = part_lse = out_BHd  # unused
     counters = zeroed_counters("decode_merge", B * G, q_BHd.device) if fused_merge else seq_lens_B  # unused without
-    prefetch = B <= PREFETCH_MAX_SEQS and bulk_prefetch_supported(q_BHd)
+    prefetch = not mixed and B <= PREFETCH_MAX_SEQS and bulk_prefetch_supported(q_BHd)
     _decode_split_kernel[(B, G, num_splits)](
-        q_BHd, kv_cache_2NSGd, block_tables_BM, seq_lens_B, out_BHd, part_o, part_lse, counters,
+        q_BHd, kv_cache_2NSGd, block_tables_BM, seq_lens_B, query_start_loc_B1 if mixed else seq_lens_B, out_BHd,
+        part_o, part_lse, counters,
         q_BHd.stride(0), q_BHd.stride(1), out_BHd.stride(0), out_BHd.stride(1),
         block_tables_BM.stride(0), block_tables_BM.stride(1),
         N * S * G * d, S * G * d, G * d, scale * LOG2E, chunk_size or 1,
         HG=hg, HG_PAD=max(16, triton.next_power_of_2(hg)), HEAD_DIM=d, D_PAD=d_pad, BLOCK_N=block_n, S=S,
         NUM_SPLITS=num_splits, USE_CHUNK=chunk_size is not None, FUSED_MERGE=fused_merge,
-        PRECISION=precision, UPCAST=upcast, PREFETCH=prefetch, LANES=32 * NUM_WARPS,
+        PRECISION=precision, UPCAST=upcast, PREFETCH=prefetch, LANES=32 * NUM_WARPS, MIXED=mixed,
         num_warps=NUM_WARPS, num_stages=3, **pdl_launch(q_BHd))
     if num_splits > 1 and not fused_merge:
         _decode_merge_kernel[(B, H)](
-            part_o, part_lse, out_BHd, out_BHd.stride(0), out_BHd.stride(1), H,
-            HEAD_DIM=d, D_PAD=d_pad, NUM_SPLITS=num_splits, P_PAD=triton.next_power_of_2(num_splits),
-            num_warps=4, **pdl_launch(out_BHd))
+            part_o, part_lse, out_BHd, query_start_loc_B1 if mixed else seq_lens_B, out_BHd.stride(0),
+            out_BHd.stride(1), H, HEAD_DIM=d, D_PAD=d_pad, NUM_SPLITS=num_splits,
+            P_PAD=triton.next_power_of_2(num_splits), MIXED=mixed, num_warps=4, **pdl_launch(out_BHd))
     return out_BHd

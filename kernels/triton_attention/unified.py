@@ -10,9 +10,10 @@ smallest), n_b queries and L_b context tokens of sequence b.
 Sequence b owns query rows query_start_loc[b] .. query_start_loc[b+1]-1; query i sits at position
 L_b - n_b + i and sees keys chunk_start(pos) .. pos through the block table (the new tokens' K/V
 are in the cache already). A program takes BQ consecutive queries of one sequence times all HG
-query heads of one KV head, so the GQA group shares every K/V tile it loads, and a decode row is
-a sequence of one tile (BQ = 16 // HG by default keeps its wasted rows few, unlike the varlen
-prefill kernel whose tile height follows the longest query of the batch).
+query heads of one KV head, so the GQA group shares every K/V tile it loads (the varlen prefill
+kernel's tile height follows the longest query of the batch instead). By default the sequences of
+one query (decode rows) run in the split-KV decode kernel's 16-row tiles, a second launch: in a
+tile here one token's HG heads would fill 8 of 64 rows.
 
 Grid (T // BQ + B, G), from shapes only, so the launch replays in a CUDA graph for any lengths:
 tile slot j of the flat numbering belongs to the last sequence b with
@@ -30,6 +31,7 @@ import triton
 import triton.language as tl
 
 from kernels.pdl import pdl_enter, pdl_launch
+from kernels.triton_attention.decode import paged_attention_decode_triton
 from kernels.triton_attention.common import (
     LOG2E,
     attend_context,
@@ -43,6 +45,10 @@ from kernels.triton_attention.common import (
 # query tokens a tile) 64 rows beat 16 and 32 both beside 256 decodes and beside a 2,048-token
 # chunk (BENCHMARKS.md §2). MOE_UNIFIED_ROWS overrides it for A/B runs.
 DEFAULT_ROWS = int(os.environ.get("MOE_UNIFIED_ROWS", "64"))
+# Sequences of one query (decode rows) go to the split-KV decode kernel's 16-row tiles in a
+# launch of their own, the rest here (see unified_attention_triton). MOE_UNIFIED_DECODES_APART=0
+# keeps them in this kernel's tiles (A/B runs).
+DECODES_APART = os.environ.get("MOE_UNIFIED_DECODES_APART", "1") != "0"
 
 
 @triton.jit
@@ -67,7 +73,8 @@ def _unified_kernel(q_ptr, kv_ptr, bt_ptr, qsl_ptr, seq_lens_ptr, o_ptr, B,
                     v_offset, stride_blk, stride_tok, scale_log2, chunk_size,
                     HG: tl.constexpr, BQ: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr,
                     D_PAD: tl.constexpr, BLOCK_N: tl.constexpr, S: tl.constexpr, USE_CHUNK: tl.constexpr,
-                    PRECISION: tl.constexpr, UPCAST: tl.constexpr, USE_PDL: tl.constexpr):
+                    PRECISION: tl.constexpr, UPCAST: tl.constexpr, USE_PDL: tl.constexpr,
+                    SKIP_DECODES: tl.constexpr):
     pdl_enter(USE_PDL)
     # Slots in reverse: a sequence's last tiles see the most keys, so they start first and the
     # grid's tail is short tiles (the order changes nothing else).
@@ -79,7 +86,7 @@ def _unified_kernel(q_ptr, kv_ptr, bt_ptr, qsl_ptr, seq_lens_ptr, o_ptr, B,
     q_begin = tl.load(qsl_ptr + b)
     n = tl.load(qsl_ptr + b + 1) - q_begin
     m0 = tile * BQ
-    if m0 >= n:
+    if m0 >= n or (SKIP_DECODES and n == 1):
         return
     L = tl.load(seq_lens_ptr + b)
 
@@ -120,7 +127,8 @@ def num_tile_slots(T: int, B: int, block_q: int) -> int:
 def unified_attention_triton(q_THd: torch.Tensor, kv_cache_2NSGd: torch.Tensor, block_tables_BM: torch.Tensor,
                              query_start_loc_B1: torch.Tensor, seq_lens_B: torch.Tensor, scale: float,
                              chunk_size: int | None = None, out_THd: torch.Tensor | None = None,
-                             block_q: int | None = None, config: dict | None = None) -> torch.Tensor:
+                             block_q: int | None = None, config: dict | None = None,
+                             decodes_apart: bool | None = None) -> torch.Tensor:
     """Causal (optionally chunked-local) GQA attention of each sequence's queries over its cached
     context, any mix of prefill and decode rows; returns out_THd [T, H, d] in q's dtype.
 
@@ -131,6 +139,9 @@ def unified_attention_triton(q_THd: torch.Tensor, kv_cache_2NSGd: torch.Tensor, 
     int32/int64, on the device; only their shapes are read on the host (CUDA-graph safe).
     block_q: query tokens per tile (None: default_block_q). config: optional BLOCK_N / num_warps /
     num_stages (tuning).
+    decodes_apart: the sequences of one query run in the split-KV decode kernel (a second
+    launch, graph-safe too) instead of a tile here padded to BLOCK_M rows for one token's HG
+    heads; None = DECODES_APART.
     """
     if q_THd.dim() != 3 or q_THd.stride(2) != 1:
         raise ValueError(f"q_THd must be [T, H, d] with unit stride along d, got {tuple(q_THd.shape)}")
@@ -159,6 +170,12 @@ def unified_attention_triton(q_THd: torch.Tensor, kv_cache_2NSGd: torch.Tensor, 
     cfg = {"BLOCK_N": 64 if d_pad <= 128 else 32, "num_warps": 4, "num_stages": 2, **(config or {})}
     precision, upcast = dot_flags(q_THd.dtype)
     N = kv_cache_2NSGd.shape[1]
+    if decodes_apart is None:
+        decodes_apart = DECODES_APART
+    if decodes_apart:
+        paged_attention_decode_triton(q_THd, kv_cache_2NSGd, block_tables_BM, seq_lens_B, scale, chunk_size,
+                                      out_BHd=out_THd, query_start_loc_B1=query_start_loc_B1,
+                                      block_n=(config or {}).get("BLOCK_N"))
     grid = (num_tile_slots(T, B, block_q), G)
     _unified_kernel[grid](
         q_THd, kv_cache_2NSGd, block_tables_BM, query_start_loc_B1, seq_lens_B, out_THd, B,
@@ -166,6 +183,6 @@ def unified_attention_triton(q_THd: torch.Tensor, kv_cache_2NSGd: torch.Tensor, 
         block_tables_BM.stride(0), block_tables_BM.stride(1),
         N * S * G * d, S * G * d, G * d, scale * LOG2E, chunk_size or 1,
         HG=hg, BQ=block_q, BLOCK_M=tile_rows(block_q, hg), HEAD_DIM=d, D_PAD=d_pad, BLOCK_N=cfg["BLOCK_N"], S=S,
-        USE_CHUNK=chunk_size is not None, PRECISION=precision, UPCAST=upcast,
+        USE_CHUNK=chunk_size is not None, PRECISION=precision, UPCAST=upcast, SKIP_DECODES=decodes_apart,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_launch(q_THd))
     return out_THd

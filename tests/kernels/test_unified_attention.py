@@ -45,20 +45,44 @@ def reference(batch: PagedBatch, dtype: torch.dtype, chunk: int | None) -> torch
                                  batch.scale, chunk)
 
 
-def run_case(seqs, H, G, d, S, chunk=None, dtype=torch.float32, block_q=None, config=SMALL, seed=0):
+def run_case(seqs, H, G, d, S, chunk=None, dtype=torch.float32, block_q=None, config=SMALL, seed=0,
+             decodes_apart=False):
     batch = paged_batch(seqs, S, H, G, d, seed=seed, stale_cache=True)  # stray reads give wrong values
     q, cache, tables, qsl, lens = device_args(batch, dtype)
     out = torch.full_like(q, SENTINEL)
     res = unified_attention_triton(q, cache, tables, qsl, lens, batch.scale, chunk_size=chunk, out_THd=out,
-                                   block_q=block_q, config=config)
+                                   block_q=block_q, config=config, decodes_apart=decodes_apart)
     assert res is out
     torch.testing.assert_close(out.float().cpu(), reference(batch, dtype, chunk), atol=TOL[dtype], rtol=TOL[dtype])
 
 
 @pytest.mark.parametrize("H,G", [(4, 4), (4, 2), (8, 2)])  # GQA 1, 2, 4: 16, 8, 4 queries a tile
 @pytest.mark.parametrize("chunk", [None, 8])  # chunks smaller than most contexts
-def test_mixed_batch(H, G, chunk):
-    run_case(MIXED, H, G, d=16, S=4, chunk=chunk, seed=H + G)
+@pytest.mark.parametrize("decodes_apart", [False, True])  # one-query sequences in the decode kernel
+def test_mixed_batch(H, G, chunk, decodes_apart):
+    run_case(MIXED, H, G, d=16, S=4, chunk=chunk, seed=H + G, decodes_apart=decodes_apart)
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("fused_merge", [False, True])
+def test_decode_rows_apart_split_and_merged(splits, fused_merge):
+    """The decode kernel inside a mixed batch (query_start_loc given): its splits merged by the
+    last program or by the merge kernel write exactly the rows of one-query sequences, at their
+    place among the prefill rows, and nothing else."""
+    from kernels.triton_attention.decode import paged_attention_decode_triton
+
+    seqs = [(15, 1), (9, 7), (0, 1), (40, 1), (5, 0), (3, 4)]
+    batch = paged_batch(seqs, 4, 4, 2, 16, seed=21, stale_cache=True)
+    q, cache, tables, qsl, lens = device_args(batch, torch.float32)
+    out = torch.full_like(q, SENTINEL)
+    paged_attention_decode_triton(q, cache, tables, lens, batch.scale, out_BHd=out, num_splits=splits, block_n=16,
+                                  fused_merge=fused_merge, query_start_loc_B1=qsl)
+    starts = batch.meta.query_start_loc
+    decode_rows = [a for a, b in zip(starts, starts[1:]) if b - a == 1]
+    others = sorted(set(range(q.shape[0])) - set(decode_rows))
+    want = reference(batch, torch.float32, None)
+    torch.testing.assert_close(out[decode_rows].cpu(), want[decode_rows], atol=1e-5, rtol=1e-5)
+    assert (out[others] == SENTINEL).all(), "the decode kernel wrote a prefill row"
 
 
 @pytest.mark.parametrize("block_q,chunk", [(3, None), (1, 6), (5, 12)])
@@ -66,11 +90,12 @@ def test_tile_heights_padded_rows_and_head_dim(block_q, chunk):
     """Tiles of odd height (BQ * HG rows padded to 16), d padded to 32, block 5, key tiles over
     several blocks and chunk edges inside tiles."""
     run_case([(0, 9), (21, 19), (37, 3), (50, 1), (6, 1), (12, 12)], 4, 2, d=24, S=5, chunk=chunk,
-             block_q=block_q, seed=block_q)
+             block_q=block_q, seed=block_q, decodes_apart=block_q != 3)
 
 
-def test_bf16_default_tiles():
-    run_case(MIXED, 8, 2, d=32, S=16, dtype=torch.bfloat16, config=None, seed=5)
+@pytest.mark.parametrize("decodes_apart", [False, True])
+def test_bf16_default_tiles(decodes_apart):
+    run_case(MIXED, 8, 2, d=32, S=16, dtype=torch.bfloat16, config=None, seed=5, decodes_apart=decodes_apart)
 
 
 def test_padding_rows_and_spare_tile_slots_write_nothing():
@@ -84,11 +109,12 @@ def test_padding_rows_and_spare_tile_slots_write_nothing():
     q_pad = torch.cat([q, torch.randn(pad, H, d, device=DEV)])
     block_q = 2  # 11 padding rows add spare slots at this tile height
     assert num_tile_slots(T + pad, len(seqs), block_q) > num_tile_slots(T, len(seqs), block_q)
-    out = torch.full_like(q_pad, SENTINEL)
-    unified_attention_triton(q_pad, cache, tables, qsl, lens, batch.scale, out_THd=out, block_q=block_q,
-                             config=SMALL)
-    assert (out[T:] == SENTINEL).all(), "a program past the batch wrote"
-    torch.testing.assert_close(out[:T].cpu(), reference(batch, torch.float32, None), atol=1e-5, rtol=1e-5)
+    for decodes_apart in (False, True):
+        out = torch.full_like(q_pad, SENTINEL)
+        unified_attention_triton(q_pad, cache, tables, qsl, lens, batch.scale, out_THd=out, block_q=block_q,
+                                 config=SMALL, decodes_apart=decodes_apart)
+        assert (out[T:] == SENTINEL).all(), "a program past the batch wrote"
+        torch.testing.assert_close(out[:T].cpu(), reference(batch, torch.float32, None), atol=1e-5, rtol=1e-5)
 
 
 def test_rejects_bad_inputs():
@@ -101,8 +127,10 @@ def test_rejects_bad_inputs():
 
 
 
-@pytest.mark.parametrize("pad_tokens,pad_seqs,chunk", [(0, 1, None), (5, 9, None), (23, 2, None), (23, 2, 8)])
-def test_cuda_graph_padding_layout(pad_tokens, pad_seqs, chunk):
+@pytest.mark.parametrize("pad_tokens,pad_seqs,chunk,decodes_apart", [(0, 1, None, True), (5, 9, None, False),
+                                                                   (5, 9, None, True), (23, 2, None, True),
+                                                                   (23, 2, 8, True)])
+def test_cuda_graph_padding_layout(pad_tokens, pad_seqs, chunk, decodes_apart):
     """A mixed step as the runner uploads it for a graph of more tokens and sequences
     (moe/worker/step_inputs.py `upload(padded=...)`): the real rows equal the reference, the
     padding rows (sequences of context 0) come out as zeros, never NaN, also chunked-local."""
@@ -127,7 +155,8 @@ def test_cuda_graph_padding_layout(pad_tokens, pad_seqs, chunk):
     q = torch.cat([batch.q, torch.randn(pad_tokens, H, d)]).to(DEV)
     out = torch.full_like(q, float("nan"))
     unified_attention_triton(q, batch.cache.to(DEV), graph_meta.block_tables_BM, graph_meta.query_start_loc_t,
-                             graph_meta.seq_lens_t, batch.scale, chunk, out_THd=out, config=SMALL)
+                             graph_meta.seq_lens_t, batch.scale, chunk, out_THd=out, config=SMALL,
+                             decodes_apart=decodes_apart)
     torch.testing.assert_close(out[:T].cpu(), reference(batch, torch.float32, chunk), atol=1e-5, rtol=1e-5)
     assert (out[T:] == 0).all()
 
@@ -181,14 +210,16 @@ def _real_seqs(num_decodes: int, chunk: int, cached: int, seed: int) -> list[tup
 
 @needs_cuda
 @pytest.mark.parametrize("chunk", [None, 256])
-def test_gpu_real_shape_mixed_step(chunk):
+@pytest.mark.parametrize("decodes_apart", [False, True])
+def test_gpu_real_shape_mixed_step(chunk, decodes_apart):
     """64 decode rows around 1,000 tokens of context and a 512-token chunk over 1,000 cached ones."""
     run_case(_real_seqs(64, 512, 1000, seed=1), 32, 4, d=128, S=16, chunk=chunk, dtype=torch.bfloat16,
-             config=None, seed=1)
+             config=None, seed=1, decodes_apart=decodes_apart)
 
 
 @needs_cuda
-def test_gpu_cuda_graph_replays_a_new_layout():
+@pytest.mark.parametrize("decodes_apart", [False, True])
+def test_gpu_cuda_graph_replays_a_new_layout(decodes_apart):
     """Captured once, the launch serves another batch of the same T and B (other lengths, another
     split of the tokens between sequences) written into the same device tensors."""
     H, G, d, S = 32, 4, 128, 16
@@ -204,7 +235,8 @@ def test_gpu_cuda_graph_replays_a_new_layout():
     out_s = torch.empty_like(q_s)
 
     def step():
-        unified_attention_triton(q_s, cache_s, tables_s, qsl_s, lens_s, d ** -0.5, out_THd=out_s)
+        unified_attention_triton(q_s, cache_s, tables_s, qsl_s, lens_s, d ** -0.5, out_THd=out_s,
+                                 decodes_apart=decodes_apart)
 
     def load(args):
         q, cache, tables, qsl, lens = args
