@@ -36,7 +36,7 @@ from moe.multimodal.encoder_runner import EncoderRunner
 from moe.worker.block_tables import BlockTables
 from moe.worker.cuda_graphs import MIXED_GRAPHS, StepGraphs, default_capture_sizes, default_mixed_sizes
 from moe.worker.sampler import SamplingBatch, sample
-from moe.worker.step_buffers import StepBuffers
+from moe.worker.step_buffers import StepBuffers, host_to_device
 from moe.worker.step_inputs import RequestState, StepBatch, buffer_metadata, host_metadata, upload
 from scheduler import KVCacheGroup, SchedulerOutput
 
@@ -284,13 +284,12 @@ class ModelRunner:
         top_k = [p.top_k for p in params]
         top_p = [p.top_p for p in params]
         min_p = [p.min_p for p in params]
+        f32 = torch.float32
         batch = SamplingBatch(
-            temperature_B=None if all_greedy else torch.tensor([p.temperature for p in params], dtype=torch.float32,
-                                                               device=dev),
-            top_k_B=torch.tensor(top_k, device=dev) if not all_greedy and any(top_k) else None,
-            top_p_B=torch.tensor(top_p, dtype=torch.float32, device=dev)
-            if not all_greedy and any(x < 1 for x in top_p) else None,
-            min_p_B=torch.tensor(min_p, dtype=torch.float32, device=dev) if not all_greedy and any(min_p) else None,
+            temperature_B=None if all_greedy else host_to_device([p.temperature for p in params], dev, f32),
+            top_k_B=host_to_device(top_k, dev, torch.int64) if not all_greedy and any(top_k) else None,
+            top_p_B=host_to_device(top_p, dev, f32) if not all_greedy and any(x < 1 for x in top_p) else None,
+            min_p_B=host_to_device(min_p, dev, f32) if not all_greedy and any(min_p) else None,
             seeds=None if all_greedy else
             [None if p.seed is None else _derived_seed(p.seed, n) for p, n in zip(params, num_out)],
             all_greedy=all_greedy,
@@ -298,23 +297,26 @@ class ModelRunner:
         )
         if any(p.repetition_penalty != 1 or p.frequency_penalty or p.presence_penalty for p in params):
             V, B = self.vocab_size, len(states)
-            counts = torch.zeros(B, V, dtype=torch.float32, device=dev)
+            counts = torch.zeros(B, V, dtype=f32, device=dev)
             prompt = torch.zeros(B, V, dtype=torch.bool, device=dev)
-            for i, s in enumerate(states):
-                out = torch.tensor(s.token_ids[s.num_prompt_tokens:], dtype=torch.long, device=dev)
-                counts[i].index_add_(0, out, torch.ones_like(out, dtype=torch.float32))
-                prompt[i, torch.tensor(s.token_ids[:s.num_prompt_tokens], dtype=torch.long, device=dev)] = True
+            # (row, token) of every output and every prompt token, uploaded once each
+            out_ids = [np.asarray(s.token_ids[s.num_prompt_tokens:], dtype=np.int64) for s in states]
+            prompt_ids = [np.asarray(s.token_ids[:s.num_prompt_tokens], dtype=np.int64) for s in states]
+            for dst, ids, accumulate in ((counts, out_ids, True), (prompt, prompt_ids, False)):
+                rows = np.repeat(np.arange(B, dtype=np.int64), [len(x) for x in ids])
+                flat = host_to_device(np.stack([rows, np.concatenate(ids)]), dev)
+                dst.index_put_((flat[0], flat[1]), torch.ones((), dtype=dst.dtype, device=dev), accumulate=accumulate)
             batch.output_counts_BV, batch.prompt_mask_BV = counts, prompt
-            batch.repetition_penalty_B = torch.tensor([p.repetition_penalty for p in params], device=dev)
-            batch.frequency_penalty_B = torch.tensor([p.frequency_penalty for p in params], device=dev)
-            batch.presence_penalty_B = torch.tensor([p.presence_penalty for p in params], device=dev)
+            batch.repetition_penalty_B = host_to_device([p.repetition_penalty for p in params], dev, f32)
+            batch.frequency_penalty_B = host_to_device([p.frequency_penalty for p in params], dev, f32)
+            batch.presence_penalty_B = host_to_device([p.presence_penalty for p in params], dev, f32)
         banned = []
         for i, (p, n) in enumerate(zip(params, num_out)):
             if p.min_tokens and n < p.min_tokens:
                 stops = ([] if p.ignore_eos else self.eos_token_ids) + list(p.stop_token_ids)
-                if stops:
-                    banned.append((i, stops))
-        batch.banned_tokens = banned or None
+                banned += [(i, t) for t in stops]
+        batch.banned_tokens = host_to_device(np.ascontiguousarray(np.array(banned, dtype=np.int64).T), dev) \
+            if banned else None
         return batch
 
     def apply_sampled(self, sampled: dict[str, list[int]]) -> None:
@@ -359,10 +361,11 @@ class ModelRunner:
             self.counters.set_num_valid(T if counted else 0)
         if self.buffers is None or not self.buffers.fits(T, B, max(t.shape[1] for t in batch.tables)):
             meta = host_metadata(batch, self.device, self.block_size, device_fields=self.gpu_inputs)
-            input_ids = torch.from_numpy(batch.input_ids_T).to(self.device)
+            input_ids = host_to_device(batch.input_ids_T, self.device)
             self._fill_pending(input_ids, batch, prev)
             embeds = self.images.inputs_embeds(batch, input_ids) if with_images else None
-            return self._forward(input_ids, torch.from_numpy(batch.positions_T).to(self.device), meta, embeds)
+            self._sample_idx = host_to_device(batch.sample_token_rows(), self.device)
+            return self._forward(input_ids, host_to_device(batch.positions_T, self.device), meta, embeds)
         graphs, padded = None, None
         if batch.decode_only and self.graphs is not None and not with_images and (
                 not self.graphs_need_capacity or self.dispatch_step.max_tokens <= self.dispatch_step.capacity):
@@ -372,6 +375,7 @@ class ModelRunner:
             graphs, size = self.mixed_graphs, self.mixed_graphs.padded_size(T)
             padded = None if size is None else (size, self.mixed_graph_seqs)
         meta = upload(self.buffers, batch, self.block_size, padded)
+        self._sample_idx = self.buffers.dev_view("sample_idx", len(batch.sample_rows))
         self._fill_pending(self.buffers.dev_view("input_ids", T), batch, prev)
         if padded is not None:
             return graphs.replay(padded[0])[:T]
@@ -436,7 +440,7 @@ class ModelRunner:
         if len(sample_rows) == hidden.shape[0]:  # every token samples (decode-only)
             last = hidden
         else:
-            last = hidden[torch.from_numpy(batch.query_start_loc[np.asarray(sample_rows) + 1] - 1).to(self.device)]
+            last = hidden.index_select(0, self._sample_idx)  # uploaded with the step's inputs: no sync
         logits = self.model.compute_logits(last)  # a TP collective: every TP rank of the stage
         if not self.is_driver:
             return None

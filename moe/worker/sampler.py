@@ -28,8 +28,9 @@ class SamplingBatch:
     repetition_penalty_B: torch.Tensor | None = None
     frequency_penalty_B: torch.Tensor | None = None
     presence_penalty_B: torch.Tensor | None = None
-    # Rows still under min_tokens and the token ids they must not produce yet.
-    banned_tokens: list[tuple[int, list[int]]] | None = None
+    # Rows still under min_tokens and the token ids they must not produce yet: [2, n] int64
+    # (row, token id) pairs on the device.
+    banned_tokens: torch.Tensor | None = None
 
 
 @dataclass
@@ -87,7 +88,7 @@ def _noise(probs: torch.Tensor, seeds: list[int | None]) -> torch.Tensor:
 
 
 def sample(logits_BV: torch.Tensor, b: SamplingBatch) -> SamplerOutput:
-    if b.all_greedy and b.max_num_logprobs < 0 and b.output_counts_BV is None and not b.banned_tokens:
+    if b.all_greedy and b.max_num_logprobs < 0 and b.output_counts_BV is None and b.banned_tokens is None:
         # The argmax of the logits as they come (bf16 on a GPU): the float32 copy would be exact,
         # so its argmax (the first maximum) is the same, but at 256 rows of a 152k vocabulary the
         # copy alone cost 94 us of a decode step on an H200 (BENCHMARKS.md §4).
@@ -96,9 +97,9 @@ def sample(logits_BV: torch.Tensor, b: SamplingBatch) -> SamplerOutput:
     raw_logprobs = logits.log_softmax(-1) if b.max_num_logprobs >= 0 else None
     if b.output_counts_BV is not None:
         logits = _apply_penalties(logits, b)
-    if b.banned_tokens:
-        for row, tokens in b.banned_tokens:
-            logits[row, tokens] = float("-inf")
+    if b.banned_tokens is not None:
+        logits = logits.index_put((b.banned_tokens[0], b.banned_tokens[1]),
+                                  torch.full((), float("-inf"), device=logits.device))
     greedy = logits.argmax(-1)
     if b.all_greedy:
         sampled = greedy

@@ -3,8 +3,9 @@ step and reused: each step writes numpy views of the host side, then one asynchr
 input moves the used prefix to the device. CUDA graphs capture views of the same device buffers,
 so a replay reads whatever the last upload put there.
 
-Inputs (all int64): input_ids [T], positions [T], query_start_loc [B+1], seq_lens [B] and, per
-KV-cache group g, slots{g} [T]. Block tables live apart, one device tensor [max_seqs, M] per
+Inputs (all int64): input_ids [T], positions [T], query_start_loc [B+1], seq_lens [B],
+sample_idx [B] (the token row of each sequence that samples) and, per KV-cache group g,
+slots{g} [T]. Block tables live apart, one device tensor [max_seqs, M] per
 group (M = the most blocks a sequence can have, so a CUDA graph's view keeps its shape whatever
 the step's longest sequence); a step copies only its [B, m] corner (m = its longest table).
 """
@@ -14,12 +15,22 @@ import numpy as np
 import torch
 
 
+def host_to_device(values, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """values (a list or numpy array) as a tensor on `device`. On CUDA through pinned memory and
+    asynchronously: torch's copy from pageable memory synchronizes the stream, which would make
+    the host wait for every step in flight (async scheduling)."""
+    host = torch.as_tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 class StepBuffers:
     def __init__(self, device: torch.device, max_tokens: int, max_seqs: int, max_blocks: int,
                  num_groups: int) -> None:
         self.device, self.max_tokens, self.max_seqs, self.max_blocks = device, max_tokens, max_seqs, max_blocks
         sizes = {"input_ids": max_tokens, "positions": max_tokens, "query_start_loc": max_seqs + 1,
-                 "seq_lens": max_seqs}
+                 "seq_lens": max_seqs, "sample_idx": max_seqs}
         for g in range(num_groups):
             sizes[f"slots{g}"] = max_tokens
         self._offsets, total = {}, 0

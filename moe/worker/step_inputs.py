@@ -15,7 +15,7 @@ import torch
 from kernels.attention import AttentionMetadata
 from moe.sampling_params import SamplingParams
 from moe.worker.block_tables import BlockTables
-from moe.worker.step_buffers import StepBuffers
+from moe.worker.step_buffers import StepBuffers, host_to_device
 from scheduler import SchedulerOutput
 
 
@@ -106,6 +106,10 @@ class StepBatch:
         return cls([], [], none, np.zeros(1, dtype=np.int64), none, none, none, none,
                    [np.zeros((0, 0), dtype=np.int64)] * num_groups, [])
 
+    def sample_token_rows(self) -> np.ndarray:
+        """The token row (its last of the step) of each sequence in sample_rows."""
+        return self.query_start_loc[np.asarray(self.sample_rows, dtype=np.int64) + 1] - 1
+
     def slots(self, table: np.ndarray, block_size: int) -> np.ndarray:
         """Cache slot of each token through one group's block table."""
         return table[self.row_T, self.positions_T // block_size] * block_size + self.positions_T % block_size
@@ -118,14 +122,14 @@ def host_metadata(batch: StepBatch, device: torch.device, block_size: int, devic
     decode = np.nonzero(batch.num_tokens_B == 1)[0]
     layout = dict(query_start_loc=qsl.tolist(), seq_lens=seq_lens.tolist(), decode_seqs=decode.tolist(),
                   prefill_seqs=np.nonzero(batch.num_tokens_B != 1)[0].tolist())
-    metas = [AttentionMetadata(block_tables_BM=torch.from_numpy(table).to(device),
-                               slot_mapping_T=torch.from_numpy(batch.slots(table, block_size)).to(device), **layout)
+    metas = [AttentionMetadata(block_tables_BM=host_to_device(table, device),
+                               slot_mapping_T=host_to_device(batch.slots(table, block_size), device), **layout)
              for table in batch.tables]
     _add_decode_rows(metas, batch, device, block_size)
     if device_fields:
         for meta in metas:
-            meta.query_start_loc_t = torch.from_numpy(qsl).to(device, torch.int32)
-            meta.seq_lens_t = torch.from_numpy(seq_lens).to(device, torch.int32)
+            meta.query_start_loc_t = host_to_device(qsl.astype(np.int32), device)
+            meta.seq_lens_t = host_to_device(seq_lens.astype(np.int32), device)
             meta.max_query_len, meta.decode_only = int(batch.num_tokens_B.max()), batch.decode_only
     return _grouped(metas)
 
@@ -152,6 +156,9 @@ def upload(buf: StepBuffers, batch: StepBatch, block_size: int,
     qsl[B + 1:B + 1 + ones] = T + np.arange(1, ones + 1)
     qsl[B + 1 + ones:] = t
     _fill(buf.host_view("seq_lens", b), batch.seq_lens_B, 0)
+    sample_idx = batch.sample_token_rows()
+    buf.host_view("sample_idx", len(sample_idx))[:] = sample_idx
+    sizes["sample_idx"] = len(sample_idx)
     for g, table in enumerate(batch.tables):
         _fill(buf.host_view(f"slots{g}", t), batch.slots(table, block_size), -1)
         sizes[f"slots{g}"] = t
@@ -190,9 +197,9 @@ def _add_decode_rows(metas: list[AttentionMetadata], batch: StepBatch, device: t
         return
     nblk = -(-int(batch.seq_lens_B[decode].max()) // block_size)
     for meta, table in zip(metas, batch.tables):
-        meta.decode_token_idx = torch.from_numpy(batch.query_start_loc[decode]).to(device)
-        meta.decode_seq_lens = torch.from_numpy(batch.seq_lens_B[decode]).to(device)
-        meta.decode_block_tables = torch.from_numpy(np.ascontiguousarray(table[decode, :nblk])).to(device)
+        meta.decode_token_idx = host_to_device(batch.query_start_loc[decode], device)
+        meta.decode_seq_lens = host_to_device(batch.seq_lens_B[decode], device)
+        meta.decode_block_tables = host_to_device(np.ascontiguousarray(table[decode, :nblk]), device)
 
 
 def _fill(dst: np.ndarray, values: np.ndarray, pad: int) -> None:

@@ -260,3 +260,42 @@ def test_random_workloads_equal_synchronous_steps(seed):
     _same(prompts, params, max_num_batched_tokens=rng.choice([32, 64, 512]), max_num_seqs=rng.choice([3, 8]),
           num_gpu_blocks_override=rng.choice([16, 64]), enable_prefix_caching=rng.random() < 0.5,
           max_model_len=128)
+
+
+@pytest.mark.parametrize("enforce_eager", [False, True])
+def test_gpu_a_step_launch_never_waits_for_the_device(enforce_eager):
+    """With async scheduling the host prepares step N+1 while the GPU runs step N, so launching a
+    step (its inputs, the forward, sampling) must never synchronize with the stream: not in
+    decode, mixed or prefill steps, graphs or eager, for greedy and sampled rows, top-k / top-p,
+    penalties, min_tokens and logprobs. torch's sync debug mode raises at the first
+    synchronizing call inside a launch."""
+    import torch
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    prompts = [{"prompt_token_ids": p} for p in _prompts(7, seed=11)] + [{"prompt_token_ids": list(range(1, 90))}]
+    params = [SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True),
+              SamplingParams(temperature=0.8, seed=3, max_tokens=10, ignore_eos=True),
+              SamplingParams(temperature=1.0, top_k=5, top_p=0.9, min_p=0.05, max_tokens=8, ignore_eos=True),
+              SamplingParams(temperature=0.0, repetition_penalty=1.2, presence_penalty=0.3, max_tokens=7),
+              SamplingParams(temperature=0.0, min_tokens=4, max_tokens=6, stop_token_ids=[5]),
+              SamplingParams(temperature=0.0, logprobs=2, max_tokens=8, ignore_eos=True),
+              SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
+              SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)]
+    with LLM("tiny-qwen3-moe", device="cuda", dtype="float32", enforce_eager=enforce_eager, max_num_seqs=4,
+             max_num_batched_tokens=48, gpu_memory_utilization=0.2) as llm:
+        assert llm.llm_engine.core.async_scheduling
+        llm.generate(prompts, params, use_tqdm=False)  # kernels compile outside the strict runs
+        runner = llm.llm_engine.executor.runner
+        real, launched = runner.launch, []
+
+        def strict(*args, **kwargs):
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                return real(*args, **kwargs)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+                launched.append(1)
+        runner.launch = strict
+        outs = llm.generate(prompts, params, use_tqdm=False)
+    assert len(launched) > 10
+    assert [len(o.outputs[0].token_ids) for o in outs][:3] == [9, 10, 8]

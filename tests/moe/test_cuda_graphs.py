@@ -134,3 +134,40 @@ def _agree_until_a_near_tie(graphs_out, eager_out, margin: float = 0.02) -> int:
         if len(best) > 1 and best[0] - best[1] < margin:
             return i + 1
     return len(eager_out.token_ids)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_mixed_step_graphs_survive_aborts_mid_prefill_and_mid_decode():
+    """Requests aborted while their prompt is half prefilled (its chunk sat in a mixed step) and
+    while decoding leave the others' tokens as eager steps give them, and free their blocks."""
+    import random
+
+    from moe import LLM, SamplingParams
+    rng = random.Random(3)
+    prompts = [[rng.randrange(1, 512) for _ in range(n)] for n in (50, 120, 7, 33, 140)]
+    params = SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True)
+    outs, replayed = {}, {}
+    for eager in (True, False):
+        with LLM("tiny-qwen3-moe", device="cuda", dtype="float32", enforce_eager=eager, max_num_seqs=4,
+                 max_num_batched_tokens=48, max_model_len=256, gpu_memory_utilization=0.2) as llm:
+            engine = llm.llm_engine
+            if not eager:
+                graphs = engine.executor.runner.mixed_graphs
+                real_replay, replayed[eager] = graphs.replay, []
+                graphs.replay = lambda t: replayed[eager].append(t) or real_replay(t)
+            for i, p in enumerate(prompts):
+                engine.add_request(str(i), {"prompt_token_ids": p}, params)
+            tokens: dict[str, list[int]] = {}
+            for step in range(200):
+                if step == 3:  # "1" (120 tokens) is mid-prefill in chunks of <= 48, "0" decoding
+                    req = engine.scheduler.requests["1"]
+                    assert 0 < req.num_computed_tokens < len(prompts[1]), "the abort lost its edge case"
+                    engine.abort_request(["1", "0"])
+                for out in engine.step():
+                    tokens[out.request_id] = list(out.outputs[0].token_ids)
+                if not engine.has_unfinished_requests():
+                    break
+            assert engine.scheduler.kv.pool.num_free_blocks == engine.scheduler.kv.num_blocks
+            outs[eager] = {k: v for k, v in tokens.items() if k not in ("0", "1")}
+    assert replayed[False], "no mixed step replayed a graph"
+    assert sorted(outs[False]) == ["2", "3", "4"] and outs[False] == outs[True]

@@ -64,7 +64,7 @@ def test_logprobs_and_rank():
     assert out.sampled_B.tolist() == [1] and out.sampled_rank_B.tolist() == [1]
     assert out.logprob_ids_BK.tolist() == [[1, 2]]
     torch.testing.assert_close(out.sampled_logprob_B, torch.log(torch.tensor([0.6])))
-    b.banned_tokens = [(0, [1])]
+    b.banned_tokens = torch.tensor([[0], [1]])  # (row 0, token 1)
     out = sample(logits, b)
     assert out.sampled_B.tolist() == [2] and out.sampled_rank_B.tolist() == [2]
 
