@@ -447,10 +447,11 @@ def _sync(llm: LLM) -> None:
 
 
 def mixed_traffic(llm: LLM, num_prompts: int = 400, input_len: int = 512, output_len: int = 128,
-                  range_ratio: float = 0.75, seed: int = 5, warmup: int = 128) -> dict:
+                  range_ratio: float = 0.75, seed: int = 5, warmup: int = 128, temperature: float = 0.0) -> dict:
     """Real traffic offline: num_prompts requests of their own input and output lengths (drawn as
     `moe bench throughput --random-range-ratio` draws them; greedy, ignore_eos) in one
-    LLM.generate, timed whole and per engine step by kind (StepKinds). A warm-up first on other
+    LLM.generate, timed whole and per engine step by kind (StepKinds); temperature > 0 samples
+    (top_p 0.95, seeded) instead of greedy. A warm-up first on other
     prompts of the same lengths (16 tokens each), so the kernels of every step shape compile
     outside the timed run and no timed prompt is in the prefix cache."""
     engine = llm.llm_engine
@@ -460,7 +461,9 @@ def mixed_traffic(llm: LLM, num_prompts: int = 400, input_len: int = 512, output
     warm = random_token_requests(min(warmup, num_prompts), input_len, output_len, vocab, seed + 1, range_ratio)
     llm.generate([p for p, _ in warm], SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True),
                  use_tqdm=False)
-    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for _, n in requests]
+    sampled = {} if temperature == 0 else {"top_p": 0.95}
+    params = [SamplingParams(temperature=temperature, max_tokens=n, ignore_eos=True, seed=i if temperature else None,
+                             **sampled) for i, (_, n) in enumerate(requests)]
     _sync(llm)
     with StepKinds(llm) as kinds:
         t = time.perf_counter()
@@ -479,7 +482,8 @@ def mixed_traffic(llm: LLM, num_prompts: int = 400, input_len: int = 512, output
         return {"min": min(xs), "mean": round(sum(xs) / len(xs), 1), "max": max(xs)}
 
     return {"num_prompts": num_prompts, "input_len": input_len, "output_len": output_len, "range_ratio": range_ratio,
-            "seed": seed, "input_lens": spread([a for a, _ in lengths]), "output_lens": spread([b for _, b in lengths]),
+            "seed": seed, "temperature": temperature, "input_lens": spread([a for a, _ in lengths]),
+            "output_lens": spread([b for _, b in lengths]),
             "total_prompt_tokens": prompt_tokens, "total_output_tokens": generated, "elapsed_s": elapsed,
             "requests_s": len(outs) / elapsed, "output_tok_s": generated / elapsed,
             "total_tok_s": (prompt_tokens + generated) / elapsed, "floor_s": floor,
@@ -702,6 +706,7 @@ def qwen3(results: dict, eager: bool, runs: list[str], tp: int = 1, record: bool
         "prefill8192": lambda: profile_prefill(llm),
         "mixed": lambda: mixed_traffic(llm),  # 400 prompts, 512 / 128 tokens +-75%
         "mixed_step": lambda: mixed_step(llm),  # 255 decodes beside a 512-token chunk
+        "mixed_sampled": lambda: mixed_traffic(llm, temperature=0.8),  # the same, sampled (top_p 0.95)
     }
     for name in runs:
         r = jobs[name]()
