@@ -121,7 +121,8 @@ def bench_prefill(torch, do_bench, F, prefill, nseq, n, config=None):
 def bench_mixed(torch, do_bench, prefill, unified, reference, num_decodes, ctx, chunk, cached,
                 block_q=None, config=None):
     """One mixed step: num_decodes decode rows with contexts ctx +- 20% (seeded) and one chunk of
-    `chunk` new tokens over `cached` ones, through the prefill kernel and the unified kernel."""
+    `chunk` new tokens over `cached` ones, through the prefill kernel and the unified kernel (its
+    default: decode rows in the decode kernel's launch; and with every row in its own tiles)."""
     from kernels.attention import AttentionMetadata
 
     gen = torch.Generator().manual_seed(num_decodes * chunk)
@@ -136,13 +137,16 @@ def bench_mixed(torch, do_bench, prefill, unified, reference, num_decodes, ctx, 
     q = torch.randn(T, H, D, device="cuda", dtype=torch.bfloat16)
     qsl = torch.tensor(qsl_host, dtype=torch.int32, device="cuda")
     seq_lens = torch.tensor(lens, dtype=torch.int32, device="cuda")
-    out_p, out_u = torch.empty_like(q), torch.empty_like(q)
+    out_p, out_u, out_t = torch.empty_like(q), torch.empty_like(q), torch.empty_like(q)
     scale = D ** -0.5
     max_q = max(new)
     t_prefill = do_bench(lambda: prefill(q, cache, tables, qsl, seq_lens, max_q, scale, out_THd=out_p),
                          warmup=10, rep=50, return_mode="median") * 1e-3
     t_unified = do_bench(lambda: unified(q, cache, tables, qsl, seq_lens, scale, out_THd=out_u, block_q=block_q,
                                          config=config), warmup=10, rep=50, return_mode="median") * 1e-3
+    t_tiles = do_bench(lambda: unified(q, cache, tables, qsl, seq_lens, scale, out_THd=out_t, block_q=block_q,
+                                       config=config, decodes_apart=False), warmup=10, rep=50,
+                       return_mode="median") * 1e-3
 
     meta = AttentionMetadata(query_start_loc=qsl_host, seq_lens=lens, block_tables_BM=tables,
                              slot_mapping_T=torch.zeros(0, dtype=torch.int64, device="cuda"),
@@ -150,7 +154,7 @@ def bench_mixed(torch, do_bench, prefill, unified, reference, num_decodes, ctx, 
                              decode_token_idx=torch.arange(num_decodes, device="cuda"),
                              decode_seq_lens=seq_lens[:num_decodes].long(), decode_block_tables=tables[:num_decodes])
     ref = reference(q.float(), None, None, cache.float(), meta, scale).float()  # the chunk has cached context
-    errs = [((o.float() - ref).norm() / ref.norm()).item() for o in (out_p, out_u)]
+    errs = [((o.float() - ref).norm() / ref.norm()).item() for o in (out_p, out_u, out_t)]
 
     keys = sum(lens)  # every sequence's whole context is visible to its last query
     nbytes = 2 * keys * G * D * 2 + 2 * T * H * D * 2
@@ -159,7 +163,8 @@ def bench_mixed(torch, do_bench, prefill, unified, reference, num_decodes, ctx, 
     floor = max(nbytes / HBM_BPS, flops / PEAK_FLOPS)
     return {"kind": "mixed", "decodes": num_decodes, "decode_context": ctx, "chunk": chunk, "cached": cached,
             "tokens": T, "block_q": block_q, "config": config, "prefill_us": t_prefill * 1e6,
-            "unified_us": t_unified * 1e6, "speedup": t_prefill / t_unified, "bytes_read_floor": nbytes,
+            "unified_us": t_unified * 1e6, "unified_all_tiles_us": t_tiles * 1e6, "speedup": t_prefill / t_unified,
+            "bytes_read_floor": nbytes, "rel_err_unified_all_tiles_vs_torch": errs[2],
             "bytes_floor_us": nbytes / HBM_BPS * 1e6, "flops_floor_us": flops / PEAK_FLOPS * 1e6,
             "floor_us": floor * 1e6, "pct_of_floor": 100 * floor / t_unified,
             "rel_err_prefill_vs_torch": errs[0], "rel_err_unified_vs_torch": errs[1]}
@@ -179,6 +184,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default=None, help="write the results as JSON here")
     parser.add_argument("--sweep", action="store_true", help="also time prefill tile configs / decode splits")
+    parser.add_argument("--mixed-only", action="store_true", help="only the mixed steps")
     args = parser.parse_args()
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repo root, for `kernels`
 
@@ -195,14 +201,14 @@ def main():
         raise SystemExit("bench_attention.py needs a GPU")
     torch.manual_seed(0)
     rows = []
-    for B in DECODE_BATCHES:
+    for B in () if args.mixed_only else DECODE_BATCHES:
         for L in DECODE_CONTEXTS:
             rows.append(bench_decode(torch, do_bench, F, paged_attention_decode_triton, B, L))
             if args.sweep and B * L <= 32 * 8192:
                 rows += [bench_decode(torch, do_bench, F, paged_attention_decode_triton, B, L, p)
                          for p in SWEEP_SPLITS]
             torch.cuda.empty_cache()
-    for nseq, n in PREFILLS:
+    for nseq, n in () if args.mixed_only else PREFILLS:
         rows.append(bench_prefill(torch, do_bench, F, paged_attention_prefill_triton, nseq, n))
         if args.sweep:
             rows += [bench_prefill(torch, do_bench, F, paged_attention_prefill_triton, nseq, n, c)
@@ -224,12 +230,13 @@ def main():
             name = f"prefill {r['seqs']}x{r['new_tokens']}{cfg}"
         print(f"{name:<34}{r['triton_us']:>11.1f}{r['sdpa_us']:>11.1f}{r['floor_us']:>10.1f}"
               f"{r['pct_of_floor']:>9.1f}{r['rel_err_vs_sdpa']:>10.2e}")
-    print(f"\n{'mixed step':<48}{'prefill us':>11}{'unified us':>11}{'speedup':>8}{'floor us':>10}"
+    print(f"\n{'mixed step':<48}{'prefill us':>11}{'unified us':>11}{'all tiles':>10}{'speedup':>8}{'floor us':>10}"
           f"{'% floor':>9}{'err pre':>10}{'err uni':>10}")
     for r in mixed:
         cfg = "" if r["config"] is None else f" bq={r['block_q']} " + "/".join(str(v) for v in r["config"].values())
         name = f"{r['decodes']}x{r['decode_context']} + {r['chunk']}@{r['cached']}{cfg}"
-        print(f"{name:<48}{r['prefill_us']:>11.1f}{r['unified_us']:>11.1f}{r['speedup']:>8.2f}{r['floor_us']:>10.1f}"
+        print(f"{name:<48}{r['prefill_us']:>11.1f}{r['unified_us']:>11.1f}{r['unified_all_tiles_us']:>10.1f}"
+              f"{r['speedup']:>8.2f}{r['floor_us']:>10.1f}"
               f"{r['pct_of_floor']:>9.1f}{r['rel_err_prefill_vs_torch']:>10.2e}{r['rel_err_unified_vs_torch']:>10.2e}")
     rows += mixed
     if args.out:
