@@ -733,7 +733,10 @@ LLAMA4_SCOUT_CUT = {
 }
 
 
-def families(results: dict) -> None:
+FAMILY_RUNS = ("decode64", "decode256", "tput_256x1024x128")
+
+
+def families(results: dict, runs=FAMILY_RUNS) -> None:
     for name, cfg in (("deepseek-v3-4L", DEEPSEEK_V3_CUT), ("llama4-scout-8L", LLAMA4_SCOUT_CUT)):
         path = tempfile.mkdtemp()
         with open(os.path.join(path, "config.json"), "w") as f:
@@ -742,11 +745,14 @@ def families(results: dict) -> None:
         with LLM(path, device="cuda", load_format="dummy", max_model_len=4096, max_num_seqs=256,
                  max_num_batched_tokens=8192, enable_prefix_caching=False) as llm:
             results[f"{name}/start_s"] = time.perf_counter() - t0
-            for key, job in (("decode64", lambda: decode_step(llm, 64, 512, 24)),
-                             ("decode256", lambda: decode_step(llm, 256, 512, 40)),
-                             ("tput_256x1024x128", lambda: throughput(llm, 256, 1024, 128, 256))):
-                r = results[f"{name}/{key}"] = job()
-                shown = {k: round(v, 3) if isinstance(v, float) else v for k, v in r.items()}
+            jobs = {"decode64": lambda: decode_step(llm, 64, 512, 24),
+                    "decode256": lambda: decode_step(llm, 256, 512, 40),
+                    "tput_256x1024x128": lambda: throughput(llm, 256, 1024, 128, 256),
+                    "mixed_step": lambda: mixed_step(llm), "mixed": lambda: mixed_traffic(llm)}
+            for key in runs:
+                r = results[f"{name}/{key}"] = jobs[key]()
+                shown = {k: round(v, 3) if isinstance(v, float) else v for k, v in r.items()
+                         if not k.startswith("top_kernels")}
                 print(f"{name} {key}: {json.dumps(shown)}", flush=True)
         torch.cuda.empty_cache()
 
@@ -786,7 +792,8 @@ def dp2ep(results: dict) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("stages", nargs="+",
-                        choices=["parity", "qwen3", "qwen3-tp2", "eager", "families", "tp2", "recording", "dp2ep"])
+                        choices=["parity", "qwen3", "qwen3-tp2", "eager", "families", "families-mixed", "tp2",
+                                 "recording", "dp2ep"])
     parser.add_argument("--checkpoints", nargs="*", default=[".gpu_ckpts/qwen3_moe", ".gpu_ckpts/deepseek_v3",
                                                              ".gpu_ckpts/llama4_mm"])
     parser.add_argument("--runs", nargs="*", default=["decode256", "tpot1", "tpot32", "tput_256x2048x512",
@@ -804,6 +811,8 @@ def main(argv: list[str] | None = None) -> int:
                 qwen3(results, eager=False, runs=args.runs, tp=2)
             elif stage == "families":
                 families(results)
+            elif stage == "families-mixed":  # DeepSeek-V3 and Llama-4 cuts: the mixed-step runs
+                families(results, ["mixed_step", "mixed"])
             elif stage == "recording":  # expert-load recording on, off, on again (the spread)
                 for i, record in enumerate((True, False, True, False)):
                     qwen3(results, eager=False, runs=["decode256", "tpot1"], record=record, tag_suffix=f"-{i // 2}")
