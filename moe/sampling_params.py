@@ -11,6 +11,13 @@ import numbers
 from dataclasses import dataclass, field
 
 _EPS = 1e-5
+# Integers travel to the engine core as msgpack ints and into torch int64 tensors (top_k): larger
+# values fail there, inside a step, so they are refused here with the parameter's name. A seed
+# may use msgpack's unsigned range: sample i of an n > 1 request is seeded with seed + i (a clone
+# of these params), so a seed of INT64_MAX must leave room above it; the worker hashes seeds, so
+# torch never sees one that large.
+INT64_MAX = 2**63 - 1
+SEED_MAX = 2**64 - 1
 
 
 def _is_int(value) -> bool:
@@ -20,6 +27,14 @@ def _is_int(value) -> bool:
 
 def _is_number(value) -> bool:
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def _shown(value) -> str:
+    """repr, except for an integer too long for it (Python refuses int -> str beyond 4300 digits)."""
+    try:
+        return repr(value)
+    except ValueError:
+        return f"<an integer of {value.bit_length()} bits>"
 
 
 @dataclass
@@ -58,7 +73,7 @@ class SamplingParams:
 
     def _validate(self) -> None:
         def bad(name: str, why: str):
-            raise ValueError(f"invalid sampling parameter {name}={getattr(self, name)!r}: {why}")
+            raise ValueError(f"invalid sampling parameter {name}={_shown(getattr(self, name))}: {why}")
 
         # Types first: every later comparison may then assume a finite number.
         for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
@@ -75,6 +90,12 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None and not _is_int(value):
                 bad(name, f"must be an integer or None, got {type(value).__name__}")
+        for name in ("n", "top_k", "min_tokens", "max_tokens", "logprobs"):
+            value = getattr(self, name)
+            if value is not None and value > INT64_MAX:
+                bad(name, f"must be at most {INT64_MAX} (2**63 - 1)")
+        if self.seed is not None and self.seed > SEED_MAX:
+            bad("seed", f"must be at most {SEED_MAX} (2**64 - 1)")
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens",
                      "spaces_between_special_tokens", "detokenize"):
             if not isinstance(getattr(self, name), bool):
@@ -119,11 +140,19 @@ class SamplingParams:
             if not isinstance(stop, (str, list, tuple)) or (
                     not isinstance(stop, str) and not all(isinstance(s, str) for s in stop)):
                 bad("stop", "must be a string or a list of strings")
-            if any(s == "" for s in ([stop] if isinstance(stop, str) else stop)):
+            stops = [stop] if isinstance(stop, str) else stop
+            if any(s == "" for s in stops):
                 bad("stop", "must not contain empty strings")
+            for i, s in enumerate(stops):
+                try:
+                    s.encode("utf-8")
+                except UnicodeEncodeError as e:  # a lone surrogate: no text can match it, and it cannot be sent
+                    which = "" if isinstance(stop, str) else f" (string {i})"
+                    bad("stop", f"must be valid Unicode text{which}: {e.reason} at position {e.start}")
         ids = self.stop_token_ids
-        if ids is not None and (not isinstance(ids, (list, tuple)) or not all(_is_int(t) and t >= 0 for t in ids)):
-            bad("stop_token_ids", "must be a list of non-negative integers")
+        if ids is not None and (not isinstance(ids, (list, tuple))
+                                or not all(_is_int(t) and 0 <= t <= INT64_MAX for t in ids)):
+            bad("stop_token_ids", f"must be a list of non-negative integers (each at most {INT64_MAX})")
 
     @property
     def is_greedy(self) -> bool:

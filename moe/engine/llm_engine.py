@@ -94,7 +94,13 @@ class LLMEngine:
     def abort_request(self, request_id: str | list[str]) -> None:
         """Abort requests by id; the id of one sequence of an n > 1 request aborts the whole
         request. Unknown ids (e.g. requests that already finished) are ignored, as in vLLM."""
-        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        ids = [request_id] if isinstance(request_id, str) else request_id
+        try:
+            ids = None if isinstance(ids, (bytes, bytearray)) else list(ids)
+        except TypeError:  # not iterable: None, a number
+            ids = None
+        if ids is None or not all(isinstance(i, str) for i in ids):
+            raise TypeError(f"request_id must be a request id (a string) or a list of them, got {request_id!r:.100}")
         for rid in ids:
             child_ids = self.output.abort_request(rid)
             if child_ids:

@@ -4,7 +4,7 @@ from __future__ import annotations
 import itertools
 import threading
 import time
-from typing import Any, Sequence
+from typing import Any, Iterable, Sequence
 
 from tqdm.auto import tqdm
 
@@ -40,6 +40,14 @@ class LLM:
         # Guards the engine (adding, stepping, aborting) and the outputs finished for any caller.
         self._lock = threading.Lock()
         self._done: dict[str, RequestOutput] = {}
+        self._shut_down = False
+
+    def _engine(self) -> LLMEngine:
+        """The engine, or a RuntimeError once shut down: its workers and KV cache are gone, and a
+        method that quietly answered from what is left would mislead."""
+        if self._shut_down:
+            raise RuntimeError("this LLM was shut down (LLM.shutdown or the end of its `with` block): make a new LLM")
+        return self.llm_engine
 
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
@@ -58,17 +66,24 @@ class LLM:
             raise ValueError("prompts is None: pass a string, a prompt dict, or a list of them")
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
+        # bytes iterate as ints and a number not at all: either would fail later, naming neither.
+        elif isinstance(prompts, (bytes, bytearray)) or not isinstance(prompts, Iterable):
+            raise TypeError("prompts must be a string, a prompt dict ({'prompt': str} or {'prompt_token_ids': "
+                            f"[int, ...]}}) or a list of them, got {type(prompts).__name__}")
         return self._generate(list(prompts), None, sampling_params, use_tqdm)
 
     def _generate(self, prompts: list, processed: list[ProcessedPrompt] | None, sampling_params,
                   use_tqdm: bool) -> list[RequestOutput]:
         """generate() of prompts, or of prompts processed already (chat: rendered, images expanded)."""
-        engine = self.llm_engine
+        engine = self._engine()
         if sampling_params is None:
             sampling_params = SamplingParams()
         if isinstance(sampling_params, dict):
             raise TypeError(f"sampling_params must be a SamplingParams or a list of them, got a dict "
                             f"{sampling_params!r}: pass SamplingParams(**params)")
+        if not isinstance(sampling_params, (SamplingParams, Iterable)) or isinstance(sampling_params, (str, bytes)):
+            raise TypeError(f"sampling_params must be a SamplingParams or a list of them, "
+                            f"got {type(sampling_params).__name__}")
         params = [sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams) \
             else list(sampling_params)
         if len(params) != len(prompts):
@@ -106,7 +121,7 @@ class LLM:
             messages = [messages]
         if not isinstance(messages, (list, tuple)) or not messages:
             raise ValueError("messages must be a conversation (a list of {'role', 'content'} dicts) or a list of them")
-        processed = [self.llm_engine.input.process_chat(conv, add_generation_prompt, chat_template,
+        processed = [self._engine().input.process_chat(conv, add_generation_prompt, chat_template,
                                                         **(chat_template_kwargs or {})) for conv in messages]
         prompts = [{"prompt": p.prompt, "prompt_token_ids": p.prompt_token_ids} for p in processed]
         return self._generate(prompts, processed, sampling_params, use_tqdm)
@@ -140,11 +155,15 @@ class LLM:
         return [mine[i] for i in ids]
 
     def get_metrics(self) -> list[Metric]:
-        return self.llm_engine.get_metrics()
+        return self._engine().get_metrics()
 
     def shutdown(self) -> None:
         """Stop the worker processes of a parallel layout now (they also stop when the LLM is
-        garbage-collected or the interpreter exits). Also `with LLM(...) as llm:`."""
+        garbage-collected or the interpreter exits). Also `with LLM(...) as llm:`. Calling it
+        again does nothing; any other method then raises RuntimeError."""
+        if self._shut_down:
+            return
+        self._shut_down = True
         self.llm_engine.shutdown()
 
     def __enter__(self) -> "LLM":
@@ -154,8 +173,9 @@ class LLM:
         self.shutdown()
 
     def reset_prefix_cache(self) -> None:
+        engine = self._engine()
         with self._lock:
-            self.llm_engine.scheduler.kv.reset_prefix_cache()
+            engine.scheduler.kv.reset_prefix_cache()
 
     # ---- expert load ---------------------------------------------------------------------
     def get_expert_load(self) -> ExpertLoad:
@@ -179,7 +199,7 @@ class LLM:
             self._expert_load().stop_recording()
 
     def _expert_load(self) -> "ExpertLoadAPI":
-        core = self.llm_engine.core
+        core = self._engine().core
         if core.expert_load is None:
             raise RuntimeError("no expert load is recorded: the model has no MoE layer, or record_expert_load=False")
         return ExpertLoadAPI(core)

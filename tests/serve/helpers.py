@@ -128,7 +128,7 @@ def scrape_metrics(url: str) -> dict[str, float]:
     """/metrics parsed by prometheus_client's text parser: sample name -> value (labels dropped)."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    text = httpx.get(f"{url}/metrics", timeout=5.0).text
+    text = httpx.get(f"{url}/metrics", headers=headers(), timeout=5.0).text
     return {s.name: s.value for fam in text_string_to_metric_families(text) for s in fam.samples
             if not s.name.endswith("_bucket")}
 
@@ -137,7 +137,7 @@ def expert_tokens_total(url: str) -> float:
     """moe:expert_load_tokens summed over its (layer, ep_rank) series (scrape_metrics keeps one sample per name)."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    text = httpx.get(f"{url}/metrics", timeout=5.0).text
+    text = httpx.get(f"{url}/metrics", headers=headers(), timeout=5.0).text
     return sum(s.value for fam in text_string_to_metric_families(text) for s in fam.samples
                if s.name == "moe:expert_load_tokens_total")
 

@@ -62,7 +62,7 @@ def test_two_api_servers_two_replicas_same_answers_and_summed_metrics(server, ll
     # Expert load: each routed slot once, whichever core ran it and however many API processes listen
     # (the cores send their last window when they go idle).
     top_k = json.load(open(f"{model_dir}/config.json"))["num_experts_per_tok"]
-    layers = len(httpx.get(f"{server.url}/dashboard/data.json", timeout=5).json()["meta"]["layers"])
+    layers = len(httpx.get(f"{server.url}/dashboard/data.json", headers=headers(), timeout=5).json()["meta"]["layers"])
     want = top_k * layers * sum(body["usage"]["prompt_tokens"] + 6 - 1 for _, body in results)
     deadline = time.monotonic() + 10
     while expert_tokens_total(server.url) < want and time.monotonic() < deadline:

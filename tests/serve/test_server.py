@@ -303,9 +303,9 @@ def test_metrics_count_requests_and_latencies(server, client):
 def test_expert_load_on_the_dashboard_and_in_metrics(server, client, model_dir):
     """The live dashboard's data and /metrics count each routed (token, expert) slot once."""
     top_k = json.load(open(f"{model_dir}/config.json"))["num_experts_per_tok"]
-    page = httpx.get(f"{server.url}/dashboard/", timeout=5.0)
+    page = httpx.get(f"{server.url}/dashboard/", headers=headers(), timeout=5.0)
     assert page.status_code == 200 and "<html" in page.text.lower()
-    seen = httpx.get(f"{server.url}/dashboard/data.json", timeout=5.0).json()
+    seen = httpx.get(f"{server.url}/dashboard/data.json", headers=headers(), timeout=5.0).json()
     layers = seen["meta"]["layers"]
     before = expert_tokens_total(server.url)
     resp = client.completions.create(model=MODEL_NAME, prompt=PROMPTS[1], max_tokens=5, temperature=0.0,
@@ -313,15 +313,15 @@ def test_expert_load_on_the_dashboard_and_in_metrics(server, client, model_dir):
     want = top_k * (resp.usage.prompt_tokens + resp.usage.completion_tokens - 1)  # the last token is not fed
     deadline, got = time.monotonic() + 10, []
     while time.monotonic() < deadline:  # the core sends its last window when it goes idle
-        data = httpx.get(f"{server.url}/dashboard/data.json", params={"since": seen["last_index"] + 1},
-                         timeout=5.0).json()
+        data = httpx.get(f"{server.url}/dashboard/data.json", headers=headers(),
+                         params={"since": seen["last_index"] + 1}, timeout=5.0).json()
         got = [sum(sum(w["counts"][row]) for w in data["windows"]) for row in range(len(layers))]
         if got == [want] * len(layers):
             break
         time.sleep(0.1)
     assert got == [want] * len(layers)
     assert expert_tokens_total(server.url) - before == want * len(layers)
-    text = httpx.get(f"{server.url}/metrics", timeout=5.0).text
+    text = httpx.get(f"{server.url}/metrics", headers=headers(), timeout=5.0).text
     assert all(f'moe:expert_load_balancedness{{layer="{layer}",model_name=' in text for layer in layers)
 
 

@@ -9,11 +9,19 @@ each bind the port with SO_REUSEPORT (the kernel spreads connections over them),
 and detokenising its own requests and connected to the core's socket. Their metrics go through
 prometheus_client's multiprocess mode (PROMETHEUS_MULTIPROC_DIR), so /metrics on any of them
 gives the sums over all.
+
+Every request passes `_RequestGuard` first: the API key (on every path but /health and /version;
+/metrics too unless --metrics-without-api-key), then the body's size (--max-request-body-bytes)
+and read deadline (--request-body-timeout), then, for a JSON body, that it is UTF-8 JSON without
+duplicate keys. Each refusal is an OpenAI-style error body.
 """
 # No `from __future__ import annotations`: FastAPI reads the handlers' annotations (Request is
 # imported inside build_app) at run time.
 import argparse
 import asyncio
+import base64
+import binascii
+import hmac
 import json
 import logging
 import os
@@ -21,6 +29,7 @@ import signal
 import socket
 import tempfile
 import time
+from collections.abc import Mapping
 from contextlib import asynccontextmanager
 
 from moe.config import EngineArgs
@@ -30,9 +39,20 @@ logger = logging.getLogger("moe.entrypoints.serve")
 
 _DISCONNECT_POLL_S = 0.25  # how often a request that has not started its response checks its client
 
+# Paths open without the API key: liveness probes and load balancers send none, and these tell nothing.
+OPEN_PATHS = frozenset({"/health", "/version"})
+API_KEY_ENV_VARS = ("MOE_API_KEY", "VLLM_API_KEY")  # read in this order when --api-key is not given
+DEFAULT_MAX_REQUEST_BODY_BYTES = 32 << 20  # room for a few base64 images in a chat request
+DEFAULT_REQUEST_BODY_TIMEOUT_S = 30.0
+# Bodies larger than this are checked for JSON in a worker thread, so that the event loop keeps
+# streaming the other requests' tokens meanwhile.
+_JSON_CHECK_IN_THREAD_BYTES = 1 << 20
+
 
 def build_app(args: EngineArgs, served_model_name: str | None = None, api_key: str | None = None,
-              core_addresses: list[str] | None = None, core_pids: list[int] | None = None, server_index: int = 0):
+              core_addresses: list[str] | None = None, core_pids: list[int] | None = None, server_index: int = 0,
+              metrics_without_api_key: bool = False, max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
+              request_body_timeout_s: float = DEFAULT_REQUEST_BODY_TIMEOUT_S):
     from fastapi import FastAPI, Request
     from fastapi.exceptions import RequestValidationError
     from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -79,7 +99,9 @@ def build_app(args: EngineArgs, served_model_name: str | None = None, api_key: s
     async def _on_dead(request: Request, exc: EngineDeadError):
         return JSONResponse(error_body(str(exc), "EngineDeadError", 503), status_code=503)
 
-    app.add_middleware(_AuthAndServerIndex, api_key=api_key, server_index=server_index)
+    open_paths = (OPEN_PATHS | {"/metrics"}) if metrics_without_api_key else OPEN_PATHS
+    app.add_middleware(_RequestGuard, api_key=api_key, server_index=server_index, open_paths=open_paths,
+                       max_body_bytes=max_request_body_bytes, body_timeout_s=request_body_timeout_s)
 
     def check_model(name: str | None) -> None:
         if name is not None and name != model_name:
@@ -142,32 +164,209 @@ def build_app(args: EngineArgs, served_model_name: str | None = None, api_key: s
     return app
 
 
-class _AuthAndServerIndex:
-    """Plain ASGI middleware (not BaseHTTPMiddleware, which hides a client's disconnect from the
-    handlers): checks the API key on /v1 paths and names the API process in a response header."""
+def resolve_api_key(flag: str | None, environ: Mapping[str, str] = os.environ) -> str | None:
+    """The API key: --api-key, else $MOE_API_KEY, else $VLLM_API_KEY (vLLM's name); None: no key.
+    An environment variable keeps the key out of `ps`. A key that no client could send (empty, not
+    printable ASCII, surrounding spaces, which HTTP strips from a header) is refused at start."""
+    source, key = "--api-key", flag
+    if key is None:
+        source, key = next(((name, environ[name]) for name in API_KEY_ENV_VARS if name in environ), (None, None))
+        if key is None:
+            return None
+    if not key:
+        undo = "leave --api-key out" if source == "--api-key" else f"unset {source}"
+        raise ValueError(f"{source} is empty: give a key, or {undo} to serve without one")
+    if not (key.isascii() and key.isprintable()) or key != key.strip():
+        raise ValueError(f"{source} must be printable ASCII without leading or trailing spaces "
+                         f"(clients send it in an HTTP header)")
+    return key
 
-    def __init__(self, app, api_key: str | None, server_index: int) -> None:
+
+class _BadJSON(ValueError):
+    pass
+
+
+def _no_duplicate_keys(pairs: list) -> dict:
+    obj = dict(pairs)
+    if len(obj) != len(pairs):  # json.loads would keep the last value silently
+        seen = set()
+        for key, _ in pairs:
+            if key in seen:
+                # json.dumps escapes what is not ASCII (lone surrogates too): the message stays encodable.
+                shown = json.dumps(key)
+                shown = shown if len(shown) <= 80 else shown[:77] + "..."
+                raise _BadJSON(f"the request body has the key {shown} twice in one object")
+            seen.add(key)
+    return obj
+
+
+def _no_constant(name: str):
+    raise _BadJSON(f"the request body is not valid JSON: {name} is not a JSON value")
+
+
+def json_body_problem(body: bytes) -> str | None:
+    """Why `body` is not one UTF-8 JSON text without duplicate keys, or None. (FastAPI would parse
+    a non-UTF-8 body by guessing its encoding, keep the last of duplicate keys, accept NaN, and
+    answer a bare {"detail"} to what it cannot decode.)"""
+    try:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError as e:
+        return f"the request body is not valid UTF-8: {e.reason} at byte {e.start}"
+    try:
+        json.loads(text, object_pairs_hook=_no_duplicate_keys, parse_constant=_no_constant)
+    except _BadJSON as e:
+        return str(e)
+    except json.JSONDecodeError as e:
+        return f"the request body is not valid JSON: {e.msg} at line {e.lineno} column {e.colno} (char {e.pos})"
+    except RecursionError:
+        return "the request body is not valid JSON here: its arrays or objects nest too deeply"
+    except ValueError as e:  # an integer of more digits than Python converts; the hint after ';' is for Python users
+        return f"the request body is not valid JSON here: {str(e).split(';')[0]}"
+    return None
+
+
+def _is_json(headers: list[tuple[bytes, bytes]]) -> bool:
+    """Whether FastAPI parses this body as JSON: content-type application/json or application/*+json."""
+    ctype = next((v for k, v in headers if k == b"content-type"), b"")
+    media = ctype.split(b";", 1)[0].strip().lower()
+    return media == b"application/json" or (media.startswith(b"application/") and media.endswith(b"+json"))
+
+
+def _content_length(headers: list[tuple[bytes, bytes]]) -> int | None:
+    value = next((v for k, v in headers if k == b"content-length"), None)
+    try:
+        return None if value is None else int(value)
+    except ValueError:  # the HTTP parser refuses such a request before it gets here
+        return None
+
+
+class _Refusal(Exception):
+    def __init__(self, status: int, message: str, err_type: str, close: bool = False) -> None:
+        super().__init__(message)
+        self.status, self.message, self.err_type, self.close = status, message, err_type, close
+
+
+class _RequestGuard:
+    """Plain ASGI middleware (not BaseHTTPMiddleware, which hides a client's disconnect from the
+    handlers). In order: the API key (before any body is read, so that a client without it cannot
+    make the server buffer anything), the body's size and read deadline, the body's JSON; and every
+    response names the API process in a header.
+
+    The body is read whole here (FastAPI reads it whole anyway, before the handler runs) and handed
+    on as one message; later receive() calls go to the server, so a client's disconnect still shows."""
+
+    def __init__(self, app, api_key: str | None, server_index: int, open_paths: frozenset[str] = OPEN_PATHS,
+                 max_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
+                 body_timeout_s: float = DEFAULT_REQUEST_BODY_TIMEOUT_S) -> None:
         self.app = app
-        self.expected = None if api_key is None else f"Bearer {api_key}".encode()
+        self.key = None if api_key is None else api_key.encode()
+        self.open_paths = open_paths
+        self.max_body_bytes = max_body_bytes
+        self.body_timeout_s = body_timeout_s
         self.index_header = (b"x-moe-api-server", str(server_index).encode())
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        if self.expected is not None and scope["path"].startswith("/v1"):
-            if dict(scope["headers"]).get(b"authorization") != self.expected:
-                from fastapi.responses import JSONResponse
-
-                response = JSONResponse(error_body("invalid or missing API key", "AuthenticationError", 401),
-                                        status_code=401)
-                return await response(scope, receive, send)
 
         async def send_with_index(message):
             if message["type"] == "http.response.start":
                 message["headers"] = [*message.get("headers", []), self.index_header]
             await send(message)
 
-        await self.app(scope, receive, send_with_index)
+        try:
+            if self.key is not None and scope["path"] not in self.open_paths:
+                self._check_key(scope)
+            body = await self._read_body(scope, receive)
+            if body is None:
+                return  # the client hung up while sending
+            if body and _is_json(scope["headers"]):
+                if len(body) > _JSON_CHECK_IN_THREAD_BYTES:
+                    problem = await asyncio.to_thread(json_body_problem, body)
+                else:
+                    problem = json_body_problem(body)
+                if problem is not None:
+                    raise _Refusal(400, problem, "BadRequestError")
+        except _Refusal as r:
+            return await self._refuse(r, scope, receive, send_with_index)
+
+        pending = [body]
+
+        async def receive_body_then_server():
+            if pending:
+                return {"type": "http.request", "body": pending.pop(), "more_body": False}
+            return await receive()
+
+        await self.app(scope, receive_body_then_server, send_with_index)
+
+    def _check_key(self, scope) -> None:
+        values = [v for k, v in scope["headers"] if k == b"authorization"]
+        if not values:
+            raise _Refusal(401, "missing API key: send the header 'Authorization: Bearer <key>'", "AuthenticationError")
+        if len(values) > 1:  # which one would a proxy in front have checked?
+            raise _Refusal(401, "more than one Authorization header", "AuthenticationError")
+        scheme, _, credentials = values[0].strip().partition(b" ")
+        scheme, credentials = scheme.lower(), credentials.strip()
+        if scheme == b"basic":
+            # What a browser sends after its login prompt (the key as the password, any user name),
+            # so that /dashboard and /docs open in one. Read-only methods only: a browser also sends
+            # it unasked with the requests that other web pages make to this server.
+            if scope["method"] not in ("GET", "HEAD"):
+                raise _Refusal(401, "Basic credentials are accepted on GET requests only: send the header "
+                               "'Authorization: Bearer <key>'", "AuthenticationError")
+            try:
+                credentials = base64.b64decode(credentials, validate=True).partition(b":")[2]
+            except binascii.Error:
+                credentials = b""
+        elif scheme != b"bearer":
+            raise _Refusal(401, "unsupported Authorization scheme: send the header 'Authorization: Bearer <key>'",
+                           "AuthenticationError")
+        # Constant time: how long the comparison takes tells nothing of how much of the key matched.
+        if not credentials or not hmac.compare_digest(credentials, self.key):
+            raise _Refusal(401, "invalid API key", "AuthenticationError")
+
+    async def _read_body(self, scope, receive) -> bytes | None:
+        """The whole body, or None if the client hung up; _Refusal when it is too large or too slow.
+        The limit is checked on Content-Length before reading anything, and on the bytes counted so
+        far while reading (a chunked upload has no Content-Length)."""
+        declared = _content_length(scope["headers"])
+        if declared is not None and declared > self.max_body_bytes:
+            raise self._too_large(f"the request body ({declared} bytes)")
+        chunks, size, more = [], 0, True
+        # One deadline for the whole body, not one per chunk: a client trickling a byte now and
+        # then must not hold its connection (and its buffer) forever.
+        deadline = asyncio.get_running_loop().time() + self.body_timeout_s
+        while more:
+            try:
+                message = await asyncio.wait_for(receive(), max(0.0, deadline - asyncio.get_running_loop().time()))
+            except asyncio.TimeoutError:
+                raise _Refusal(408, f"the request body did not arrive within {self.body_timeout_s:g} s",
+                               "RequestTimeoutError", close=True) from None
+            if message["type"] == "http.disconnect":
+                return None
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_body_bytes:
+                raise self._too_large("the request body")
+            chunks.append(chunk)
+            more = message.get("more_body", False)
+        return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+    def _too_large(self, what: str) -> _Refusal:
+        return _Refusal(413, f"{what} is larger than this server's limit of {self.max_body_bytes} bytes",
+                        "RequestTooLargeError", close=True)
+
+    async def _refuse(self, r: _Refusal, scope, receive, send) -> None:
+        from fastapi.responses import JSONResponse
+
+        response = JSONResponse(error_body(r.message, r.err_type, r.status), status_code=r.status)
+        if r.status == 401:  # the schemes accepted (RFC 9110 asks for them on a 401)
+            response.raw_headers.append((b"www-authenticate", b'Bearer realm="moe-runtime"'))
+            if scope["method"] in ("GET", "HEAD"):
+                response.raw_headers.append((b"www-authenticate", b'Basic realm="moe-runtime", charset="UTF-8"'))
+        if r.close:  # the rest of the body stays unread: the connection cannot carry another request
+            response.raw_headers.append((b"connection", b"close"))
+        await response(scope, receive, send)
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
@@ -176,7 +375,16 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--served-model-name", default=None, help="the model name clients use (default: --model)")
-    parser.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 endpoints")
+    parser.add_argument("--api-key", default=None,
+                        help="require 'Authorization: Bearer KEY' on every endpoint but /health and /version "
+                             "(not given: $MOE_API_KEY, else $VLLM_API_KEY, which keep the key out of ps)")
+    parser.add_argument("--metrics-without-api-key", action="store_true",
+                        help="serve /metrics without the API key (for a Prometheus scraper that sends none)")
+    parser.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_REQUEST_BODY_BYTES,
+                        help="request bodies larger than this get 413, unread (default: %(default)s = 32 MiB)")
+    parser.add_argument("--request-body-timeout", type=float, default=DEFAULT_REQUEST_BODY_TIMEOUT_S,
+                        help="seconds a client has to send a request's whole body after its headers; "
+                             "then 408 and the connection is closed")
     parser.add_argument("--api-server-count", type=int, default=1,
                         help="API processes sharing the port (each tokenises and detokenises its own requests)")
     parser.add_argument("--uvicorn-log-level", default="info",
@@ -188,15 +396,28 @@ def run_server(args: argparse.Namespace, engine_args: EngineArgs) -> int:
 
     if args.api_server_count < 1:
         raise ValueError(f"--api-server-count must be >= 1, got {args.api_server_count}")
+    if args.max_request_body_bytes < 1:
+        raise ValueError(f"--max-request-body-bytes must be >= 1, got {args.max_request_body_bytes}")
+    if not args.request_body_timeout > 0:  # NaN too
+        raise ValueError(f"--request-body-timeout must be > 0 seconds, got {args.request_body_timeout}")
+    args.api_key = resolve_api_key(args.api_key)  # before any process starts: the API processes get it resolved
     if args.api_server_count > 1:
         return _run_launcher(args, engine_args)
-    app = build_app(engine_args, args.served_model_name, args.api_key)
+    app = _build_app_from_args(args, engine_args)
     logger.info("serving %s on http://%s:%d", engine_args.model, args.host, args.port)
     # SIGTERM / Ctrl-C: uvicorn stops accepting, lets in-flight requests finish, then the lifespan
     # shutdown stops the engine core.
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
                 timeout_graceful_shutdown=30)
     return 0
+
+
+def _build_app_from_args(args: argparse.Namespace, engine_args: EngineArgs, core_addresses: list[str] | None = None,
+                         core_pids: list[int] | None = None, server_index: int = 0):
+    return build_app(engine_args, args.served_model_name, args.api_key, core_addresses, core_pids, server_index,
+                     metrics_without_api_key=args.metrics_without_api_key,
+                     max_request_body_bytes=args.max_request_body_bytes,
+                     request_body_timeout_s=args.request_body_timeout)
 
 
 def _reuseport_socket(host: str, port: int) -> socket.socket:
@@ -213,7 +434,7 @@ def _api_server_main(args: argparse.Namespace, engine_args: EngineArgs, index: i
     import uvicorn
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s")
-    app = build_app(engine_args, args.served_model_name, args.api_key, addresses, core_pids, index)
+    app = _build_app_from_args(args, engine_args, addresses, core_pids, index)
     config = uvicorn.Config(app, log_level=args.uvicorn_log_level, timeout_graceful_shutdown=30)
     uvicorn.Server(config).run(sockets=[_reuseport_socket(args.host, args.port)])
 

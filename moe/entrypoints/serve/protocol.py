@@ -3,17 +3,29 @@
 Unknown fields are ignored with a warning naming them (as by vLLM; `best_of` among them: vLLM's
 server dropped it with V1, and `n` is what gives several samples); values are range-checked by
 SamplingParams, so a bad one fails with the same message offline and served.
+
+Types are strict, as OpenAI's API is: an integer field takes a JSON integer only (not "3", 3.5,
+3.0 or true), a boolean field true/false only, a number field an integer or a float (not "0.5").
+Integers beyond int64 and strings that are not valid Unicode (lone surrogates, which JSON's \\uXXXX
+escapes can carry) are refused with the field's name, before they reach the engine.
 """
 from __future__ import annotations
 
 import logging
-from typing import Any, Union
+from typing import Annotated, Any, Union
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from moe.sampling_params import SamplingParams
+from moe.sampling_params import INT64_MAX, SamplingParams
 
 logger = logging.getLogger("moe.entrypoints.serve")
+
+# The largest `n` (samples per prompt) one request may ask for: each sample is a sequence of its
+# own in the engine, so an unbounded n lets one request take every slot. The server may set it.
+MAX_N = 128
+
+# An integer that msgpack (to the engine core) and torch int64 can hold.
+Int64 = Annotated[int, Field(ge=-INT64_MAX - 1, le=INT64_MAX)]
 
 
 class ErrorResponse(Exception):
@@ -32,29 +44,70 @@ def error_body(message: str, err_type: str, code: int, param: str | None = None)
     return {"error": {"message": message, "type": err_type, "param": param, "code": code}, "object": "error"}
 
 
-class StreamOptions(BaseModel):
+def _first_bad_text(value: Any, path: str) -> str | None:
+    """Where in a JSON value (strings, keys, nested lists and dicts) a string is not valid Unicode,
+    described without the bad text itself (the error body must stay encodable); None if nowhere.
+    A loop, not recursion: a deeply nested body must not end in a RecursionError (a 500)."""
+    todo = [(value, path)]
+    while todo:
+        v, where = todo.pop()
+        if isinstance(v, str):
+            try:
+                v.encode("utf-8")
+            except UnicodeEncodeError as e:
+                return f"{where} is not valid Unicode text: {e.reason} at position {e.start}"
+        elif isinstance(v, dict):
+            items = []
+            for k, item in v.items():
+                items.append((k, f"a key of {where}"))
+                if isinstance(item, _TEXT_OR_NESTED):
+                    items.append((item, f"{where}.{_escaped(k)}"))
+            todo += reversed(items)
+        elif isinstance(v, list):  # the paths of numbers (token ids) are not made: prompts can be long
+            todo += reversed([(item, f"{where}[{i}]") for i, item in enumerate(v) if isinstance(item, _TEXT_OR_NESTED)])
+    return None
+
+
+_TEXT_OR_NESTED = (str, list, dict)
+
+
+def _escaped(key: Any) -> str:
+    return str(key).encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+class _StrictModel(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _valid_unicode(cls, value: Any, info) -> Any:
+        where = _first_bad_text(value, info.field_name)
+        if where:
+            raise ValueError(where)
+        return value
+
+
+class StreamOptions(_StrictModel):
     include_usage: bool = False
     continuous_usage_stats: bool = False
 
 
-class _SamplingRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
+class _SamplingRequest(_StrictModel):
     model: str | None = None
-    max_tokens: int | None = None
+    max_tokens: Int64 | None = None
     temperature: float | None = None
     top_p: float | None = None
-    top_k: int | None = None
+    top_k: Int64 | None = None
     min_p: float | None = None
-    seed: int | None = None
+    seed: Int64 | None = None
     stop: Union[str, list[str], None] = None
-    stop_token_ids: list[int] | None = None
-    n: int = 1
+    stop_token_ids: list[Int64] | None = None
+    n: Int64 = 1
     ignore_eos: bool = False
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
-    min_tokens: int = 0
+    min_tokens: Int64 = 0
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     user: str | None = None
@@ -65,10 +118,18 @@ class _SamplingRequest(BaseModel):
     @classmethod
     def _warn_ignored_fields(cls, data: Any) -> Any:
         if isinstance(data, dict):
-            ignored = sorted(k for k in data if k not in cls.model_fields)
+            ignored = sorted(_escaped(k) for k in data if k not in cls.model_fields)
             if ignored:
-                logger.warning("fields of the request ignored: %s", ", ".join(map(str, ignored)))
+                logger.warning("fields of the request ignored: %s", ", ".join(ignored))
         return data
+
+    @field_validator("n")
+    @classmethod
+    def _n_within_limit(cls, n: int) -> int:
+        # MAX_N is read at each request, so that the server can change it after import.
+        if n > MAX_N:
+            raise ValueError(f"n={n} is more than this server allows: at most {MAX_N} samples per prompt")
+        return n
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """Unset values take OpenAI's defaults (temperature 1, top_p 1)."""
@@ -87,12 +148,30 @@ class _SamplingRequest(BaseModel):
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
+_PROMPT_SHAPES = "a string, a list of strings, a list of token ids or a list of lists of token ids"
+
+
 class CompletionRequest(_SamplingRequest):
-    prompt: Union[str, list[str], list[int], list[list[int]], None] = None
-    max_tokens: int | None = 16
-    logprobs: int | None = None
+    prompt: Union[str, list[str], list[Int64], list[list[Int64]], None] = None
+    max_tokens: Int64 | None = 16
+    logprobs: Int64 | None = None
     echo: bool = False
     suffix: str | None = None
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _prompt_shape(cls, p: Any) -> Any:
+        """One message for every malformed prompt (the union's own errors list each branch); a
+        token id is a JSON integer: true (a Python int) and 1.0 are refused."""
+        def is_id(x):
+            return type(x) is int
+
+        if p is None or isinstance(p, str):
+            return p
+        if isinstance(p, list) and (all(isinstance(x, str) for x in p) or all(is_id(x) for x in p)
+                                    or all(isinstance(x, list) and all(is_id(t) for t in x) for x in p)):
+            return p
+        raise ValueError(f"prompt must be {_PROMPT_SHAPES} (token ids are integers, not booleans or floats)")
 
     def prompts(self) -> list[Any]:
         """The prompt as a list of engine prompts (a text or {"prompt_token_ids": [...]} each)."""
@@ -109,9 +188,9 @@ class CompletionRequest(_SamplingRequest):
 
 class ChatCompletionRequest(_SamplingRequest):
     messages: list[dict[str, Any]] = Field(default_factory=list)
-    max_completion_tokens: int | None = None
+    max_completion_tokens: Int64 | None = None
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: Annotated[int, Field(ge=0, le=INT64_MAX)] | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     echo: bool = False
