@@ -11,9 +11,9 @@ Sequence b owns query rows query_start_loc[b] .. query_start_loc[b+1]-1; query i
 L_b - n_b + i and sees keys chunk_start(pos) .. pos through the block table (the new tokens' K/V
 are in the cache already). A program takes BQ consecutive queries of one sequence times all HG
 query heads of one KV head, so the GQA group shares every K/V tile it loads (the varlen prefill
-kernel's tile height follows the longest query of the batch instead). By default the sequences of
-one query (decode rows) run in the split-KV decode kernel's 16-row tiles, a second launch: in a
-tile here one token's HG heads would fill 8 of 64 rows.
+kernel's tile height follows the longest query of the batch instead). Optionally
+(decodes_apart) the sequences of one query (decode rows) run in the split-KV decode kernel's
+16-row tiles, a second launch, rather than a tile here where one token's HG heads fill 8 of 64 rows.
 
 Grid (T // BQ + B, G), from shapes only, so the launch replays in a CUDA graph for any lengths:
 tile slot j of the flat numbering belongs to the last sequence b with
@@ -45,10 +45,10 @@ from kernels.triton_attention.common import (
 # query tokens a tile) 64 rows beat 16 and 32 both beside 256 decodes and beside a 2,048-token
 # chunk (BENCHMARKS.md §2). MOE_UNIFIED_ROWS overrides it for A/B runs.
 DEFAULT_ROWS = int(os.environ.get("MOE_UNIFIED_ROWS", "64"))
-# Sequences of one query (decode rows) go to the split-KV decode kernel's 16-row tiles in a
-# launch of their own, the rest here (see unified_attention_triton). MOE_UNIFIED_DECODES_APART=0
-# keeps them in this kernel's tiles (A/B runs).
-DECODES_APART = os.environ.get("MOE_UNIFIED_DECODES_APART", "1") != "0"
+# MOE_UNIFIED_DECODES_APART=1: sequences of one query (decode rows) go to the split-KV decode
+# kernel's 16-row tiles in a launch of their own, the rest here (see unified_attention_triton).
+# Off: on an H200 the two launches took longer than one in every measured mixed step (BENCHMARKS.md §2).
+DECODES_APART = os.environ.get("MOE_UNIFIED_DECODES_APART", "0") == "1"
 
 
 @triton.jit
