@@ -8,15 +8,17 @@ Routes under a prefix (default /dashboard):
 from __future__ import annotations
 
 import html
+import json
 import logging
+import math
 import os
 import threading
 from typing import Callable
 
 from fastapi import FastAPI, HTTPException, Query
-from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, RedirectResponse
+from fastapi.responses import FileResponse, HTMLResponse, RedirectResponse, Response
 
-from moe.expert_load.recording import RecordingTail, read_recording, recording_to_dashboard_json
+from moe.expert_load.recording import RecordingTail, check_recording_path, recording_to_dashboard_json
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +43,26 @@ _STATIC_FILES: dict[str, tuple[Callable[[], str], str]] = {
 }
 
 
+def _finite(value):
+    """`value` with every NaN / +-Infinity float replaced by None, recursively through dicts and lists."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
+
+
+def _json_bytes(payload: dict) -> tuple[bytes, bool]:
+    """Strict JSON of the payload, and whether non-finite numbers had to become null. JSON has no NaN or
+    Infinity (a browser's JSON.parse refuses Python's NaN), and a recording may hold them (time, balancedness)."""
+    try:
+        return json.dumps(payload, allow_nan=False, separators=(",", ":")).encode("utf-8"), False
+    except ValueError:  # only then pay for the walk
+        return json.dumps(_finite(payload), allow_nan=False, separators=(",", ":")).encode("utf-8"), True
+
+
 def _page(prefix: str) -> str:
     with open(os.path.join(STATIC_DIR, "index.html"), encoding="utf-8") as f:
         return f.read().replace("{{PREFIX}}", html.escape(prefix, quote=True))
@@ -59,9 +81,15 @@ def add_dashboard_routes(app: FastAPI, get_payload: Callable[[int], dict], prefi
     app.add_api_route(prefix, page, methods=["GET"], include_in_schema=False)
     app.add_api_route(prefix + "/", page, methods=["GET"], include_in_schema=False)
 
+    warned = []
+
     # A plain def: FastAPI runs it in its thread pool, so a payload that reads a file does not block the loop.
-    def data(since: int = Query(0, ge=0)) -> JSONResponse:
-        return JSONResponse(get_payload(since), headers={"Cache-Control": "no-store"})
+    def data(since: int = Query(0, ge=0)) -> Response:
+        body, nulled = _json_bytes(get_payload(since))
+        if nulled and not warned:
+            warned.append(True)
+            logger.warning("dashboard: the expert-load data holds NaN or Infinity; sent as null (shown as gaps)")
+        return Response(body, media_type="application/json", headers={"Cache-Control": "no-store"})
 
     app.add_api_route(prefix + "/data.json", data, methods=["GET"], include_in_schema=False)
 
@@ -77,12 +105,15 @@ def add_dashboard_routes(app: FastAPI, get_payload: Callable[[int], dict], prefi
 
 
 def build_dashboard_app(recording_path: str) -> FastAPI:
-    """An app serving the dashboard of a recording file, re-read whenever it grows (a live recording).
-    Raises FileNotFoundError / ValueError at once when the file is missing or not a recording."""
-    recording_path = os.fspath(recording_path)
-    read_recording(recording_path)  # fail now, with the file and line, rather than on the first poll
-    tail = RecordingTail(recording_path)
-    tail.poll()
+    """An app serving the dashboard of a recording file, followed as it grows (a live recording): each poll
+    reads only the bytes appended since the last. A bad line is logged once, naming file and line, and
+    skipped (the page shows it too); a last line without its newline waits for the rest.
+    Raises FileNotFoundError / ValueError at once when the file is missing or its meta line is missing or bad."""
+    recording_path = check_recording_path(recording_path)
+    tail = RecordingTail(recording_path, strict=False)
+    tail.poll()  # a bad meta line raises here, with the file and line, rather than on the first poll
+    if tail.recording is None:
+        raise ValueError(f"{recording_path}: not an expert-load recording (no complete meta line)")
     lock = threading.Lock()
     state = {"error": None}
 
@@ -96,10 +127,14 @@ def build_dashboard_app(recording_path: str) -> FastAPI:
                 if state["error"] != str(e):
                     logger.warning("dashboard: %s", e)
                 state["error"] = str(e)
+            error = state["error"]
+            if error is None and tail.skipped:  # kept on the page: what it shows lacks these lines
+                error = tail.last_problem if tail.skipped == 1 else \
+                    f"{tail.skipped} lines skipped, the last: {tail.last_problem}"
             if tail.recording is None:  # the file was rewritten and its meta line is not there yet
-                return {"meta": None, "windows": [], "rebalances": 0, "last_index": -1, "error": state["error"]}
+                return {"meta": None, "windows": [], "rebalances": 0, "last_index": -1, "error": error}
             payload = recording_to_dashboard_json(tail.recording, since)
-        payload["error"] = state["error"]
+        payload["error"] = error
         return payload
 
     app = FastAPI(title="moe expert-load dashboard")

@@ -17,10 +17,13 @@ X = physical expert slots (E plus EPLB's redundant replicas).
 from __future__ import annotations
 
 import json
+import logging
 import os
 from dataclasses import dataclass, field
 
 import numpy as np
+
+logger = logging.getLogger(__name__)
 
 FORMAT = "moe-expert-load"
 VERSION = 1
@@ -226,56 +229,125 @@ class RecordingWriter:
         self.close()
 
 
-class RecordingTail:
-    """Reads a recording incrementally: each poll() parses the complete lines added since the last one.
+# The longest line a reader buffers: far above a real line (a window of 100 layers x 1024 experts is ~1 MiB),
+# low enough that a line that never ends cannot eat the reader's memory.
+MAX_LINE_BYTES = 64 << 20
+_CHUNK_BYTES = 1 << 20  # read in pieces, so a big file is never held twice in memory
 
-    A last line without its newline is a writer mid-write: it is left for the next poll (read_recording
-    takes it only when it already parses as complete JSON). A file that shrank was rewritten: start over.
+
+class RecordingTail:
+    """Reads a recording incrementally: each poll() reads only the bytes appended since the last one.
+
+    A last line without its newline is a writer mid-write: its bytes are kept and the next poll goes on from
+    where this one stopped (read_recording takes such a line only when it already parses as complete JSON).
+    A line longer than max_line_bytes is never buffered whole: it is reported once and skipped.
+    A file that shrank was rewritten: start over.
+
+    strict=True (read_recording): a bad line raises ValueError naming the file and line. strict=False (the
+    dashboard, following a live file): a bad line after the meta line is logged once and skipped, and
+    `skipped` / `last_problem` tell what was left out. A bad meta line raises in both modes: nothing can be
+    read without it. After a raise, poll() raises the same error without reading until the file shrinks.
     """
 
-    def __init__(self, path: str | os.PathLike):
+    def __init__(self, path: str | os.PathLike, strict: bool = True, max_line_bytes: int = MAX_LINE_BYTES):
         self.path = os.fspath(path)
+        self.strict = strict
+        self.max_line_bytes = max_line_bytes
+        self._reset()
+
+    def _reset(self) -> None:
         self.recording: Recording | None = None
-        self._offset = 0  # bytes consumed (always at a line start)
-        self._line_no = 0  # lines consumed
+        self.skipped = 0  # lines left out (strict=False)
+        self.last_problem: str | None = None  # why the latest of them was left out
+        self._offset = 0  # bytes read (anywhere in a line)
+        self._line_no = 0  # lines finished
+        self._partial = bytearray()  # the unfinished line's bytes read so far
+        self._overlong = False  # the unfinished line passed max_line_bytes (reported): drop it to its newline
+        self._error: str | None = None  # what the last poll raised: raised again until the file shrinks
 
     def poll(self, final: bool = False) -> bool:
-        """Reads what was appended; True when something new was parsed. Raises ValueError on a bad line."""
+        """Reads what was appended; True when something new was parsed. `final`: the file is complete, so a
+        last line without its newline is taken when it parses as JSON (a writer's cut-off line is ignored)."""
         size = os.path.getsize(self.path)
         if size < self._offset:
-            self.recording, self._offset, self._line_no = None, 0, 0
-        if size == self._offset:
-            return False
-        with open(self.path, "rb") as f:
-            f.seek(self._offset)
-            data = f.read(size - self._offset)
-        lines = data.split(b"\n")
-        tail = lines.pop()  # b"" when data ends with a newline
+            self._reset()
+        if self._error is not None:
+            raise ValueError(self._error)  # a fresh one: re-raising one object would grow its traceback
         changed = False
-        for raw in lines:
-            self._parse(raw, self._line_no + 1)
-            self._line_no += 1
-            self._offset += len(raw) + 1
-            changed = True
-        if tail and final:
-            try:
-                json.loads(tail.decode("utf-8"))
-            except (UnicodeDecodeError, json.JSONDecodeError):
-                return changed  # truncated by a writer still writing: ignored
-            self._parse(tail, self._line_no + 1)
-            self._line_no += 1
-            self._offset += len(tail)
-            changed = True
+        try:
+            if size > self._offset:
+                with open(self.path, "rb") as f:
+                    f.seek(self._offset)
+                    while self._offset < size:
+                        chunk = f.read(min(_CHUNK_BYTES, size - self._offset))
+                        if not chunk:  # truncated while we read: the next poll sees it shrank
+                            break
+                        self._offset += len(chunk)
+                        changed |= self._feed(chunk)
+            if final and self._partial and not self._overlong:
+                raw = bytes(self._partial)
+                try:
+                    json.loads(raw.decode("utf-8"))
+                except (UnicodeDecodeError, json.JSONDecodeError):
+                    return changed  # cut off by a writer still writing: ignored
+                except (ValueError, RecursionError):
+                    pass  # complete but bad: _line reports it
+                self._partial.clear()
+                changed |= self._line(raw)
+        except ValueError as e:
+            self._error = str(e)
+            raise
         return changed
 
-    def _parse(self, raw: bytes, line_no: int) -> None:
+    def _feed(self, chunk: bytes) -> bool:
+        changed, pos = False, 0
+        while True:
+            nl = chunk.find(b"\n", pos)
+            piece = chunk[pos:] if nl < 0 else chunk[pos:nl]
+            if not self._overlong and len(self._partial) + len(piece) > self.max_line_bytes:
+                self._overlong = True
+                self._partial.clear()
+                self._problem(self._line_no + 1, f"longer than {self.max_line_bytes} bytes")
+            if nl < 0:
+                if not self._overlong:
+                    self._partial += piece
+                return changed
+            if self._overlong:  # its end: skipped, and already reported
+                self._overlong = False
+                self._line_no += 1
+            else:
+                raw = bytes(self._partial) + piece if self._partial else piece
+                self._partial.clear()
+                changed |= self._line(raw)
+            pos = nl + 1
+
+    def _line(self, raw: bytes) -> bool:
+        """Parses one whole line (without its newline); True when it was taken."""
+        self._line_no += 1
+        try:
+            self._parse(raw)
+            return True
+        except _BadLine as e:
+            self._problem(self._line_no, str(e))
+            return False
+
+    def _problem(self, line_no: int, why: str) -> None:
         where = f"{self.path}, line {line_no}"
+        if self.strict or self.recording is None:
+            raise ValueError(f"{where}: {why}")
+        self.skipped += 1
+        self.last_problem = f"{where}: {why}; line skipped"
+        logger.warning("%s", self.last_problem)
+
+    def _parse(self, raw: bytes) -> None:
         try:
             obj = json.loads(raw.decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise ValueError(f"{where}: not a JSON line ({e})") from None
+        except RecursionError:
+            raise _BadLine("not a JSON line (nested too deep)") from None
+        except (UnicodeDecodeError, ValueError) as e:  # ValueError: also an int of over 4300 digits
+            raise _BadLine(f"not a JSON line ({e})") from None
         if not isinstance(obj, dict) or len(obj) != 1:
-            raise ValueError(f"{where}: expected one object with a single key (meta, window or placement)")
+            raise _BadLine("expected one object with a single key (meta, window or placement)")
         (kind, body), = obj.items()
         try:
             if self.recording is None:
@@ -292,17 +364,29 @@ class RecordingTail:
                 self.recording.placements.append(ExpertPlacement.from_json(body, self.recording.meta))
             else:
                 raise ValueError(f"unknown line kind {kind!r} (expected meta, window or placement)")
-        except ValueError as e:
-            raise ValueError(f"{where}: {e}") from None
+        # TypeError / OverflowError / RecursionError: odd values the checks above let through (float(10**400),
+        # numpy on deep lists): still a bad line, not a crash.
+        except (ValueError, TypeError, OverflowError, RecursionError) as e:
+            raise _BadLine(str(e) or type(e).__name__) from None
 
 
-def read_recording(path: str | os.PathLike) -> Recording:
-    """The whole recording; FileNotFoundError when missing, ValueError naming file and line when malformed."""
+class _BadLine(Exception):
+    """A line that is not a valid recording line (the message says why, without file and line)."""
+
+
+def check_recording_path(path: str | os.PathLike) -> str:
+    """The path as a str; FileNotFoundError when missing, ValueError when not a regular file."""
     path = os.fspath(path)
     if not os.path.exists(path):
         raise FileNotFoundError(f"recording {path!r} does not exist")
     if not os.path.isfile(path):
         raise ValueError(f"recording {path!r} is not a file")
+    return path
+
+
+def read_recording(path: str | os.PathLike) -> Recording:
+    """The whole recording; FileNotFoundError when missing, ValueError naming file and line when malformed."""
+    path = check_recording_path(path)
     tail = RecordingTail(path)
     tail.poll(final=True)
     if tail.recording is None:

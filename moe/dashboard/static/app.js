@@ -36,6 +36,13 @@
 
   const zeros = (rows, cols) => Array.from({ length: rows }, () => new Array(cols).fill(0));
   const fmtInt = (n) => n.toLocaleString("en-US");
+  // The server sends a recording's NaN / Infinity as null (JSON has neither): such a value is left out of
+  // means, and plotly draws null as a gap in a line.
+  const finite = (v) => typeof v === "number" && Number.isFinite(v);
+  function meanOfFinite(xs) {
+    const ok = xs.filter(finite);
+    return ok.length ? ok.reduce((a, b) => a + b, 0) / ok.length : null;
+  }
 
   function reset(meta) {
     const L = meta.layers.length;
@@ -73,10 +80,10 @@
       }
       state.lastCounts[l] = row.slice();
       for (let r = 0; r < w.per_rank[l].length; r++) state.perRank[l][r] += w.per_rank[l][r];
-      state.balanceLayers[l].push(w.balancedness[l]);
+      state.balanceLayers[l].push(finite(w.balancedness[l]) ? w.balancedness[l] : null);
     }
     state.windowIndex.push(w.index);
-    state.balanceMean.push(w.balancedness.reduce((a, b) => a + b, 0) / L);
+    state.balanceMean.push(meanOfFinite(w.balancedness.slice(0, L)));
     state.stepsCovered += w.step_end - w.step_start;
     state.windowsReceived += 1;
     state.nextIndex = w.index + 1;
@@ -102,8 +109,7 @@
   }
 
   function renderSummary() {
-    const n = state.balanceMean.length;
-    state.meanBalancedness = n ? state.balanceMean.reduce((a, b) => a + b, 0) / n : null;
+    state.meanBalancedness = meanOfFinite(state.balanceMean);
     setNumber("total-tokens", state.totalTokens, fmtInt(state.totalTokens));
     setNumber("windows-received", state.windowsReceived, fmtInt(state.windowsReceived));
     setNumber("steps-covered", state.stepsCovered, fmtInt(state.stepsCovered));
