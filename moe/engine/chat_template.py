@@ -1,25 +1,78 @@
 """Chat templates: the `chat_template` of a checkpoint's tokenizer_config.json (or a file named
 chat_template.jinja beside it), rendered with jinja2 the way transformers renders it: a sandboxed
 environment with trim_blocks / lstrip_blocks, `raise_exception`, the `tojson` filter, and the
-special tokens (bos_token, eos_token, ...) as variables."""
+special tokens (bos_token, eos_token, ...) as variables.
+
+A template can come with the request (`chat_template`), so rendering is bounded, and every way a
+template can fail is a ValueError naming the problem (a 400 under `moe serve`): in any process the
+bounded sandbox of moe.engine.template_sandbox checks a time and size budget as it goes, and under
+`moe serve` templates render in the child processes of moe.engine.template_renderers as well,
+killed at their deadline and capped in memory.
+
+Limits (environment variables, read at each render; or `ChatTemplate(..., limits=TemplateLimits(...))`):
+  MOE_CHAT_TEMPLATE_TIMEOUT_S          seconds to compile and render one conversation (default 5)
+  MOE_CHAT_TEMPLATE_MAX_OUTPUT_CHARS   characters of output, and of any string or list built (default 4 MiB)
+  MOE_CHAT_TEMPLATE_MAX_SOURCE_CHARS   characters of template source (default 128 KiB: compiling
+                                       is ~20 us a character, Python's compile() holds the GIL)
+"""
 from __future__ import annotations
 
 import json
 import os
-from functools import lru_cache
+
+from moe.engine.template_renderers import render_in_renderer_process
+from moe.engine.template_sandbox import MAX_OUTPUT_ENV, MAX_SOURCE_ENV, TIMEOUT_ENV, TemplateLimits, render_here
+
+__all__ = ["MAX_OUTPUT_ENV", "MAX_SOURCE_ENV", "RESERVED_KWARGS", "SUPPORTED_PART_TYPES", "TIMEOUT_ENV", "ChatTemplate",
+           "TemplateLimits", "check_content_parts", "check_messages", "check_template_kwargs", "template_limits"]
 
 _SPECIAL = ("bos_token", "eos_token", "unk_token", "pad_token")
+
+# Content-part types a message may hold: text, and the image parts moe.engine.input_processor
+# takes (OpenAI's image_url, vLLM's image_pil, transformers' image). Anything else (input_audio,
+# video_url, file, ...) is refused: dropping it would build the prompt without it.
+SUPPORTED_PART_TYPES = ("text", "image_url", "image_pil", "image")
+# Variables the renderer sets itself (and the parameters of the functions that pass
+# chat_template_kwargs on): a chat_template_kwargs key among them is refused, not a clash.
+RESERVED_KWARGS = ("messages", "add_generation_prompt", *_SPECIAL, "chat_template", "self")
+
+
+def template_limits(environ=os.environ) -> TemplateLimits:
+    """The limits the environment sets (TemplateLimits' defaults for the variables not set)."""
+    values = {}
+    for field, name, kind in (("timeout_s", TIMEOUT_ENV, float), ("max_output_chars", MAX_OUTPUT_ENV, int),
+                              ("max_source_chars", MAX_SOURCE_ENV, int)):
+        raw = environ.get(name)
+        if raw is None or raw.strip() == "":
+            continue
+        try:
+            values[field] = kind(raw)
+            if not values[field] > 0:
+                raise ValueError
+        except ValueError:
+            raise ValueError(f"{name}={raw!r} must be a positive {'number' if kind is float else 'integer'}") from None
+    return TemplateLimits(**values)
 
 
 def _token_text(value) -> str | None:
     return value.get("content") if isinstance(value, dict) else value if isinstance(value, str) else None
 
 
+def _shown(value, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
 class ChatTemplate:
-    def __init__(self, source: str, special_tokens: dict[str, str | None]) -> None:
+    def __init__(self, source: str, special_tokens: dict[str, str | None],
+                 limits: TemplateLimits | None = None) -> None:
+        """limits: None reads the MOE_CHAT_TEMPLATE_* environment variables at each render. The
+        source compiles at the first render, within that render's time budget."""
+        if not isinstance(source, str):
+            raise ValueError(f"a chat template must be a string, got {type(source).__name__}")
         self.source = source
         self.special_tokens = special_tokens
-        self._template = _compile(source)
+        self.limits = limits
 
     @classmethod
     def load(cls, folder: str) -> "ChatTemplate | None":
@@ -42,15 +95,23 @@ class ChatTemplate:
         return cls(source, {k: _token_text(config.get(k)) for k in _SPECIAL})
 
     def render(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> str:
-        from jinja2.exceptions import TemplateError
-
         check_messages(messages)
+        check_template_kwargs(kwargs)
+        limits = self.limits or template_limits()
+        if len(self.source) > limits.max_source_chars:
+            raise ValueError(f"the chat template is {len(self.source)} characters long, more than the limit of "
+                             f"{limits.max_source_chars} ({MAX_SOURCE_ENV})")
+        context = {**{k: v for k, v in self.special_tokens.items() if v is not None}, **kwargs,
+                   "messages": messages, "add_generation_prompt": add_generation_prompt}
+        text = render_in_renderer_process(self.source, context, limits)
+        if text is None:
+            text = render_here(self.source, context, limits)
         try:
-            return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                         **{k: v for k, v in self.special_tokens.items() if v is not None},
-                                         **kwargs)
-        except TemplateError as e:
-            raise ValueError(f"the chat template failed on these messages: {e}") from None
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:  # the tokenizer would fail on it, less clearly
+            raise ValueError(f"the chat template's output is not valid Unicode text: {e.reason} at position "
+                             f"{e.start}") from None
+        return text
 
 
 def check_messages(messages) -> None:
@@ -62,22 +123,37 @@ def check_messages(messages) -> None:
         content = m.get("content")
         if content is not None and not isinstance(content, (str, list)):
             raise ValueError(f"messages[{i}]['content'] must be a string or a list of parts")
+    check_content_parts(messages)
 
 
-@lru_cache(maxsize=8)
-def _compile(source: str):
-    from jinja2.exceptions import TemplateError
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
+def check_content_parts(messages) -> None:
+    """Every content part is a {"type": ...} of SUPPORTED_PART_TYPES, a text part with a string text."""
+    if not isinstance(messages, list):
+        return
+    for i, m in enumerate(messages):
+        content = m.get("content") if isinstance(m, dict) else None
+        if not isinstance(content, list):
+            continue
+        for j, part in enumerate(content):
+            where = f"messages[{i}]['content'][{j}]"
+            if not isinstance(part, dict) or "type" not in part:
+                raise ValueError(f"{where} must be a content part: an object with a 'type' ('text' or 'image_url')")
+            kind = part["type"]
+            if not isinstance(kind, str) or kind not in SUPPORTED_PART_TYPES:
+                raise ValueError(f"content part type {_shown(kind)} is not supported ({where}): the parts "
+                                 "taken are 'text' and, for a model that takes images, 'image_url'")
+            if kind == "text" and not isinstance(part.get("text"), str):
+                raise ValueError(f"{where} is a 'text' part without a string 'text'")
 
-    def raise_exception(message):
-        raise TemplateError(message)
 
-    def tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-        return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
-                          sort_keys=sort_keys)
+def check_template_kwargs(kwargs) -> None:
+    """chat_template_kwargs: a dict of extra template variables, none of RESERVED_KWARGS."""
+    if kwargs is None:
+        return
+    if not isinstance(kwargs, dict):
+        raise ValueError(f"chat_template_kwargs must be a dict of template variables, got {type(kwargs).__name__}")
+    clash = [k for k in kwargs if k in RESERVED_KWARGS]
+    if clash:
+        raise ValueError(f"chat_template_kwargs cannot set {', '.join(map(_shown, clash))}: the chat renderer "
+                         f"sets {'it' if len(clash) == 1 else 'them'} itself (reserved: {', '.join(RESERVED_KWARGS)})")
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=["jinja2.ext.loopcontrols"])
-    env.filters["tojson"] = tojson
-    env.globals["raise_exception"] = raise_exception
-    return env.from_string(source)

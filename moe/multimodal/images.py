@@ -23,24 +23,27 @@ class _ImageSizeError(ValueError):
     """A size refusal of ours (kept apart from the ValueErrors PIL raises on corrupt data)."""
 
 
-def _check_size(image: Image.Image, max_pixels: int | None) -> None:
+_BOMB_GUARD = "a decompression-bomb guard"
+
+
+def _check_size(image: Image.Image, max_pixels: int | None, why: str = _BOMB_GUARD) -> None:
     width, height = image.size
     if width <= 0 or height <= 0:
         raise _ImageSizeError(f"the image has zero size ({width}x{height} pixels)")
     if max_pixels is not None and width * height > max_pixels:
         raise _ImageSizeError(f"the image is {width}x{height} = {width * height} pixels, over the limit of "
-                              f"{max_pixels} (a decompression-bomb guard): send a smaller image")
+                              f"{max_pixels} ({why}): send a smaller image")
 
 
-def _decode_bytes(data: bytes, max_pixels: int | None) -> Image.Image:
+def _decode_bytes(data: bytes, max_pixels: int | None, why: str = _BOMB_GUARD) -> Image.Image:
     if not data:
         raise ValueError("the image data is empty")
     try:
         with warnings.catch_warnings():
             # PIL only warns between MAX_IMAGE_PIXELS and twice that; both are refused here.
             warnings.simplefilter("error", Image.DecompressionBombWarning)
-            image = Image.open(io.BytesIO(data))
-            _check_size(image, max_pixels)  # from the header, before decoding the pixels
+            image = Image.open(io.BytesIO(data))  # lazy: reads the header only
+            _check_size(image, max_pixels, why)  # before decoding the pixels
             image.load()
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
         raise ValueError(f"the image is too large to decode safely, a decompression-bomb guard ({e})") from None
@@ -54,7 +57,7 @@ def _decode_bytes(data: bytes, max_pixels: int | None) -> Image.Image:
     return image
 
 
-def _decode_data_url(url: str, max_pixels: int | None) -> Image.Image:
+def _decode_data_url(url: str, max_pixels: int | None, why: str = _BOMB_GUARD) -> Image.Image:
     header, sep, payload = url.partition(",")
     if not sep:
         raise ValueError("malformed data URL: no ',' between the header and the data")
@@ -69,30 +72,31 @@ def _decode_data_url(url: str, max_pixels: int | None) -> Image.Image:
         data = base64.b64decode("".join(payload.split()), validate=True)
     except (binascii.Error, ValueError) as e:
         raise ValueError(f"the image data URL holds bad base64 ({e})") from None
-    return _decode_bytes(data, max_pixels)
+    return _decode_bytes(data, max_pixels, why)
 
 
-def load_image(obj, max_pixels: int | None = None) -> Image.Image:
+def load_image(obj, max_pixels: int | None = None, why: str = _BOMB_GUARD) -> Image.Image:
     """A decoded PIL image from a PIL image, encoded image bytes, or a `data:image/...;base64,` URL.
 
-    max_pixels: width*height above which the image is refused; None means PIL's `Image.MAX_IMAGE_PIXELS`
-    at call time (PIL's own decompression-bomb check, which reads that global, applies in any case).
+    max_pixels: width*height above which the image is refused, from its header, before its pixels
+    are decoded; None means PIL's `Image.MAX_IMAGE_PIXELS` at call time (PIL's own decompression-bomb
+    check, which reads that global, applies in any case). why: the limit's reason, for the message.
     """
     if max_pixels is None:
         max_pixels = Image.MAX_IMAGE_PIXELS
     if isinstance(obj, Image.Image):
-        _check_size(obj, max_pixels)
+        _check_size(obj, max_pixels, why)
         try:
             obj.load()  # a lazily opened file image decodes here, not later in the processor
         except (OSError, SyntaxError, EOFError) as e:
             raise ValueError(f"cannot decode the image: it is corrupt or truncated ({e})") from None
         return obj
     if isinstance(obj, (bytes, bytearray, memoryview)):
-        return _decode_bytes(bytes(obj), max_pixels)
+        return _decode_bytes(bytes(obj), max_pixels, why)
     if isinstance(obj, str):
         text = obj.strip()
         if text[:5].lower() == "data:":
-            return _decode_data_url(text, max_pixels)
+            return _decode_data_url(text, max_pixels, why)
         if _SCHEME_RE.match(text):
             raise ValueError(f"{_NOT_FETCHED} (got a {text.split(':', 1)[0].lower()}: URL)")
         raise ValueError("an image given as a string must be a data URL (data:image/...;base64,...); "

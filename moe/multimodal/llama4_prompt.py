@@ -12,7 +12,7 @@ them), so splicing ids gives exactly the ids of tokenizing the expanded text.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from moe.multimodal.llama4_image_processor import ProcessedImage
 
@@ -44,6 +44,7 @@ class Llama4ImageTokens:
     tile_y_id: int
     patch_size: int
     downsample_ratio: int  # round(1 / pixel_shuffle_ratio^2): patches merged into one token
+    names: dict = field(default_factory=dict, compare=False)  # token id -> its text, for messages
 
     @classmethod
     def from_tokenizer(cls, tokenizer, processor_config: dict | None) -> Llama4ImageTokens:
@@ -56,7 +57,7 @@ class Llama4ImageTokens:
         ratio = cfg.get("pixel_shuffle_ratio", 0.5)
         if not isinstance(ratio, (int, float)) or isinstance(ratio, bool) or not 0 < ratio <= 1:
             raise ValueError(f"processor config: pixel_shuffle_ratio={ratio!r} is invalid, expected a number in (0, 1]")
-        ids = {}
+        ids, names = {}, {}
         for key, default in TOKEN_KEYS.items():
             token = cfg.get(key, default)
             if not isinstance(token, str) or not token:
@@ -66,10 +67,30 @@ class Llama4ImageTokens:
                 raise ValueError(f"the tokenizer has no {token!r} token ({key} of the processor config): "
                                  "is this a Llama-4 multimodal checkpoint's tokenizer?")
             ids[key] = token_id
+            names[token_id] = token
         return cls(image_id=ids["image_token"], image_start_id=ids["start_of_image_token"],
                    image_end_id=ids["end_of_image_token"], patch_id=ids["patch_token"],
                    tile_x_id=ids["tile_x_separator_token"], tile_y_id=ids["tile_y_separator_token"],
-                   patch_size=patch_size, downsample_ratio=int(round(1.0 / ratio ** 2)))
+                   patch_size=patch_size, downsample_ratio=int(round(1.0 / ratio ** 2)), names=names)
+
+    def _name(self, token_id: int) -> str:
+        return self.names.get(token_id, f"token {token_id}")
+
+    def check_prompt_ids(self, prompt_token_ids: list[int], num_images: int) -> None:
+        """Refuse the ids the vision path would misread: a token of an image's expansion
+        (<|image_start|>, <|patch|>, ...) given in the prompt itself, which would take image
+        features or shift them; an <|image|> placeholder when no image is attached. (With images,
+        expand_image_placeholders checks that placeholders and images match one to one.)"""
+        expansion = {self.image_start_id, self.image_end_id, self.patch_id, self.tile_x_id, self.tile_y_id}
+        found = next((t for t in prompt_token_ids if t in expansion), None)
+        if found is not None:
+            raise ValueError(f"the prompt holds {self._name(found)} (token id {found}), a token of an image's "
+                             f"expansion that only the image processing may write: stand for an image with "
+                             f"{self._name(self.image_id)} and attach the image")
+        if num_images == 0 and self.image_id in prompt_token_ids:
+            raise ValueError(f"the prompt holds the image placeholder {self._name(self.image_id)} (token id "
+                             f"{self.image_id}) but no image is attached: attach one image per placeholder, or "
+                             "take the placeholder out of the text")
 
     def patches_per_tile(self, tile_h: int, tile_w: int) -> int:
         return (tile_h // self.patch_size) * (tile_w // self.patch_size) // self.downsample_ratio

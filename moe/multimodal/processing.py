@@ -1,13 +1,20 @@
 """A prompt's images -> `ImageItem`s and the prompt ids with each `<|image|>` expanded.
 
 Runs where prompts are processed (the caller's process offline, the API processes under `moe
-serve`): decode each image (PIL image, bytes or base64 data URL), check the count against
-limit_mm_per_prompt, run the checkpoint's image processor (or take its output from the processor
-cache, keyed by the image's hash), and expand the placeholders into the image's tokens.
+serve`, there in several threads at once): decode each image (PIL image, bytes or base64 data URL),
+check the count against limit_mm_per_prompt, run the checkpoint's image processor (or take its
+output from the processor cache, keyed by the image's hash), and expand the placeholders into the
+image's tokens.
+
+Images are refused above `max_pixels`, from their header, before their pixels are decoded:
+MAX_PIXELS_PER_CANVAS_PIXEL times the processor's largest canvas (16 tiles of 336 pixels for
+Llama-4: 1.8 MP, so 29 MP; a 12 MP photo passes). The processor shrinks anything larger onto that
+canvas, so more pixels are only more decoding time and memory (an 88 MP PNG: 1.7 GB).
 """
 from __future__ import annotations
 
 import os
+import threading
 
 import torch
 from PIL import Image
@@ -21,6 +28,14 @@ from moe.multimodal.llama4_prompt import Llama4ImageTokens
 from moe.multimodal.processor_cache import ProcessorCache, SenderCache
 
 GiB = 1 << 30
+MAX_PIXELS_PER_CANVAS_PIXEL = 16  # 4x the largest canvas's side: headroom for the antialiased downscale
+
+
+class _Counts(threading.local):
+    """Lookups and hits, per thread: InputProcessor counts a request's lookups as the difference
+    before and after processing it, which requests in other threads must not change."""
+    queries = 0
+    hits = 0
 
 
 def images_of(mm_data) -> list:
@@ -52,11 +67,26 @@ class ImageProcessing:
         self.tokens = Llama4ImageTokens.from_tokenizer(tokenizer, read_json(os.path.join(model_path,
                                                                                           "processor_config.json")))
         self.processor_kwargs = self.processor.processor_kwargs()
+        canvas_pixels = max(h * w for h, w in self.processor.canvases)
+        self.max_pixels = canvas_pixels * MAX_PIXELS_PER_CANVAS_PIXEL
+        tile = self.processor.tile_size
+        self._max_pixels_why = (f"{MAX_PIXELS_PER_CANVAS_PIXEL}x the largest canvas of this model's image processor, "
+                                f"{canvas_pixels // tile ** 2} tiles of {tile}x{tile}, onto which it shrinks larger "
+                                "images")
         self.cache = ProcessorCache(int(cache_gb * GiB))
+        self._cache_lock = threading.Lock()  # the caches' LRU updates are not atomic
         # Keys-only mode (moe serve, one engine core, mm_processor_cache_type "lru"): the engine
         # core holds the pixels and this side keeps only the IPC cache's keys and layouts.
         self.keys_only: SenderCache | None = None
-        self.queries = self.hits = 0  # lookups of processed images, and those that skipped the processor
+        self._counts = _Counts()  # lookups of processed images, and those that skipped the processor
+
+    @property
+    def queries(self) -> int:
+        return self._counts.queries
+
+    @property
+    def hits(self) -> int:
+        return self._counts.hits
 
     def use_keys_only(self, sender: SenderCache) -> None:
         """Keep only keys and layouts here (the core's side of `sender` holds the pixels)."""
@@ -68,6 +98,7 @@ class ImageProcessing:
         if len(raw) > self.image_limit:
             raise ValueError(f"the prompt has {len(raw)} images, more than limit_mm_per_prompt allows "
                              f"({{'image': {self.image_limit}}})")
+        self.tokens.check_prompt_ids(prompt_token_ids, len(raw))
         if not raw:
             return prompt_token_ids, []
         processed, hashes = [], []
@@ -75,11 +106,12 @@ class ImageProcessing:
             key, item = self._cached(obj)
             if item is None:
                 try:
-                    image = load_image(obj)
+                    image = load_image(obj, self.max_pixels, self._max_pixels_why)
                 except ValueError as e:
                     raise ValueError(f"image {i} of the prompt: {e}") from None
                 item = self.processor([image])[0]
-                self.cache.put(key, item)
+                with self._cache_lock:
+                    self.cache.put(key, item)
             processed.append(item)
             hashes.append(key)
         ids, placeholders = self.tokens.expand_image_placeholders(prompt_token_ids, processed)
@@ -95,7 +127,8 @@ class ImageProcessing:
         sent in between, is processed again from the image as it was given."""
         for item in items:
             if item.pixel_values.is_meta and item.mm_hash not in sender:
-                item.pixel_values = self.processor([load_image(item.source)])[0].pixel_values
+                image = load_image(item.source, self.max_pixels, self._max_pixels_why)
+                item.pixel_values = self.processor([image])[0].pixel_values
 
     def _cached(self, obj) -> tuple[str | None, object]:
         """(the image's key, its processed form if cached). Encoded images (bytes, data URLs) are
@@ -112,13 +145,14 @@ class ImageProcessing:
         return key, self._lookup(key)
 
     def _lookup(self, key: str) -> ProcessedImage | None:
-        self.queries += 1
+        self._counts.queries += 1
         if self.keys_only is not None:
             meta = self.keys_only.metadata(key)  # (shape, dtype, layout) of pixels the core holds
             item = None if meta is None else ProcessedImage(torch.empty(meta[0], dtype=meta[1], device="meta"),
                                                             meta[2])
         else:
-            item = self.cache.get(key)
-        self.hits += item is not None
+            with self._cache_lock:
+                item = self.cache.get(key)
+        self._counts.hits += item is not None
         return item
 

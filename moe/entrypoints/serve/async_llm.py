@@ -1,5 +1,11 @@
-"""AsyncLLM: the engine as an API process sees it. Input processing and output processing run
-here (in the event loop's thread); the engine core(s) run in their own processes (moe/engine/core_client.py).
+"""AsyncLLM: the engine as an API process sees it. Input processing runs here in a thread pool
+(`run_input`: tokenising, chat templates and image decoding take seconds on long inputs, which the
+event loop must not wait for), output processing in the event loop's thread; the engine core(s)
+run in their own processes (moe/engine/core_client.py). Chat templates render in child processes
+(moe/engine/template_renderers.py), where a deadline can be enforced by killing them.
+
+The pool has $MOE_MEDIA_LOADING_THREAD_COUNT threads (else $VLLM_MEDIA_LOADING_THREAD_COUNT, vLLM's
+name; default 8), and as many template renderer processes at most.
 
 With several engine cores (data parallel without expert parallelism), a new request goes to the
 least-loaded core: the waiting + running count each core last reported, plus the sequences this
@@ -13,26 +19,71 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import os
 import time
 from collections import deque
+from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 from functools import partial
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable, TypeVar
 
 from fastapi import HTTPException
 
 from moe.config import EngineArgs
+from moe.engine.chat_template import template_limits
 from moe.engine.core import CoreStepResult, SchedulerStats
 from moe.engine.core_client import CoreProcessClient, EngineDeadError, launch_cores
 from moe.engine.input_processor import InputProcessor, ProcessedPrompt
 from moe.engine.metrics import EngineMetrics
 from moe.engine.model_info import resolve_model_info
 from moe.engine.output_processor import OutputProcessor
+from moe.engine.template_renderers import stop_renderer_processes, use_renderer_processes
 from moe.expert_load.recording import ExpertLoadMeta, ExpertLoadWindow, windows_to_dashboard_json
 from moe.expert_load.tracker import KEPT_WINDOWS
 from moe.outputs import RequestOutput
 from moe.sampling_params import SamplingParams
 
 logger = logging.getLogger("moe.entrypoints.serve")
+
+MEDIA_THREADS_ENV_VARS = ("MOE_MEDIA_LOADING_THREAD_COUNT", "VLLM_MEDIA_LOADING_THREAD_COUNT")
+DEFAULT_MEDIA_THREADS = 8
+# Texts at least this long are tokenised through encode_batch (see _GilReleasingTokenizer).
+_GIL_FREE_ENCODE_CHARS = 16 << 10
+
+T = TypeVar("T")
+
+
+def media_loading_thread_count(environ: Mapping[str, str] = os.environ) -> int:
+    """The input pool's size: $MOE_MEDIA_LOADING_THREAD_COUNT, else $VLLM_MEDIA_LOADING_THREAD_COUNT, else 8."""
+    for name in MEDIA_THREADS_ENV_VARS:
+        raw = environ.get(name)
+        if raw is None or raw.strip() == "":
+            continue
+        try:
+            count = int(raw)
+        except ValueError:
+            count = 0
+        if count < 1:
+            raise ValueError(f"{name}={raw!r} must be a positive integer (threads for input processing)")
+        return count
+    return DEFAULT_MEDIA_THREADS
+
+
+class _GilReleasingTokenizer:
+    """The model's tokenizer, its encode() going through tokenizers' encode_batch for long texts:
+    encode holds the GIL throughout (a 2.4 MB prompt: 2.5 s in which the event loop, though the
+    tokenising ran in another thread, answered nobody), encode_batch releases it. Same ids."""
+
+    def __init__(self, tokenizer) -> None:
+        self._tokenizer = tokenizer
+
+    def __getattr__(self, name):
+        return getattr(self._tokenizer, name)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        if len(text) < _GIL_FREE_ENCODE_CHARS:
+            return self._tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        return self._tokenizer.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
 
 class AsyncLLM:
@@ -42,8 +93,12 @@ class AsyncLLM:
         N); else start them. Only API server 0 counts the cores' own totals (preemptions, prefix-cache
         lookups) into the shared metrics, so that N servers do not count them N times."""
         self.args = args
+        threads = media_loading_thread_count()
+        template_limits()  # a bad MOE_CHAT_TEMPLATE_* variable fails the start, not every chat request
         self.info = resolve_model_info(args)
         self.input = InputProcessor(self.info)
+        if self.info.tokenizer is not None:
+            self.input.tokenizer = _GilReleasingTokenizer(self.info.tokenizer)
         self.metrics = EngineMetrics(args.model)
         self.input.metrics = self.metrics
         self.output = OutputProcessor(self.info.tokenizer, self.metrics, log_stats=not args.disable_log_stats,
@@ -65,6 +120,13 @@ class AsyncLLM:
         self.expert_load_meta: ExpertLoadMeta | None = None  # from the cores, at start
         self.expert_load_windows: deque[ExpertLoadWindow] = deque(maxlen=KEPT_WINDOWS)
         self._window_index = itertools.count()
+        self._input_pool = ThreadPoolExecutor(threads, thread_name_prefix="moe-input")
+        use_renderer_processes(threads)
+        self._closed = False
+
+    async def run_input(self, fn: Callable[..., T], *args) -> T:
+        """fn(*args) in the input thread pool (a request's input processing), off the event loop."""
+        return await asyncio.get_running_loop().run_in_executor(self._input_pool, fn, *args)
 
     async def start(self, timeout_s: float = 600.0) -> None:
         await asyncio.gather(*(c.start(timeout_s) for c in self.clients))
@@ -181,4 +243,9 @@ class AsyncLLM:
             queue.put_nowait(EngineDeadError(why))
 
     async def shutdown(self) -> None:
+        if not self._closed:
+            self._closed = True
+            # Renders in flight end at once (their renderer is killed), then their threads.
+            stop_renderer_processes()
+            self._input_pool.shutdown(wait=False, cancel_futures=True)
         await asyncio.gather(*(c.shutdown() for c in self.clients))

@@ -1,6 +1,10 @@
 """The OpenAI completion and chat-completion handlers: request -> engine prompts and SamplingParams,
 engine deltas -> one JSON response or a stream of server-sent events ending in `data: [DONE]`.
 
+A request's input processing (chat template, tokenisation, image decoding: seconds for a long
+prompt, a large image or a hostile template) runs in the engine's input thread pool, so that the
+event loop keeps serving the other clients (and /health) meanwhile.
+
 Choice index of prompt i's sequence j is i * n + j (as vLLM numbers them). Usage counts each
 prompt's tokens once and every generated token.
 """
@@ -12,6 +16,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
+from moe.engine.chat_template import check_content_parts, check_template_kwargs
 from moe.engine.core_client import EngineDeadError
 from moe.engine.input_processor import ProcessedPrompt, split_chat_images
 from moe.entrypoints.serve.protocol import ChatCompletionRequest, CompletionRequest, ErrorResponse, flatten_content
@@ -78,13 +83,25 @@ class _Handler:
     def _prepare(self, body) -> tuple[list[ProcessedPrompt], object]:
         raise NotImplementedError
 
+    def _prepare_checked(self, body) -> tuple[list[ProcessedPrompt], object]:
+        """_prepare and the checks of its result; in a thread of the engine's input pool."""
+        prompts, params = self._prepare(body)
+        self.engine.input.check_params(params)
+        if self.engine.info.image_limit:
+            # A prompt without images must not hold the image tokens the vision path reads (a
+            # prompt with images was checked when they were expanded).
+            tokens = self.engine.input.images.tokens
+            for p in prompts:
+                if not p.mm_items:
+                    tokens.check_prompt_ids(p.prompt_token_ids, 0)
+        return prompts, params
+
     async def create(self, body):
         """A dict (the response) or, with stream, an async iterator of SSE lines."""
         from moe.entrypoints.serve.api_server import first_then_rest
 
         try:
-            prompts, params = self._prepare(body)
-            self.engine.input.check_params(params)
+            prompts, params = await self.engine.run_input(self._prepare_checked, body)
         except ValueError as e:
             raise _bad_request(e) from None
         request_id = f"{self.id_prefix}-{uuid.uuid4().hex}"
@@ -196,8 +213,10 @@ class ChatHandler(_Handler):
     def _prepare(self, body: ChatCompletionRequest):
         if not body.messages:
             raise ValueError("messages is required: a non-empty list of {'role': ..., 'content': ...}")
+        check_content_parts(body.messages)  # before flatten_content, which keeps only the text parts
         messages = flatten_content(body.messages)
         kwargs = body.chat_template_kwargs or {}
+        check_template_kwargs(kwargs)  # a clash would be a TypeError of process_chat's call
         if body.continue_final_message:
             prompt = self._continue_final(messages, body.generation_prompt(), body.chat_template, kwargs)
         else:
@@ -222,7 +241,7 @@ class ChatHandler(_Handler):
             raise ValueError("continue_final_message: the chat template does not render the last message's "
                              "content as given, so there is no end of it to continue from")
         text = text[:text.index(marker)]
-        tok = self.engine.info.tokenizer
+        tok = self.engine.input.tokenizer
         if tok is None:
             raise ValueError("chat needs a tokenizer: this model folder has no tokenizer.json")
         # The template writes the special tokens itself, as for any chat prompt.
