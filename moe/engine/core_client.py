@@ -1,7 +1,9 @@
 """The API process's side of an engine core in its own process: start it, talk to it over a
 ZeroMQ DEALER socket (asyncio), and notice when it dies.
 
-`launch_core(args)` starts `python -m moe.engine.core_process` on a fresh ipc address. `CoreProcessClient`
+`launch_cores(args)` starts `python -m moe.engine.core_process` on fresh ipc addresses, in a folder
+/tmp/moe-core-<pid>-<random> that the launching process removes when it exits (atexit);
+`reclaim_stale_temp_folders()` removes those of processes that were killed. `CoreProcessClient`
 either launches its own core (one API process) or connects to one a launcher started (with
 `--api-server-count N`, every API process connects to the same core), says hello and waits for
 the "ready" answer (bounded, failing at once if the process exits). Its output loop hands every
@@ -11,10 +13,13 @@ core reports a failure or its process is gone.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import dataclasses
 import json
 import logging
 import os
+import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -54,7 +59,7 @@ def launch_cores(args: EngineArgs) -> tuple[list[subprocess.Popen], list[str]]:
     """Start the engine core processes on fresh ipc addresses; they exit when this process is gone.
     Core i of several sees its own slice of the GPUs (tensor x pipeline parallel size each)."""
     count, core_args = core_layout(args)
-    folder = tempfile.mkdtemp(prefix="moe-core-")
+    folder = owned_temp_folder(CORE_FOLDER_PREFIX)
     gpus_per_core = core_args.tensor_parallel_size * core_args.pipeline_parallel_size
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     devices = visible.split(",") if visible else [str(i) for i in range(_cuda_device_count())]
@@ -71,6 +76,45 @@ def launch_cores(args: EngineArgs) -> tuple[list[subprocess.Popen], list[str]]:
                                        json.dumps(dataclasses.asdict(core_args)), str(os.getpid())], env=env))
         addresses.append(address)
     return procs, addresses
+
+
+CORE_FOLDER_PREFIX = "moe-core-"
+
+
+def owned_temp_folder(prefix: str) -> str:
+    """A fresh folder <tmp>/<prefix><this pid>-<random>, removed when this process exits normally;
+    the pid in its name lets reclaim_stale_temp_folders() tell when it is left over."""
+    folder = tempfile.mkdtemp(prefix=f"{prefix}{os.getpid()}-")
+    atexit.register(_remove_owned_folder, folder, os.getpid())
+    return folder
+
+
+def _remove_owned_folder(folder: str, owner: int) -> None:
+    if os.getpid() == owner:  # not in a forked child that exits normally while the owner serves on
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def reclaim_stale_temp_folders(prefixes: tuple[str, ...]) -> list[str]:
+    """Remove the folders <tmp>/<prefix><pid>-* whose owner process is gone (a killed server's);
+    the paths removed. A live process's folder is never touched. (Folders named without a pid, by
+    older versions, are left alone: nothing tells whose they are.)"""
+    if not os.path.isdir("/proc"):  # process_alive needs /proc: better to leave them than to guess
+        return []
+    root = tempfile.gettempdir()
+    removed = []
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return removed
+    for name in names:
+        m = next((m for p in prefixes if (m := re.fullmatch(re.escape(p) + r"(\d+)-[\w]+", name))), None)
+        path = os.path.join(root, name)
+        if m is None or process_alive(int(m.group(1))) or os.path.islink(path) or not os.path.isdir(path):
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+        if not os.path.exists(path):
+            removed.append(path)
+    return removed
 
 
 def _cuda_device_count() -> int:

@@ -137,6 +137,7 @@ class CoreServer:
             elif os.getppid() != parent_pid:
                 logger.info("the API process is gone: the engine core exits")
                 return
+            self.pins.sweep()  # the shared-memory stores of API processes that died (at most once a second)
 
 
 def main(argv: list[str]) -> int:

@@ -32,13 +32,25 @@ What the callers must guarantee (the ordering/usage assumptions):
 The number of readers is fixed at creation. The writer unlinks the segment on close(); a writer
 killed by SIGKILL leaves it to the multiprocessing resource tracker of the writer's process tree,
 which unlinks it when every process sharing that tracker has exited. Readers never register the
-segment with a resource tracker, so a reader's exit never unlinks it.
+segment with a resource tracker, so a reader's exit never unlinks it. When the whole tree is killed
+(tracker too), reclaim_stale_segments() removes what is left: the writer and the counting readers
+hold a shared flock on the segment while attached, so a segment nobody holds (and whose writer pid,
+in its name, is gone) is garbage.
+
+No SIGBUS: a tmpfs page is allocated when first touched, and a write to a page that a full /dev/shm
+cannot supply kills the writer with SIGBUS. The writer therefore reserves (posix_fallocate) the bytes
+of an object before writing them; a reservation that fails (ENOSPC) is Refused.NO_SPACE, and the
+object travels inline. The ring is filled from offset 0 up, so the reserved bytes are one prefix.
 """
 from __future__ import annotations
 
 import enum
+import errno
+import fcntl
 import json
+import logging
 import os
+import re
 import sys
 import threading
 from collections import deque
@@ -49,6 +61,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 import torch
+
+logger = logging.getLogger("moe.multimodal")
 
 _ALIGN = 64
 _SEGMENT_MAGIC = 0x4D4F454D4D534831  # "MOEMMSH1"
@@ -67,6 +81,7 @@ class Refused(str, enum.Enum):
     """Why put stored nothing (send the object inline instead)."""
     FULL = "full"  # no room: the oldest objects are still being read
     TOO_LARGE = "too_large"  # bigger than max_object_bytes
+    NO_SPACE = "no_space"  # /dev/shm cannot supply the pages (full since the store was made)
 
 
 class StaleHandleError(RuntimeError):
@@ -154,6 +169,55 @@ def _check_shm_space(size: int) -> None:
                          f"(docker run --shm-size)")
 
 
+def _reserve(shm: SharedMemory, offset: int, length: int) -> None:
+    """Allocate the segment's pages for [offset, offset + length) now, so that writing them cannot
+    SIGBUS; OSError (ENOSPC: /dev/shm is full) if they cannot be had."""
+    if length > 0 and hasattr(os, "posix_fallocate"):  # not on macOS (no tmpfs SIGBUS to avoid there)
+        os.posix_fallocate(shm._fd, offset, length)
+
+
+def _hold(shm: SharedMemory) -> None:
+    """A shared flock on the segment for as long as this attachment's fd is open (closing it, or
+    the process dying, lets go): a flock, unlike a pid, is seen across pid namespaces sharing /dev/shm."""
+    fcntl.flock(shm._fd, fcntl.LOCK_SH)
+
+
+_SHM_DIR = "/dev/shm"
+
+
+def reclaim_stale_segments(prefix: str, folder: str = _SHM_DIR) -> list[str]:
+    """Unlink the segments named <prefix><pid>_<hex> whose writer process is gone and that no
+    process holds (no writer or counting reader attached); the names removed. A live store is
+    never touched: its writer's pid exists, or its flock is held."""
+    removed = []
+    try:
+        names = [n for n in os.listdir(folder) if n.startswith(prefix)]
+    except OSError:  # no /dev/shm: nothing to reclaim
+        return removed
+    for name in names:
+        m = re.fullmatch(re.escape(prefix) + r"(\d+)_[0-9a-f]+", name)
+        if m is None or _pid_alive(int(m.group(1))):
+            continue
+        path = os.path.join(folder, name)
+        try:
+            fd = os.open(path, os.O_RDWR | getattr(os, "O_NOFOLLOW", 0))
+        except OSError:  # gone meanwhile, or not ours to open
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:  # held: a live store (perhaps of another pid namespace)
+            os.close(fd)
+            continue
+        try:
+            os.unlink(path)
+            removed.append(name)
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+    return removed
+
+
 def _pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -181,6 +245,13 @@ class SharedMemoryObjectStore:
         data_offset = _round_up((_CONTROL_WORDS + num_readers) * 8)
         _check_shm_space(data_offset + capacity)
         shm = SharedMemory(name=name, create=True, size=data_offset + capacity)
+        try:
+            _reserve(shm, 0, data_offset)  # the control block: written below
+        except OSError as exc:
+            shm.close()
+            shm.unlink()
+            raise ValueError(f"cannot allocate the shared-memory store's first page in /dev/shm: {exc}") from None
+        _hold(shm)
         self._init_common(shm, writer=True, num_readers=num_readers, capacity=capacity, data_offset=data_offset)
         w = self._words
         w[0:6] = [_SEGMENT_MAGIC, _VERSION, num_readers, capacity, data_offset, os.getpid()]
@@ -189,7 +260,9 @@ class SharedMemoryObjectStore:
         self._fifo: deque[_Entry] = deque()
         self._by_key: dict[str, _Entry] = {}
         self._next_seq = 1
+        self._reserved = 0  # bytes of the data ring [0, _reserved) with their pages allocated
         self.hits = self.queries = self.evictions = self.refused_full = self.refused_too_large = 0
+        self.refused_no_space = 0
 
     def _init_common(self, shm: SharedMemory, writer: bool, num_readers: int, capacity: int,
                      data_offset: int) -> None:
@@ -241,6 +314,7 @@ class SharedMemoryObjectStore:
                                f"process {holder}: each reader needs its own reader_index")
         self._words[slot] = os.getpid()
         self.reader_index = reader_index
+        _hold(shm)  # a counting reader's pins keep the segment alive (see reclaim_stale_segments)
         return self
 
     # ---- writer ----------------------------------------------------------------------------
@@ -289,6 +363,15 @@ class SharedMemoryObjectStore:
         if offset is None:
             self.refused_full += 1
             return Refused.FULL
+        if offset + size > self._reserved:
+            try:
+                _reserve(self._shm, self._data_offset + self._reserved, offset + size - self._reserved)
+            except OSError as exc:
+                if exc.errno not in (errno.ENOSPC, errno.ENOMEM) and not self.refused_no_space:
+                    logger.warning("cannot reserve shared memory in %s (%s): objects go inline", self.name, exc)
+                self.refused_no_space += 1
+                return Refused.NO_SPACE
+            self._reserved = offset + size
         seq = self._next_seq
         self._next_seq += 1
         base = self._data_offset + offset
@@ -345,8 +428,13 @@ class SharedMemoryObjectStore:
         """Stored keys, oldest first (the eviction order)."""
         return [e.handle.key for e in self._fifo]
 
+    @property
+    def writer_pid(self) -> int:
+        return int(self._words[5])
+
     def reset_counters(self) -> None:
         self.hits = self.queries = self.evictions = self.refused_full = self.refused_too_large = 0
+        self.refused_no_space = 0
 
     # ---- readers ---------------------------------------------------------------------------
     def get(self, handle: ShmHandle | list, copy: bool = True) -> dict[str, Any]:

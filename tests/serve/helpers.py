@@ -47,15 +47,26 @@ def cli_engine_args() -> list[str]:
 
 
 class ServerProcess:
-    def __init__(self, model: str, log_path: str, extra: list[str] = (), startup_s: float = 120.0) -> None:
+    """`moe serve` on loopback, returned once /health answers. api_key=None leaves --api-key off (the key,
+    if any, then comes from `env`); `env` is merged over os.environ; `launcher` replaces
+    `python -m moe.entrypoints.cli` (e.g. a wrapper script); start_new_session puts the server in a
+    process group of its own, so that a test can signal all of it."""
+
+    log_tail = 4000  # characters of the log that read_log returns
+
+    def __init__(self, model: str, log_path: str, extra: list[str] = (), startup_s: float = 120.0, *,
+                 api_key: str | None = API_KEY, env: dict | None = None, launcher: list[str] | None = None,
+                 start_new_session: bool = False) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = open(log_path, "w")
+        key_flag = ["--api-key", api_key] if api_key is not None else []
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "moe.entrypoints.cli", "serve", model, "--host", "127.0.0.1",
-             "--port", str(self.port), "--served-model-name", MODEL_NAME, "--api-key", API_KEY,
+            [*(launcher or [sys.executable, "-m", "moe.entrypoints.cli"]), "serve", model, "--host", "127.0.0.1",
+             "--port", str(self.port), "--served-model-name", MODEL_NAME, *key_flag,
              "--uvicorn-log-level", "warning", *cli_engine_args(), *extra],
-            cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT)
+            cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=start_new_session,
+            env={**os.environ, **(env or {})})
         deadline = time.monotonic() + startup_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -72,7 +83,7 @@ class ServerProcess:
     def read_log(self) -> str:
         self.log.flush()
         with open(self.log.name) as f:
-            return f.read()[-4000:]
+            return f.read()[-self.log_tail:]
 
     def core_pid(self) -> int:
         """The engine core: the child process of the server running moe.engine.core_process."""

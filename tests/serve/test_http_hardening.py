@@ -9,11 +9,8 @@ and `env_server` (its key from the environment only, /metrics open)."""
 from __future__ import annotations
 
 import json
-import os
 import selectors
 import socket
-import subprocess
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -21,7 +18,7 @@ import httpx
 import pytest
 
 from moe.entrypoints.serve.api_server import json_body_problem, resolve_api_key
-from tests.serve.helpers import API_KEY, MODEL_NAME, ROOT, ServerProcess, cli_engine_args, free_port, headers
+from tests.serve.helpers import API_KEY, MODEL_NAME, ServerProcess, headers
 
 BODY_LIMIT = 64 * 1024
 BODY_TIMEOUT_S = 1.0
@@ -29,51 +26,20 @@ MOE_KEY, VLLM_KEY = "moe-env-key", "vllm-env-key"
 COMPLETION = {"model": MODEL_NAME, "prompt": "hi", "max_tokens": 2}
 
 
-class EnvKeyServer(ServerProcess):
-    """ServerProcess without --api-key on its command line: the key comes from `env` alone."""
-
-    def __init__(self, model: str, log_path: str, env: dict, extra: list[str] = (), startup_s: float = 120.0) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = open(log_path, "w")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "moe.entrypoints.cli", "serve", model, "--host", "127.0.0.1",
-             "--port", str(self.port), "--served-model-name", MODEL_NAME, "--uvicorn-log-level", "warning",
-             *cli_engine_args(), *extra],
-            cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT, env=env)
-        deadline = time.monotonic() + startup_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"moe serve exited with {self.proc.returncode}: {self.read_log()}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=1.0).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.25)
-        self.stop()
-        raise RuntimeError(f"moe serve did not become healthy within {startup_s} s: {self.read_log()}")
-
-
 @pytest.fixture(scope="module")
 def servers(model_dir, tmp_path_factory):
     logs = tmp_path_factory.mktemp("log")
-    without_keys = {k: v for k, v in os.environ.items() if k not in ("MOE_API_KEY", "VLLM_API_KEY")}
 
     def flag_server():
-        # ServerProcess passes --api-key; the environment's key, given too, must lose to it.
-        mp = pytest.MonkeyPatch()
-        mp.setenv("MOE_API_KEY", MOE_KEY)
-        try:
-            return ServerProcess(model_dir, str(logs / "flag.log"), extra=[
-                "--max-request-body-bytes", str(BODY_LIMIT), "--request-body-timeout", str(BODY_TIMEOUT_S)])
-        finally:
-            mp.undo()
+        # --api-key and MOE_API_KEY both: the flag must win.
+        return ServerProcess(model_dir, str(logs / "flag.log"), env={"MOE_API_KEY": MOE_KEY}, extra=[
+            "--max-request-body-bytes", str(BODY_LIMIT), "--request-body-timeout", str(BODY_TIMEOUT_S)])
 
     def env_server():
-        return EnvKeyServer(model_dir, str(logs / "env.log"), env={**without_keys, "MOE_API_KEY": MOE_KEY,
-                                                                     "VLLM_API_KEY": VLLM_KEY},
-                            extra=["--metrics-without-api-key"])
+        # No --api-key: the key comes from the environment alone (MOE_API_KEY over VLLM_API_KEY).
+        return ServerProcess(model_dir, str(logs / "env.log"), api_key=None,
+                             env={"MOE_API_KEY": MOE_KEY, "VLLM_API_KEY": VLLM_KEY},
+                             extra=["--metrics-without-api-key"])
 
     # Side by side: each takes seconds to load the model.
     with ThreadPoolExecutor(2) as pool:

@@ -14,6 +14,17 @@ Every request passes `_RequestGuard` first: the API key (on every path but /heal
 /metrics too unless --metrics-without-api-key), then the body's size (--max-request-body-bytes)
 and read deadline (--request-body-timeout), then, for a JSON body, that it is UTF-8 JSON without
 duplicate keys. Each refusal is an OpenAI-style error body.
+
+Shutdown (SIGTERM, or Ctrl-C): each API process drains (`_Drain`): new requests get a 503 (the
+socket stays open, so clients see why rather than a refused connection), those in flight get up to
+--shutdown-timeout seconds, then streams still running end with an error event and `data: [DONE]`
+and unanswered requests get a 503; then the engine core stops. A second Ctrl-C ends at once.
+
+The launcher (N > 1) restarts an API process that dies (same index, same port and cores). A death
+before any API process has served stops the service (a start-up failure), as do restarts too
+frequent to be anything but a loop.
+At start, `moe serve` removes what servers killed with SIGKILL left in /tmp and /dev/shm (never a
+live server's: the owner's pid is in each name, and live shared-memory stores hold a flock).
 """
 # No `from __future__ import annotations`: FastAPI reads the handlers' annotations (Request is
 # imported inside build_app) at run time.
@@ -24,11 +35,13 @@ import binascii
 import hmac
 import json
 import logging
+import math
 import os
+import shutil
 import signal
 import socket
-import tempfile
 import time
+from collections import deque
 from collections.abc import Mapping
 from contextlib import asynccontextmanager
 
@@ -47,12 +60,82 @@ DEFAULT_REQUEST_BODY_TIMEOUT_S = 30.0
 # Bodies larger than this are checked for JSON in a worker thread, so that the event loop keeps
 # streaming the other requests' tokens meanwhile.
 _JSON_CHECK_IN_THREAD_BYTES = 1 << 20
+# 25 s of drain leaves room, within Kubernetes' default 30 s grace before SIGKILL, to end what is
+# left with an error event and to stop the engine core.
+DEFAULT_SHUTDOWN_TIMEOUT_S = 25.0
+_END_GRACE_S = 5.0  # after the drain: time for the requests told to end to send their last bytes
+_UVICORN_GRACE_S = 3.0  # then uvicorn's own wait for connections (a backstop: none should be left)
+PROMETHEUS_FOLDER_PREFIX = "moe-prometheus-"
+_STARTUP_FAILURE = 3  # the exit status uvicorn.run gives when the app does not start
+_RESTART_LIMIT = 5  # API process restarts within _RESTART_WINDOW_S before the launcher gives up
+_RESTART_WINDOW_S = 60.0
+
+
+class _Drain:
+    """What SIGTERM starts in an API process (see _serve): new requests are refused with a 503, the
+    ones in flight get timeout_s to finish, then `stop` is set and they end at once (a stream with an
+    error event and [DONE], a request not yet answered with a 503)."""
+
+    def __init__(self, timeout_s: float) -> None:
+        self.timeout_s = timeout_s
+        self.draining = False
+        self.in_flight = 0  # HTTP requests inside _RequestGuard
+        self.stop = asyncio.Event()
+
+    def error(self) -> dict:
+        return error_body(f"the server is shutting down: this request did not finish within the "
+                          f"{self.timeout_s:g} s it had (--shutdown-timeout)", "ServiceUnavailableError", 503)
+
+    async def _until_idle(self, timeout_s: float) -> bool:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while self.in_flight and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        return not self.in_flight
+
+    async def run(self) -> None:
+        self.draining = True
+        logger.info("shutting down: new requests get 503; %d in flight get up to %g s to finish",
+                    self.in_flight, self.timeout_s)
+        if not await self._until_idle(self.timeout_s):
+            logger.warning("shutting down: %d request(s) still running after %g s (--shutdown-timeout): "
+                           "ending them with a 503 error", self.in_flight, self.timeout_s)
+            self.stop.set()
+            await self._until_idle(_END_GRACE_S)
+
+
+async def _until_stopped(agen, drain: _Drain):
+    """The items of the SSE stream `agen`, until the drain's stop: then an error event and [DONE]
+    (closing `agen` aborts the request in the engine)."""
+    stop = asyncio.ensure_future(drain.stop.wait())
+    step = None
+    try:
+        while True:
+            step = asyncio.ensure_future(agen.__anext__())
+            await asyncio.wait({step, stop}, return_when=asyncio.FIRST_COMPLETED)
+            if not step.done():
+                break
+            try:
+                item = step.result()
+            except StopAsyncIteration:
+                return
+            step = None
+            yield item
+        yield sse({"error": drain.error()["error"]})
+        yield sse("[DONE]")
+    finally:
+        stop.cancel()
+        if step is not None and not step.done():  # aclose() may not run while __anext__ does
+            step.cancel()
+            await asyncio.gather(step, return_exceptions=True)
+        await agen.aclose()
 
 
 def build_app(args: EngineArgs, served_model_name: str | None = None, api_key: str | None = None,
               core_addresses: list[str] | None = None, core_pids: list[int] | None = None, server_index: int = 0,
               metrics_without_api_key: bool = False, max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
-              request_body_timeout_s: float = DEFAULT_REQUEST_BODY_TIMEOUT_S):
+              request_body_timeout_s: float = DEFAULT_REQUEST_BODY_TIMEOUT_S,
+              shutdown_timeout_s: float = DEFAULT_SHUTDOWN_TIMEOUT_S):
     from fastapi import FastAPI, Request
     from fastapi.exceptions import RequestValidationError
     from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -77,6 +160,7 @@ def build_app(args: EngineArgs, served_model_name: str | None = None, api_key: s
             await engine.shutdown()
 
     app = FastAPI(title="moe-runtime", version=moe.__version__, lifespan=lifespan)
+    drain = app.state.drain = _Drain(shutdown_timeout_s)
     completions = CompletionHandler(engine, model_name)
     chat = ChatHandler(engine, model_name)
 
@@ -101,7 +185,7 @@ def build_app(args: EngineArgs, served_model_name: str | None = None, api_key: s
 
     open_paths = (OPEN_PATHS | {"/metrics"}) if metrics_without_api_key else OPEN_PATHS
     app.add_middleware(_RequestGuard, api_key=api_key, server_index=server_index, open_paths=open_paths,
-                       max_body_bytes=max_request_body_bytes, body_timeout_s=request_body_timeout_s)
+                       max_body_bytes=max_request_body_bytes, body_timeout_s=request_body_timeout_s, drain=drain)
 
     def check_model(name: str | None) -> None:
         if name is not None and name != model_name:
@@ -116,6 +200,10 @@ def build_app(args: EngineArgs, served_model_name: str | None = None, api_key: s
             done, _ = await asyncio.wait({task}, timeout=_DISCONNECT_POLL_S)
             if done:
                 break
+            if drain.stop.is_set():  # shutting down, and the drain's time is up
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+                return JSONResponse(drain.error(), status_code=503, headers={"connection": "close"})
             if await request.is_disconnected():
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
@@ -123,7 +211,7 @@ def build_app(args: EngineArgs, served_model_name: str | None = None, api_key: s
         result = task.result()
         if isinstance(result, dict):
             return JSONResponse(result)
-        return StreamingResponse(result, media_type="text/event-stream")
+        return StreamingResponse(_until_stopped(result, drain), media_type="text/event-stream")
 
     @app.post("/v1/completions")
     async def create_completion(body: CompletionRequest, request: Request):
@@ -250,15 +338,17 @@ class _RequestGuard:
     """Plain ASGI middleware (not BaseHTTPMiddleware, which hides a client's disconnect from the
     handlers). In order: the API key (before any body is read, so that a client without it cannot
     make the server buffer anything), the body's size and read deadline, the body's JSON; and every
-    response names the API process in a header.
+    response names the API process in a header. While the server drains for shutdown every new
+    request gets a 503; the others are counted, for the drain to know when none is left.
 
     The body is read whole here (FastAPI reads it whole anyway, before the handler runs) and handed
     on as one message; later receive() calls go to the server, so a client's disconnect still shows."""
 
     def __init__(self, app, api_key: str | None, server_index: int, open_paths: frozenset[str] = OPEN_PATHS,
                  max_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
-                 body_timeout_s: float = DEFAULT_REQUEST_BODY_TIMEOUT_S) -> None:
+                 body_timeout_s: float = DEFAULT_REQUEST_BODY_TIMEOUT_S, drain: _Drain | None = None) -> None:
         self.app = app
+        self.drain = drain if drain is not None else _Drain(DEFAULT_SHUTDOWN_TIMEOUT_S)
         self.key = None if api_key is None else api_key.encode()
         self.open_paths = open_paths
         self.max_body_bytes = max_body_bytes
@@ -274,6 +364,17 @@ class _RequestGuard:
                 message["headers"] = [*message.get("headers", []), self.index_header]
             await send(message)
 
+        if self.drain.draining:
+            return await self._refuse(_Refusal(503, "the server is shutting down: send the request to another "
+                                               "server, or again once it is back", "ServiceUnavailableError",
+                                               close=True), scope, receive, send_with_index)
+        self.drain.in_flight += 1
+        try:
+            await self._guarded(scope, receive, send_with_index)
+        finally:
+            self.drain.in_flight -= 1
+
+    async def _guarded(self, scope, receive, send_with_index):
         try:
             if self.key is not None and scope["path"] not in self.open_paths:
                 self._check_key(scope)
@@ -335,21 +436,33 @@ class _RequestGuard:
         chunks, size, more = [], 0, True
         # One deadline for the whole body, not one per chunk: a client trickling a byte now and
         # then must not hold its connection (and its buffer) forever.
-        deadline = asyncio.get_running_loop().time() + self.body_timeout_s
-        while more:
-            try:
-                message = await asyncio.wait_for(receive(), max(0.0, deadline - asyncio.get_running_loop().time()))
-            except asyncio.TimeoutError:
-                raise _Refusal(408, f"the request body did not arrive within {self.body_timeout_s:g} s",
-                               "RequestTimeoutError", close=True) from None
-            if message["type"] == "http.disconnect":
-                return None
-            chunk = message.get("body", b"")
-            size += len(chunk)
-            if size > self.max_body_bytes:
-                raise self._too_large("the request body")
-            chunks.append(chunk)
-            more = message.get("more_body", False)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.body_timeout_s
+        # A body still arriving when the shutdown drain's time is up must not hold the exit back.
+        stop = asyncio.ensure_future(self.drain.stop.wait())
+        try:
+            while more:
+                step = asyncio.ensure_future(receive())
+                await asyncio.wait({step, stop}, timeout=max(0.0, deadline - loop.time()),
+                                   return_when=asyncio.FIRST_COMPLETED)
+                if not step.done():
+                    step.cancel()
+                    if stop.done():
+                        raise _Refusal(503, self.drain.error()["error"]["message"], "ServiceUnavailableError",
+                                       close=True)
+                    raise _Refusal(408, f"the request body did not arrive within {self.body_timeout_s:g} s",
+                                   "RequestTimeoutError", close=True)
+                message = step.result()
+                if message["type"] == "http.disconnect":
+                    return None
+                chunk = message.get("body", b"")
+                size += len(chunk)
+                if size > self.max_body_bytes:
+                    raise self._too_large("the request body")
+                chunks.append(chunk)
+                more = message.get("more_body", False)
+        finally:
+            stop.cancel()
         return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
     def _too_large(self, what: str) -> _Refusal:
@@ -386,30 +499,93 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                         help="seconds a client has to send a request's whole body after its headers; "
                              "then 408 and the connection is closed")
     parser.add_argument("--api-server-count", type=int, default=1,
-                        help="API processes sharing the port (each tokenises and detokenises its own requests)")
+                        help="API processes sharing the port (each tokenises and detokenises its own requests); "
+                             "one that dies is restarted")
+    parser.add_argument("--shutdown-timeout", type=float, default=DEFAULT_SHUTDOWN_TIMEOUT_S,
+                        help="seconds that requests in flight at SIGTERM get to finish (new ones get 503 "
+                             "meanwhile); then streams end with an error event and [DONE], other requests get "
+                             "503, and the server exits")
     parser.add_argument("--uvicorn-log-level", default="info",
                         choices=["critical", "error", "warning", "info", "debug", "trace"])
 
 
 def run_server(args: argparse.Namespace, engine_args: EngineArgs) -> int:
-    import uvicorn
-
     if args.api_server_count < 1:
         raise ValueError(f"--api-server-count must be >= 1, got {args.api_server_count}")
     if args.max_request_body_bytes < 1:
         raise ValueError(f"--max-request-body-bytes must be >= 1, got {args.max_request_body_bytes}")
     if not args.request_body_timeout > 0:  # NaN too
         raise ValueError(f"--request-body-timeout must be > 0 seconds, got {args.request_body_timeout}")
+    if not (args.shutdown_timeout >= 0 and math.isfinite(args.shutdown_timeout)):
+        raise ValueError(f"--shutdown-timeout must be a number of seconds >= 0, got {args.shutdown_timeout}")
     args.api_key = resolve_api_key(args.api_key)  # before any process starts: the API processes get it resolved
+    _reclaim_leftovers()
     if args.api_server_count > 1:
         return _run_launcher(args, engine_args)
     app = _build_app_from_args(args, engine_args)
     logger.info("serving %s on http://%s:%d", engine_args.model, args.host, args.port)
-    # SIGTERM / Ctrl-C: uvicorn stops accepting, lets in-flight requests finish, then the lifespan
-    # shutdown stops the engine core.
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
-                timeout_graceful_shutdown=30)
-    return 0
+    return 0 if _serve(app, args) else _STARTUP_FAILURE
+
+
+def _reclaim_leftovers() -> None:
+    """Remove what killed servers left: /tmp/moe-core-*, /tmp/moe-prometheus-*, /dev/shm/moe_mm_*."""
+    from moe.engine.core_client import CORE_FOLDER_PREFIX, reclaim_stale_temp_folders
+    from moe.multimodal.shm_transport import reclaim_stale_stores
+
+    removed = reclaim_stale_temp_folders((CORE_FOLDER_PREFIX, PROMETHEUS_FOLDER_PREFIX))
+    removed += [f"/dev/shm/{name}" for name in reclaim_stale_stores()]
+    if removed:
+        logger.info("removed %d leftover(s) of server processes that were killed: %s", len(removed),
+                    " ".join(removed))
+
+
+def _serve(app, args: argparse.Namespace, sockets: list[socket.socket] | None = None, on_started=None) -> bool:
+    """Run uvicorn on `app` until a signal ends it, draining first (see _Drain); whether it started."""
+    import uvicorn
+
+    drain: _Drain = app.state.drain
+
+    class DrainingServer(uvicorn.Server):
+        loop: asyncio.AbstractEventLoop | None = None
+        drain_task: asyncio.Task | None = None
+
+        async def serve(self, sockets=None):
+            self.loop = asyncio.get_running_loop()
+            await super().serve(sockets)
+
+        async def startup(self, sockets=None):
+            await super().startup(sockets)
+            if self.started and on_started is not None:
+                on_started()
+
+        def handle_exit(self, sig, frame):
+            # Not uvicorn's: it would stop at once, and re-raise the signal after shutdown (a SIGTERM
+            # exit status after a clean drain).
+            if drain.draining or self.drain_task is not None:
+                if sig == signal.SIGINT:  # Ctrl-C again: stop now
+                    self.should_exit = self.force_exit = True
+                return  # SIGTERM again (the launcher forwards one): the drain goes on
+            if not self.started or self.loop is None:  # still starting: nothing to drain
+                self.should_exit = True
+                return
+            self.loop.call_soon_threadsafe(self._start_drain)
+
+        def _start_drain(self):
+            if self.drain_task is None:
+                drain.draining = True  # at once: a request arriving before the task runs gets its 503
+                self.drain_task = self.loop.create_task(self._drain_then_exit())
+
+        async def _drain_then_exit(self):
+            try:
+                await drain.run()
+            finally:
+                self.should_exit = True
+
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
+                            timeout_graceful_shutdown=_UVICORN_GRACE_S)
+    server = DrainingServer(config)
+    server.run(sockets=sockets)
+    return server.started
 
 
 def _build_app_from_args(args: argparse.Namespace, engine_args: EngineArgs, core_addresses: list[str] | None = None,
@@ -417,7 +593,7 @@ def _build_app_from_args(args: argparse.Namespace, engine_args: EngineArgs, core
     return build_app(engine_args, args.served_model_name, args.api_key, core_addresses, core_pids, server_index,
                      metrics_without_api_key=args.metrics_without_api_key,
                      max_request_body_bytes=args.max_request_body_bytes,
-                     request_body_timeout_s=args.request_body_timeout)
+                     request_body_timeout_s=args.request_body_timeout, shutdown_timeout_s=args.shutdown_timeout)
 
 
 def _reuseport_socket(host: str, port: int) -> socket.socket:
@@ -429,54 +605,120 @@ def _reuseport_socket(host: str, port: int) -> socket.socket:
 
 
 def _api_server_main(args: argparse.Namespace, engine_args: EngineArgs, index: int, addresses: list[str],
-                     core_pids: list[int]) -> None:
-    """One of N API processes (spawned by the launcher)."""
-    import uvicorn
-
+                     core_pids: list[int], ready=None) -> None:
+    """One of N API processes (spawned by the launcher); `ready` (a shared byte) is set to 1 once it serves."""
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s")
     app = _build_app_from_args(args, engine_args, addresses, core_pids, index)
-    config = uvicorn.Config(app, log_level=args.uvicorn_log_level, timeout_graceful_shutdown=30)
-    uvicorn.Server(config).run(sockets=[_reuseport_socket(args.host, args.port)])
+
+    def started():
+        if ready is not None:
+            ready.value = 1
+
+    _serve(app, args, sockets=[_reuseport_socket(args.host, args.port)], on_started=started)
+
+
+def _exit_description(code: int | None) -> str:
+    if code is not None and code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit status {code}"
+
+
+def _forget_api_process(pid: int) -> None:
+    """Clean up after an API process that died: its live gauges, its shared-memory stores (removed
+    here unless an engine core still pins them; the core removes those once their requests end)."""
+    from multiprocessing import resource_tracker
+
+    from prometheus_client import multiprocess
+
+    from moe.multimodal.shm_transport import STORE_PREFIX, reclaim_stale_stores
+
+    multiprocess.mark_process_dead(pid)
+    try:
+        names = [n for n in os.listdir("/dev/shm") if n.startswith(f"{STORE_PREFIX}{pid}_")]
+    except OSError:
+        names = []
+    for name in names:
+        # The resource tracker (shared with the API processes) would unlink them at exit and warn of
+        # a leak, or of a name already gone: they are removed here or by the core instead.
+        resource_tracker.unregister(f"/{name}", "shared_memory")
+    reclaim_stale_stores()
 
 
 def _run_launcher(args: argparse.Namespace, engine_args: EngineArgs) -> int:
     import multiprocessing
 
-    from moe.engine.core_client import launch_cores
+    from moe.engine.core_client import launch_cores, owned_temp_folder
 
     # Before any API process imports prometheus_client: they all write to this folder.
-    os.environ["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix="moe-prometheus-")
+    metrics_dir = owned_temp_folder(PROMETHEUS_FOLDER_PREFIX)
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
     cores, addresses = launch_cores(engine_args)
+    core_pids = [c.pid for c in cores]
     ctx = multiprocessing.get_context("spawn")
     args = argparse.Namespace(**{k: v for k, v in vars(args).items() if k != "func"})  # plain values to pickle
-    servers = [ctx.Process(target=_api_server_main, args=(args, engine_args, i, addresses, [c.pid for c in cores]),
-                           name=f"moe-api-server-{i}") for i in range(args.api_server_count)]
-    for p in servers:
+
+    def start(index: int):
+        # A byte of shared memory, not an Event: an Event's named semaphores would stay in /dev/shm
+        # after a SIGKILL of the process group (its resource tracker dies too).
+        ready = ctx.RawValue("b", 0)
+        p = ctx.Process(target=_api_server_main, args=(args, engine_args, index, addresses, core_pids, ready),
+                        name=f"moe-api-server-{index}")
         p.start()
+        return p, ready
+
+    servers = [start(i) for i in range(args.api_server_count)]
     logger.info("serving %s on http://%s:%d with %d API processes (engine core pids %s)", engine_args.model,
-                args.host, args.port, len(servers), [c.pid for c in cores])
+                args.host, args.port, len(servers), core_pids)
     stopping = []
     signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
     status = 0
+    restarts: deque[float] = deque()  # when API processes were restarted, within _RESTART_WINDOW_S
     try:
         while not stopping:
             for core in cores:
                 core.poll()  # reaps a dead core, so that the API processes see it gone
-            if any(not p.is_alive() for p in servers):
-                logger.error("an API process exited: stopping")
-                status = 1
-                break
-            time.sleep(0.5)
+            for i, (p, _ready) in enumerate(servers):
+                if stopping or p.is_alive():
+                    continue
+                how = _exit_description(p.exitcode)
+                _forget_api_process(p.pid)
+                if not any(r.value for _, r in servers):  # the service never came up: no use retrying
+                    logger.error("API process %d exited while starting (%s): stopping", i, how)
+                    status = 1
+                    stopping.append(True)
+                    break
+                now = time.monotonic()
+                while restarts and now - restarts[0] > _RESTART_WINDOW_S:
+                    restarts.popleft()
+                if len(restarts) >= _RESTART_LIMIT:
+                    logger.error("API process %d exited (%s): %d API process deaths within %.0f s look like a "
+                                 "crash loop: stopping", i, how, len(restarts) + 1, _RESTART_WINDOW_S)
+                    status = 1
+                    stopping.append(True)
+                    break
+                restarts.append(now)
+                servers[i] = start(i)
+                logger.error("API process %d (pid %d) exited (%s): restarted it as pid %d; the other API "
+                             "processes serve meanwhile", i, p.pid, how, servers[i][0].pid)
+            time.sleep(0.2)
     except KeyboardInterrupt:
         pass
     finally:
-        for p in servers:  # the API processes drain their requests first
+        # Ctrl-C reached the API processes too, and they drain; a second one stops them (not this loop).
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        for p, _ in servers:  # the API processes drain their requests first
             if p.is_alive():
                 p.terminate()
-        for p in servers:
-            p.join(35)
+        deadline = time.monotonic() + args.shutdown_timeout + _END_GRACE_S + 15
+        for p, _ in servers:
+            p.join(max(0.0, deadline - time.monotonic()))
             if p.is_alive():
+                logger.warning("API process %s did not stop after its drain: killed", p.name)
                 p.kill()
+                p.join(5)
         for core in cores:
             if core.poll() is None:
                 core.terminate()
@@ -485,6 +727,8 @@ def _run_launcher(args: argparse.Namespace, engine_args: EngineArgs) -> int:
                 core.wait(10)
             except Exception:
                 core.kill()
+        shutil.rmtree(metrics_dir, ignore_errors=True)
+        _reclaim_leftovers()  # the stores of API processes killed on the way
     return status
 
 
