@@ -44,6 +44,7 @@ plus one lm_head row per prompt.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -447,11 +448,13 @@ def _sync(llm: LLM) -> None:
 
 
 def mixed_traffic(llm: LLM, num_prompts: int = 400, input_len: int = 512, output_len: int = 128,
-                  range_ratio: float = 0.75, seed: int = 5, warmup: int = 128, temperature: float = 0.0) -> dict:
+                  range_ratio: float = 0.75, seed: int = 5, warmup: int = 128, temperature: float = 0.0,
+                  profiled: bool = False) -> dict:
     """Real traffic offline: num_prompts requests of their own input and output lengths (drawn as
     `moe bench throughput --random-range-ratio` draws them; greedy, ignore_eos) in one
     LLM.generate, timed whole and per engine step by kind (StepKinds); temperature > 0 samples
-    (top_p 0.95, seeded) instead of greedy. A warm-up first on other
+    (top_p 0.95, seeded) instead of greedy; profiled adds the CUDA kernels' table of the timed run
+    (its times then include the profiler's cost). A warm-up first on other
     prompts of the same lengths (16 tokens each), so the kernels of every step shape compile
     outside the timed run and no timed prompt is in the prefix cache."""
     engine = llm.llm_engine
@@ -465,11 +468,17 @@ def mixed_traffic(llm: LLM, num_prompts: int = 400, input_len: int = 512, output
     params = [SamplingParams(temperature=temperature, max_tokens=n, ignore_eos=True, seed=i if temperature else None,
                              **sampled) for i, (_, n) in enumerate(requests)]
     _sync(llm)
-    with StepKinds(llm) as kinds:
+    prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) if profiled else None
+    with StepKinds(llm) as kinds, prof or contextlib.nullcontext():
         t = time.perf_counter()
         outs = llm.generate([p for p, _ in requests], params, use_tqdm=False)
         _sync(llm)
         elapsed = time.perf_counter() - t
+    table = {}
+    if prof is not None:
+        table = {"top_kernels": prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=25,
+                                                          max_name_column_width=70)}
+        print(table["top_kernels"], flush=True)
     prompt_tokens = sum(len(o.prompt_token_ids) for o in outs)
     generated = sum(len(c.token_ids) for o in outs for c in o.outputs)
     costs = Costs.of(llm)
@@ -489,7 +498,7 @@ def mixed_traffic(llm: LLM, num_prompts: int = 400, input_len: int = 512, output
             "total_tok_s": (prompt_tokens + generated) / elapsed, "floor_s": floor,
             "floor_over_time": floor and floor / elapsed, "async_scheduling": engine.core.async_scheduling,
             "max_num_seqs": max_num_seqs, "engine_steps": sum(r["steps"] for r in steps.values()),
-            "step_time_s": step_s, "outside_steps_s": elapsed - step_s, "steps": steps}
+            "step_time_s": step_s, "outside_steps_s": elapsed - step_s, "steps": steps, **table}
 
 
 def _start_decoding(llm: LLM, num_requests: int, prompt_len: int, max_tokens: int) -> None:
@@ -707,9 +716,11 @@ def qwen3(results: dict, eager: bool, runs: list[str], tp: int = 1, record: bool
         "mixed": lambda: mixed_traffic(llm),  # 400 prompts, 512 / 128 tokens +-75%
         "mixed_step": lambda: mixed_step(llm),  # 255 decodes beside a 512-token chunk
         "mixed_sampled": lambda: mixed_traffic(llm, temperature=0.8),  # the same, sampled (top_p 0.95)
+        "uniform": lambda: mixed_traffic(llm, num_prompts=256, range_ratio=0.0),  # 256 x 512 / 128, all at once
+        "mixed_profiled": lambda: mixed_traffic(llm, profiled=True),  # with the CUDA kernels' table
     }
-    for name in runs:
-        r = jobs[name]()
+    for name in runs:  # "mixed#2": the same run again in this process (warm kernels)
+        r = jobs[name.split("#")[0]]()
         results[f"qwen3/{tag}/{name}"] = r
         shown = {k: round(v, 3) if isinstance(v, float) else v for k, v in r.items() if not k.startswith("top_kernels")}
         print(f"qwen3 {tag} {name}: {json.dumps(shown)}", flush=True)
@@ -736,8 +747,10 @@ LLAMA4_SCOUT_CUT = {
 FAMILY_RUNS = ("decode64", "decode256", "tput_256x1024x128")
 
 
-def families(results: dict, runs=FAMILY_RUNS) -> None:
+def families(results: dict, runs=FAMILY_RUNS, only: str | None = None) -> None:
     for name, cfg in (("deepseek-v3-4L", DEEPSEEK_V3_CUT), ("llama4-scout-8L", LLAMA4_SCOUT_CUT)):
+        if only and not name.startswith(only):
+            continue
         path = tempfile.mkdtemp()
         with open(os.path.join(path, "config.json"), "w") as f:
             json.dump(cfg, f)
@@ -748,9 +761,10 @@ def families(results: dict, runs=FAMILY_RUNS) -> None:
             jobs = {"decode64": lambda: decode_step(llm, 64, 512, 24),
                     "decode256": lambda: decode_step(llm, 256, 512, 40),
                     "tput_256x1024x128": lambda: throughput(llm, 256, 1024, 128, 256),
-                    "mixed_step": lambda: mixed_step(llm), "mixed": lambda: mixed_traffic(llm)}
-            for key in runs:
-                r = results[f"{name}/{key}"] = jobs[key]()
+                    "mixed_step": lambda: mixed_step(llm), "mixed": lambda: mixed_traffic(llm),
+                    "mixed_profiled": lambda: mixed_traffic(llm, profiled=True)}
+            for key in runs:  # "mixed#2": the same run again in this process (warm kernels)
+                r = results[f"{name}/{key}"] = jobs[key.split("#")[0]]()
                 shown = {k: round(v, 3) if isinstance(v, float) else v for k, v in r.items()
                          if not k.startswith("top_kernels")}
                 print(f"{name} {key}: {json.dumps(shown)}", flush=True)
@@ -792,8 +806,8 @@ def dp2ep(results: dict) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("stages", nargs="+",
-                        choices=["parity", "qwen3", "qwen3-tp2", "eager", "families", "families-mixed", "tp2",
-                                 "recording", "dp2ep"])
+                        choices=["parity", "qwen3", "qwen3-tp2", "eager", "families", "families-mixed",
+                                 "deepseek-mixed", "tp2", "recording", "dp2ep"])
     parser.add_argument("--checkpoints", nargs="*", default=[".gpu_ckpts/qwen3_moe", ".gpu_ckpts/deepseek_v3",
                                                              ".gpu_ckpts/llama4_mm"])
     parser.add_argument("--runs", nargs="*", default=["decode256", "tpot1", "tpot32", "tput_256x2048x512",
@@ -813,6 +827,8 @@ def main(argv: list[str] | None = None) -> int:
                 families(results)
             elif stage == "families-mixed":  # DeepSeek-V3 and Llama-4 cuts: the mixed-step runs
                 families(results, ["mixed_step", "mixed"])
+            elif stage == "deepseek-mixed":  # the DeepSeek-V3 cut alone, --runs of mixed / mixed_step
+                families(results, args.runs, only="deepseek")
             elif stage == "recording":  # expert-load recording on, off, on again (the spread)
                 for i, record in enumerate((True, False, True, False)):
                     qwen3(results, eager=False, runs=["decode256", "tpot1"], record=record, tag_suffix=f"-{i // 2}")

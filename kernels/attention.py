@@ -8,7 +8,7 @@ masked-out padding is finite.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -47,6 +47,9 @@ class AttentionMetadata:
     seq_lens_t: torch.Tensor | None = None
     max_query_len: int = 0
     decode_only: bool = False
+    # What a layer derives from this layout once per forward for every later layer to reuse
+    # (e.g. MLA's context-gather indices), keyed by the deriving layer kind.
+    derived: dict = field(default_factory=dict)
 
     def for_group(self, group: int) -> "AttentionMetadata":
         return self if self.group_metas is None else self.group_metas[group]

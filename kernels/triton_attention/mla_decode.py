@@ -5,7 +5,7 @@ Each sequence has one query (at position seq_lens[b] - 1). All H heads share the
 scores are tl.dot of [BLOCK_H, C] queries against [BLOCK_N, C] cache rows, done as an R part
 plus a P part (C = 576 is no power of two; each part is padded to one with masks), and the
 values are the very latent tile already loaded for the scores. Long contexts are split over
-NUM_SPLITS programs per (sequence, head tile); a merge kernel combines the partial results with
+num_splits programs per (sequence, head tile); a merge kernel combines the partial results with
 their log-sum-exp. The grid depends only on static shapes and nothing is read back to the host,
 so the decode can be captured in a CUDA graph; rows with seq_len 0 (graph padding) give zeros.
 
@@ -25,6 +25,7 @@ import triton.language as tl
 from kernels.pdl import pdl_enter, pdl_launch
 
 _LOG2E = 1.4426950408889634
+_MAX_SPLITS = 64  # also the merge kernel's padded split count
 
 
 def _pow2(n: int, floor: int = 16) -> int:
@@ -75,12 +76,15 @@ def write_latent_cache_triton(latent_TC: torch.Tensor, cache_NSC: torch.Tensor, 
                                BLOCK_C=_pow2(C), **pdl_launch(latent_TC))
 
 
-@triton.jit
+# The split count is a runtime value and neither it nor the block-table width (an eager step's
+# tables are cut to its longest context) is specialised, so an eager step's batch and context
+# lengths compile no new variant: only SPLIT (one split or several) does.
+@triton.jit(do_not_specialize=["num_splits", "stride_tb"])
 def _mla_decode_kernel(
     q_ptr, cache_ptr, tables_ptr, lens_ptr, out_ptr, part_out_ptr, part_lse_ptr,
-    H, R, P, qk_scale,
+    H, R, P, qk_scale, num_splits,
     stride_qb, stride_qh, stride_cn, stride_cs, stride_tb, stride_ob, stride_oh,
-    S: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+    S: tl.constexpr, SPLIT: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     R_PAD: tl.constexpr, P_PAD: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     pdl_enter(USE_PDL)
@@ -96,7 +100,7 @@ def _mla_decode_kernel(
 
     # This split's share of the context, in whole BLOCK_N tiles (empty when seq_len is 0).
     seq_len = tl.load(lens_ptr + b)
-    tiles_per_split = tl.cdiv(tl.cdiv(seq_len, BLOCK_N), NUM_SPLITS)
+    tiles_per_split = tl.cdiv(tl.cdiv(seq_len, BLOCK_N), num_splits)
     start = split * tiles_per_split * BLOCK_N
     end = tl.minimum(start + tiles_per_split * BLOCK_N, seq_len)
 
@@ -130,32 +134,32 @@ def _mla_decode_kernel(
     l_safe = tl.where(l_i > 0, l_i, 1.0)  # empty split / seq_len 0: acc is 0, so is the output
     acc = acc / l_safe[:, None]
     out_mask = h_mask[:, None] & r_mask[None, :]
-    if NUM_SPLITS == 1:
+    if not SPLIT:
         dst = out_ptr + b.to(tl.int64) * stride_ob + offs_h[:, None] * stride_oh + offs_r[None, :]
         tl.store(dst, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
     else:
         # partials: [B, H, NS, R_PAD] fp32 and lse [B, H, NS] (log2 domain)
         bh = b.to(tl.int64) * H + offs_h
-        tl.store(part_out_ptr + (bh[:, None] * NUM_SPLITS + split) * R_PAD + offs_r[None, :], acc, mask=out_mask)
+        tl.store(part_out_ptr + (bh[:, None] * num_splits + split) * R_PAD + offs_r[None, :], acc, mask=out_mask)
         lse = tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf"))
-        tl.store(part_lse_ptr + bh * NUM_SPLITS + split, lse, mask=h_mask)
+        tl.store(part_lse_ptr + bh * num_splits + split, lse, mask=h_mask)
 
 
-@triton.jit
-def _mla_merge_kernel(part_out_ptr, part_lse_ptr, out_ptr, H, R, stride_ob, stride_oh,
-                      NUM_SPLITS: tl.constexpr, NS_PAD: tl.constexpr, R_PAD: tl.constexpr, USE_PDL: tl.constexpr):
+@triton.jit(do_not_specialize=["num_splits"])
+def _mla_merge_kernel(part_out_ptr, part_lse_ptr, out_ptr, H, R, stride_ob, stride_oh, num_splits,
+                      NS_PAD: tl.constexpr, R_PAD: tl.constexpr, USE_PDL: tl.constexpr):
     pdl_enter(USE_PDL)
     bh = tl.program_id(0).to(tl.int64)
     offs_s = tl.arange(0, NS_PAD)
     offs_r = tl.arange(0, R_PAD)
-    lse = tl.load(part_lse_ptr + bh * NUM_SPLITS + offs_s, mask=offs_s < NUM_SPLITS, other=float("-inf"))
+    lse = tl.load(part_lse_ptr + bh * num_splits + offs_s, mask=offs_s < num_splits, other=float("-inf"))
     m = tl.max(lse, axis=0)
     m = tl.where(m > float("-inf"), m, 0.0)  # no split with keys (seq_len 0): all weights 0
     denom = tl.sum(tl.exp2(lse - m), axis=0)
     o = tl.zeros([R_PAD], dtype=tl.float32)
-    for s in range(NUM_SPLITS):  # one [R] row at a time: a [NS, R] tile would not fit registers
-        w = tl.exp2(tl.load(part_lse_ptr + bh * NUM_SPLITS + s) - m)
-        o += w * tl.load(part_out_ptr + (bh * NUM_SPLITS + s) * R_PAD + offs_r)
+    for s in range(num_splits):  # one [R] row at a time: a [NS, R] tile would not fit registers
+        w = tl.exp2(tl.load(part_lse_ptr + bh * num_splits + s) - m)
+        o += w * tl.load(part_out_ptr + (bh * num_splits + s) * R_PAD + offs_r)
     o = o / tl.where(denom > 0, denom, 1.0)
     b, h = bh // H, bh % H
     tl.store(out_ptr + b * stride_ob + h * stride_oh + offs_r, o.to(out_ptr.dtype.element_ty), mask=offs_r < R)
@@ -174,7 +178,7 @@ def default_num_splits(batch: int, head_tiles: int, max_context: int, device: to
     shapes only (the block-table width bounds the context), so a captured graph stays valid."""
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
     want = triton.cdiv(2 * sms, max(1, batch * head_tiles))
-    return max(1, min(want, triton.cdiv(max_context, 256), 64))
+    return max(1, min(want, triton.cdiv(max_context, 256), _MAX_SPLITS))
 
 
 def mla_decode_triton(q_BHC: torch.Tensor, cache_NSC: torch.Tensor, block_tables_BM: torch.Tensor,
@@ -218,14 +222,14 @@ def mla_decode_triton(q_BHC: torch.Tensor, cache_NSC: torch.Tensor, block_tables
     upcast = _interpreting() and q_BHC.dtype != torch.float32
     _mla_decode_kernel[(B, head_tiles, num_splits)](
         q_BHC, cache_NSC, block_tables_BM, seq_lens_B, out_BHR, part_out, part_lse,
-        H, R, C - R, scale * _LOG2E,
+        H, R, C - R, scale * _LOG2E, num_splits,
         q_BHC.stride(0), q_BHC.stride(1), cache_NSC.stride(0), cache_NSC.stride(1), block_tables_BM.stride(0),
         out_BHR.stride(0), out_BHR.stride(1),
-        S=S, NUM_SPLITS=num_splits, BLOCK_H=block_h, BLOCK_N=block_n, R_PAD=R_PAD, P_PAD=P_PAD,
+        S=S, SPLIT=num_splits > 1, BLOCK_H=block_h, BLOCK_N=block_n, R_PAD=R_PAD, P_PAD=P_PAD,
         PRECISION="ieee" if q_BHC.dtype == torch.float32 else "tf32", UPCAST=upcast,
         num_warps=warps, num_stages=2, **pdl_launch(q_BHC))
     if num_splits > 1:
         _mla_merge_kernel[(B * H,)](part_out, part_lse, out_BHR, H, R, out_BHR.stride(0), out_BHR.stride(1),
-                                    NUM_SPLITS=num_splits, NS_PAD=triton.next_power_of_2(num_splits), R_PAD=R_PAD,
+                                    num_splits, NS_PAD=_MAX_SPLITS, R_PAD=R_PAD,
                                     num_warps=4, **pdl_launch(out_BHR))
     return out_BHR

@@ -67,7 +67,8 @@ def _find_tile(qsl_ptr, B, slot, BQ: tl.constexpr):
     return lo, slot - (tl.load(qsl_ptr + lo) // BQ + lo)
 
 
-@triton.jit
+# An eager step's sequence count and block-table width compile no new variant.
+@triton.jit(do_not_specialize=["B", "stride_btb"])
 def _unified_kernel(q_ptr, kv_ptr, bt_ptr, qsl_ptr, seq_lens_ptr, o_ptr, B,
                     stride_qt, stride_qh, stride_ot, stride_oh, stride_btb, stride_btm,
                     v_offset, stride_blk, stride_tok, scale_log2, chunk_size,

@@ -87,7 +87,7 @@ def _fill_blocks(sorted_ptr, expert_ids_ptr, j, jmask, starts, counts, ends, tot
     tl.store(sorted_ptr + r, tl.zeros_like(r) + sentinel, mask=pad)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["numel", "num_rows_padded", "num_blocks"])  # token counts: one variant for any step
 def _align_small_kernel(ids_ptr, emap_ptr, sorted_ptr, expert_ids_ptr, npp_ptr, cursor_ptr,
                         numel, E, num_rows_padded, num_blocks,
                         BLOCK_M: tl.constexpr, NB: tl.constexpr, RP: tl.constexpr,
@@ -125,7 +125,7 @@ def _align_small_kernel(ids_ptr, emap_ptr, sorted_ptr, expert_ids_ptr, npp_ptr, 
         tl.store(sorted_ptr + pos, offs, mask=m)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["numel", "num_blocks", "blocks_per_prog"])  # token counts: one variant for any step
 def _align_ranked_kernel(ids_ptr, emap_ptr, sorted_ptr, expert_ids_ptr, npp_ptr, base_ptr,
                          numel, E, num_blocks, blocks_per_prog,
                          BLOCK_M: tl.constexpr, NB: tl.constexpr, RP: tl.constexpr, CHUNK: tl.constexpr,
@@ -171,7 +171,7 @@ def _align_ranked_kernel(ids_ptr, emap_ptr, sorted_ptr, expert_ids_ptr, npp_ptr,
     _fill_blocks(sorted_ptr, expert_ids_ptr, j, jmask, starts, counts, ends, total, E, numel, NB, BLOCK_M)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["numel"])  # token counts: one variant for any step
 def _align_count_kernel(ids_ptr, emap_ptr, counts_ptr, numel, E,
                         NB: tl.constexpr, CHUNK: tl.constexpr, HAS_MAP: tl.constexpr, USE_PDL: tl.constexpr):
     pdl_enter(USE_PDL)
@@ -198,7 +198,7 @@ def _align_prefix_kernel(counts_ptr, npp_ptr, E, BLOCK_M: tl.constexpr, NB: tl.c
     tl.store(npp_ptr, tl.sum(padded, axis=0))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["numel", "max_blocks", "num_scatter_progs"])  # token counts: one variant for any step
 def _align_scatter_kernel(ids_ptr, emap_ptr, counts_ptr, sorted_ptr, expert_ids_ptr, npp_ptr,
                           numel, E, max_blocks, num_scatter_progs,
                           BLOCK_M: tl.constexpr, NB: tl.constexpr, CHUNK: tl.constexpr,

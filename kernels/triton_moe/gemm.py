@@ -45,7 +45,9 @@ def _dot(a, b, acc, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     return tl.dot(a, b, acc, input_precision=PRECISION)
 
 
-@triton.jit
+# Token counts (num_valid, num_m_blocks) are not specialised: an eager step of any length
+# reuses the variant compiled for its config bucket.
+@triton.jit(do_not_specialize=["num_valid", "num_m_blocks"])
 def gate_up_kernel(
     x_ptr, w_ptr, h_ptr, sorted_ptr, expert_ids_ptr, npp_ptr,
     xs_ptr, ws_ptr, hs_ptr,
@@ -115,7 +117,7 @@ def gate_up_kernel(
         tl.store(h_ptrs, h.to(h_ptr.dtype.element_ty), mask=nmask[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_valid", "num_m_blocks"])
 def down_kernel(
     h_ptr, w_ptr, out_ptr, sorted_ptr, expert_ids_ptr, npp_ptr, topk_w_ptr,
     hs_ptr, ws_ptr,

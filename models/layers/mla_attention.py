@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels.attention import AttentionMetadata
+from kernels.host_to_device import host_to_device
 from kernels.mla_attention import mla_absorbed_torch, mla_expanded_prefill_torch, write_latent_cache
 from models.config import RopeConfig
 from models.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
@@ -168,30 +169,53 @@ class MLAAttention(nn.Module):
 
         The context rows of every prefill sequence (cached and new, all in the cache by now)
         are gathered with one index, expanded to per-head K/V with one kv_b_proj linear, and
-        attended with one varlen call; the outputs go to the sequences' rows of out_THDv."""
+        attended with one varlen call; the outputs go to the sequences' rows of out_THDv. The
+        gather indices are uploaded once per forward (pinned, no stream sync) and shared by the
+        layers."""
         from kernels.triton_attention.varlen import varlen_attention_triton
-        c, dev = self.cfg, q_nope.device
+        c = self.cfg
         Dn, Dv, R = c.qk_nope_head_dim, c.v_head_dim, c.kv_lora_rank
         H = q_nope.shape[1]
+        gather = meta.derived.get("mla_prefill")
+        if gather is None:  # the first MLA layer of this forward: every other layer reuses it
+            gather = meta.derived["mla_prefill"] = _PrefillGather.of(meta, self.kv_cache.shape[1], q_nope.device)
+        ctx_LC = self.kv_cache.flatten(0, 1)[gather.slots_L].to(q_nope.dtype)
+        L = ctx_LC.shape[0]
+        k_nope, v_LHDv = F.linear(ctx_LC[:, :R], self.kv_b_proj.weight).view(L, H, Dn + Dv).split([Dn, Dv], dim=-1)
+        k_LHE = torch.cat((k_nope, ctx_LC[:, None, R:].expand(L, H, ctx_LC.shape[1] - R)), dim=-1)
+        rows = gather.rows_T
+        q_THE = torch.cat((q_nope[rows], q_pe[rows]), dim=-1)
+        out_THDv[rows] = varlen_attention_triton(q_THE, k_LHE, v_LHDv, gather.cu_q, gather.cu_k, gather.max_q,
+                                                 self.scale)
+
+
+@dataclass
+class _PrefillGather:
+    """Where the prefill sequences' queries and context rows are, on the device: their token rows
+    in the batch [Tp], the cache slot of every context position [L], and varlen offsets."""
+    rows_T: torch.Tensor
+    slots_L: torch.Tensor
+    cu_q: torch.Tensor
+    cu_k: torch.Tensor
+    max_q: int
+
+    @staticmethod
+    def of(meta: AttentionMetadata, block_size: int, device: torch.device) -> "_PrefillGather":
         seqs = np.asarray(meta.prefill_seqs, dtype=np.int64)
         qsl = np.asarray(meta.query_start_loc, dtype=np.int64)
         n = qsl[seqs + 1] - qsl[seqs]
         ctx_len = np.asarray(meta.seq_lens, dtype=np.int64)[seqs]
-        rows = torch.from_numpy(_ragged_aranges(qsl[seqs], n)).to(dev)
         # context position p of sequence b lives at slot table[b, p // S] * S + p % S
-        S = self.kv_cache.shape[1]
-        pos = torch.from_numpy(_ragged_aranges(np.zeros_like(ctx_len), ctx_len)).to(dev)
-        seq_of = torch.from_numpy(np.repeat(seqs, ctx_len)).to(dev)
-        slots = meta.block_tables_BM[seq_of, pos // S].long() * S + pos % S
-        ctx_LC = self.kv_cache.flatten(0, 1)[slots].to(q_nope.dtype)
-        L = ctx_LC.shape[0]
-        k_nope, v_LHDv = F.linear(ctx_LC[:, :R], self.kv_b_proj.weight).view(L, H, Dn + Dv).split([Dn, Dv], dim=-1)
-        k_LHE = torch.cat((k_nope, ctx_LC[:, None, R:].expand(L, H, ctx_LC.shape[1] - R)), dim=-1)
-        q_THE = torch.cat((q_nope[rows], q_pe[rows]), dim=-1)
-        cu_q = torch.from_numpy(np.concatenate(([0], np.cumsum(n))).astype(np.int32)).to(dev)
-        cu_k = torch.from_numpy(np.concatenate(([0], np.cumsum(ctx_len))).astype(np.int32)).to(dev)
-        out_THDv[rows] = varlen_attention_triton(q_THE, k_LHE, v_LHDv, cu_q, cu_k, int(n.max()), self.scale)
-
+        pos = host_to_device(_ragged_aranges(np.zeros_like(ctx_len), ctx_len), device)
+        seq_of = host_to_device(np.repeat(seqs, ctx_len), device)
+        slots = meta.block_tables_BM[seq_of, pos // block_size].long() * block_size + pos % block_size
+        # rows padded to 16 entries: both start 64-byte aligned whatever the batch (Triton compiles
+        # a variant per pointer alignment)
+        cu = np.zeros((2, -(-(len(seqs) + 1) // 16) * 16), dtype=np.int32)
+        cu[0, 1:len(seqs) + 1], cu[1, 1:len(seqs) + 1] = np.cumsum(n), np.cumsum(ctx_len)
+        cu_t = host_to_device(cu, device)
+        return _PrefillGather(host_to_device(_ragged_aranges(qsl[seqs], n), device), slots,
+                              cu_t[0, :len(seqs) + 1], cu_t[1, :len(seqs) + 1], int(n.max()))
 
 def use_triton_path(x: torch.Tensor) -> bool:
     """Whether the layer runs the Triton kernels (mode "auto" only): CUDA tensors and Triton
@@ -216,4 +240,4 @@ def _rows(meta: AttentionMetadata, prefill_seqs: list[int], with_decode: bool, d
     idx = [torch.arange(meta.query_start_loc[b], meta.query_start_loc[b + 1]) for b in prefill_seqs]
     if with_decode and meta.decode_seqs:
         idx.append(torch.tensor([meta.query_start_loc[b] for b in meta.decode_seqs]))
-    return torch.cat(idx).to(device) if idx else torch.empty(0, dtype=torch.long, device=device)
+    return host_to_device(torch.cat(idx), device) if idx else torch.empty(0, dtype=torch.long, device=device)

@@ -21,6 +21,7 @@ tokens' embeddings (moe/multimodal/encoder_runner.py); such steps run eagerly.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -28,6 +29,7 @@ import torch
 
 from all2all import low_latency_for_auto
 from kernels.attention import AttentionMetadata
+from kernels.host_to_device import host_to_device
 from models.layers.attention import mixed_steps_graph_safe, use_triton_attention
 from models.layers.moe import DispatchStep
 from models.parallel.state import get_parallel_state, pp_recv, pp_send
@@ -36,7 +38,7 @@ from moe.multimodal.encoder_runner import EncoderRunner
 from moe.worker.block_tables import BlockTables
 from moe.worker.cuda_graphs import MIXED_GRAPHS, StepGraphs, default_capture_sizes, default_mixed_sizes
 from moe.worker.sampler import SamplingBatch, sample
-from moe.worker.step_buffers import StepBuffers, host_to_device
+from moe.worker.step_buffers import StepBuffers
 from moe.worker.step_inputs import RequestState, StepBatch, buffer_metadata, host_metadata, upload
 from scheduler import KVCacheGroup, SchedulerOutput
 
@@ -107,6 +109,7 @@ class ModelRunner:
         self.images = EncoderRunner(model, device)  # the vision encoder's side of a step
         self.block_tables: BlockTables | None = None  # made with the KV cache (its group count)
         self.kv_caches: list[torch.Tensor] = []
+        self.num_kv_blocks = 0  # blocks of the smallest KV-cache group (set with the cache)
         ps = get_parallel_state()
         self.is_driver = ps.is_driver
         self.pp_size, self.is_first_stage, self.is_last_stage = ps.pp_size, ps.is_first_pp_rank, ps.is_last_pp_rank
@@ -173,6 +176,7 @@ class ModelRunner:
         self.images.holding.clear()
         self.block_tables = BlockTables(len(groups))
         self.graphs = self.mixed_graphs = None  # captured over the previous cache tensors
+        self.num_kv_blocks = min((g.num_blocks for g in groups), default=0)  # the scheduler's, in every group
         # The dummy batch writes to one extra block per group, never handed out by the scheduler.
         self.dummy_blocks = [g.num_blocks for g in groups] if self.reserve_dummy_block and groups[0].num_blocks \
             else None
@@ -204,6 +208,8 @@ class ModelRunner:
         sizes = self._capture_sizes()
         if not sizes or self.buffers is None or not self.kv_caches:
             return
+        if not self.use_mixed_graphs:
+            self.warm_up_eager_steps()
         pool = None
         if self.use_mixed_graphs:
             self.mixed_graphs = StepGraphs(default_mixed_sizes(self.limits[2]))
@@ -211,6 +217,33 @@ class ModelRunner:
                                              "mixed steps of tokens", pool)
         self.graphs = StepGraphs(sizes)
         self.graphs.capture(self._upload_padding, self._graph_forward, self.device, "decode batch sizes", pool)
+
+    @torch.inference_mode()
+    def warm_up_eager_steps(self) -> None:
+        """Where mixed steps run eagerly (MLA's prefill, expert parallelism), compile their kernels
+        now rather than inside the first requests' steps: Triton compiles a variant per expert
+        config bucket and integer specialisation, seconds each (measured on DeepSeek-V3: ~18 s
+        of the first 400 mixed requests). One forward per mixed-graph token count (three short
+        of it: real steps rarely are multiples of 16), at the full budget and two with short
+        chunks, seven decode rows beside the chunks each, through blocks no request holds yet, not
+        counted as expert load. Collective under TP / EP: every rank runs the same steps in the
+        same order."""
+        _, max_model_len, max_tokens = self.limits
+        blocks = self.num_kv_blocks
+        # every sequence reads blocks 0 .. cdiv(chunk + 1, S) - 1; a decode row sits at position chunk
+        max_chunk = min(max_model_len - 1, blocks * self.block_size - 1)
+        sizes = {t - 3 if t > 64 else t for t in default_mixed_sizes(max_tokens)} | {max_tokens}
+        # chunks of 16 and 32 tokens: the varlen prefill kernel's smaller tiles (MLA)
+        sizes = sorted(sizes | {t for t in (7 + 16, 7 + 32) if t < max_tokens})
+        start = time.perf_counter()
+        for t in sizes:
+            if t < 8 or max_chunk < 1:
+                continue
+            self.dispatch_step.max_tokens = t  # every rank runs the same steps
+            self._run_batch(StepBatch.warm_up(t, 7, max_chunk, self.block_size, self.num_kv_groups), counted=False)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        logger.info("Warmed up eager steps of %s tokens in %.1f s", sizes, time.perf_counter() - start)
 
     @property
     def mixed_graph_seqs(self) -> int:

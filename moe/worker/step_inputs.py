@@ -13,9 +13,10 @@ import numpy as np
 import torch
 
 from kernels.attention import AttentionMetadata
+from kernels.host_to_device import host_to_device
 from moe.sampling_params import SamplingParams
 from moe.worker.block_tables import BlockTables
-from moe.worker.step_buffers import StepBuffers, host_to_device
+from moe.worker.step_buffers import StepBuffers
 from scheduler import SchedulerOutput
 
 
@@ -98,6 +99,31 @@ class StepBatch:
         one, zero = np.ones(1, dtype=np.int64), np.zeros(1, dtype=np.int64)
         return cls(["dummy"], [], one, np.array([0, 1]), one, zero, zero, zero,
                    [np.array([[b]], dtype=np.int64) for b in blocks], [])
+
+    @classmethod
+    def warm_up(cls, num_tokens: int, num_decode_rows: int, max_chunk: int, block_size: int,
+                num_groups: int) -> "StepBatch":
+        """A mixed step of num_tokens tokens for compiling kernels: num_decode_rows one-token
+        sequences beside chunks of at most max_chunk tokens holding the rest (positions from 0),
+        every sequence reading and writing blocks 0, 1, ... of each group (no request owns them
+        yet). The decode rows sit past the first chunk's last position, so they read a context of
+        its length + 1."""
+        rest = num_tokens - num_decode_rows
+        if rest < 1 or num_decode_rows < 0 or max_chunk < 1:
+            raise ValueError(f"a warm-up step needs a chunk: {num_tokens} tokens, {num_decode_rows} decode rows")
+        chunks = [max_chunk] * (rest // max_chunk) + ([rest % max_chunk] if rest % max_chunk else [])
+        n = np.array([1] * num_decode_rows + chunks, dtype=np.int64)
+        B = len(n)
+        qsl = np.zeros(B + 1, dtype=np.int64)
+        np.cumsum(n, out=qsl[1:])
+        first = chunks[0]
+        seq_lens = np.concatenate([np.full(num_decode_rows, first + 1, dtype=np.int64), chunks])
+        row = np.repeat(np.arange(B), n)
+        positions = np.arange(num_tokens) - qsl[:-1][row]
+        positions[:num_decode_rows] = first
+        table = np.tile(np.arange(-(-(first + 1) // block_size), dtype=np.int64), (B, 1))
+        return cls([f"warm-up-{i}" for i in range(B)], [], n, qsl, seq_lens, np.zeros(num_tokens, dtype=np.int64),
+                   positions, row, [table] * num_groups, [])
 
     @classmethod
     def empty(cls, num_groups: int) -> "StepBatch":

@@ -262,16 +262,21 @@ def test_random_workloads_equal_synchronous_steps(seed):
           max_model_len=128)
 
 
+@pytest.mark.parametrize("family", ["qwen3", "deepseek_v3"])
 @pytest.mark.parametrize("enforce_eager", [False, True])
-def test_gpu_a_step_launch_never_waits_for_the_device(enforce_eager):
+def test_gpu_a_step_launch_never_waits_for_the_device(enforce_eager, family, tmp_path):
     """With async scheduling the host prepares step N+1 while the GPU runs step N, so launching a
     step (its inputs, the forward, sampling) must never synchronize with the stream: not in
     decode, mixed or prefill steps, graphs or eager, for greedy and sampled rows, top-k / top-p,
-    penalties, min_tokens and logprobs. torch's sync debug mode raises at the first
-    synchronizing call inside a launch."""
+    penalties, min_tokens and logprobs, with GQA or MLA (DeepSeek-V3) attention. torch's sync
+    debug mode raises at the first synchronizing call inside a launch."""
     import torch
     if not torch.cuda.is_available():
         pytest.skip("needs a GPU")
+    model = "tiny-qwen3-moe"
+    if family == "deepseek_v3":
+        from tests.factories_deepseek import make_deepseek_v3_checkpoint
+        model = make_deepseek_v3_checkpoint(str(tmp_path / "ds"))
     prompts = [{"prompt_token_ids": p} for p in _prompts(7, seed=11)] + [{"prompt_token_ids": list(range(1, 90))}]
     params = [SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True),
               SamplingParams(temperature=0.8, seed=3, max_tokens=10, ignore_eos=True),
@@ -281,7 +286,7 @@ def test_gpu_a_step_launch_never_waits_for_the_device(enforce_eager):
               SamplingParams(temperature=0.0, logprobs=2, max_tokens=8, ignore_eos=True),
               SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
               SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)]
-    with LLM("tiny-qwen3-moe", device="cuda", dtype="float32", enforce_eager=enforce_eager, max_num_seqs=4,
+    with LLM(model, device="cuda", dtype="float32", enforce_eager=enforce_eager, max_num_seqs=4,
              max_num_batched_tokens=48, gpu_memory_utilization=0.2) as llm:
         assert llm.llm_engine.core.async_scheduling
         llm.generate(prompts, params, use_tqdm=False)  # kernels compile outside the strict runs
