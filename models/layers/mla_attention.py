@@ -217,6 +217,7 @@ class _PrefillGather:
         return _PrefillGather(host_to_device(_ragged_aranges(qsl[seqs], n), device), slots,
                               cu_t[0, :len(seqs) + 1], cu_t[1, :len(seqs) + 1], int(n.max()))
 
+
 def use_triton_path(x: torch.Tensor) -> bool:
     """Whether the layer runs the Triton kernels (mode "auto" only): CUDA tensors and Triton
     importable. Tests monkeypatch this to run the GPU path on the CPU under TRITON_INTERPRET=1."""
