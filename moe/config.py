@@ -26,6 +26,17 @@ MOE_BACKENDS = (None, "torch", "triton", "deepspeed")
 MM_ENCODER_TP_MODES = ("weights", "data")
 MM_PROCESSOR_CACHE_TYPES = ("lru", "shm")
 MM_MODALITIES = ("image",)
+# The tokenizer is always tokenizer.json through the fast `tokenizers` library: "auto" and "hf"
+# (vLLM's names for the Hugging Face tokenizer, fast where there is one) are what that honours.
+TOKENIZER_MODES = ("auto", "hf")
+FP8_KV_CACHE_DTYPES = ("fp8", "fp8_e4m3", "fp8_e5m2", "fp8_inc", "fp8_ds_mla")
+# vLLM arguments accepted so that vLLM scripts run, which change nothing here; each is warned
+# about (once, together) when set to anything but its no-op value.
+NO_EFFECT_ARGS = {
+    "swap_space": (None, "no CPU swap space: a preempted request's KV cache is recomputed, as in vLLM's V1"),
+    "cpu_offload_gb": (0, "weights are never offloaded to the CPU"),
+    "disable_custom_all_reduce": (False, "there is no custom all-reduce: collectives go through torch.distributed"),
+}
 
 
 @dataclass(frozen=True)
@@ -155,6 +166,14 @@ class EngineArgs:
     mm_processor_cache_gb: float = 4.0
     mm_processor_cache_type: str = "lru"
     mm_shm_cache_max_object_size_mb: int = 128
+    # vLLM's model and cache arguments (docs/vllm_compatibility.md).
+    tokenizer_mode: str = "auto"
+    revision: str | None = None      # a hub revision; applies to hub ids (see validate)
+    # "auto": the model dtype; an explicit dtype must be the model's (the KV cache is kept in it).
+    kv_cache_dtype: str = "auto"
+    swap_space: float | None = None  # accepted, no effect (NO_EFFECT_ARGS)
+    cpu_offload_gb: float = 0.0      # accepted, no effect
+    disable_custom_all_reduce: bool = False  # accepted, no effect
 
     def image_limit(self, default: int) -> int:
         """Images allowed per prompt (limit_mm_per_prompt["image"], else the model's default)."""
@@ -176,11 +195,31 @@ class EngineArgs:
         return torch.device(self.device)
 
     def resolve_dtype(self, config_dtype: str | None) -> torch.dtype:
+        """The model dtype (also checked against kv_cache_dtype, which must match it)."""
+        return self.resolve_kv_cache_dtype(self._model_dtype(config_dtype))
+
+    def _model_dtype(self, config_dtype: str | None) -> torch.dtype:
         if self.dtype == "auto":
             return DTYPES.get(str(config_dtype).replace("torch.", ""), torch.float32) if config_dtype else torch.float32
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be 'auto' or one of {sorted(DTYPES)}, got {self.dtype!r}")
         return DTYPES[self.dtype]
+
+    def resolve_kv_cache_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
+        """The KV cache's dtype: the model's (attention reads and writes the cache in it)."""
+        self._check_kv_cache_dtype()
+        if self.kv_cache_dtype != "auto" and DTYPES[self.kv_cache_dtype] != model_dtype:
+            raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} differs from the model dtype "
+                             f"{str(model_dtype).removeprefix('torch.')}: the KV cache is kept in the model dtype, "
+                             "so use kv_cache_dtype='auto' (or set dtype to the same value)")
+        return model_dtype
+
+    def _check_kv_cache_dtype(self) -> None:
+        if self.kv_cache_dtype in FP8_KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r}: an FP8 KV cache is not supported yet; "
+                             "use 'auto' (the model dtype)")
+        if self.kv_cache_dtype != "auto" and self.kv_cache_dtype not in DTYPES:
+            raise ValueError(f"kv_cache_dtype must be 'auto' or one of {sorted(DTYPES)}, got {self.kv_cache_dtype!r}")
 
     def validate(self) -> None:
         """Checks that need no model; model-dependent checks run at load."""
@@ -244,9 +283,29 @@ class EngineArgs:
                 raise ValueError("enable_eplb places experts itself: leave expert_placement_strategy 'linear'")
         elif self.eplb_config is not None and eplb.num_redundant_experts:
             logger.warning("eplb_config is given but enable_eplb is False: no rebalancing, no redundant experts")
+        self._validate_vllm_args()
         if self.trust_remote_code:
             logger.warning("trust_remote_code=True is accepted for vLLM compatibility, but no remote code runs: "
                            "the engine only serves its built-in architectures")
+
+    def _validate_vllm_args(self) -> None:
+        if self.tokenizer_mode not in TOKENIZER_MODES:
+            raise ValueError(f"tokenizer_mode must be one of {TOKENIZER_MODES}, got {self.tokenizer_mode!r}: the "
+                             "engine loads tokenizer.json through the fast `tokenizers` library only (no slow, "
+                             "mistral or custom tokenizers)")
+        self._check_kv_cache_dtype()
+        if self.revision is not None:
+            if not isinstance(self.revision, str) or not self.revision:
+                raise ValueError(f"revision must be a branch, tag or commit of the model's hub repository, "
+                                 f"got {self.revision!r}")
+        for name in ("swap_space", "cpu_offload_gb"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0):
+                raise ValueError(f"{name} must be a number >= 0 (GiB), got {value!r}")
+        given = [name for name, (noop, _) in NO_EFFECT_ARGS.items() if getattr(self, name) != noop]
+        if given:
+            logger.warning("accepted for vLLM compatibility, but without effect here: %s",
+                           "; ".join(f"{n}={getattr(self, n)!r} ({NO_EFFECT_ARGS[n][1]})" for n in given))
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser, model_required: bool = True) -> None:

@@ -59,6 +59,14 @@ class SamplingParams:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     detokenize: bool = True
+    logit_bias: dict[int, float] | None = None      # token id -> added to its logit, in [-100, 100]
+    allowed_token_ids: list[int] | None = None      # only these tokens may be sampled
+    bad_words: list[str] | None = None              # words never generated (update_from_tokenizer)
+    truncate_prompt_tokens: int | None = None       # keep the last k prompt tokens (-1: max_model_len)
+    best_of: int | None = None                      # only None or n: vLLM's V1 engine dropped best_of
+    # bad_words as token sequences (each with and without a leading space), made from the tokenizer
+    # where the request arrives; a field (as in vLLM) so that it travels to the engine core.
+    _bad_words_token_ids: list[list[int]] | None = field(default=None, repr=False)
     # Filled by validation.
     stop_list: list[str] = field(default_factory=list, init=False, repr=False)
 
@@ -70,6 +78,12 @@ class SamplingParams:
             self.top_k = 0
         self.stop_list = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         self.stop_token_ids = [int(t) for t in self.stop_token_ids or []]
+        if self.logit_bias is not None:
+            self.logit_bias = {int(t): float(b) for t, b in self.logit_bias.items()}
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = [int(t) for t in self.allowed_token_ids]
+        if self.bad_words is not None:
+            self.bad_words = list(self.bad_words)
 
     def _validate(self) -> None:
         def bad(name: str, why: str):
@@ -133,6 +147,7 @@ class SamplingParams:
         if self.seed is not None and self.seed < 0:
             bad("seed", "must be a non-negative integer, or -1 / None for unseeded")
         self._validate_stops(bad)
+        self._validate_token_controls(bad)
 
     def _validate_stops(self, bad) -> None:
         stop = self.stop
@@ -153,6 +168,72 @@ class SamplingParams:
         if ids is not None and (not isinstance(ids, (list, tuple))
                                 or not all(_is_int(t) and 0 <= t <= INT64_MAX for t in ids)):
             bad("stop_token_ids", f"must be a list of non-negative integers (each at most {INT64_MAX})")
+
+    def _validate_token_controls(self, bad) -> None:
+        def is_id(t) -> bool:
+            return _is_int(t) and 0 <= t <= INT64_MAX
+
+        bias = self.logit_bias
+        if bias is not None:
+            if not isinstance(bias, dict) or not all(is_id(t) for t in bias):
+                bad("logit_bias", "must be a dict of token id (a non-negative integer) -> bias")
+            for t, b in bias.items():
+                if not _is_number(b) or not -100 <= b <= 100:  # OpenAI's range; NaN fails it too
+                    bad("logit_bias", f"the bias of token {t} must be a number in [-100, 100], got {_shown(b)}")
+        ids = self.allowed_token_ids
+        if ids is not None:
+            if not isinstance(ids, (list, tuple)) or not all(is_id(t) for t in ids):
+                bad("allowed_token_ids", "must be a list of non-negative integers")
+            if not ids:
+                bad("allowed_token_ids", "must not be empty (None allows every token)")
+        words = self.bad_words
+        if words is not None:
+            if not isinstance(words, (list, tuple)) or not all(isinstance(w, str) for w in words):
+                bad("bad_words", "must be a list of strings")
+            for i, w in enumerate(words):
+                if not w.strip():
+                    bad("bad_words", f"must not contain empty or blank strings (word {i})")
+                try:
+                    w.encode("utf-8")
+                except UnicodeEncodeError as e:
+                    bad("bad_words", f"must be valid Unicode text (word {i}): {e.reason} at position {e.start}")
+        seqs = self._bad_words_token_ids
+        if seqs is not None and (not isinstance(seqs, (list, tuple)) or not all(
+                isinstance(q, (list, tuple)) and q and all(is_id(t) for t in q) for q in seqs)):
+            bad("_bad_words_token_ids", "must be a list of non-empty lists of token ids")
+        k = self.truncate_prompt_tokens
+        if k is not None and (not _is_int(k) or not (k >= 1 or k == -1) or k > INT64_MAX):
+            bad("truncate_prompt_tokens", "must be an integer >= 1 (the last k prompt tokens are kept), "
+                                          "-1 (max_model_len) or None")
+        if self.best_of is not None and self.best_of != self.n:
+            bad("best_of", f"is not supported (vLLM's V1 engine removed it): it may only be None or equal "
+                           f"to n={self.n}; ask for n samples with logprobs and pick the best yourself")
+
+    def update_from_tokenizer(self, tokenizer, vocab_size: int) -> None:
+        """The checks that need the model (token ids within the vocabulary), and bad_words turned
+        into token sequences. Each word is encoded as it stands at the start of a text and, where
+        that is a different sequence of the same length, after a space (mid-text), as vLLM does."""
+        for name, ids in (("logit_bias", self.logit_bias or {}), ("allowed_token_ids", self.allowed_token_ids or [])):
+            out = [t for t in ids if t >= vocab_size]
+            if out:
+                raise ValueError(f"invalid sampling parameter {name}: token id {out[0]} is out of vocabulary "
+                                 f"(vocab_size={vocab_size})")
+        if not self.bad_words:
+            return
+        if tokenizer is None:
+            raise ValueError("invalid sampling parameter bad_words: it needs a tokenizer, and this model has none")
+        seqs: list[list[int]] = []
+        for word in self.bad_words:
+            plain = tokenizer.encode(word.lstrip(), add_special_tokens=False)
+            spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+            seqs.append(plain)
+            if len(spaced) == len(plain) and spaced[0] != plain[0]:
+                seqs.append(spaced)
+        out = [t for q in seqs for t in q if not 0 <= t < vocab_size]
+        if out:
+            raise ValueError(f"invalid sampling parameter bad_words: token id {out[0]} of its tokenization is out "
+                             f"of vocabulary (vocab_size={vocab_size})")
+        self._bad_words_token_ids = seqs
 
     @property
     def is_greedy(self) -> bool:

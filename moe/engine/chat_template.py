@@ -121,8 +121,15 @@ def check_messages(messages) -> None:
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise ValueError(f"messages[{i}] must be a dict with a string 'role'")
         content = m.get("content")
-        if content is not None and not isinstance(content, (str, list)):
-            raise ValueError(f"messages[{i}]['content'] must be a string or a list of parts")
+        # null is OpenAI's for an assistant turn that only calls tools; a user or system turn
+        # without content would render as "None".
+        if content is None:
+            if m["role"] != "assistant":
+                raise ValueError(f"messages[{i}]['content'] is missing or null: only an assistant message may "
+                                 "leave it out")
+        elif not isinstance(content, (str, list)):
+            raise ValueError(f"messages[{i}]['content'] must be a string or a list of content parts, got "
+                             f"{type(content).__name__} {_shown(content)}")
     check_content_parts(messages)
 
 

@@ -147,6 +147,7 @@ class CoreProcessClient:
         self._socket = None
         self._task: asyncio.Task | None = None
         self.expert_load_meta: dict | None = None  # from the "ready" answer
+        self.num_blocks: int | None = None  # the core's KV-cache blocks, from the "ready" answer
         # The API side of the IPC cache of processed images (keys only; the core keeps the pixels).
         self.ipc_cache = ipc_sender_cache(args)
         self.shm = None  # the shared-memory store of pixels to this core (made at start)
@@ -183,6 +184,7 @@ class CoreProcessClient:
                 if message[0] == "ready":
                     self.pid = message[1]["pid"]
                     self.expert_load_meta = message[1].get("expert_load_meta")
+                    self.num_blocks = message[1].get("num_blocks")
                     break
         self._task = asyncio.create_task(self._output_loop())
 

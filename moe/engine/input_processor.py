@@ -8,7 +8,7 @@ import logging
 import numbers
 from dataclasses import dataclass, field
 
-from moe.engine.chat_template import ChatTemplate
+from moe.engine.chat_template import ChatTemplate, check_messages, check_template_kwargs
 from moe.engine.core import CoreRequest
 from moe.engine.model_info import ModelInfo
 from moe.sampling_params import SamplingParams
@@ -66,15 +66,28 @@ class InputProcessor:
                 self._images.use_keys_only(self.ipc_sender)
         return self._images
 
-    def process_prompt(self, prompt) -> ProcessedPrompt:
+    def process_prompt(self, prompt, truncate_prompt_tokens: int | None = None) -> ProcessedPrompt:
         """A string, {"prompt": str} or {"prompt_token_ids": [...]} (either dict with
         "multi_modal_data": {"image": image or [images]}) -> validated token ids, with each
-        <|image|> of the prompt expanded into its image's tokens."""
+        <|image|> of the prompt expanded into its image's tokens. truncate_prompt_tokens=k keeps
+        the last k tokens (-1: max_model_len), cut before the checks, so a long prompt cut to fit
+        runs (vLLM's rule)."""
         p = self._tokenize(prompt)
         mm_data = prompt.get("multi_modal_data") if isinstance(prompt, dict) else None
         if mm_data is not None:
             p.prompt_token_ids, p.mm_items = self._process_images(p.prompt_token_ids, mm_data)
-        return self._check_tokens(p)
+        return self._check_tokens(self.truncate(p, truncate_prompt_tokens))
+
+    def truncate(self, p: ProcessedPrompt, truncate_prompt_tokens: int | None) -> ProcessedPrompt:
+        """p with only its last truncate_prompt_tokens tokens (-1: max_model_len; p itself when it
+        has no more). A prompt with images cannot be cut: its image tokens would lose their features."""
+        k = self.max_model_len if truncate_prompt_tokens == -1 else truncate_prompt_tokens
+        if k is None or len(p.prompt_token_ids) <= k:
+            return p
+        if p.mm_items:
+            raise ValueError("invalid sampling parameter truncate_prompt_tokens: a prompt with images cannot be "
+                             f"truncated ({len(p.prompt_token_ids)} tokens, truncate_prompt_tokens={k})")
+        return ProcessedPrompt(p.prompt, p.prompt_token_ids[-k:])
 
     def _process_images(self, prompt_token_ids: list[int], mm_data) -> tuple[list[int], list]:
         images = self.images
@@ -119,9 +132,12 @@ class InputProcessor:
             self._chat_template = ChatTemplate.load(folder)
         return self._chat_template
 
+    # The arguments before `/` are positional-only, so that a chat_template_kwargs key such as
+    # "messages" lands in **kwargs and is refused by name (check_template_kwargs), not a TypeError.
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True,
-                    chat_template: str | None = None, **kwargs) -> str:
+                    chat_template: str | None = None, /, **kwargs) -> str:
         """The conversation as the prompt text the model was trained on (the checkpoint's template)."""
+        check_template_kwargs(kwargs)
         template = self.chat_template
         if chat_template is not None:
             template = ChatTemplate(chat_template, template.special_tokens if template else {})
@@ -132,7 +148,9 @@ class InputProcessor:
         return template.render(messages, add_generation_prompt=add_generation_prompt, **kwargs)
 
     def process_chat(self, messages: list[dict], add_generation_prompt: bool = True,
-                     chat_template: str | None = None, **kwargs) -> ProcessedPrompt:
+                     chat_template: str | None = None, /, **kwargs) -> ProcessedPrompt:
+        check_messages(messages)  # before split_chat_images, which reads the parts
+        check_template_kwargs(kwargs)
         if self.tokenizer is None:
             raise ValueError("chat needs a tokenizer: this model folder has no tokenizer.json")
         messages, images = split_chat_images(messages)
@@ -153,7 +171,23 @@ class InputProcessor:
         if len(ids) > self.max_model_len:
             raise ValueError(f"the prompt (length {len(ids)}) is longer than the maximum model length "
                              f"max_model_len={self.max_model_len}")
+        if not p.mm_items and self.info.image_limit:
+            # Placeholders or expansion tokens no image backs would make the vision path misread
+            # the prompt (with images, ImageProcessing.process checked them one to one).
+            self.images.tokens.check_prompt_ids(ids, 0)
         return p
+
+    def check_context_length(self, prompt_len: int, max_tokens: int, prompt_what: str = "the prompt",
+                             max_tokens_name: str = "max_tokens") -> None:
+        """A max_tokens the client asked for that does not fit beside the prompt is refused (as by
+        vLLM's server), not quietly capped: the caller would get less than it asked for. An unset
+        max_tokens is capped to fit (_max_tokens)."""
+        limit = self.max_model_len
+        if prompt_len + max_tokens > limit:
+            raise ValueError(f"This model's maximum context length is {limit} tokens, but this request asks for "
+                             f"{prompt_len + max_tokens} tokens ({prompt_len} in {prompt_what}, {max_tokens} in the "
+                             f"completion): shorten {prompt_what} or lower {max_tokens_name} to at most "
+                             f"{max(limit - prompt_len, 0)}")
 
     def check_params(self, params: SamplingParams) -> None:
         """The checks of SamplingParams that need the model: raised before anything is queued."""
@@ -168,6 +202,8 @@ class InputProcessor:
         if bad:
             raise ValueError(f"invalid sampling parameter stop_token_ids: token id {bad[0]} is out of vocabulary "
                              f"(vocab_size={vocab})")
+        # token ids of logit_bias / allowed_token_ids against the vocabulary, bad_words into token ids
+        params.update_from_tokenizer(self.tokenizer, vocab)
 
     def _max_tokens(self, request_id: str, params: SamplingParams, prompt_len: int) -> int:
         room = self.max_model_len - prompt_len

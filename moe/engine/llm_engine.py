@@ -34,11 +34,15 @@ class LLMEngine:
         self.info = resolve_model_info(args)
         self.input = InputProcessor(self.info)
         self.core = EngineCore(self.info)
-        self.metrics = EngineMetrics(args.model)
+        self.metrics = EngineMetrics(args.model, self.info.max_model_len)
+        self.metrics.set_cache_config_info(
+            block_size=args.block_size, enable_prefix_caching=args.enable_prefix_caching,
+            gpu_memory_utilization=args.gpu_memory_utilization, num_gpu_blocks=self.core.scheduler.kv.num_blocks,
+            num_gpu_blocks_override=args.num_gpu_blocks_override)
         self.input.metrics = self.metrics
+        # The latency histograms are filled whether or not the stats line is logged (get_metrics reads them).
         self.output = OutputProcessor(self.info.tokenizer, self.metrics, log_stats=not args.disable_log_stats,
-                                      stats_interval_s=_STATS_INTERVAL_S,
-                                      record_latencies=not args.disable_log_stats)
+                                      stats_interval_s=_STATS_INTERVAL_S)
         if self.core.expert_load is not None:
             self.output.expert_load_layers = self.core.expert_load.meta.layers
         self._shut_down = False
@@ -72,8 +76,17 @@ class LLMEngine:
         self.input._warned_max_tokens_cap = value
 
     # ---- inputs ------------------------------------------------------------------------
-    def process_prompt(self, prompt) -> ProcessedPrompt:
-        return self.input.process_prompt(prompt)
+    def get_tokenizer(self):
+        """The tokenizer (encode / decode), or None for a model folder without tokenizer.json."""
+        return self.info.tokenizer
+
+    def process_prompt(self, prompt, params: SamplingParams | None = None) -> ProcessedPrompt:
+        """The prompt's validated token ids, cut to params.truncate_prompt_tokens first."""
+        return self.input.process_prompt(prompt, params.truncate_prompt_tokens if params is not None else None)
+
+    def truncate_prompt(self, p: ProcessedPrompt, params: SamplingParams | None) -> ProcessedPrompt:
+        """An already processed prompt (LLM.chat's) cut to params.truncate_prompt_tokens."""
+        return self.input.truncate(p, params.truncate_prompt_tokens if params is not None else None)
 
     def check_params(self, params: SamplingParams) -> None:
         self.input.check_params(params)
@@ -82,10 +95,10 @@ class LLMEngine:
                     processed: ProcessedPrompt | None = None) -> None:
         if self._shut_down:
             raise RuntimeError("this engine was shut down (LLM.shutdown): make a new LLM")
-        self.input.check_params(params)
+        self.check_params(params)
         if self.output.has_request(request_id):
             raise ValueError(f"request id {request_id!r} is already in use")
-        p = processed or self.input.process_prompt(prompt)
+        p = self.truncate_prompt(processed, params) if processed else self.process_prompt(prompt, params)
         core_requests = self.input.make_core_requests(request_id, p, params)
         self.output.add_request(request_id, p, core_requests)
         for cr in core_requests:

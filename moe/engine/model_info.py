@@ -23,9 +23,10 @@ _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 _HUB_FILES = ["*.json", "*.safetensors", "*.jinja", "tokenizer.model"]
 
 
-def resolve_model_path(model: str) -> str:
+def resolve_model_path(model: str, revision: str | None = None) -> str:
     """A local folder as is; 'tiny-qwen3-moe' built on first use; a Hugging Face hub id
-    ('org/name') from the local hub cache, else downloaded through huggingface_hub."""
+    ('org/name') at `revision` (a branch, tag or commit; None: main) from the local hub cache, else
+    downloaded through huggingface_hub."""
     if model in TINY_MODELS:
         return ensure_tiny_model(model)
     if os.path.exists(model) or not _HUB_ID.match(model):
@@ -36,11 +37,11 @@ def resolve_model_path(model: str) -> str:
         raise OSError(f"{model!r} is not a local folder, and looks like a Hugging Face hub id, but huggingface_hub "
                       "is not installed (pip install huggingface_hub)") from None
     try:
-        return snapshot_download(model, allow_patterns=_HUB_FILES, local_files_only=True)
+        return snapshot_download(model, revision=revision, allow_patterns=_HUB_FILES, local_files_only=True)
     except Exception:
         pass  # not cached: download it
     try:
-        return snapshot_download(model, allow_patterns=_HUB_FILES)
+        return snapshot_download(model, revision=revision, allow_patterns=_HUB_FILES)
     except Exception as e:
         raise OSError(f"{model!r} is not a local folder nor in the Hugging Face cache ({_hub_cache()}), and "
                       f"downloading it failed ({type(e).__name__}: {e}); offline, download it first or pass a "
@@ -78,7 +79,7 @@ class ModelInfo:
 def resolve_model_info(args: EngineArgs) -> ModelInfo:
     """Validate the arguments against the checkpoint's config; raises before any process starts."""
     args.validate()
-    model_path = resolve_model_path(args.model)
+    model_path = resolve_model_path(args.model, args.revision)
     model_cls, cfg = load_model_config(model_path)
     validate_parallel(args, cfg, model_cls)
     max_model_len = args.max_model_len or cfg.max_position_embeddings

@@ -1,10 +1,11 @@
 """Output processing: the engine core's per-sequence tokens -> request outputs.
 
 Detokenisation, stop strings, logprob decoding, the grouping of the n sequences of a request,
-and the metrics (token counts, the scheduler's gauges and counters, TTFT / inter-token /
-end-to-end / queue-time histograms). Runs in the caller's process offline and in the API
-process(es) under `moe serve`. A stop string found here finishes its sequence in the core: the
-caller does that with `ProcessResult.stopped` (directly offline, as a message when served).
+and the metrics (token counts, the scheduler's gauges and counters, request_success by
+finished_reason, the per-request and latency histograms: moe/engine/metrics.py). Runs in the
+caller's process offline and in the API process(es) under `moe serve`. A stop string found here
+finishes its sequence in the core: the caller does that with `ProcessResult.stopped` (directly
+offline, as a message when served).
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from dataclasses import dataclass, field
 from moe.engine.core import CoreRequest, CoreStepResult, SchedulerStats
 from moe.engine.detokenizer import IncrementalDetokenizer
 from moe.engine.input_processor import ProcessedPrompt
-from moe.engine.metrics import EngineMetrics
+from moe.engine.metrics import EngineMetrics, FinishedRequestStats
 from moe.engine.tokenizer import Tokenizer
 from moe.outputs import CompletionOutput, Logprob, RequestOutput
 from moe.sampling_params import SamplingParams
@@ -37,6 +38,12 @@ class _Child:
     cumulative_logprob: float | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    max_tokens: int | None = None
+    # Metrics (time.monotonic(); with record_latencies): first scheduling (estimated from the core's
+    # queue time), the first and the last token.
+    scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
     # Streaming: how much of the text / tokens earlier deltas handed out, and whether the finish did.
     sent_chars: int = 0
     sent_tokens: int = 0
@@ -66,8 +73,7 @@ class _Parent:
     children: dict[str, _Child]
     num_cached_tokens: int = 0
     arrival_time: float = field(default_factory=time.monotonic)
-    first_token_time: float | None = None
-    last_token_time: float | None = None
+    added_time: float = field(default_factory=time.monotonic)  # handed to the engine core (about)
     error: str | None = None   # set when a failed step finished the request
 
     @property
@@ -101,9 +107,9 @@ class OutputProcessor:
                  stats_interval_s: float = STATS_INTERVAL_S, count_core_totals: bool = True,
                  record_latencies: bool = True) -> None:
         """count_core_totals: add the core's preemption / prefix-cache totals to the counters (one
-        API process of several does). record_latencies: fill the TTFT / inter-token / end-to-end /
-        queue-time histograms (a few microseconds per token: the offline LLM skips them unless
-        it logs stats)."""
+        API process of several does). record_latencies: fill the latency histograms (TTFT,
+        inter-token, end-to-end, queue / prefill / decode / inference time; a few microseconds
+        per token)."""
         self.tokenizer = tokenizer
         self.count_core_totals = count_core_totals
         self.record_latencies = record_latencies
@@ -132,7 +138,7 @@ class OutputProcessor:
                 self.tokenizer if p.detokenize else None, prompt.prompt_token_ids, p.stop_list,
                 p.include_stop_str_in_output, p.skip_special_tokens), p,
                 logprobs=[] if p.logprobs is not None else None,
-                cumulative_logprob=0.0 if p.logprobs is not None else None)
+                cumulative_logprob=0.0 if p.logprobs is not None else None, max_tokens=cr.max_tokens)
         parent = _Parent(request_id, prompt, children)
         if arrival_time is not None:
             parent.arrival_time = arrival_time
@@ -145,12 +151,13 @@ class OutputProcessor:
         parent = self.parents.pop(self.child_to_parent.get(request_id, request_id), None)
         if parent is None:
             return []
-        for child_id in parent.children:
-            self.child_to_parent.pop(child_id, None)
+        for child_id, child in parent.children.items():
+            if self.child_to_parent.pop(child_id, None) is not None and child.finish_reason is None:
+                self.metrics.request_success["abort"].inc()
         return list(parent.children)
 
     def process(self, result: CoreStepResult) -> ProcessResult:
-        self._count_step(result)
+        step_tokens = self._count_step(result)
         now = time.monotonic()
         out = ProcessResult()
         updated: dict[str, _Parent] = {}  # insertion-ordered, one entry per request
@@ -163,47 +170,66 @@ class OutputProcessor:
             if child.params.n == 1 or co.num_cached_tokens:
                 parent.num_cached_tokens = max(parent.num_cached_tokens, co.num_cached_tokens)
             if co.new_token_ids and self.record_latencies:
-                self._observe_token_times(parent, now, len(co.new_token_ids))
+                self._observe_token_times(child, now, len(co.new_token_ids), parent.arrival_time)
             if co.finish_reason == "error":
-                self._fail(parent, co.req_id, result.errors.get(co.req_id, "the engine failed this request"), out)
+                self._fail(parent, co.req_id, result.errors.get(co.req_id, "the engine failed this request"), out, now)
             else:
-                self._process_tokens(co, child, len(parent.prompt.prompt_token_ids), out)
+                step_tokens += self._process_tokens(co, child, len(parent.prompt.prompt_token_ids), out)
                 if child.finish_reason is not None:
                     self.child_to_parent.pop(co.req_id, None)
-                    self.metrics.request_success.inc()
+                    self._observe_finished(parent, child, now)
             updated[parent_id] = parent
             if child.finish_reason is not None and parent_id in self.parents and parent.finished:
                 del self.parents[parent_id]
-                if self.record_latencies:
-                    self.metrics.e2e_request_latency.observe(now - parent.arrival_time)
+                self.metrics.observe_finished_parent(
+                    len(parent.children), max(len(c.token_ids) for c in parent.children.values()))
                 out.finished.append(parent)
+        if result.outputs:
+            self.metrics.iteration_tokens.observe(step_tokens)
         out.updated = list(updated.values())
         self._maybe_log_stats()
         return out
 
-    def _fail(self, parent: _Parent, failed_id: str, error: str, out: ProcessResult) -> None:
+    def _fail(self, parent: _Parent, failed_id: str, error: str, out: ProcessResult, now: float) -> None:
         """A failed step finished one sequence with an error (the core dropped it): the whole
         request ends with it, its other sequences aborted."""
         for cid, c in parent.children.items():
             if c.finish_reason is None:
                 c.finish_reason = "error"
-                if self.child_to_parent.pop(cid, None) is not None and cid != failed_id:
-                    out.aborted.append(cid)
+                if self.child_to_parent.pop(cid, None) is not None:
+                    self._observe_finished(parent, c, now)
+                    if cid != failed_id:
+                        out.aborted.append(cid)
         parent.error = error
 
-    def _observe_token_times(self, parent: _Parent, now: float, num_tokens: int) -> None:
-        if parent.first_token_time is None:
-            parent.first_token_time = now
-            self.metrics.time_to_first_token.observe(now - parent.arrival_time)
-        elif parent.last_token_time is not None:
-            gap = (now - parent.last_token_time) / num_tokens
+    def _observe_token_times(self, child: _Child, now: float, num_tokens: int, arrival_time: float) -> None:
+        m = self.metrics
+        if child.first_token_time is None:
+            child.first_token_time = now
+            m.time_to_first_token.observe(now - arrival_time)
+        elif child.last_token_time is not None:
+            gap = (now - child.last_token_time) / num_tokens
             for _ in range(num_tokens):
-                self.metrics.inter_token_latency.observe(gap)
-        parent.last_token_time = now
+                m.inter_token_latency.observe(gap)
+        child.last_token_time = now
 
-    def _process_tokens(self, co, child: _Child, num_prompt_tokens: int, out: ProcessResult) -> None:
+    def _observe_finished(self, parent: _Parent, child: _Child, now: float) -> None:
+        """A sequence finished (stop, length or error): request_success and the per-request histograms."""
+        first, last, scheduled = child.first_token_time, child.last_token_time, child.scheduled_time
+        timed = self.record_latencies and first is not None and last is not None
+        self.metrics.observe_finished(FinishedRequestStats(
+            child.finish_reason, len(parent.prompt.prompt_token_ids), len(child.token_ids), child.max_tokens,
+            e2e=now - parent.arrival_time if self.record_latencies else None,
+            prefill=max(first - scheduled, 0.0) if timed and scheduled is not None else None,
+            decode=last - first if timed else None,
+            inference=max(last - scheduled, 0.0) if timed and scheduled is not None else None))
+
+    def _process_tokens(self, co, child: _Child, num_prompt_tokens: int, out: ProcessResult) -> int:
+        """Takes the sequence's new tokens; returns the prompt tokens counted (at its first tokens)."""
+        counted = 0
         if not child.token_ids:
             self.metrics.prompt_tokens.inc(num_prompt_tokens)
+            counted = num_prompt_tokens
         child.token_ids.extend(co.new_token_ids)
         if co.new_logprobs and child.logprobs is not None:
             for entry in co.new_logprobs:
@@ -222,6 +248,7 @@ class OutputProcessor:
             child.finish_reason, child.stop_reason = "stop", stop_str
         elif co.finished:
             child.finish_reason, child.stop_reason = co.finish_reason, co.stop_reason
+        return counted
 
     def _to_logprob_dict(self, entry: TokenLogprobs) -> dict[int, Logprob]:
         decode = self.tokenizer.decode_token if self.tokenizer is not None else (lambda t: None)
@@ -232,19 +259,24 @@ class OutputProcessor:
         return out
 
     # ---- metrics -----------------------------------------------------------------------
-    def _count_step(self, result: CoreStepResult) -> None:
+    def _count_step(self, result: CoreStepResult) -> int:
+        """The step's counters and gauges; returns the tokens it generated."""
         m = self.metrics
         generated = sum(len(co.new_token_ids) for co in result.outputs)
         m.generation_tokens.inc(generated)
         self._generation_total += generated
         if self.record_latencies:
-            for queue_s in result.queue_times.values():
+            for req_id, queue_s in result.queue_times.items():
                 m.request_queue_time.observe(queue_s)
+                parent = self.parents.get(self.child_to_parent.get(req_id, ""))
+                if parent is not None:  # first scheduled: about when the core got it, plus its wait
+                    parent.children[req_id].scheduled_time = parent.added_time + queue_s
         self.update_stats(result.stats)
         for window in result.expert_load_windows:
             self.expert_balancedness = sum(window["balancedness"]) / max(len(window["balancedness"]), 1)
             if self.expert_load_layers is not None:
                 m.observe_expert_load(self.expert_load_layers, window, self.count_core_totals)
+        return generated
 
     def update_stats(self, s: SchedulerStats) -> None:
         m, t = self.metrics, self._totals

@@ -50,7 +50,9 @@ class LLM:
         return self.llm_engine
 
     def get_tokenizer(self):
-        return self.llm_engine.tokenizer
+        """The model's tokenizer: encode(text, add_special_tokens=True) -> ids, decode(ids,
+        skip_special_tokens=True) -> text, eos_token_id, vocab_size (None without tokenizer.json)."""
+        return self.llm_engine.get_tokenizer()
 
     def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
@@ -92,7 +94,9 @@ class LLM:
         for sp in params:
             engine.check_params(sp)
         if processed is None:
-            processed = [engine.process_prompt(p) for p in prompts]
+            processed = [engine.process_prompt(p, sp) for p, sp in zip(prompts, params)]
+        else:
+            processed = [engine.truncate_prompt(p, sp) for p, sp in zip(processed, params)]
         with self._lock:
             ids = [str(next(self._counter)) for _ in prompts]
         try:

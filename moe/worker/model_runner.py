@@ -307,9 +307,11 @@ class ModelRunner:
                 tables.extend(state.row, group, ids)
             state.num_computed_tokens = num_computed
 
-    def _sampling_batch(self, states: list[RequestState], seq_lens: list[int]) -> SamplingBatch:
+    def _sampling_batch(self, states: list[RequestState], seq_lens: list[int],
+                        req_ids: list[str] | None = None, prev: PendingStep | None = None) -> SamplingBatch:
         """seq_lens: each row's context after the step, so the token sampled now is output number
-        seq_len - num_prompt_tokens (also with async scheduling, where token_ids lags)."""
+        seq_len - num_prompt_tokens (also with async scheduling, where token_ids lags; prev, the step
+        in flight, then samples the newest token of such a row, req_ids[i])."""
         dev = self.device
         params = [s.params for s in states]
         num_out = [L - s.num_prompt_tokens for s, L in zip(states, seq_lens)]
@@ -350,7 +352,40 @@ class ModelRunner:
                 banned += [(i, t) for t in stops]
         batch.banned_tokens = host_to_device(np.ascontiguousarray(np.array(banned, dtype=np.int64).T), dev) \
             if banned else None
+        if any(p.logit_bias or p.allowed_token_ids or p._bad_words_token_ids for p in params):
+            self._token_bias(batch, states, seq_lens, req_ids, prev)
         return batch
+
+    def _token_bias(self, batch: SamplingBatch, states: list[RequestState], seq_lens: list[int],
+                    req_ids: list[str] | None, prev: PendingStep | None) -> None:
+        """allowed_token_ids, logit_bias and bad words as (row, token id, value) columns of one upload.
+        A multi-token bad word bans its last token when the output so far ends with the rest; where
+        the newest output token is still pending (async scheduling), the host matches the prefix
+        up to it, and the device compares that token when it is known (pending_bans)."""
+        allowed, added, pending = [], [], []
+        for i, (s, L) in enumerate(zip(states, seq_lens)):
+            p = s.params
+            allowed += [(i, t, 0.0) for t in p.allowed_token_ids or ()]
+            added += [(i, t, b) for t, b in (p.logit_bias or {}).items()]
+            known = min(len(s.token_ids), L)  # context tokens on the host
+            num_out = known - s.num_prompt_tokens
+            src = prev.sample_index[req_ids[i]] if known < L and prev is not None else None
+            for word in p._bad_words_token_ids or ():
+                *prefix, last = word
+                if not prefix:
+                    added.append((i, last, float("-inf")))
+                elif src is None:
+                    if len(prefix) <= num_out and s.token_ids[known - len(prefix):known] == prefix:
+                        added.append((i, last, float("-inf")))
+                elif len(prefix) - 1 <= num_out and s.token_ids[known - len(prefix) + 1:known] == prefix[:-1]:
+                    pending.append((i, last, src, prefix[-1]))  # prefix[-1] must be the pending token
+        dev = self.device
+        batch.num_allowed = len(allowed)
+        if allowed or added:
+            batch.token_bias = host_to_device(np.ascontiguousarray(np.array(allowed + added, dtype=np.float64).T), dev)
+        if pending:
+            batch.pending_bans = host_to_device(np.ascontiguousarray(np.array(pending, dtype=np.int64).T), dev)
+            batch.pending_tokens = prev.sampled_B
 
     def apply_sampled(self, sampled: dict[str, list[int]]) -> None:
         """Append the tokens the replica's driver rank sampled last step (non-driver ranks)."""
@@ -479,7 +514,8 @@ class ModelRunner:
             return None
         states = batch.states
         sample_states = [states[i] for i in sample_rows]
-        result = sample(logits, self._sampling_batch(sample_states, batch.seq_lens_B[sample_rows].tolist()))
+        result = sample(logits, self._sampling_batch(sample_states, batch.seq_lens_B[sample_rows].tolist(),
+                                                     [batch.req_ids[i] for i in sample_rows], prev))
         return PendingStep(batch, result)
 
     def collect(self, pending: PendingStep) -> ModelRunnerOutput:

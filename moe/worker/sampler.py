@@ -1,5 +1,6 @@
-"""Token sampling for one step's batch: penalties, temperature, top-k, top-p, min-p, per-request
-seeds, and logprobs of the raw model distribution (as vLLM reports them).
+"""Token sampling for one step's batch: penalties, logit_bias / allowed_token_ids / bad words,
+temperature, top-k, top-p, min-p, per-request seeds, and logprobs of the raw model distribution
+(as vLLM reports them).
 
 Legend: B rows (one per sampling request), V vocabulary.
 """
@@ -31,6 +32,21 @@ class SamplingBatch:
     # Rows still under min_tokens and the token ids they must not produce yet: [2, n] int64
     # (row, token id) pairs on the device.
     banned_tokens: torch.Tensor | None = None
+    # logit_bias, allowed_token_ids and bad words, in one upload: [3, n] float64 (row; token id;
+    # value). The first `num_allowed` columns are the tokens their rows are restricted to (value
+    # unused); the others are added to the logits (-inf: banned).
+    token_bias: torch.Tensor | None = None
+    num_allowed: int = 0
+    # Multi-token bad words whose prefix ends in a token still being sampled by the step in flight
+    # (async scheduling): [4, n] int64 (row; banned token id; index into pending_tokens; the token
+    # the prefix needs there). The ban applies on the device when that token matches.
+    pending_bans: torch.Tensor | None = None
+    pending_tokens: torch.Tensor | None = None  # the step in flight's sampled tokens
+
+    @property
+    def adjusts_logits(self) -> bool:
+        return self.output_counts_BV is not None or self.banned_tokens is not None or \
+            self.token_bias is not None or self.pending_bans is not None
 
 
 @dataclass
@@ -52,6 +68,25 @@ def _apply_penalties(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
         logits = logits - b.frequency_penalty_B[:, None] * b.output_counts_BV
         logits = logits - b.presence_penalty_B[:, None] * (b.output_counts_BV > 0).to(logits.dtype)
     return logits
+
+
+def _apply_token_bias(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
+    """allowed_token_ids, then the added values: device ops only (the slices use a host count)."""
+    rows, ids, values = b.token_bias[0].long(), b.token_bias[1].long(), b.token_bias[2].to(logits.dtype)
+    k = b.num_allowed
+    if k:
+        allowed = torch.zeros_like(logits, dtype=torch.bool).index_put_(
+            (rows[:k], ids[:k]), torch.ones((), dtype=torch.bool, device=logits.device))
+        restricted = torch.zeros(logits.shape[0], dtype=torch.bool, device=logits.device).index_fill_(0, rows[:k], True)
+        logits = logits.masked_fill(restricted[:, None] & ~allowed, float("-inf"))
+    return logits.index_put((rows[k:], ids[k:]), values[k:], accumulate=True)
+
+
+def _apply_pending_bans(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
+    rows, ids, src, needed = b.pending_bans
+    hit = b.pending_tokens.index_select(0, src) == needed
+    return logits.index_put((rows, ids), torch.zeros(hit.shape, device=logits.device).masked_fill(hit, float("-inf")),
+                            accumulate=True)
 
 
 def _filter(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
@@ -88,7 +123,7 @@ def _noise(probs: torch.Tensor, seeds: list[int | None]) -> torch.Tensor:
 
 
 def sample(logits_BV: torch.Tensor, b: SamplingBatch) -> SamplerOutput:
-    if b.all_greedy and b.max_num_logprobs < 0 and b.output_counts_BV is None and b.banned_tokens is None:
+    if b.all_greedy and b.max_num_logprobs < 0 and not b.adjusts_logits:
         # The argmax of the logits as they come (bf16 on a GPU): the float32 copy would be exact,
         # so its argmax (the first maximum) is the same, but at 256 rows of a 152k vocabulary the
         # copy alone cost 94 us of a decode step on an H200 (BENCHMARKS.md §4).
@@ -100,6 +135,10 @@ def sample(logits_BV: torch.Tensor, b: SamplingBatch) -> SamplerOutput:
     if b.banned_tokens is not None:
         logits = logits.index_put((b.banned_tokens[0], b.banned_tokens[1]),
                                   torch.full((), float("-inf"), device=logits.device))
+    if b.token_bias is not None:
+        logits = _apply_token_bias(logits, b)
+    if b.pending_bans is not None:
+        logits = _apply_pending_bans(logits, b)
     greedy = logits.argmax(-1)
     if b.all_greedy:
         sampled = greedy

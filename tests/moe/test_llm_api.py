@@ -146,7 +146,8 @@ def test_metrics(llm):
     llm.generate({"prompt_token_ids": [1, 2, 3]}, greedy(3), use_tqdm=False)
     metrics = {m.name: m.value for m in llm.get_metrics()}
     assert metrics["moe:generation_tokens"] >= 3 and metrics["moe:prompt_tokens"] >= 3
-    assert metrics["moe:request_success"] >= 1
+    success = {m.labels["finished_reason"]: m.value for m in llm.get_metrics() if m.name == "moe:request_success"}
+    assert set(success) == {"stop", "length", "abort", "error"} and success["length"] >= 1
     assert "moe:num_preemptions" in metrics and "moe:prefix_cache_hits" in metrics
     assert metrics["moe:num_requests_running"] == 0
 

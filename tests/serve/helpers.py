@@ -136,16 +136,28 @@ def headers() -> dict:
 
 
 def scrape_metrics(url: str) -> dict[str, float]:
-    """/metrics parsed by prometheus_client's text parser: sample name -> value (labels dropped)."""
+    """/metrics parsed by prometheus_client's text parser (no _bucket samples): sample name -> value
+    summed over its label sets, and, for a sample with labels besides model_name, also
+    'name{label="value",...}' (those labels, sorted) -> value, e.g.
+    'moe:request_success_total{finished_reason="length"}'."""
     from prometheus_client.parser import text_string_to_metric_families
 
     text = httpx.get(f"{url}/metrics", headers=headers(), timeout=5.0).text
-    return {s.name: s.value for fam in text_string_to_metric_families(text) for s in fam.samples
-            if not s.name.endswith("_bucket")}
+    out: dict[str, float] = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if s.name.endswith("_bucket"):
+                continue
+            out[s.name] = out.get(s.name, 0.0) + s.value
+            labels = sorted((k, v) for k, v in s.labels.items() if k != "model_name")
+            if labels:
+                key = s.name + "{" + ",".join(f'{k}="{v}"' for k, v in labels) + "}"
+                out[key] = out.get(key, 0.0) + s.value
+    return out
 
 
 def expert_tokens_total(url: str) -> float:
-    """moe:expert_load_tokens summed over its (layer, ep_rank) series (scrape_metrics keeps one sample per name)."""
+    """moe:expert_load_tokens summed over its (layer, ep_rank) series."""
     from prometheus_client.parser import text_string_to_metric_families
 
     text = httpx.get(f"{url}/metrics", headers=headers(), timeout=5.0).text

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import threading
 import time
 
@@ -274,7 +275,10 @@ def test_concurrent_streams_with_disconnects_free_the_kv_cache(server, llm):
     m = wait_until_idle(server.url, 10, poll_s=0.2)
     assert m["moe:kv_cache_usage_perc"] == 0 and m["moe:num_requests_running"] == 0
     assert m["moe:num_requests_waiting"] == 0
-    assert m["moe:request_success_total"] - before["moe:request_success_total"] == NUM_STREAMS
+    capped = 'moe:request_success_total{finished_reason="length"}'
+    aborted = 'moe:request_success_total{finished_reason="abort"}'
+    assert m[capped] - before[capped] == NUM_STREAMS  # their max_tokens
+    assert m[aborted] - before[aborted] == NUM_QUITTERS
     # the quitters stopped early: far fewer than their tokens were generated
     generated = m["moe:generation_tokens_total"] - before["moe:generation_tokens_total"]
     finished = NUM_STREAMS * STREAM_TOKENS
@@ -291,13 +295,28 @@ def test_metrics_count_requests_and_latencies(server, client):
         return m[name] - before.get(name, 0.0)
 
     assert delta("moe:request_success_total") == 3
+    assert delta('moe:request_success_total{finished_reason="length"}') == 3
     assert delta("moe:prompt_tokens_total") == sum(r.usage.prompt_tokens for r in resp)
     assert delta("moe:generation_tokens_total") == 12
     for hist in ("moe:time_to_first_token_seconds", "moe:e2e_request_latency_seconds",
-                 "moe:request_queue_time_seconds"):
-        assert delta(f"{hist}_count") == 3 and delta(f"{hist}_sum") >= 0
+                 "moe:request_queue_time_seconds", "moe:request_prefill_time_seconds",
+                 "moe:request_decode_time_seconds", "moe:request_inference_time_seconds",
+                 "moe:request_time_per_output_token_seconds", "moe:request_prompt_tokens",
+                 "moe:request_generation_tokens", "moe:request_params_n", "moe:request_params_max_tokens",
+                 "moe:request_max_num_generation_tokens"):
+        assert delta(f"{hist}_count") == 3 and delta(f"{hist}_sum") >= 0, hist
+    assert delta("moe:request_generation_tokens_sum") == 12 and delta("moe:request_params_max_tokens_sum") == 12
     assert delta("moe:inter_token_latency_seconds_count") == 3 * 3
+    assert delta("moe:iteration_tokens_total_sum") == delta("moe:prompt_tokens_total") + 12
     assert delta("moe:e2e_request_latency_seconds_sum") > delta("moe:time_to_first_token_seconds_sum") > 0
+    # the KV-cache configuration, with the core's block count; token-count buckets end at the context
+    info = [k for k in m if k.startswith("moe:cache_config_info{")]
+    assert len(info) == 1 and 'num_gpu_blocks="' in info[0] and 'num_gpu_blocks="None"' not in info[0]
+    text = httpx.get(f"{server.url}/metrics", headers=headers(), timeout=5.0).text
+    edges = [float(e) for e in re.findall(r'moe:request_prompt_tokens_bucket\{[^}]*le="([^"]+)"', text) if e != "+Inf"]
+    max_model_len = httpx.get(f"{server.url}/v1/models", headers=headers(), timeout=5.0).json()["data"][0][
+        "max_model_len"]
+    assert edges and max(edges) <= max_model_len
 
 
 def test_expert_load_on_the_dashboard_and_in_metrics(server, client, model_dir):
@@ -333,7 +352,11 @@ def test_client_gone_before_the_response_aborts_its_request(server):
             "model": MODEL_NAME, "prompt": "hi", "max_tokens": 250, "ignore_eos": True, "temperature": 0})
     m = wait_until_idle(server.url, 5)
     assert m["moe:num_requests_running"] == 0 and m["moe:kv_cache_usage_perc"] == 0
-    assert m["moe:request_success_total"] == before["moe:request_success_total"]
+    for reason in ("stop", "length", "error"):
+        name = f'moe:request_success_total{{finished_reason="{reason}"}}'
+        assert m[name] == before[name]
+    aborted = 'moe:request_success_total{finished_reason="abort"}'
+    assert m[aborted] - before[aborted] == 1
     assert m["moe:generation_tokens_total"] - before["moe:generation_tokens_total"] < 250
 
 

@@ -99,7 +99,7 @@ class AsyncLLM:
         self.input = InputProcessor(self.info)
         if self.info.tokenizer is not None:
             self.input.tokenizer = _GilReleasingTokenizer(self.info.tokenizer)
-        self.metrics = EngineMetrics(args.model)
+        self.metrics = EngineMetrics(args.model, self.info.max_model_len)
         self.input.metrics = self.metrics
         self.output = OutputProcessor(self.info.tokenizer, self.metrics, log_stats=not args.disable_log_stats,
                                       count_core_totals=server_index == 0)
@@ -130,6 +130,11 @@ class AsyncLLM:
 
     async def start(self, timeout_s: float = 600.0) -> None:
         await asyncio.gather(*(c.start(timeout_s) for c in self.clients))
+        a = self.args
+        self.metrics.set_cache_config_info(  # as the offline engine's (llm_engine.py); blocks of one core
+            block_size=a.block_size, enable_prefix_caching=a.enable_prefix_caching,
+            gpu_memory_utilization=a.gpu_memory_utilization, num_gpu_blocks=self.clients[0].num_blocks,
+            num_gpu_blocks_override=a.num_gpu_blocks_override)
         meta = self.clients[0].expert_load_meta
         if meta is not None:
             self.expert_load_meta = ExpertLoadMeta.from_json(meta)

@@ -16,7 +16,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
-from moe.engine.chat_template import check_content_parts, check_template_kwargs
+from moe.engine.chat_template import check_messages
 from moe.engine.core_client import EngineDeadError
 from moe.engine.input_processor import ProcessedPrompt, split_chat_images
 from moe.entrypoints.serve.protocol import ChatCompletionRequest, CompletionRequest, ErrorResponse, flatten_content
@@ -75,6 +75,7 @@ class _Handler:
     object_name = ""    # "object" of a response
     chunk_object = ""   # "object" of a streamed chunk
     id_prefix = ""
+    prompt_what = "the prompt"  # how an error names the request's input
 
     def __init__(self, engine, model_name: str) -> None:
         self.engine = engine
@@ -87,13 +88,11 @@ class _Handler:
         """_prepare and the checks of its result; in a thread of the engine's input pool."""
         prompts, params = self._prepare(body)
         self.engine.input.check_params(params)
-        if self.engine.info.image_limit:
-            # A prompt without images must not hold the image tokens the vision path reads (a
-            # prompt with images was checked when they were expanded).
-            tokens = self.engine.input.images.tokens
+        asked = body.requested_max_tokens()
+        if asked is not None:
+            name, max_tokens = asked
             for p in prompts:
-                if not p.mm_items:
-                    tokens.check_prompt_ids(p.prompt_token_ids, 0)
+                self.engine.input.check_context_length(len(p.prompt_token_ids), max_tokens, self.prompt_what, name)
         return prompts, params
 
     async def create(self, body):
@@ -167,8 +166,17 @@ class CompletionHandler(_Handler):
     def _prepare(self, body: CompletionRequest):
         if body.suffix is not None:
             raise ValueError("suffix is not supported")
-        prompts = [self.engine.input.process_prompt(p) for p in body.prompts()]
-        return prompts, body.sampling_params(body.max_tokens, body.logprobs)
+        prompts = body.prompts()
+        params = body.sampling_params(body.max_tokens, body.logprobs)
+        processed = []
+        for i, p in enumerate(prompts):
+            try:
+                processed.append(self.engine.input.process_prompt(p, params.truncate_prompt_tokens))
+            except ValueError as e:
+                if len(prompts) == 1:
+                    raise
+                raise ValueError(f"prompt[{i}]: {e}") from None  # which of the batch
+        return processed, params
 
     def _echo(self, body, prompt: ProcessedPrompt) -> str:
         if not body.echo:
@@ -209,20 +217,22 @@ class CompletionHandler(_Handler):
 
 class ChatHandler(_Handler):
     object_name, chunk_object, id_prefix = "chat.completion", "chat.completion.chunk", "chatcmpl"
+    prompt_what = "the messages"
 
     def _prepare(self, body: ChatCompletionRequest):
         if not body.messages:
             raise ValueError("messages is required: a non-empty list of {'role': ..., 'content': ...}")
-        check_content_parts(body.messages)  # before flatten_content, which keeps only the text parts
+        check_messages(body.messages)  # before flatten_content, which keeps only the text parts
         messages = flatten_content(body.messages)
         kwargs = body.chat_template_kwargs or {}
-        check_template_kwargs(kwargs)  # a clash would be a TypeError of process_chat's call
         if body.continue_final_message:
             prompt = self._continue_final(messages, body.generation_prompt(), body.chat_template, kwargs)
         else:
             prompt = self.engine.input.process_chat(messages, body.generation_prompt(), body.chat_template, **kwargs)
-        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        return [prompt], body.sampling_params(max_tokens, body.chat_logprobs())
+        asked = body.requested_max_tokens()
+        params = body.sampling_params(None if asked is None else asked[1], body.chat_logprobs())
+        # cut after rendering, as LLM.chat's: the rendered prompt must fit max_model_len
+        return [self.engine.input.truncate(prompt, params.truncate_prompt_tokens)], params
 
     def _continue_final(self, messages: list[dict], add_generation_prompt: bool, template: str | None,
                         kwargs: dict) -> ProcessedPrompt:

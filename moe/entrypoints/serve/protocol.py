@@ -24,6 +24,12 @@ logger = logging.getLogger("moe.entrypoints.serve")
 # own in the engine, so an unbounded n lets one request take every slot. The server may set it.
 MAX_N = 128
 
+# The most prompts one /v1/completions request may hold. Each is an engine request of its own (n
+# sequences), and the body limit does not bound their number (a token-id prompt is 4 bytes: 8
+# million fit in 32 MiB), so one unbounded request could queue hours of work ahead of everyone
+# else. 1024 is ample for the batching clients do in one request; the server may set it.
+MAX_PROMPTS = 1024
+
 # An integer that msgpack (to the engine core) and torch int64 can hold.
 Int64 = Annotated[int, Field(ge=-INT64_MAX - 1, le=INT64_MAX)]
 
@@ -110,6 +116,11 @@ class _SamplingRequest(_StrictModel):
     min_tokens: Int64 = 0
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # OpenAI's logit_bias has string keys (JSON object keys): token ids as text
+    logit_bias: dict[str, float] | None = None
+    allowed_token_ids: list[Int64] | None = None
+    bad_words: list[str] | None = None
+    truncate_prompt_tokens: Int64 | None = None
     user: str | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -141,7 +152,20 @@ class _SamplingRequest(_StrictModel):
             ignore_eos=self.ignore_eos, presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty,
             include_stop_str_in_output=self.include_stop_str_in_output, logprobs=logprobs,
-            skip_special_tokens=self.skip_special_tokens)
+            skip_special_tokens=self.skip_special_tokens, logit_bias=self._logit_bias(),
+            allowed_token_ids=self.allowed_token_ids, bad_words=self.bad_words,
+            truncate_prompt_tokens=self.truncate_prompt_tokens)
+
+    def _logit_bias(self) -> dict[int, float] | None:
+        if self.logit_bias is None:
+            return None
+        out = {}
+        for key, bias in self.logit_bias.items():
+            if not key.strip().lstrip("-").isdigit():
+                raise ValueError(f"invalid sampling parameter logit_bias: its keys are token ids, "
+                                 f"got {_escaped(key)!r}")
+            out[int(key)] = bias
+        return out
 
     @property
     def include_usage(self) -> bool:
@@ -168,6 +192,11 @@ class CompletionRequest(_SamplingRequest):
 
         if p is None or isinstance(p, str):
             return p
+        # Read at each request, as MAX_N; checked before the items, so a long list costs little. A
+        # list of token ids is one prompt.
+        if isinstance(p, list) and len(p) > MAX_PROMPTS and not is_id(p[0]):
+            raise ValueError(f"prompt holds {len(p)} prompts, more than this server allows: at most {MAX_PROMPTS} "
+                             "prompts per request")
         if isinstance(p, list) and (all(isinstance(x, str) for x in p) or all(is_id(x) for x in p)
                                     or all(isinstance(x, list) and all(is_id(t) for t in x) for x in p)):
             return p
@@ -183,7 +212,17 @@ class CompletionRequest(_SamplingRequest):
             return [p]
         if all(isinstance(x, int) for x in p):
             return [{"prompt_token_ids": p}]
+        empty = next((i for i, x in enumerate(p) if len(x) == 0), None)
+        if empty is not None:
+            raise ErrorResponse(f"prompt[{empty}] is empty: each prompt needs at least one token", param="prompt")
         return [x if isinstance(x, str) else {"prompt_token_ids": x} for x in p]
+
+    def requested_max_tokens(self) -> tuple[str, int] | None:
+        """The max_tokens the client sent (its name and value), None for OpenAI's default of 16,
+        which is capped to fit the context rather than refused."""
+        if "max_tokens" in self.model_fields_set and self.max_tokens is not None:
+            return "max_tokens", self.max_tokens
+        return None
 
 
 class ChatCompletionRequest(_SamplingRequest):
@@ -196,6 +235,14 @@ class ChatCompletionRequest(_SamplingRequest):
     echo: bool = False
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+
+    def requested_max_tokens(self) -> tuple[str, int] | None:
+        """max_completion_tokens (OpenAI's current name) or else max_tokens, with its name; None
+        when neither is set (the completion then takes what the context leaves)."""
+        for name in ("max_completion_tokens", "max_tokens"):
+            if getattr(self, name) is not None:
+                return name, getattr(self, name)
+        return None
 
     def generation_prompt(self) -> bool:
         """Whether the template adds the assistant's turn opener. continue_final_message turns it
