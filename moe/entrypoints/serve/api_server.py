@@ -46,6 +46,7 @@ from collections.abc import Mapping
 from contextlib import asynccontextmanager
 
 from moe.config import EngineArgs
+from moe.entrypoints.serve.header_timeout import header_timeout_protocol
 from moe.entrypoints.serve.protocol import ChatCompletionRequest, CompletionRequest, ErrorResponse, error_body
 
 logger = logging.getLogger("moe.entrypoints.serve")
@@ -57,6 +58,7 @@ OPEN_PATHS = frozenset({"/health", "/version"})
 API_KEY_ENV_VARS = ("MOE_API_KEY", "VLLM_API_KEY")  # read in this order when --api-key is not given
 DEFAULT_MAX_REQUEST_BODY_BYTES = 32 << 20  # room for a few base64 images in a chat request
 DEFAULT_REQUEST_BODY_TIMEOUT_S = 30.0
+DEFAULT_REQUEST_HEADER_TIMEOUT_S = 30.0  # a connection without its headers by then is closed
 # Bodies larger than this are checked for JSON in a worker thread, so that the event loop keeps
 # streaming the other requests' tokens meanwhile.
 _JSON_CHECK_IN_THREAD_BYTES = 1 << 20
@@ -498,6 +500,10 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--request-body-timeout", type=float, default=DEFAULT_REQUEST_BODY_TIMEOUT_S,
                         help="seconds a client has to send a request's whole body after its headers; "
                              "then 408 and the connection is closed")
+    parser.add_argument("--request-header-timeout", type=float, default=DEFAULT_REQUEST_HEADER_TIMEOUT_S,
+                        help="seconds a client has to send a request's headers, from its connection or from the "
+                             "first bytes of its next request on a kept-alive one; then 408 and the connection "
+                             "is closed")
     parser.add_argument("--api-server-count", type=int, default=1,
                         help="API processes sharing the port (each tokenises and detokenises its own requests); "
                              "one that dies is restarted")
@@ -516,6 +522,8 @@ def run_server(args: argparse.Namespace, engine_args: EngineArgs) -> int:
         raise ValueError(f"--max-request-body-bytes must be >= 1, got {args.max_request_body_bytes}")
     if not args.request_body_timeout > 0:  # NaN too
         raise ValueError(f"--request-body-timeout must be > 0 seconds, got {args.request_body_timeout}")
+    if not args.request_header_timeout > 0:
+        raise ValueError(f"--request-header-timeout must be > 0 seconds, got {args.request_header_timeout}")
     if not (args.shutdown_timeout >= 0 and math.isfinite(args.shutdown_timeout)):
         raise ValueError(f"--shutdown-timeout must be a number of seconds >= 0, got {args.shutdown_timeout}")
     args.api_key = resolve_api_key(args.api_key)  # before any process starts: the API processes get it resolved
@@ -582,7 +590,8 @@ def _serve(app, args: argparse.Namespace, sockets: list[socket.socket] | None = 
                 self.should_exit = True
 
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
-                            timeout_graceful_shutdown=_UVICORN_GRACE_S)
+                            timeout_graceful_shutdown=_UVICORN_GRACE_S,
+                            http=header_timeout_protocol(args.request_header_timeout))
     server = DrainingServer(config)
     server.run(sockets=sockets)
     return server.started
