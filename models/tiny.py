@@ -2,7 +2,9 @@
 model.safetensors, tokenizer.json) with seeded random weights, made on first use.
 
 Its shape is the CPU benchmark model of BENCHMARKS.md §6: hidden 256, 4 layers, 8 heads (4 KV,
-head_dim 32), 16 experts top-4, moe_intermediate 128, vocabulary 512.
+head_dim 32), 16 experts top-4, moe_intermediate 128, vocabulary 512. Its tokenizer has ChatML's
+special tokens and tokenizer_config.json a ChatML chat template, so that `LLM.chat` and
+/v1/chat/completions work on it.
 """
 from __future__ import annotations
 
@@ -58,20 +60,32 @@ Unicode: café, naïve, 東京, 日本語, こんにちは, привет, 😀 �
 """
 
 
+# ChatML, as Qwen's checkpoints write it: <|im_start|>role\ncontent<|im_end|>\n per message, then the
+# assistant's opener when add_generation_prompt.
+# The last two ids of the vocabulary: the trained ids below them stay those of the tokenizer before
+# (only its last two merges gave way), so the built-in model reads text as it did.
+CHATML_TOKENS = ("<|im_start|>", "<|im_end|>")
+CHATML_TEMPLATE = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] "
+                   "+ '<|im_end|>\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
+                   "{% endif %}")
+
+
 def cache_dir() -> str:
     return os.environ.get("MOE_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "moe-runtime"))
 
 
-def build_tokenizer(vocab_size: int):
-    """A byte-level BPE tokenizer trained on a small built-in corpus (no download needed)."""
+def build_tokenizer(vocab_size: int, extra_special_tokens: tuple[str, ...] = ()):
+    """A byte-level BPE tokenizer trained on a small built-in corpus (no download needed):
+    <|endoftext|> is id 0, extra_special_tokens the last ids of the vocab_size."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>"],
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size - len(extra_special_tokens), special_tokens=["<|endoftext|>"],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tok.train_from_iterator([_CORPUS] * 4, trainer=trainer)
+    tok.add_special_tokens(list(extra_special_tokens))
     return tok
 
 
@@ -100,6 +114,9 @@ def ensure_tiny_model(name: str) -> str:
         raise ValueError(f"unknown built-in model {name!r}; built-in models: {', '.join(TINY_MODELS)}")
     path = os.path.join(cache_dir(), name)
     if os.path.isfile(os.path.join(path, "model.safetensors")):
+        if not _has_chat_template(path):  # made by a version without one: give it the chat tokenizer
+            logger.info("Adding a chat template to the built-in model %s in %s", name, path)
+            _write_tokenizer_files(path)
         return path
     logger.info("Creating the built-in model %s in %s", name, path)
     os.makedirs(cache_dir(), exist_ok=True)
@@ -109,15 +126,35 @@ def ensure_tiny_model(name: str) -> str:
     typed = model_cls.config_class.from_hf(cfg, cfg["architectures"][0])
     save_file(random_checkpoint_tensors(model_cls, typed), os.path.join(tmp, "model.safetensors"),
               metadata={"format": "pt"})
-    build_tokenizer(cfg["vocab_size"]).save(os.path.join(tmp, "tokenizer.json"))
     with open(os.path.join(tmp, "config.json"), "w") as f:
         json.dump(cfg, f, indent=2)
     with open(os.path.join(tmp, "generation_config.json"), "w") as f:
         json.dump({"eos_token_id": 0}, f)
-    with open(os.path.join(tmp, "tokenizer_config.json"), "w") as f:
-        json.dump({"eos_token": "<|endoftext|>"}, f)
+    _write_tokenizer_files(tmp)
     try:
         os.replace(tmp, path)  # atomic: a concurrent first use sees a whole folder or none
     except OSError:  # another process created it first
         shutil.rmtree(tmp, ignore_errors=True)
     return path
+
+
+def _has_chat_template(folder: str) -> bool:
+    try:
+        with open(os.path.join(folder, "tokenizer_config.json")) as f:
+            return "chat_template" in json.load(f)
+    except (OSError, ValueError):
+        return False
+
+
+def _write_tokenizer_files(folder: str) -> None:
+    """tokenizer.json (with ChatML's special tokens), then tokenizer_config.json (the chat template),
+    each replaced atomically: a reader sees the old file or the new one, never a partial one."""
+    config = {"eos_token": "<|endoftext|>", "chat_template": CHATML_TEMPLATE,
+              "tokenizer_class": "PreTrainedTokenizerFast"}
+    files = [("tokenizer.json", build_tokenizer(TINY_QWEN3_MOE_CONFIG["vocab_size"], CHATML_TOKENS).to_str()),
+             ("tokenizer_config.json", json.dumps(config, indent=2))]
+    for name, text in files:
+        fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{name}-")
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, os.path.join(folder, name))

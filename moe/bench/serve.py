@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
 import os
 import random
 import time
@@ -42,22 +43,24 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="moe bench serve", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--base-url", default=None, help="server URL (default: http://HOST:PORT)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--endpoint", default="/v1/completions")
+    p.add_argument("--host", default="127.0.0.1", help="server address (without --base-url)")
+    p.add_argument("--port", type=int, default=8000, help="server port (without --base-url)")
+    p.add_argument("--endpoint", default="/v1/completions", help="the completions endpoint the requests go to")
+    p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"),
+                   help="the server's API key, sent as 'Authorization: Bearer KEY' (default: $OPENAI_API_KEY)")
     p.add_argument("--model", default=None, help="served model name (default: the server's first model)")
-    p.add_argument("--dataset-name", default="random", choices=["random"])
-    p.add_argument("--num-prompts", type=int, default=100)
-    p.add_argument("--random-input-len", type=int, default=1024)
-    p.add_argument("--random-output-len", type=int, default=128)
+    p.add_argument("--dataset-name", default="random", choices=["random"], help="the prompts: random tokens")
+    p.add_argument("--num-prompts", type=int, default=100, help="requests to send")
+    p.add_argument("--random-input-len", type=int, default=1024, help="prompt tokens per request")
+    p.add_argument("--random-output-len", type=int, default=128, help="tokens to generate per request")
     p.add_argument("--random-range-ratio", type=float, default=0.0,
                    help="lengths drawn uniformly in [len * (1 - r), len * (1 + r)]")
     p.add_argument("--request-rate", type=float, default=float("inf"), help="requests per second (inf: all at once)")
     p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of the arrivals (1: Poisson)")
-    p.add_argument("--max-concurrency", type=int, default=None)
+    p.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight (default: no limit)")
     p.add_argument("--percentile-metrics", default="ttft,tpot,itl", help=f"comma-separated, of {','.join(METRICS)}")
     p.add_argument("--metric-percentiles", default="99", help="comma-separated percentiles, e.g. 50,90,99")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the prompts and of the arrival times")
     p.add_argument("--vocab-size", type=int, default=500,
                    help="token-ids prompts are drawn from [1, vocab-size): below every model's vocabulary by default")
     p.add_argument("--tokenizer", default=None, help="folder with tokenizer.json, for text prompts (default: "
@@ -65,9 +68,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt-format", default="auto", choices=["auto", "text", "token-ids"],
                    help="auto: text when a tokenizer is found, else token ids")
     p.add_argument("--save-result", action="store_true", help="write the results as JSON")
-    p.add_argument("--result-dir", default=".")
-    p.add_argument("--result-filename", default=None)
-    p.add_argument("--disable-tqdm", action="store_true")
+    p.add_argument("--result-dir", default=".", help="folder of the --save-result file")
+    p.add_argument("--result-filename", default=None,
+                   help="name of the --save-result file (default: moe-bench-serve-DATE-TIME.json)")
+    p.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
     p.add_argument("--timeout", type=float, default=600.0, help="per-request timeout in seconds")
     return p
 
@@ -189,6 +193,19 @@ async def _one_request(http, args, model: str, prompt: str | list[int], output_l
     return res
 
 
+def _first_model(r, base: str, sent_key: bool) -> dict:
+    """The first entry of the server's /v1/models, or a ValueError saying why there is none."""
+    if r.status_code == 401:
+        what = "refused the API key sent" if sent_key else "needs an API key"
+        raise ValueError(f"the server at {base} {what} (HTTP 401 on /v1/models): pass the server's key "
+                         "with --api-key KEY or in $OPENAI_API_KEY")
+    try:
+        return r.json()["data"][0]
+    except (ValueError, KeyError, IndexError, TypeError):
+        raise ValueError(f"the server at {base} answered /v1/models with HTTP {r.status_code} and no model: "
+                         f"{r.text[:200]!r}") from None
+
+
 async def _arrivals(n: int, rate: float, burstiness: float, rng: np.random.Generator):
     for i in range(n):
         yield i
@@ -202,11 +219,10 @@ async def run_benchmark(args: argparse.Namespace) -> dict:
     from tqdm.auto import tqdm
 
     base = args.base_url or f"http://{args.host}:{args.port}"
-    key = os.environ.get("OPENAI_API_KEY")
-    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     limits = httpx.Limits(max_connections=args.max_concurrency or args.num_prompts)
     async with httpx.AsyncClient(base_url=base, headers=headers, timeout=args.timeout, limits=limits) as http:
-        served = (await http.get("/v1/models")).json()["data"][0]
+        served = _first_model(await http.get("/v1/models"), base, bool(args.api_key))
         model = args.model or served["id"]
         tokenizer = find_tokenizer(args, served.get("root"))
         requests = random_requests(args, tokenizer)
@@ -291,6 +307,8 @@ def _raise_open_files_limit() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    # httpx logs every request at INFO (the `moe` command logs INFO): hundreds of lines of noise.
+    logging.getLogger("httpx").setLevel(logging.WARNING)
     if args.num_prompts < 1 or args.random_input_len < 1 or args.random_output_len < 1:
         raise ValueError("--num-prompts, --random-input-len and --random-output-len must be >= 1")
     if args.request_rate <= 0 or (args.max_concurrency is not None and args.max_concurrency < 1):

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import logging
 import sys
@@ -22,11 +23,64 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--logprobs", type=int, default=None, help="log-probabilities of this many top tokens per step")
 
 
-def _show_defaults(p: argparse.ArgumentParser) -> None:
-    """ArgumentDefaultsHelpFormatter only annotates flags that have a help text: give the others one."""
+# Help of each engine argument's flag (EngineArgs.add_cli_args gives most none; those it gives, the
+# JSON ones, are kept), and of the two `moe serve` flags without one; the formatter appends each
+# default. docs/engine_args.md has the long form.
+ENGINE_ARG_HELP = {
+    "model": "checkpoint folder, or 'tiny-qwen3-moe' (the built-in model); or the first positional argument",
+    "tokenizer": "folder with tokenizer.json (default: the model folder)",
+    "dtype": "auto (the checkpoint's torch_dtype), float32, bfloat16 or float16",
+    "seed": "seed of the engine's random generator (and of dummy weights)",
+    "max_model_len": "longest prompt + output (default: the model's max_position_embeddings)",
+    "block_size": "tokens per KV-cache block",
+    "max_num_seqs": "most requests in one step",
+    "max_num_batched_tokens": "token budget of one step",
+    "gpu_memory_utilization": "share of GPU memory for weights, activations and KV cache, in (0, 1]",
+    "num_gpu_blocks_override": "exact number of KV-cache blocks (wins over the sizing rules)",
+    "kv_cache_memory_bytes": "KV cache size in bytes (on the CPU 1 GiB by default)",
+    "enable_prefix_caching": "reuse the KV blocks of identical prompt prefixes",
+    "enable_chunked_prefill": "split long prompts over steps",
+    "load_format": "auto, safetensors, or dummy (random weights at the real size)",
+    "disable_log_stats": "no periodic log lines of throughput, requests and KV-cache use",
+    "device": "auto (CUDA when present), cpu, cuda or cuda:N",
+    "tensor_parallel_size": "ranks that split attention, dense MLPs and embeddings",
+    "pipeline_parallel_size": "pipeline stages (consecutive layers each)",
+    "data_parallel_size": "engine replicas, each with its own scheduler",
+    "enable_expert_parallel": "MoE layers hold whole experts, spread over the TP x DP ranks",
+    "all2all_backend": "token dispatch under expert parallelism: auto, allgather_reducescatter, all_to_all "
+                       "or low_latency",
+    "expert_placement_strategy": "linear (contiguous experts per rank) or round_robin",
+    "distributed_executor_backend": "mp (worker processes), uni (one process) or external_launcher (torchrun)",
+    "moe_backend": "expert kernel: torch, triton or deepspeed (default: the best for the device)",
+    "quantization": "FP8 block checkpoints: fp8 (keep the experts FP8) or none (dequantise at load)",
+    "trust_remote_code": "accepted for vLLM compatibility; no remote code ever runs",
+    "max_logprobs": "the largest logprobs a request may ask for (-1: the vocabulary)",
+    "enforce_eager": "on CUDA, run every step eagerly instead of replaying CUDA graphs",
+    "cudagraph_capture_sizes": "decode batch sizes captured as CUDA graphs (default: 1, 2, 4, 8, 16, ...)",
+    "async_scheduling": "schedule step N+1 before step N's tokens reach the host (default: on where it pays)",
+    "record_expert_load": "count the tokens routed to each expert",
+    "expert_load_window_steps": "engine steps per expert-load window",
+    "enable_eplb": "expert-parallel load balancing (needs --enable-expert-parallel)",
+    "mm_encoder_tp_mode": "weights (split the vision encoder's linears) or data (each rank encodes its tiles)",
+    "mm_processor_cache_gb": "GiB of processed images cached (0: off)",
+    "mm_processor_cache_type": "lru (in the API process) or shm (shared memory the workers read)",
+    "mm_shm_cache_max_object_size_mb": "largest processed image the shm cache holds, in MiB",
+    "tokenizer_mode": "auto or hf (both: tokenizer.json through the fast tokenizers library)",
+    "revision": "the revision of a Hugging Face hub model id",
+    "kv_cache_dtype": "auto (the model's dtype) or that dtype",
+    "swap_space": "accepted for vLLM compatibility; no effect (no CPU swap space)",
+    "cpu_offload_gb": "accepted for vLLM compatibility; no effect (no weight offloading)",
+    "disable_custom_all_reduce": "accepted for vLLM compatibility; no effect (no custom all-reduce)",
+    "port": "port to listen on",
+    "uvicorn_log_level": "uvicorn's log level",
+}
+
+
+def _add_help(p: argparse.ArgumentParser) -> None:
+    """Give each flag of `p` without a help text its ENGINE_ARG_HELP entry."""
     for action in p._actions:
-        if action.help is None and action.default not in (None, argparse.SUPPRESS):
-            action.help = "(default: %(default)s)"
+        if action.help is None and action.dest in ENGINE_ARG_HELP:
+            action.help = ENGINE_ARG_HELP[action.dest]
 
 
 def _parse_prompt_token_ids(values: list[str] | None) -> list[dict]:
@@ -64,7 +118,12 @@ def _generate(args: argparse.Namespace) -> int:
     params = SamplingParams(n=args.n, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             min_p=args.min_p, seed=args.sampling_seed, max_tokens=args.max_tokens,
                             stop=args.stop, ignore_eos=args.ignore_eos, logprobs=args.logprobs)
-    prompts = list(args.prompts) + _parse_prompt_token_ids(args.prompt_token_ids)
+    positional = list(args.prompts)
+    if args.model is None:  # `moe generate MODEL PROMPT...`: the first positional is the model
+        args.model = positional.pop(0) if positional else None
+    if args.model is None:
+        raise ValueError("give the model: moe generate MODEL PROMPT... (or --model MODEL)")
+    prompts = positional + _parse_prompt_token_ids(args.prompt_token_ids)
     if not prompts:
         raise ValueError("give at least one prompt (text arguments or --prompt-token-ids '[1, 5, 9]')")
     engine_args = EngineArgs.from_cli_args(args)
@@ -88,12 +147,17 @@ def _generate(args: argparse.Namespace) -> int:
 def _serve(args: argparse.Namespace) -> int:
     from moe.entrypoints.serve.api_server import run_server
 
-    if args.model_tag is not None and args.model is not None and args.model_tag != args.model:
-        raise ValueError(f"two models given: {args.model_tag!r} and --model {args.model!r}")
-    args.model = args.model or args.model_tag
-    if args.model is None:
-        raise ValueError("give the model: moe serve MODEL [engine arguments]")
+    args.model = _one_model(args.model_tag, args.model, "moe serve MODEL [engine arguments]")
     return run_server(args, EngineArgs.from_cli_args(args))
+
+
+def _one_model(positional: str | None, flag: str | None, usage: str) -> str:
+    """The model, given positionally (vLLM's `serve` style) or as --model (its style elsewhere)."""
+    if positional is not None and flag is not None and positional != flag:
+        raise ValueError(f"two models given: {positional!r} and --model {flag!r}")
+    if positional is None and flag is None:
+        raise ValueError(f"give the model: {usage} (or --model MODEL)")
+    return flag or positional
 
 
 def _dashboard(args: argparse.Namespace) -> int:
@@ -122,6 +186,21 @@ BENCHMARKS = {
 }
 
 
+# The benchmarks whose parsers take --model: `moe bench NAME MODEL ...` means `--model MODEL`.
+BENCHMARKS_WITH_MODEL = ("throughput", "latency", "serve", "engine-cpu")
+
+
+def _model_flag_first(name: str, argv: list[str]) -> list[str]:
+    """argv of `moe bench NAME`, a leading positional model turned into --model."""
+    if name not in BENCHMARKS_WITH_MODEL or not argv or argv[0].startswith("-"):
+        return argv
+    # Else the benchmark's parser would take both, the last silently.
+    given = [argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "--model"]
+    given += [a[len("--model="):] for a in argv if a.startswith("--model=")]
+    _one_model(argv[0], given[0] if given else None, f"moe bench {name} MODEL [flags]")
+    return ["--model", argv[0], *argv[1:]]
+
+
 def _run_module_main(module: str, argv: list[str]) -> int:
     import importlib
 
@@ -129,30 +208,38 @@ def _run_module_main(module: str, argv: list[str]) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="moe", description="moe-runtime: Mixture-of-Experts inference")
+    import moe
+
+    parser = argparse.ArgumentParser(prog="moe", description="moe-runtime: Mixture-of-Experts inference",
+                                     epilog="moe COMMAND --help: a command's flags; moe --help=all: every "
+                                            "command's flags")
+    parser.add_argument("--version", action="version", version=moe.__version__, help="print the version and exit")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     gen = sub.add_parser("generate", help="generate text for prompts given on the command line",
-                         description="Generate text for prompts given on the command line.",
+                         description="Generate text for prompts given on the command line: "
+                                     "moe generate MODEL PROMPT... or moe generate --model MODEL PROMPT...",
                          formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    gen.add_argument("prompts", nargs="*", help="text prompts")
+    gen.add_argument("prompts", nargs="*", metavar="[MODEL] PROMPT",
+                     help="text prompts; without --model the first is the model")
     gen.add_argument("--prompt-token-ids", action="append", default=None,
                      help="a JSON list of token ids, e.g. '[1, 5, 9]' (repeatable)")
     gen.add_argument("--json", action="store_true",
                      help="print one JSON object per prompt (with logprobs when --logprobs is given)")
-    EngineArgs.add_cli_args(gen)
+    EngineArgs.add_cli_args(gen, model_required=False)
     _add_sampling_args(gen)
-    _show_defaults(gen)
+    _add_help(gen)
     gen.set_defaults(func=_generate)
 
     serve = sub.add_parser("serve", help="an OpenAI-compatible HTTP server: moe serve MODEL [engine arguments]",
                            description="Serve a model over an OpenAI-compatible HTTP API (/v1/completions, "
-                                       "/v1/chat/completions, /v1/models, /health, /version, /metrics).",
+                                       "/v1/chat/completions, /v1/models, /tokenize, /detokenize, /health, /ping, "
+                                       "/version, /metrics): moe serve MODEL or moe serve --model MODEL.",
                            formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     from moe.entrypoints.serve.api_server import add_serve_args
 
     add_serve_args(serve)
     EngineArgs.add_cli_args(serve, model_required=False)
-    _show_defaults(serve)
+    _add_help(serve)
     serve.set_defaults(func=_serve)
 
     bench = sub.add_parser("bench", help="run a benchmark: moe bench NAME [its flags] (moe bench NAME --help)",
@@ -162,10 +249,11 @@ def build_parser() -> argparse.ArgumentParser:
     for name, (module, summary) in BENCHMARKS.items():
         # add_help=False: --help and every flag go to the benchmark's own parser (prog "moe bench NAME")
         b = names.add_parser(name, help=summary, add_help=False)
-        b.set_defaults(func=lambda a, module=module: _run_module_main(module, a.rest))
+        b.set_defaults(func=lambda a, module=module, name=name: _run_module_main(module,
+                                                                                 _model_flag_first(name, a.rest)))
     tune = sub.add_parser("tune-moe", add_help=False,
                           help="tune the Triton expert kernel on this GPU and write a config file (needs a CUDA GPU)")
-    tune.set_defaults(func=lambda a: _run_module_main("kernels.triton_moe.tune", a.rest))
+    tune.set_defaults(func=lambda a: _run_module_main(TUNE_MODULE, a.rest))
 
     dash = sub.add_parser("dashboard", help="a web dashboard of an expert-load recording: moe dashboard RECORDING",
                           description="Serve a web page that shows an expert-load recording (JSON lines); "
@@ -178,7 +266,54 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+TUNE_MODULE = "kernels.triton_moe.tune"
+
+
+def _module_help(module: str) -> str:
+    """The --help text of a command whose parser lives in its module (moe bench NAME, moe tune-moe)."""
+    import contextlib
+    import io
+
+    out = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(out):
+            _run_module_main(module, ["--help"])
+    except SystemExit:
+        pass
+    except Exception as e:  # e.g. a GPU-only module on a machine without Triton
+        return f"(its help needs {module}, which does not load here: {type(e).__name__}: {e})\n"
+    return out.getvalue()
+
+
+def print_all_help(argv: list[str]) -> None:
+    """`--help=all` (vLLM accepts it): the full help of the command that argv names, else of every
+    command. Each parser here has one group of flags, so `all` is its plain --help."""
+    parser = build_parser()
+    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+    helps = {}  # "generate", "serve", "bench throughput", ...: a function that returns its help text
+    for name, sub in commands.items():
+        if name == "bench":
+            helps.update({f"bench {n}": functools.partial(_module_help, m) for n, (m, _) in BENCHMARKS.items()})
+        elif name == "tune-moe":
+            helps[name] = functools.partial(_module_help, TUNE_MODULE)
+        else:
+            helps[name] = sub.format_help
+    words = [a for a in argv if not a.startswith("-")]
+    chosen = []
+    for key in (" ".join(words[:2]), " ".join(words[:1])) if words else ():
+        chosen = chosen or [n for n in helps if n == key or n.startswith(key + " ")]
+    if not chosen:
+        print(parser.format_help())
+        chosen = list(helps)
+    for name in chosen:
+        print(f"===== moe {name} =====\n{helps[name]()}")
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--help=all" in argv:
+        print_all_help(argv[:argv.index("--help=all")])
+        return 0
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s")
     args, rest = build_parser().parse_known_args(argv)
     if args.func in (_generate, _serve, _dashboard) and rest:

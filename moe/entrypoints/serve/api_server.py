@@ -1,7 +1,8 @@
 """`moe serve`: an OpenAI-compatible HTTP server (FastAPI + uvicorn) in front of an engine core process.
 
 Endpoints: /v1/completions, /v1/chat/completions (both with `stream: true` as server-sent events),
-/v1/models, /health (503 once the engine core is gone), /version, /metrics (Prometheus text).
+/v1/models, /tokenize, /detokenize (tokenize_routes.py), /health and /ping (503 once the engine core is
+gone; /ping, GET or POST, is SageMaker's name), /version, /metrics (Prometheus text).
 
 Processes: with --api-server-count 1 (the default) the API process starts the engine core itself.
 With N > 1 this process is a launcher: it starts the core, then N API processes (spawned) that
@@ -10,7 +11,7 @@ and detokenising its own requests and connected to the core's socket. Their metr
 prometheus_client's multiprocess mode (PROMETHEUS_MULTIPROC_DIR), so /metrics on any of them
 gives the sums over all.
 
-Every request passes `_RequestGuard` first: the API key (on every path but /health and /version;
+Every request passes `_RequestGuard` first: the API key (on every path but /health, /ping and /version;
 /metrics too unless --metrics-without-api-key), then the body's size (--max-request-body-bytes)
 and read deadline (--request-body-timeout), then, for a JSON body, that it is UTF-8 JSON without
 duplicate keys. Each refusal is an OpenAI-style error body.
@@ -54,7 +55,7 @@ logger = logging.getLogger("moe.entrypoints.serve")
 _DISCONNECT_POLL_S = 0.25  # how often a request that has not started its response checks its client
 
 # Paths open without the API key: liveness probes and load balancers send none, and these tell nothing.
-OPEN_PATHS = frozenset({"/health", "/version"})
+OPEN_PATHS = frozenset({"/health", "/ping", "/version"})
 API_KEY_ENV_VARS = ("MOE_API_KEY", "VLLM_API_KEY")  # read in this order when --api-key is not given
 DEFAULT_MAX_REQUEST_BODY_BYTES = 32 << 20  # room for a few base64 images in a chat request
 DEFAULT_REQUEST_BODY_TIMEOUT_S = 30.0
@@ -148,6 +149,7 @@ def build_app(args: EngineArgs, served_model_name: str | None = None, api_key: s
     from moe.engine.core_client import EngineDeadError
     from moe.entrypoints.serve.async_llm import AsyncLLM
     from moe.entrypoints.serve.handlers import ChatHandler, CompletionHandler
+    from moe.entrypoints.serve.tokenize_routes import add_tokenize_routes
 
     engine = AsyncLLM(args, core_addresses, core_pids, server_index)
     model_name = served_model_name or args.model
@@ -230,6 +232,7 @@ def build_app(args: EngineArgs, served_model_name: str | None = None, api_key: s
             "root": args.model, "max_model_len": engine.info.max_model_len}]}
 
     @app.get("/health")
+    @app.api_route("/ping", methods=["GET", "POST"])  # vLLM's SageMaker-style health check
     async def health():
         if engine.dead is not None:
             return JSONResponse(error_body(engine.dead, "EngineDeadError", 503), status_code=503)
@@ -248,6 +251,8 @@ def build_app(args: EngineArgs, served_model_name: str | None = None, api_key: s
             registry = CollectorRegistry()
             multiprocess.MultiProcessCollector(registry)
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+    add_tokenize_routes(app, engine, check_model)
 
     # The live expert-load dashboard (/dashboard) over the windows the engine cores send.
     add_dashboard_routes(app, engine.expert_load_payload)
@@ -491,7 +496,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--served-model-name", default=None, help="the model name clients use (default: --model)")
     parser.add_argument("--api-key", default=None,
-                        help="require 'Authorization: Bearer KEY' on every endpoint but /health and /version "
+                        help="require 'Authorization: Bearer KEY' on every endpoint but /health, /ping and /version "
                              "(not given: $MOE_API_KEY, else $VLLM_API_KEY, which keep the key out of ps)")
     parser.add_argument("--metrics-without-api-key", action="store_true",
                         help="serve /metrics without the API key (for a Prometheus scraper that sends none)")
