@@ -2,7 +2,8 @@
 
 Routes under a prefix (default /dashboard):
     GET {prefix} and {prefix}/       the page
-    GET {prefix}/data.json?since=K   get_payload(K): the meta, windows with index >= K, rebalances
+    GET {prefix}/data.json?since=K   get_payload(K): the meta, windows with index >= K, rebalances; each window
+                                     gains expert_imbalance, and the payload error and stopped (null unless set)
     GET {prefix}/static/NAME         app.js, style.css, plotly.min.js (a fixed list: no paths)
 """
 from __future__ import annotations
@@ -13,6 +14,7 @@ import logging
 import math
 import os
 import threading
+import time
 from typing import Callable
 
 from fastapi import FastAPI, HTTPException, Query
@@ -63,6 +65,19 @@ def _json_bytes(payload: dict) -> tuple[bytes, bool]:
         return json.dumps(_finite(payload), allow_nan=False, separators=(",", ":")).encode("utf-8"), True
 
 
+def expert_imbalance(counts_LE: list[list[int]]) -> list[float | None]:
+    """Per layer: max / mean of the tokens its experts received (1 = uniform, E = all on one expert); None for
+    a layer that received none. Unlike the per-rank balancedness it tells something on one rank too."""
+    return [max(row) * len(row) / total if (total := sum(row)) > 0 else None for row in counts_LE]
+
+
+def _with_derived(payload: dict) -> dict:
+    """The payload as the page reads it: every window with its expert imbalance, and the keys the page
+    expects present (a get_payload that has no error or stop to report leaves them out)."""
+    windows = [dict(w, expert_imbalance=expert_imbalance(w["counts"])) for w in payload.get("windows", [])]
+    return {"error": None, "stopped": None, **payload, "windows": windows}
+
+
 def _page(prefix: str) -> str:
     with open(os.path.join(STATIC_DIR, "index.html"), encoding="utf-8") as f:
         return f.read().replace("{{PREFIX}}", html.escape(prefix, quote=True))
@@ -70,7 +85,9 @@ def _page(prefix: str) -> str:
 
 def add_dashboard_routes(app: FastAPI, get_payload: Callable[[int], dict], prefix: str = "/dashboard") -> None:
     """Mounts the dashboard on `app`; get_payload(since) returns the data.json dict (see
-    moe.expert_load.recording.windows_to_dashboard_json). It is called from a worker thread."""
+    moe.expert_load.recording.windows_to_dashboard_json), with "stopped": {"why": str, "time": unix s or None}
+    once no window will come again (the page then says "stopped", not "live"). It is called from a worker
+    thread."""
     prefix = "/" + prefix.strip("/")
     if prefix == "/":
         raise ValueError("the dashboard prefix must not be empty, e.g. '/dashboard'")
@@ -85,7 +102,7 @@ def add_dashboard_routes(app: FastAPI, get_payload: Callable[[int], dict], prefi
 
     # A plain def: FastAPI runs it in its thread pool, so a payload that reads a file does not block the loop.
     def data(since: int = Query(0, ge=0)) -> Response:
-        body, nulled = _json_bytes(get_payload(since))
+        body, nulled = _json_bytes(_with_derived(get_payload(since)))
         if nulled and not warned:
             warned.append(True)
             logger.warning("dashboard: the expert-load data holds NaN or Infinity; sent as null (shown as gaps)")
@@ -104,10 +121,17 @@ def add_dashboard_routes(app: FastAPI, get_payload: Callable[[int], dict], prefi
     app.add_api_route(prefix + "/static/{name:path}", static, methods=["GET"], include_in_schema=False)
 
 
-def build_dashboard_app(recording_path: str) -> FastAPI:
+# A file without its end line that has not been written for this long is taken as stopped (its writer died,
+# or is idle): the page says so rather than "live". It turns live again if the file grows.
+STALE_AFTER_S = 60.0
+
+
+def build_dashboard_app(recording_path: str, stale_after_s: float = STALE_AFTER_S) -> FastAPI:
     """An app serving the dashboard of a recording file, followed as it grows (a live recording): each poll
     reads only the bytes appended since the last. A bad line is logged once, naming file and line, and
     skipped (the page shows it too); a last line without its newline waits for the rest.
+    The recording is stopped once its end line is the last line, or when the file has not been written
+    for `stale_after_s` seconds.
     Raises FileNotFoundError / ValueError at once when the file is missing or its meta line is missing or bad."""
     recording_path = check_recording_path(recording_path)
     tail = RecordingTail(recording_path, strict=False)
@@ -134,7 +158,9 @@ def build_dashboard_app(recording_path: str) -> FastAPI:
             if tail.recording is None:  # the file was rewritten and its meta line is not there yet
                 return {"meta": None, "windows": [], "rebalances": 0, "last_index": -1, "error": error}
             payload = recording_to_dashboard_json(tail.recording, since)
+            ended = tail.recording.ended
         payload["error"] = error
+        payload["stopped"] = _file_stopped(recording_path, ended, stale_after_s)
         return payload
 
     app = FastAPI(title="moe expert-load dashboard")
@@ -145,3 +171,15 @@ def build_dashboard_app(recording_path: str) -> FastAPI:
         return RedirectResponse("/dashboard/")
 
     return app
+
+
+def _file_stopped(path: str, ended: float | None, stale_after_s: float) -> dict | None:
+    if ended is not None:
+        return {"why": "recording ended", "time": ended}
+    try:
+        written = os.path.getmtime(path)
+    except OSError:
+        return None  # gone or unreadable: the error says so
+    if time.time() - written > stale_after_s:
+        return {"why": f"no end line, and the file not written for over {stale_after_s:g} s", "time": written}
+    return None

@@ -8,8 +8,10 @@ recording that is still being written:
     {"window": {"index": i, "step_start": s, "step_end": e, "time": t, "counts": [[...]], "per_rank": [[...]],
                 "balancedness": [...]}}
     {"placement": {"index_after": i, "phys_to_log": [[...]]}}      # EPLB moved experts after window i
+    {"end": {"time": t}}                                            # the recording was stopped (last line)
 
-Counts are per window, not cumulative; a token routed to top-k experts counts k times.
+Counts are per window, not cumulative; a token routed to top-k experts counts k times. The end line is written
+when the writer is closed (LLM.stop_expert_load_recording); a file without it was cut short or is still growing.
 
 Shape legend: L = MoE layers recorded (rows), E = logical experts, P = expert-parallel ranks,
 X = physical expert slots (E plus EPLB's redundant replicas).
@@ -19,6 +21,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -181,6 +184,7 @@ class Recording:
     meta: ExpertLoadMeta
     windows: list[ExpertLoadWindow] = field(default_factory=list)
     placements: list[ExpertPlacement] = field(default_factory=list)
+    ended: float | None = None  # unix time of the end line, when it is the last line read
 
 
 def _line(kind: str, body: dict) -> str:
@@ -220,7 +224,10 @@ class RecordingWriter:
         self._write(_line("placement", ExpertPlacement(index_after, phys_to_log_LX).to_json()))
 
     def close(self) -> None:
-        self._f.close()
+        """Ends the recording with its end line (a reader then knows nothing more will come)."""
+        if not self._f.closed:
+            self._write(_line("end", {"time": time.time()}))
+            self._f.close()
 
     def __enter__(self) -> RecordingWriter:
         return self
@@ -347,7 +354,7 @@ class RecordingTail:
         except (UnicodeDecodeError, ValueError) as e:  # ValueError: also an int of over 4300 digits
             raise _BadLine(f"not a JSON line ({e})") from None
         if not isinstance(obj, dict) or len(obj) != 1:
-            raise _BadLine("expected one object with a single key (meta, window or placement)")
+            raise _BadLine("expected one object with a single key (meta, window, placement or end)")
         (kind, body), = obj.items()
         try:
             if self.recording is None:
@@ -360,10 +367,16 @@ class RecordingTail:
                 if w.index <= prev:
                     raise ValueError(f"window index {w.index} does not follow {prev}")
                 self.recording.windows.append(w)
+                self.recording.ended = None  # written after an end line: the file goes on
             elif kind == "placement":
                 self.recording.placements.append(ExpertPlacement.from_json(body, self.recording.meta))
+                self.recording.ended = None
+            elif kind == "end":
+                if not isinstance(body, dict):
+                    raise ValueError(f"end must be an object, got {type(body).__name__}")
+                self.recording.ended = float(_require(body, "time", (int, float), "end"))
             else:
-                raise ValueError(f"unknown line kind {kind!r} (expected meta, window or placement)")
+                raise ValueError(f"unknown line kind {kind!r} (expected meta, window, placement or end)")
         # TypeError / OverflowError / RecursionError: odd values the checks above let through (float(10**400),
         # numpy on deep lists): still a bad line, not a crash.
         except (ValueError, TypeError, OverflowError, RecursionError) as e:

@@ -15,15 +15,19 @@ TOP_K = 4
 WINDOW_STEPS = 8
 
 
-def make_meta(model: str = "synthetic/skewed-moe") -> ExpertLoadMeta:
-    return ExpertLoadMeta(model=model, layers=LAYERS, num_experts=NUM_EXPERTS, ep_size=EP_SIZE,
+T0 = 1.7e9  # unix time of window 0; window i closes WINDOW_S later each
+WINDOW_S = 5.0
+
+
+def make_meta(model: str = "synthetic/skewed-moe", ep_size: int = EP_SIZE) -> ExpertLoadMeta:
+    return ExpertLoadMeta(model=model, layers=LAYERS, num_experts=NUM_EXPERTS, ep_size=ep_size,
                           num_physical_experts=NUM_EXPERTS, window_steps=WINDOW_STEPS)
 
 
-def make_window(index: int, rng: np.random.Generator, tokens: int = 300) -> ExpertLoadWindow:
+def make_window(index: int, rng: np.random.Generator, tokens: int = 300, ep_size: int = EP_SIZE) -> ExpertLoadWindow:
     """One window: `tokens` tokens per layer, each routed to TOP_K distinct experts drawn with a Zipf-like
     skew whose hot experts differ per layer; experts live on ranks contiguously (E / P each)."""
-    L, E, P = len(LAYERS), NUM_EXPERTS, EP_SIZE
+    L, E, P = len(LAYERS), NUM_EXPERTS, ep_size
     counts_LE = np.zeros((L, E), dtype=np.int64)
     for l in range(L):
         weights_E = 1.0 / (1.0 + np.arange(E)) ** 1.2
@@ -34,8 +38,15 @@ def make_window(index: int, rng: np.random.Generator, tokens: int = 300) -> Expe
             counts_LE[l, rng.choice(E, size=TOP_K, replace=False, p=prob_E)] += 1
     per_rank_LP = counts_LE.reshape(L, P, E // P).sum(axis=2)
     step_start = index * WINDOW_STEPS
-    return ExpertLoadWindow.build(index, step_start, step_start + WINDOW_STEPS, 1.7e9 + index, counts_LE,
+    return ExpertLoadWindow.build(index, step_start, step_start + WINDOW_STEPS, T0 + WINDOW_S * index, counts_LE,
                                   per_rank_LP)
+
+
+def imbalance(counts_LE: np.ndarray) -> np.ndarray:
+    """[L] max / mean over each layer's experts (NaN for a layer without tokens), computed independently."""
+    counts_LE = np.asarray(counts_LE, dtype=np.float64)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return counts_LE.max(axis=1) / counts_LE.mean(axis=1)
 
 
 def hottest(counts_LE: np.ndarray, n: int = 10) -> list[tuple[int, int, int, float]]:

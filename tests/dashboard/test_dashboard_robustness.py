@@ -18,7 +18,7 @@ from moe.dashboard import add_dashboard_routes, build_dashboard_app
 from moe.dashboard.server import STATIC_DIR
 from moe.entrypoints.cli import main
 from moe.expert_load import recording as recording_module
-from moe.expert_load.recording import RecordingTail, RecordingWriter, read_recording, windows_to_dashboard_json
+from moe.expert_load.recording import RecordingTail, read_recording, windows_to_dashboard_json
 from tests.dashboard.synthetic import LAYERS, make_meta, make_window
 
 DEEP = "[" * 100_000 + "]" * 100_000  # valid JSON that json.loads cannot descend into (RecursionError)
@@ -37,10 +37,9 @@ def _window_line(index: int, seed: int = 0, **fields) -> str:
 
 
 def _write(path, lines: list[str]) -> None:
-    with RecordingWriter(path, make_meta()):
-        pass
-    with open(path, "a", encoding="utf-8") as f:
-        f.writelines(lines)
+    """The meta line, then `lines` (no end line: a recording still being written)."""
+    with open(path, "w", encoding="utf-8") as f:
+        f.writelines([json.dumps({"meta": make_meta().to_json()}) + "\n", *lines])
 
 
 def _append(path, text: str) -> None:
@@ -77,7 +76,7 @@ def bytes_read(monkeypatch) -> list[int]:
 
     def counting_open(path, mode="r", *args, **kwargs):
         f = builtins.open(path, mode, *args, **kwargs)
-        return Counting(f) if mode == "rb" else f  # the reader's opens, not RecordingWriter's
+        return Counting(f) if mode == "rb" else f  # the reader's opens, not a writer's
 
     monkeypatch.setattr(recording_module, "open", counting_open, raising=False)
     return counts
@@ -106,7 +105,8 @@ def test_data_json_sends_nan_and_infinity_as_null(nan_recording, caplog):
     w0, w1, w2 = payload["windows"]
     assert w1["time"] is None and w1["balancedness"] == [None, None, None, 0.5]
     assert w2["time"] is None and w2["balancedness"] == [None] * len(LAYERS)
-    assert w0 == make_window(0, np.random.default_rng(0), tokens=5).to_json()  # finite values untouched
+    assert dict(w0, expert_imbalance=None) == dict(make_window(0, np.random.default_rng(0), tokens=5).to_json(),
+                                                   expert_imbalance=None)  # finite values untouched
     assert w1["counts"] == make_window(1, np.random.default_rng(0), tokens=5).counts.tolist()
     assert payload["error"] is None and payload["last_index"] == 2
     assert sum("NaN or Infinity" in m for m in _warnings(caplog)) == 1  # said once, not on every poll
@@ -128,21 +128,22 @@ _NODE_HARNESS = r"""
 const fs = require("fs");
 const els = {};
 const node = (id) => ({ id, dataset: {}, style: {}, textContent: "", className: "",
-  replaceChildren() {}, prepend() {}, appendChild() {}, classList: { toggle() {} } });
+  replaceChildren() {}, prepend() {}, append() {}, appendChild() {}, classList: { toggle() {} } });
 const el = (id) => els[id] || (els[id] = node(id));
 global.document = { body: { dataset: { prefix: "/dashboard" } }, title: "", getElementById: el,
   querySelector: el, querySelectorAll: () => [], createElement: () => node("new") };
 global.window = { location: { search: "" }, setTimeout: () => {} };
 global.getComputedStyle = () => ({ fontFamily: "sans-serif" });
 const plots = {};
-global.Plotly = { react: (id, traces) => { plots[id] = traces.map((t) => t.y); } };
+global.Plotly = { react: (id, traces) => { plots[id] = traces.map((t) => [t.name, t.x, t.y]); }, purge() {} };
 const payload = JSON.parse(fs.readFileSync(0, "utf8"));
 global.fetch = async () => ({ ok: true, json: async () => payload });
 new Function(fs.readFileSync(process.argv[1], "utf8"))();
 setTimeout(() => {
   const s = window.dashboardState;
   console.log(JSON.stringify({ balanceMean: s.balanceMean, mean: s.meanBalancedness, lastError: s.lastError,
-    meanText: els["mean-balancedness"].textContent, balance: plots.balance, windows: s.windowsReceived }));
+    meanText: els["mean-balancedness"].textContent, overTime: plots["over-time"], windows: s.windowsReceived,
+    status: els.status.dataset.state }));
 }, 100);
 """
 
@@ -158,8 +159,12 @@ def test_page_script_draws_null_as_a_gap(nan_recording):
     # Window 1: only its finite layer counts; window 2 has none: a gap (null), not NaN or 0.
     assert got["balanceMean"][0] == pytest.approx(m0) and got["balanceMean"][1:] == [0.5, None]
     assert got["mean"] == pytest.approx((m0 + 0.5) / 2) and got["meanText"] == f"{(m0 + 0.5) / 2:.3f}"
-    assert got["balance"][0] == got["balanceMean"]
-    assert [ys[1:] for ys in got["balance"][1:]] == [[None, None], [None, None], [None, None], [0.5, None]]
+    balance = [t for t in got["overTime"] if t[0].startswith("layer")][1::2]  # each layer: imbalance, balancedness
+    assert got["overTime"][1][0] == "rank balancedness" and got["overTime"][1][2] == got["balanceMean"]
+    assert [t[2][1:] for t in balance] == [[None, None], [None, None], [None, None], [0.5, None]]
+    # A window without a valid time has no place on the time axis: null there too (a gap).
+    assert [x is None for x in got["overTime"][0][1]] == [False, True, True]
+    assert got["status"] == "live"
 
 
 # --- 12. Bad lines, unfinished lines ---
@@ -195,7 +200,7 @@ def test_each_bad_line_is_reported_once_and_the_rest_read(tmp_path, caplog):
     with caplog.at_level(logging.WARNING):
         tail.poll()
         bad = ["{oops\n", "\n", '{"window": {"index": ' + "9" * 5000 + "}}\n",  # over Python's int-digit limit
-               _window_line(1).replace('"time": 1700000001.0', '"time": ' + "9" * 400),  # float() overflows
+               _window_line(1).replace('"time": 1700000005.0', '"time": ' + "9" * 400),  # float() overflows
                _window_line(1, counts=json.loads("[" * 900 + "]" * 900))]  # within json's depth, beyond numpy's
         _append(path, "".join(bad))
         with open(path, "ab") as f:

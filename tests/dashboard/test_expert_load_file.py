@@ -51,10 +51,11 @@ def test_round_trip(tmp_path):
         np.testing.assert_array_equal(got.balancedness, want.balancedness)
     assert len(rec.placements) == 1 and rec.placements[0].index_after == 1
     np.testing.assert_array_equal(rec.placements[0].phys_to_log, phys_to_log)
-    # Each line is one JSON object, the meta first, carrying the format and version.
+    # Each line is one JSON object, the meta first, carrying the format and version; closing wrote the end line.
     lines = path.read_text(encoding="utf-8").splitlines()
-    assert len(lines) == 6 and json.loads(lines[0])["meta"]["format"] == "moe-expert-load"
+    assert len(lines) == 7 and json.loads(lines[0])["meta"]["format"] == "moe-expert-load"
     assert json.loads(lines[0])["meta"]["version"] == 1 and "placement" in json.loads(lines[3])
+    assert list(json.loads(lines[-1])) == ["end"] and rec.ended == json.loads(lines[-1])["end"]["time"]
 
 
 def test_balancedness_is_mean_over_max_and_one_for_idle_layers():

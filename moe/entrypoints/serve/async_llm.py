@@ -145,7 +145,10 @@ class AsyncLLM:
         with -dp, several cores' windows interleave)."""
         if self.expert_load_meta is None:
             raise HTTPException(404, "this model records no expert load (no MoE layer, or record_expert_load off)")
-        return windows_to_dashboard_json(self.expert_load_meta, list(self.expert_load_windows), since)
+        payload = windows_to_dashboard_json(self.expert_load_meta, list(self.expert_load_windows), since)
+        if self.dead is not None:  # no window will come again: the page says "stopped", not "live"
+            payload["stopped"] = {"why": f"engine core died ({self.dead})", "time": None}
+        return payload
 
     def _keep_expert_windows(self, windows: list[dict]) -> None:
         for w in windows:
