@@ -685,13 +685,14 @@ def profile_prefill(llm: LLM, num_prompts: int = 16, prompt_len: int = 512) -> d
 
 def qwen3(results: dict, eager: bool, runs: list[str], tp: int = 1, record: bool = True, tag_suffix: str = "") -> None:
     max_model_len = 4096
+    kv_cache_dtype = os.environ.get("BENCH_KV_CACHE_DTYPE", "auto")  # fp8 / fp8_e5m2: the `engine-fp8` stage
     t0 = time.perf_counter()
     llm = LLM(_dummy_model(max_model_len), device="cuda", load_format="dummy", max_model_len=max_model_len,
               max_num_seqs=256, max_num_batched_tokens=8192, enable_prefix_caching=False, enforce_eager=eager,
-              tensor_parallel_size=tp, record_expert_load=record,
+              tensor_parallel_size=tp, record_expert_load=record, kv_cache_dtype=kv_cache_dtype,
               async_scheduling={"1": True, "0": False}.get(os.environ.get("BENCH_ASYNC_SCHEDULING", "")))  # A/B: `ab`
     tag = ("eager" if eager else "graphs") + ("" if tp == 1 else f"-tp{tp}") + ("" if record else "-norecord") \
-        + tag_suffix
+        + ("" if kv_cache_dtype == "auto" else f"-kv-{kv_cache_dtype}") + tag_suffix
     results[f"qwen3/{tag}/start_s"] = time.perf_counter() - t0
     print(f"Qwen3-30B-A3B shape ({tag}) ready in {results[f'qwen3/{tag}/start_s']:.1f} s", flush=True)
     jobs = {

@@ -55,6 +55,10 @@
 #   two-gpu       what needs two GPUs, in one call: ep-graphs, a2a-ll, vision (TP=2 pair), and the engine's
 #                 dp2ep stage (DP=2 + EP decode steps, low_latency with and without CUDA graphs, all_to_all,
 #                 against TP=2) -> $OUT/engine_dp2ep.json
+#   kv-fp8        the CUDA tests of the FP8 KV cache and of prompt logprobs, then benchmarks/bench_kv_fp8.py
+#                 (blocks, kernel times, greedy agreement) -> $OUT/kv_fp8.json
+#   engine-fp8    gpu_engine_bench.py qwen3 --runs ${FP8_RUNS:-decode256 tpot1 mixed} with a bf16 KV cache,
+#                 then with kv_cache_dtype=fp8 -> $OUT/engine_kv_{auto,fp8}.json
 #   eplb          (two GPUs) benchmarks/eplb_gpu_bench.py: DP2+EP on the Qwen3-30B-A3B shape, a skewed workload,
 #                 balancedness and decode-step time before/after one EPLB rebalance (EPLB_ARGS adds flags) -> $OUT/eplb.json
 set -u
@@ -148,6 +152,14 @@ json.dump(QWEN3_30B_A3B, open(os.path.join(sys.argv[1], 'config.json'), 'w'))" "
     two-gpu) bash "$0" ep-graphs a2a-ll vision
       step dp2ep timeout 590 python3 benchmarks/gpu_engine_bench.py dp2ep --out "$OUT/engine_dp2ep.json" ;;
     mm-cache) step mm-cache timeout 200 python3 benchmarks/mm_processor_cache_bench.py --out "$OUT/mm_processor_cache.json" ;;
+    kv-fp8) step kv-fp8-tests timeout 300 python3 -m pytest -q -p no:cacheprovider -n 4 \
+           tests/kernels/test_fp8_kv_cache.py tests/kernels/test_fp8_kv_runner_path.py tests/moe/test_kv_cache_fp8.py \
+           tests/models/test_kv_cache_scales.py tests/moe/test_prompt_logprobs.py
+      step kv-fp8-bench timeout 300 python3 benchmarks/bench_kv_fp8.py --out "$OUT/kv_fp8.json" ;;
+    engine-fp8) for dt in auto fp8; do
+        step "engine kv $dt" env BENCH_KV_CACHE_DTYPE=$dt timeout 290 python3 benchmarks/gpu_engine_bench.py qwen3 \
+             --runs ${FP8_RUNS:-decode256 tpot1 mixed} --out "$OUT/engine_kv_$dt.json"
+      done ;;
     eplb) step eplb timeout 580 python3 benchmarks/eplb_gpu_bench.py --out "$OUT/eplb.json" ${EPLB_ARGS:-} ;;
     *) echo "unknown stage $stage" | tee -a "$LOG" ;;
   esac

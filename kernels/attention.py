@@ -5,6 +5,13 @@ Legend: T query tokens of the batch, B sequences, H query heads, G KV heads, d h
 N cache blocks, S block size, L context length of a sequence.
 KV cache layout per layer: kv_cache_2NSGd = [2 (k, v), N, S, G, d], zero-initialised so that
 masked-out padding is finite.
+
+FP8 caches (kv_cache_dtype "fp8" = "fp8_e4m3", "fp8_e5m2"; torch.float8_e4m3fn / float8_e5m2) hold
+K and V with one per-tensor scale each per layer (k_scale, v_scale: 1.0 unless the checkpoint
+gives them), as vLLM: a value x is stored as fp8(clamp(x / scale, +-fp8 max)) and read back as
+float(stored) * scale, the attention maths then as usual. Every reader attends over what the cache
+holds: fresh keys of a prefill go through the same round trip. Caches of any other dtype ignore
+the scales.
 """
 from __future__ import annotations
 
@@ -55,9 +62,48 @@ class AttentionMetadata:
         return self if self.group_metas is None else self.group_metas[group]
 
 
+FP8_KV_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def is_fp8_kv(dtype: torch.dtype) -> bool:
+    """Whether a cache of this dtype is an FP8 one (quantised with per-tensor scales)."""
+    return dtype in FP8_KV_DTYPES
+
+
+def quantize_kv(x: torch.Tensor, dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
+    """x as a cache of `dtype` stores it: fp8(clamp(x / scale)) for FP8 (saturated to +-448 for
+    e4m3, +-57344 for e5m2; the cast rounds to nearest even), a plain cast otherwise."""
+    if not is_fp8_kv(dtype):
+        return x.to(dtype)
+    fmax = torch.finfo(dtype).max
+    return (x.float() / scale).clamp(-fmax, fmax).to(dtype)
+
+
+def dequantize_kv(x: torch.Tensor, dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
+    """Cache contents x back in `dtype`: float(x) * scale for FP8, a plain cast otherwise."""
+    if not is_fp8_kv(x.dtype):
+        return x.to(dtype)
+    return (x.float() * scale).to(dtype)
+
+
+def round_trip_kv(x: torch.Tensor, cache_dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
+    """x as an FP8 cache of cache_dtype would give it back (x itself for other caches, which hold
+    the model dtype exactly)."""
+    if not is_fp8_kv(cache_dtype):
+        return x
+    return dequantize_kv(quantize_kv(x, cache_dtype, scale), x.dtype, scale)
+
+
 def write_kv_cache(k_TGd: torch.Tensor, v_TGd: torch.Tensor, kv_cache_2NSGd: torch.Tensor,
-                   slot_mapping_T: torch.Tensor) -> None:
+                   slot_mapping_T: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+    """k_TGd[t] / v_TGd[t] to slot slot_mapping_T[t], cast (FP8: quantised with k_scale / v_scale)
+    to the cache dtype."""
     flat = kv_cache_2NSGd.view(2, -1, *kv_cache_2NSGd.shape[3:])
+    if is_fp8_kv(flat.dtype):  # torch has no index_copy_ for float8: copy the bytes
+        raw = flat.view(torch.uint8)
+        raw[0].index_copy_(0, slot_mapping_T, quantize_kv(k_TGd, flat.dtype, k_scale).view(torch.uint8))
+        raw[1].index_copy_(0, slot_mapping_T, quantize_kv(v_TGd, flat.dtype, v_scale).view(torch.uint8))
+        return
     flat[0].index_copy_(0, slot_mapping_T, k_TGd.to(flat.dtype))
     flat[1].index_copy_(0, slot_mapping_T, v_TGd.to(flat.dtype))
 
@@ -80,37 +126,43 @@ def chunk_start(pos: torch.Tensor | int, chunk_size: int | None):
 
 def paged_attention_torch(q_THd: torch.Tensor, k_TGd: torch.Tensor, v_TGd: torch.Tensor,
                           kv_cache_2NSGd: torch.Tensor, meta: AttentionMetadata, scale: float,
-                          chunk_size: int | None = None) -> torch.Tensor:
+                          chunk_size: int | None = None, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
     """Causal attention of each sequence's new queries over its context.
 
     chunk_size: None = global causal attention. Otherwise chunked-local attention (Llama-4's
     RoPE layers): a query at position p sees only the keys at positions
     floor(p / chunk_size) * chunk_size .. p, its own chunk so far.
-    New K/V must already be written to the cache. Returns [T, H, d].
+    New K/V must already be written to the cache. k_scale / v_scale: an FP8 cache's scales
+    (ignored for other caches; see the module docstring). Returns [T, H, d].
     """
     out = torch.empty_like(q_THd)
     H, G = q_THd.shape[1], kv_cache_2NSGd.shape[3]
     gqa = H != G
+    cdt = kv_cache_2NSGd.dtype
+
+    def fresh(start: int, end: int):  # a prefill's new K/V as the cache holds them
+        return round_trip_kv(k_TGd[start:end], cdt, k_scale), round_trip_kv(v_TGd[start:end], cdt, v_scale)
+
     for b in meta.prefill_seqs:
         start, end = meta.query_start_loc[b], meta.query_start_loc[b + 1]
         n, L = end - start, meta.seq_lens[b]
         q = q_THd[start:end].transpose(0, 1)  # [H, n, d]
         if n == L and chunk_size is None:  # no cached context: attend over the fresh keys directly
-            k, v = k_TGd[start:end], v_TGd[start:end]
+            k, v = fresh(start, end)
             mask, causal = None, True
         else:
             # Keys before the chunk of the first query are never seen: skip reading them.
             k0 = chunk_start(L - n, chunk_size)
             if n == L:
-                k, v = k_TGd[start:end], v_TGd[start:end]
+                k, v = fresh(start, end)
             else:
                 k, v = _gather_context(kv_cache_2NSGd, meta.block_tables_BM[b], L, k0)
             # Query i sits at position L - n + i and sees keys chunk_start(L - n + i) .. L - n + i.
             qpos = torch.arange(L - n, L, device=q.device)[:, None]
             kpos = torch.arange(k0, L, device=q.device)[None, :]
             mask, causal = (kpos <= qpos) & (kpos >= chunk_start(qpos, chunk_size)), False
-        o = F.scaled_dot_product_attention(q, k.transpose(0, 1).to(q.dtype), v.transpose(0, 1).to(q.dtype),
-                                           attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=gqa)
+        k, v = dequantize_kv(k.transpose(0, 1), q.dtype, k_scale), dequantize_kv(v.transpose(0, 1), q.dtype, v_scale)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=gqa)
         out[start:end] = o.transpose(0, 1)
     if meta.decode_seqs:
         idx, lens, tables = meta.decode_token_idx, meta.decode_seq_lens, meta.decode_block_tables
@@ -130,7 +182,8 @@ def paged_attention_torch(q_THd: torch.Tensor, k_TGd: torch.Tensor, v_TGd: torch
         kpos = (first_pos // S * S)[:, None] + torch.arange(W * S, device=q_THd.device)[None, :]
         mask = (kpos < lens[:, None]) & (kpos >= first_pos[:, None])
         q = q_THd[idx][:, :, None, :]  # [B, H, 1, d]
-        o = F.scaled_dot_product_attention(q, kv[0].to(q.dtype), kv[1].to(q.dtype),
+        o = F.scaled_dot_product_attention(q, dequantize_kv(kv[0], q.dtype, k_scale),
+                                           dequantize_kv(kv[1], q.dtype, v_scale),
                                            attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=gqa)
         out[idx] = o[:, :, 0, :]
     return out

@@ -3,6 +3,10 @@
 Checkpoint names map to parameters through a model's declared `NameRule`s (substring pairs,
 `{e}` standing for an expert id); each parameter's `ParamLoader` slices and copies. Every
 mismatch is reported by checkpoint tensor name: missing, unexpected, or mis-shaped.
+
+FP8 checkpoints may carry per-tensor KV-cache scales per attention layer; they are not parameters
+but the attention layer's `k_scale` / `v_scale` floats (see `kv_scale_target`), which an FP8 KV
+cache (kv_cache_dtype="fp8") quantises with and any other cache ignores, as vLLM does.
 """
 from __future__ import annotations
 
@@ -111,6 +115,61 @@ def iterate_checkpoint(model_dir: str, progress: bool = True) -> Iterator[tuple[
                 yield path, name, f
 
 
+# The names quantisation tools give KV-cache scales (vLLM reads the same ones): self_attn.k_scale /
+# v_scale, self_attn.{k,v}_proj.{k,v}_scale, self_attn.{k,v}_proj.output_scale, the older
+# self_attn.kv_scale (one for both), also under self_attn.attn. / mla_attn.; q_scale and prob_scale
+# (FP8 attention maths, not done here) are read past.
+_KV_SCALE = re.compile(r"(?:^|\.)layers\.(\d+)\.self_attn\.(?:attn\.|mla_attn\.)?(?:([qkv])_proj\.)?"
+                       r"(q_scale|k_scale|v_scale|kv_scale|prob_scale|output_scale)$")
+_LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+def kv_scale_target(name: str) -> tuple[int, tuple[str, ...]] | None:
+    """A KV-cache scale's (layer index, attributes it sets: "k_scale" / "v_scale", none for scales
+    that are read past), or None when `name` is no such scale."""
+    m = _KV_SCALE.search(name)
+    if m is None:
+        return None
+    layer, proj, kind = int(m.group(1)), m.group(2), m.group(3)
+    if kind == "output_scale":  # a projection's output: which one says what it scales
+        if proj is None:
+            return None
+        kind = {"k": "k_scale", "v": "v_scale"}.get(proj, "q_scale")
+    if kind == "kv_scale":
+        return layer, ("k_scale", "v_scale")
+    return layer, (kind,) if kind in ("k_scale", "v_scale") else ()
+
+
+def _attention_layers_by_index(model: torch.nn.Module) -> dict[int, torch.nn.Module]:
+    """This rank's attention layers (of this pipeline stage) by decoder-layer index."""
+    layers = getattr(model, "attention_layers", None)
+    if layers is None:
+        return {}
+    names = {id(m): n for n, m in model.named_modules()}
+    out = {}
+    for attn in layers():
+        found = _LAYER_INDEX.findall(names.get(id(attn), ""))
+        if found:
+            out[int(found[-1])] = attn
+    return out
+
+
+def _load_kv_scale(attn_by_layer: dict, path: str, f, name: str, target) -> None:
+    layer, attrs = target
+    attn = attn_by_layer.get(layer)
+    if attn is None or not attrs:  # another pipeline stage's layer, or a scale not used here
+        return
+    tensor = read_tensor(path, f, name)
+    if tensor.numel() != 1 or not tensor.is_floating_point():
+        raise ValueError(f"tensor {name!r} in {os.path.basename(path)} has shape {_fmt(tensor.shape)} "
+                         f"({tensor.dtype}): only one floating-point KV-cache scale per tensor is supported")
+    value = float(tensor.float().item())  # a CPU tensor: no device sync
+    if not value > 0:
+        raise ValueError(f"KV-cache scale {name!r} in {os.path.basename(path)} is {value}: it must be positive")
+    for attr in attrs:
+        setattr(attn, attr, value)
+
+
 def _fmt(shape) -> str:
     return "[" + ", ".join(str(s) for s in shape) + "]"
 
@@ -120,8 +179,15 @@ def load_weights(model: torch.nn.Module, model_dir: str, progress: bool = True) 
     rules: list[NameRule] = model.weight_name_rules()
     params = dict(model.named_parameters())
     loaded: dict[str, set] = defaultdict(set)
+    attn_by_layer = None
     for path, name, f in iterate_checkpoint(model_dir, progress):
         if model.ignore_checkpoint_name(name):
+            continue
+        target = kv_scale_target(name)
+        if target is not None and name not in params:
+            if attn_by_layer is None:
+                attn_by_layer = _attention_layers_by_index(model)
+            _load_kv_scale(attn_by_layer, path, f, name, target)
             continue
         pname, shard, expert = map_checkpoint_name(name, rules)
         param = params.get(pname)

@@ -4,7 +4,9 @@ model.safetensors, tokenizer.json) with seeded random weights, made on first use
 Its shape is the CPU benchmark model of BENCHMARKS.md §6: hidden 256, 4 layers, 8 heads (4 KV,
 head_dim 32), 16 experts top-4, moe_intermediate 128, vocabulary 512. Its tokenizer has ChatML's
 special tokens and tokenizer_config.json a ChatML chat template, so that `LLM.chat` and
-/v1/chat/completions work on it.
+/v1/chat/completions work on it; generation_config.json lists both <|endoftext|> and <|im_end|>
+as end-of-sequence tokens (as Qwen's chat checkpoints do), so that a chat reply ends at its
+<|im_end|>.
 """
 from __future__ import annotations
 
@@ -114,8 +116,8 @@ def ensure_tiny_model(name: str) -> str:
         raise ValueError(f"unknown built-in model {name!r}; built-in models: {', '.join(TINY_MODELS)}")
     path = os.path.join(cache_dir(), name)
     if os.path.isfile(os.path.join(path, "model.safetensors")):
-        if not _has_chat_template(path):  # made by a version without one: give it the chat tokenizer
-            logger.info("Adding a chat template to the built-in model %s in %s", name, path)
+        if not _has_chat_files(path):  # made by an earlier version: give it the chat tokenizer and EOS ids
+            logger.info("Adding a chat template and <|im_end|> as EOS to the built-in model %s in %s", name, path)
             _write_tokenizer_files(path)
         return path
     logger.info("Creating the built-in model %s in %s", name, path)
@@ -128,8 +130,6 @@ def ensure_tiny_model(name: str) -> str:
               metadata={"format": "pt"})
     with open(os.path.join(tmp, "config.json"), "w") as f:
         json.dump(cfg, f, indent=2)
-    with open(os.path.join(tmp, "generation_config.json"), "w") as f:
-        json.dump({"eos_token_id": 0}, f)
     _write_tokenizer_files(tmp)
     try:
         os.replace(tmp, path)  # atomic: a concurrent first use sees a whole folder or none
@@ -138,21 +138,34 @@ def ensure_tiny_model(name: str) -> str:
     return path
 
 
-def _has_chat_template(folder: str) -> bool:
+def _read_json(path: str) -> dict:
     try:
-        with open(os.path.join(folder, "tokenizer_config.json")) as f:
-            return "chat_template" in json.load(f)
+        with open(path) as f:
+            return json.load(f)
     except (OSError, ValueError):
-        return False
+        return {}
+
+
+def _has_chat_files(folder: str) -> bool:
+    """Whether the folder has the chat template and <|im_end|> among the EOS ids (earlier versions
+    wrote neither: eos_token_id 0 alone)."""
+    eos = _read_json(os.path.join(folder, "generation_config.json")).get("eos_token_id")
+    im_end = TINY_QWEN3_MOE_CONFIG["vocab_size"] - len(CHATML_TOKENS) + CHATML_TOKENS.index("<|im_end|>")
+    return ("chat_template" in _read_json(os.path.join(folder, "tokenizer_config.json"))
+            and isinstance(eos, list) and im_end in eos)
 
 
 def _write_tokenizer_files(folder: str) -> None:
-    """tokenizer.json (with ChatML's special tokens), then tokenizer_config.json (the chat template),
-    each replaced atomically: a reader sees the old file or the new one, never a partial one."""
+    """tokenizer.json (with ChatML's special tokens), tokenizer_config.json (the chat template), then
+    generation_config.json (EOS: <|endoftext|> and <|im_end|>), each replaced atomically: a reader
+    sees the old file or the new one, never a partial one."""
+    tokenizer = build_tokenizer(TINY_QWEN3_MOE_CONFIG["vocab_size"], CHATML_TOKENS)
     config = {"eos_token": "<|endoftext|>", "chat_template": CHATML_TEMPLATE,
               "tokenizer_class": "PreTrainedTokenizerFast"}
-    files = [("tokenizer.json", build_tokenizer(TINY_QWEN3_MOE_CONFIG["vocab_size"], CHATML_TOKENS).to_str()),
-             ("tokenizer_config.json", json.dumps(config, indent=2))]
+    eos_ids = [TINY_QWEN3_MOE_CONFIG["eos_token_id"], tokenizer.token_to_id("<|im_end|>")]
+    files = [("tokenizer.json", tokenizer.to_str()),
+             ("tokenizer_config.json", json.dumps(config, indent=2)),
+             ("generation_config.json", json.dumps({"eos_token_id": eos_ids}, indent=2))]
     for name, text in files:
         fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{name}-")
         with os.fdopen(fd, "w") as f:

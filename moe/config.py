@@ -29,7 +29,10 @@ MM_MODALITIES = ("image",)
 # The tokenizer is always tokenizer.json through the fast `tokenizers` library: "auto" and "hf"
 # (vLLM's names for the Hugging Face tokenizer, fast where there is one) are what that honours.
 TOKENIZER_MODES = ("auto", "hf")
-FP8_KV_CACHE_DTYPES = ("fp8", "fp8_e4m3", "fp8_e5m2", "fp8_inc", "fp8_ds_mla")
+# FP8 KV caches, as vLLM names them ("fp8" is e4m3), quantised with per-tensor scales per layer
+# (kernels/attention.py); vLLM's Gaudi and sparse-MLA formats are refused.
+FP8_KV_CACHE_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+UNSUPPORTED_KV_CACHE_DTYPES = ("fp8_inc", "fp8_ds_mla")
 # vLLM arguments accepted so that vLLM scripts run, which change nothing here; each is warned
 # about (once, together) when set to anything but its no-op value.
 NO_EFFECT_ARGS = {
@@ -97,6 +100,90 @@ def parse_mm_limits(value: dict | str | None) -> dict[str, int]:
         if isinstance(count, bool) or not isinstance(count, int) or count < 0:
             raise ValueError(f"limit_mm_per_prompt['{key}'] must be an integer >= 0, got {count!r}")
     return dict(value)
+
+
+# The help text of each engine argument's flag (EngineArgs.add_cli_args appends its default);
+# docs/engine_args.md has the long form. Every field of EngineArgs needs one.
+ENGINE_ARG_HELP = {
+    "model": "checkpoint folder (config.json, *.safetensors, tokenizer.json), or 'tiny-qwen3-moe', the built-in "
+             "model",
+    "tokenizer": "folder with tokenizer.json (default: %(default)s: the model folder)",
+    "dtype": "model dtype: auto (the checkpoint's torch_dtype, else float32), float32 (float), bfloat16 or "
+             "float16 (half)",
+    "seed": "seed of the engine's shared random generator (samples of requests without a seed of their own) "
+            "and of dummy weights",
+    "max_model_len": "longest prompt + output, in tokens; more than the model's max_position_embeddings is an "
+                     "error (default: %(default)s: max_position_embeddings)",
+    "block_size": "tokens per KV-cache block",
+    "max_num_seqs": "most requests (sequences) in one engine step",
+    "max_num_batched_tokens": "token budget of one engine step (default: %(default)s: 8192, and without chunked "
+                              "prefill at least max_model_len)",
+    "gpu_memory_utilization": "share of the GPU's memory for weights, activations and the KV cache, in (0, 1]",
+    "num_gpu_blocks_override": "exact number of KV-cache blocks, over the sizing rules (default: %(default)s: sized "
+                               "from memory)",
+    "kv_cache_memory_bytes": "KV-cache size in bytes (default: %(default)s: on the CPU 1 GiB, capped at what "
+                             "max_num_seqs full-length requests can use; on a GPU what gpu_memory_utilization "
+                             "leaves)",
+    "enable_prefix_caching": "reuse the KV-cache blocks of prompt prefixes that earlier requests computed",
+    "enable_chunked_prefill": "split long prompts over several steps, within the token budget",
+    "load_format": "auto or safetensors (the checkpoint's weights), or dummy (random weights at the real size; "
+                   "the folder may hold config.json alone)",
+    "disable_log_stats": "no periodic log lines of throughput, running and waiting requests, KV-cache use, "
+                         "prefix-cache hits and expert-load balancedness",
+    "device": "auto (CUDA when present, else the CPU), cpu, cuda or cuda:N",
+    "tensor_parallel_size": "ranks that split attention, dense MLPs, embeddings and lm_head",
+    "pipeline_parallel_size": "pipeline stages, each holding consecutive layers",
+    "data_parallel_size": "engine replicas, each with its own scheduler; a new request goes to the least loaded",
+    "enable_expert_parallel": "MoE layers hold whole experts, spread over the TP x DP ranks (off: each expert "
+                              "is split along its intermediate size over the TP ranks)",
+    "all2all_backend": "token dispatch under expert parallelism: auto (chosen by the device and the expected "
+                       "bytes per rank), allgather_reducescatter, all_to_all or low_latency (fixed-size buffers: "
+                       "decode steps replay CUDA graphs)",
+    "expert_placement_strategy": "experts per expert-parallel rank: linear (contiguous ids) or round_robin "
+                                 "(EPLB needs linear)",
+    "distributed_executor_backend": "mp (a worker process per rank), uni (one process, world size 1) or "
+                                    "external_launcher (ranks started by torchrun) (default: %(default)s: uni "
+                                    "for one rank, mp for more, external_launcher under torchrun)",
+    "moe_backend": "kernel of the expert layers: torch, triton or deepspeed (default: %(default)s: the best "
+                   "for the device)",
+    "quantization": "FP8 block-quantised checkpoints: fp8 (the routed experts stay FP8 wherever the engine runs) "
+                    "or none (every FP8 weight dequantised at load) (default: %(default)s: the routed experts "
+                    "stay FP8 on CUDA with the Triton kernel, the rest is dequantised)",
+    "trust_remote_code": "accepted for vLLM compatibility: no remote code ever runs, only the built-in "
+                         "architectures (on: a warning)",
+    "max_logprobs": "the largest logprobs a request may ask for (-1: the whole vocabulary)",
+    "enforce_eager": "on CUDA, run every step eagerly instead of replaying CUDA graphs",
+    "cudagraph_capture_sizes": "decode batch sizes captured as CUDA graphs at start-up, space-separated (default: "
+                               "%(default)s: 1, 2, 4, then every multiple of 8 up to max_num_seqs, and "
+                               "max_num_seqs)",
+    "async_scheduling": "schedule and launch step N+1 before step N's tokens reach the host (default: "
+                        "%(default)s: on for a single-process engine of a text model on CUDA, else off)",
+    "record_expert_load": "count the tokens routed to each expert, on the device (LLM.get_expert_load, "
+                          "/metrics, /dashboard)",
+    "expert_load_window_steps": "engine steps per expert-load window (the recording, the dashboard, the metrics)",
+    "enable_eplb": "expert-parallel load balancing: experts re-placed, and the hottest replicated, from their "
+                   "measured load (needs --enable-expert-parallel and TP x DP >= 2)",
+    "eplb_config": "EPLB settings as JSON, e.g. '{\"window_size\": 1000, \"step_interval\": 3000, "
+                   "\"num_redundant_experts\": 32, \"log_balancedness\": true}' (default: %(default)s: window_size "
+                   "1000, step_interval 3000, no redundant experts, no logging)",
+    "limit_mm_per_prompt": "images per prompt as JSON, e.g. '{\"image\": 2}'; '{\"image\": 0}' serves the text "
+                           "model alone (default: %(default)s: 10 images for a multimodal checkpoint)",
+    "mm_encoder_tp_mode": "the vision encoder under tensor parallelism: weights (its linears split over the TP "
+                          "ranks) or data (each rank encodes its share of the tiles with the whole encoder)",
+    "mm_processor_cache_gb": "GiB of processed images cached by hash, and the size of each side of the IPC cache "
+                             "or of the shared-memory store (0: off)",
+    "mm_processor_cache_type": "how processed images reach an engine core under moe serve: lru (a repeated "
+                               "image travels as its hash) or shm (a shared-memory store the workers read)",
+    "mm_shm_cache_max_object_size_mb": "largest processed image, in MiB, that the shared-memory store takes; "
+                                       "larger ones travel inline",
+    "tokenizer_mode": "auto or hf: both load tokenizer.json through the fast tokenizers library, the only loader",
+    "revision": "branch, tag or commit of a hub model id; a local folder ignores it (default: %(default)s: "
+                "main)",
+    "kv_cache_dtype": "dtype of the KV cache: auto (the model dtype) or a dtype by name (docs/engine_args.md "
+                      "lists those accepted)",
+    **{name: f"accepted for vLLM compatibility, without effect: {why}"
+       for name, (_, why) in NO_EFFECT_ARGS.items()},
+}
 
 
 @dataclass
@@ -169,7 +256,8 @@ class EngineArgs:
     # vLLM's model and cache arguments (docs/vllm_compatibility.md).
     tokenizer_mode: str = "auto"
     revision: str | None = None      # a hub revision; applies to hub ids (see validate)
-    # "auto": the model dtype; an explicit dtype must be the model's (the KV cache is kept in it).
+    # "auto": the model dtype; "fp8" (= "fp8_e4m3") / "fp8_e5m2": an FP8 cache with per-tensor
+    # scales (half a bf16 cache's bytes); another explicit dtype must be the model's.
     kv_cache_dtype: str = "auto"
     swap_space: float | None = None  # accepted, no effect (NO_EFFECT_ARGS)
     cpu_offload_gb: float = 0.0      # accepted, no effect
@@ -195,8 +283,10 @@ class EngineArgs:
         return torch.device(self.device)
 
     def resolve_dtype(self, config_dtype: str | None) -> torch.dtype:
-        """The model dtype (also checked against kv_cache_dtype, which must match it)."""
-        return self.resolve_kv_cache_dtype(self._model_dtype(config_dtype))
+        """The model dtype (kv_cache_dtype is checked against it: an explicit non-FP8 one must match)."""
+        model_dtype = self._model_dtype(config_dtype)
+        self.resolve_kv_cache_dtype(model_dtype)
+        return model_dtype
 
     def _model_dtype(self, config_dtype: str | None) -> torch.dtype:
         if self.dtype == "auto":
@@ -206,8 +296,11 @@ class EngineArgs:
         return DTYPES[self.dtype]
 
     def resolve_kv_cache_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
-        """The KV cache's dtype: the model's (attention reads and writes the cache in it)."""
+        """The KV cache's storage dtype: an FP8 one for "fp8" / "fp8_e4m3" / "fp8_e5m2", else the
+        model's (attention reads and writes the cache in it)."""
         self._check_kv_cache_dtype()
+        if self.kv_cache_dtype in FP8_KV_CACHE_DTYPES:
+            return FP8_KV_CACHE_DTYPES[self.kv_cache_dtype]
         if self.kv_cache_dtype != "auto" and DTYPES[self.kv_cache_dtype] != model_dtype:
             raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} differs from the model dtype "
                              f"{str(model_dtype).removeprefix('torch.')}: the KV cache is kept in the model dtype, "
@@ -215,11 +308,13 @@ class EngineArgs:
         return model_dtype
 
     def _check_kv_cache_dtype(self) -> None:
-        if self.kv_cache_dtype in FP8_KV_CACHE_DTYPES:
-            raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r}: an FP8 KV cache is not supported yet; "
-                             "use 'auto' (the model dtype)")
-        if self.kv_cache_dtype != "auto" and self.kv_cache_dtype not in DTYPES:
-            raise ValueError(f"kv_cache_dtype must be 'auto' or one of {sorted(DTYPES)}, got {self.kv_cache_dtype!r}")
+        if self.kv_cache_dtype in UNSUPPORTED_KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} is not supported; use 'auto' (the model "
+                             f"dtype) or an FP8 cache: {', '.join(repr(n) for n in FP8_KV_CACHE_DTYPES)}")
+        if self.kv_cache_dtype != "auto" and self.kv_cache_dtype not in DTYPES \
+                and self.kv_cache_dtype not in FP8_KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be 'auto' or one of {sorted(DTYPES) + list(FP8_KV_CACHE_DTYPES)}, "
+                             f"got {self.kv_cache_dtype!r}")
 
     def validate(self) -> None:
         """Checks that need no model; model-dependent checks run at load."""
@@ -309,27 +404,25 @@ class EngineArgs:
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser, model_required: bool = True) -> None:
-        """--kebab-case flags for every field, as vLLM's CLI spells them (with its -tp / -pp / -dp)."""
+        """--kebab-case flags for every field, as vLLM's CLI spells them (with its -tp / -pp / -dp), each
+        with its ENGINE_ARG_HELP text and default (shown whatever the parser's formatter)."""
         short = {"tensor_parallel_size": "-tp", "pipeline_parallel_size": "-pp", "data_parallel_size": "-dp"}
         for f in dataclasses.fields(cls):
             flags = ["--" + f.name.replace("_", "-")] + ([short[f.name]] if f.name in short else [])
             if f.name == "model":
-                parser.add_argument(*flags, required=model_required, default=None,
-                                    help="checkpoint folder, or 'tiny-qwen3-moe'")
+                action = parser.add_argument(*flags, required=model_required, default=None)
             elif f.type in ("bool", bool, "bool | None"):
-                parser.add_argument(*flags, action=argparse.BooleanOptionalAction, default=f.default)
-            elif f.name == "limit_mm_per_prompt":
-                parser.add_argument(*flags, type=str, default=None,
-                                    help='JSON, e.g. \'{"image": 2}\' (\'{"image": 0}\': text only)')
-            elif f.name == "eplb_config":
-                parser.add_argument(*flags, type=str, default=None,
-                                    help='JSON, e.g. \'{"window_size": 1000, "step_interval": 3000, '
-                                         '"num_redundant_experts": 32, "log_balancedness": true}\'')
+                action = parser.add_argument(*flags, action=argparse.BooleanOptionalAction, default=f.default)
             elif str(f.type).startswith("list[int]"):
-                parser.add_argument(*flags, type=int, nargs="+", default=f.default)
+                action = parser.add_argument(*flags, type=int, nargs="+", default=f.default)
+            elif f.name in ("limit_mm_per_prompt", "eplb_config"):  # JSON text
+                action = parser.add_argument(*flags, type=str, default=None)
             else:
                 kind = int if "int" in str(f.type) else float if "float" in str(f.type) else str
-                parser.add_argument(*flags, type=kind, default=f.default)
+                action = parser.add_argument(*flags, type=kind, default=f.default)
+            # Set after add_argument: Python 3.10's BooleanOptionalAction would append a second default.
+            text = ENGINE_ARG_HELP[f.name]
+            action.help = text if f.name == "model" or "%(default)" in text else text + " (default: %(default)s)"
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> "EngineArgs":

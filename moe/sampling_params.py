@@ -2,7 +2,7 @@
 
 Every value is checked when the object is made (type, range, finiteness), so a bad value fails
 here with its name rather than inside a step. Checks that need the model (token ids within the
-vocabulary, `logprobs` against `max_logprobs`) run when the engine adds the request.
+vocabulary, `logprobs` and `prompt_logprobs` against `max_logprobs`) run when the engine adds the request.
 """
 from __future__ import annotations
 
@@ -100,11 +100,11 @@ class SamplingParams:
         for name in ("n", "top_k", "min_tokens"):
             if not _is_int(getattr(self, name)):
                 bad(name, f"must be an integer, got {type(getattr(self, name)).__name__}")
-        for name in ("max_tokens", "logprobs", "seed"):
+        for name in ("max_tokens", "logprobs", "prompt_logprobs", "seed"):
             value = getattr(self, name)
             if value is not None and not _is_int(value):
                 bad(name, f"must be an integer or None, got {type(value).__name__}")
-        for name in ("n", "top_k", "min_tokens", "max_tokens", "logprobs"):
+        for name in ("n", "top_k", "min_tokens", "max_tokens", "logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and value > INT64_MAX:
                 bad(name, f"must be at most {INT64_MAX} (2**63 - 1)")
@@ -142,8 +142,8 @@ class SamplingParams:
             bad("min_tokens", f"must be <= max_tokens={self.max_tokens}")
         if self.logprobs is not None and self.logprobs < 0:
             bad("logprobs", "must be a non-negative integer")
-        if self.prompt_logprobs is not None:
-            bad("prompt_logprobs", "is not supported yet")
+        if self.prompt_logprobs is not None and self.prompt_logprobs < 0:
+            bad("prompt_logprobs", "must be a non-negative integer (0: only each prompt token's own logprob)")
         if self.seed is not None and self.seed < 0:
             bad("seed", "must be a non-negative integer, or -1 / None for unseeded")
         self._validate_stops(bad)

@@ -92,8 +92,9 @@ class KVCacheManager:
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:
         """Longest cached prefix of full blocks; at least one token is always left to compute
-        so that the step produces logits for the next token."""
-        if not self.enable_caching:
+        so that the step produces logits for the next token. Nothing for a request that skips
+        reading the cache (Request.skip_reading_prefix_cache; not counted as a query either)."""
+        if not self.enable_caching or request.skip_reading_prefix_cache:
             return [], 0
         self._update_block_hashes(request)
         max_blocks = (request.num_tokens - 1) // self.block_size

@@ -61,6 +61,7 @@ class EngineCoreOutput:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
+    prompt_logprobs: Any = None   # with the first new token of a request that asked, opaque to the scheduler
 
     @property
     def finished(self) -> bool:

@@ -46,7 +46,8 @@ class Request:
     __slots__ = ("request_id", "prompt_token_ids", "num_prompt_tokens", "all_token_ids", "max_tokens",
                  "eos_token_ids", "stop_token_ids", "ignore_eos", "min_tokens", "sampling_params",
                  "arrival_time", "status", "num_computed_tokens", "num_cached_tokens", "num_preemptions",
-                 "stop_reason", "block_hashes", "stopping_tokens", "mm_items", "num_output_placeholders")
+                 "stop_reason", "block_hashes", "stopping_tokens", "mm_items", "num_output_placeholders",
+                 "skip_reading_prefix_cache")
 
     def __init__(
         self,
@@ -60,6 +61,7 @@ class Request:
         sampling_params: Any = None,
         arrival_time: float | None = None,
         mm_items: list | tuple = (),
+        skip_reading_prefix_cache: bool = False,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -85,6 +87,10 @@ class Request:
         # Images of the prompt in order (moe/multimodal/inputs.py's ImageItem): their spans and
         # hashes steer the encoder budget and the prefix-cache keys; the runner gets the pixels.
         self.mm_items = mm_items
+        # Compute the whole prompt even where the prefix cache holds it (vLLM's name): a request
+        # that asks for prompt logprobs needs the logits of every prompt position. Its blocks
+        # are still registered for others to hit.
+        self.skip_reading_prefix_cache = skip_reading_prefix_cache
 
     @property
     def num_tokens(self) -> int:

@@ -37,14 +37,44 @@ def test_help_all_prints_every_command_and_one_command_alone():
     assert r.returncode == 0 and "usage: moe bench serve" in r.stdout and "--api-key" in r.stdout
 
 
-def test_every_flag_has_a_help_text():
-    from moe.bench.serve import build_parser as bench_serve_parser
+def _parsers() -> dict[str, argparse.ArgumentParser]:
+    """The parsers of the commands with flags: generate, serve, dashboard and the benchmarks that run on the CPU."""
+    from moe.bench import engine_cpu, latency, serve, throughput
 
     parsers = {name: p for name, p in _commands().items() if name in ("generate", "serve", "dashboard")}
-    parsers["bench serve"] = bench_serve_parser()
-    missing = [f"{name} {a.option_strings or a.dest}" for name, p in parsers.items() for a in p._actions
+    for name, module in {"serve": serve, "throughput": throughput, "latency": latency,
+                         "engine-cpu": engine_cpu}.items():
+        parsers[f"bench {name}"] = module.build_parser()
+    return parsers
+
+
+def test_every_flag_has_a_help_text():
+    missing = [f"{name} {a.option_strings or a.dest}" for name, p in _parsers().items() for a in p._actions
                if not (a.help or "").strip()]
     assert missing == []
+
+
+@pytest.mark.parametrize("command", ["generate", "serve", "bench throughput", "bench latency"])
+def test_every_engine_flag_shows_its_help_and_default(command):
+    """Each engine argument's flag: its own text from moe/config.py and its default, whatever the formatter
+    of the command's parser (generate and serve append defaults, the benchmarks' parsers do not)."""
+    import dataclasses
+
+    from moe.config import ENGINE_ARG_HELP, EngineArgs
+
+    parser = _parsers()[command]
+    formatter = parser._get_formatter()
+    fields = {f.name for f in dataclasses.fields(EngineArgs)}
+    assert set(ENGINE_ARG_HELP) == fields
+    actions = {a.dest: a for a in parser._actions if a.dest in fields}
+    assert set(actions) == fields
+    for dest, action in actions.items():
+        text = formatter._expand_help(action)  # what --help prints
+        if dest == "model":  # the benchmarks give it a default and words of their own
+            continue
+        if dest != "seed":  # ditto
+            assert text.startswith(ENGINE_ARG_HELP[dest].split(" (default: ")[0]), dest
+        assert text.count("(default: ") == 1 and f"(default: {action.default}" in text, (dest, text)
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -29,6 +29,10 @@ whole cache blocks (every KV head, K and V) of their split before the PDL wait: 
 block tables are step inputs written before the forward, so the addresses are final then. The
 keys then come from L2 instead of HBM; the newest one, which the kernel before writes, is read
 after the wait as ever (a prefetch never changes what a load returns).
+
+An FP8 cache (kernels/attention.py's docstring) is read as fp8 and widened to q's dtype in
+registers (exact); k_scale is folded into the host-side score scale and v_scale multiplies each
+split's normalised output (SCALE_V, a constexpr: other caches compile the kernel as before).
 """
 from __future__ import annotations
 
@@ -38,6 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.attention import is_fp8_kv
 from kernels.l2_prefetch import bulk_prefetch_supported, l2_prefetch_lanes
 from kernels.last_program import zeroed_counters
 from kernels.pdl import pdl_enter, pdl_launch
@@ -83,12 +88,13 @@ def _split_keys(seq_lens_ptr, b, split, chunk_size, BLOCK_N: tl.constexpr, NUM_S
 @triton.jit
 def _decode_split_kernel(q_ptr, kv_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, o_ptr, part_o_ptr, part_lse_ptr, counter_ptr,
                          stride_qb, stride_qh, stride_ob, stride_oh, stride_btb, stride_btm,
-                         v_offset, stride_blk, stride_tok, scale_log2, chunk_size,
+                         v_offset, stride_blk, stride_tok, scale_log2, chunk_size, v_scale,
                          HG: tl.constexpr, HG_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
                          D_PAD: tl.constexpr, BLOCK_N: tl.constexpr, S: tl.constexpr,
                          NUM_SPLITS: tl.constexpr, USE_CHUNK: tl.constexpr, FUSED_MERGE: tl.constexpr,
                          PRECISION: tl.constexpr, UPCAST: tl.constexpr, USE_PDL: tl.constexpr,
-                         PREFETCH: tl.constexpr, LANES: tl.constexpr, MIXED: tl.constexpr):
+                         PREFETCH: tl.constexpr, LANES: tl.constexpr, MIXED: tl.constexpr,
+                         SCALE_V: tl.constexpr):
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -131,6 +137,8 @@ def _decode_split_kernel(q_ptr, kv_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, o_ptr, pa
                                         S, BLOCK_N, HEAD_DIM, D_PAD, True, False, PRECISION, UPCAST)
     empty = l_i == 0.0
     out = acc / tl.where(empty, 1.0, l_i)[:, None]  # an empty split leaves acc = 0
+    if SCALE_V:  # an FP8 cache's v_scale (the merge is linear in the parts)
+        out = out * v_scale
     if NUM_SPLITS == 1:
         o_off = row.to(tl.int64) * stride_ob + head * stride_oh
         tl.store(o_ptr + o_off[:, None] + dd[None, :], out.to(o_ptr.dtype.element_ty),
@@ -215,11 +223,13 @@ def paged_attention_decode_triton(q_BHd: torch.Tensor, kv_cache_2NSGd: torch.Ten
                                   chunk_size: int | None = None, out_BHd: torch.Tensor | None = None,
                                   num_splits: int | None = None, block_n: int | None = None,
                                   fused_merge: bool | None = None,
-                                  query_start_loc_B1: torch.Tensor | None = None) -> torch.Tensor:
+                                  query_start_loc_B1: torch.Tensor | None = None,
+                                  k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
     """One query per sequence over its paged context; returns out_BHd [B, H, d] in q's dtype.
 
     q_BHd: [B, H, d] fp32/fp16/bf16, any strides with a unit stride along d.
-    kv_cache_2NSGd: contiguous [2, N, S, G, d]; block_tables_BM: [B, max_blocks] int32/int64;
+    kv_cache_2NSGd: contiguous [2, N, S, G, d] (fp32/fp16/bf16, or FP8 read with the host floats
+    k_scale / v_scale, which other caches ignore); block_tables_BM: [B, max_blocks] int32/int64;
     seq_lens_B: [B] int32/int64 (0 = padded row: zeros out, nothing read).
     num_splits: None = chosen from B * G and max_blocks (static shapes only).
     block_n: keys per tile (power of two >= 16); None = 64 for d <= 128 (tests use 16).
@@ -273,15 +283,17 @@ def paged_attention_decode_triton(q_BHd: torch.Tensor, kv_cache_2NSGd: torch.Ten
         part_o = part_lse = out_BHd  # unused
     counters = zeroed_counters("decode_merge", B * G, q_BHd.device) if fused_merge else seq_lens_B  # unused without
     prefetch = not mixed and B <= PREFETCH_MAX_SEQS and bulk_prefetch_supported(q_BHd)
+    fp8 = is_fp8_kv(kv_cache_2NSGd.dtype)
+    scale_log2 = scale * LOG2E * k_scale if fp8 else scale * LOG2E
     _decode_split_kernel[(B, G, num_splits)](
         q_BHd, kv_cache_2NSGd, block_tables_BM, seq_lens_B, query_start_loc_B1 if mixed else seq_lens_B, out_BHd,
         part_o, part_lse, counters,
         q_BHd.stride(0), q_BHd.stride(1), out_BHd.stride(0), out_BHd.stride(1),
         block_tables_BM.stride(0), block_tables_BM.stride(1),
-        N * S * G * d, S * G * d, G * d, scale * LOG2E, chunk_size or 1,
+        N * S * G * d, S * G * d, G * d, scale_log2, chunk_size or 1, float(v_scale),
         HG=hg, HG_PAD=max(16, triton.next_power_of_2(hg)), HEAD_DIM=d, D_PAD=d_pad, BLOCK_N=block_n, S=S,
         NUM_SPLITS=num_splits, USE_CHUNK=chunk_size is not None, FUSED_MERGE=fused_merge,
-        PRECISION=precision, UPCAST=upcast, PREFETCH=prefetch, LANES=32 * NUM_WARPS, MIXED=mixed,
+        PRECISION=precision, UPCAST=upcast, PREFETCH=prefetch, LANES=32 * NUM_WARPS, MIXED=mixed, SCALE_V=fp8,
         num_warps=NUM_WARPS, num_stages=3, **pdl_launch(q_BHd))
     if num_splits > 1 and not fused_merge:
         _decode_merge_kernel[(B, H)](

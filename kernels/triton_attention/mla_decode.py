@@ -11,6 +11,11 @@ so the decode can be captured in a CUDA graph; rows with seq_len 0 (graph paddin
 
 Reference: kernels/mla_attention.py (`write_latent_cache`, `mla_absorbed_torch`).
 
+An FP8 cache (one scale per layer for the whole row, kv_scale, as vLLM's MLA): the write quantises
+in the kernel (kv_cache.py's to_cache_dtype); the decode widens the fp8 rows to q's dtype (exact),
+with kv_scale folded into the host-side score scale and multiplied onto the latent output (SCALED,
+a constexpr: other caches compile the kernels as before).
+
 Legend: B sequences (= decode rows), H heads, R kv_lora_rank, P qk_rope_head_dim, C = R + P,
 N cache blocks, S block size, M block-table width, T tokens, NS splits.
 """
@@ -22,7 +27,9 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.attention import is_fp8_kv
 from kernels.pdl import pdl_enter, pdl_launch
+from kernels.triton_attention.kv_cache import fp8_max, quant_interpreted, to_cache_dtype
 
 _LOG2E = 1.4426950408889634
 _MAX_SPLITS = 64  # also the merge kernel's padded split count
@@ -44,8 +51,9 @@ def _dot(a, b, acc, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
 
 
 @triton.jit
-def _write_latent_kernel(src_ptr, cache_ptr, slot_ptr, C, stride_st, stride_cn, stride_cs,
-                         S: tl.constexpr, BLOCK_C: tl.constexpr, USE_PDL: tl.constexpr):
+def _write_latent_kernel(src_ptr, cache_ptr, slot_ptr, C, stride_st, stride_cn, stride_cs, kv_scale,
+                         S: tl.constexpr, BLOCK_C: tl.constexpr, QUANT: tl.constexpr, FP8_MAX: tl.constexpr,
+                         INTERPRET: tl.constexpr, USE_PDL: tl.constexpr):
     pdl_enter(USE_PDL)
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t).to(tl.int64)
@@ -55,11 +63,15 @@ def _write_latent_kernel(src_ptr, cache_ptr, slot_ptr, C, stride_st, stride_cn, 
     mask = offs < C
     row = tl.load(src_ptr + t.to(tl.int64) * stride_st + offs, mask=mask)
     dst = cache_ptr + (slot // S) * stride_cn + (slot % S) * stride_cs + offs
+    if QUANT:
+        row = to_cache_dtype(row, kv_scale, cache_ptr.dtype.element_ty, QUANT, FP8_MAX, INTERPRET)
     tl.store(dst, row, mask=mask)
 
 
-def write_latent_cache_triton(latent_TC: torch.Tensor, cache_NSC: torch.Tensor, slot_mapping_T: torch.Tensor) -> None:
-    """Store each token's [latent | k_pe] row at its slot (block_id * S + offset); slot -1 = skip."""
+def write_latent_cache_triton(latent_TC: torch.Tensor, cache_NSC: torch.Tensor, slot_mapping_T: torch.Tensor,
+                              kv_scale: float = 1.0) -> None:
+    """Store each token's [latent | k_pe] row at its slot (block_id * S + offset); slot -1 = skip.
+    An FP8 cache is quantised with kv_scale (a host float, fixed per layer); others ignore it."""
     if latent_TC.dim() != 2 or cache_NSC.dim() != 3 or latent_TC.shape[1] != cache_NSC.shape[2]:
         raise ValueError(f"latent rows {tuple(latent_TC.shape)} do not fit cache {tuple(cache_NSC.shape)}")
     if slot_mapping_T.shape != (latent_TC.shape[0],):
@@ -69,11 +81,14 @@ def write_latent_cache_triton(latent_TC: torch.Tensor, cache_NSC: torch.Tensor, 
     T, C = latent_TC.shape
     if T == 0:
         return
-    # torch's cast (round to nearest even), identical to the reference's; the kernel only copies
-    latent_TC = latent_TC.to(cache_NSC.dtype)
+    quant = is_fp8_kv(cache_NSC.dtype)
+    if not quant:
+        # torch's cast (round to nearest even), identical to the reference's; the kernel only copies
+        latent_TC = latent_TC.to(cache_NSC.dtype)
     _write_latent_kernel[(T,)](latent_TC, cache_NSC, slot_mapping_T, C, latent_TC.stride(0),
-                               cache_NSC.stride(0), cache_NSC.stride(1), S=cache_NSC.shape[1],
-                               BLOCK_C=_pow2(C), **pdl_launch(latent_TC))
+                               cache_NSC.stride(0), cache_NSC.stride(1), float(kv_scale), S=cache_NSC.shape[1],
+                               BLOCK_C=_pow2(C), QUANT=quant, FP8_MAX=fp8_max(cache_NSC.dtype),
+                               INTERPRET=quant_interpreted(cache_NSC.dtype), **pdl_launch(latent_TC))
 
 
 # The split count is a runtime value and neither it nor the block-table width (an eager step's
@@ -83,9 +98,10 @@ def write_latent_cache_triton(latent_TC: torch.Tensor, cache_NSC: torch.Tensor, 
 def _mla_decode_kernel(
     q_ptr, cache_ptr, tables_ptr, lens_ptr, out_ptr, part_out_ptr, part_lse_ptr,
     H, R, P, qk_scale, num_splits,
-    stride_qb, stride_qh, stride_cn, stride_cs, stride_tb, stride_ob, stride_oh,
+    stride_qb, stride_qh, stride_cn, stride_cs, stride_tb, stride_ob, stride_oh, kv_scale,
     S: tl.constexpr, SPLIT: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     R_PAD: tl.constexpr, P_PAD: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, USE_PDL: tl.constexpr,
+    SCALED: tl.constexpr,
 ):
     pdl_enter(USE_PDL)
     b = tl.program_id(0)
@@ -133,6 +149,8 @@ def _mla_decode_kernel(
 
     l_safe = tl.where(l_i > 0, l_i, 1.0)  # empty split / seq_len 0: acc is 0, so is the output
     acc = acc / l_safe[:, None]
+    if SCALED:  # an FP8 cache's scale on the values (the latents); the merge is linear in the parts
+        acc = acc * kv_scale
     out_mask = h_mask[:, None] & r_mask[None, :]
     if not SPLIT:
         dst = out_ptr + b.to(tl.int64) * stride_ob + offs_h[:, None] * stride_oh + offs_r[None, :]
@@ -183,10 +201,12 @@ def default_num_splits(batch: int, head_tiles: int, max_context: int, device: to
 
 def mla_decode_triton(q_BHC: torch.Tensor, cache_NSC: torch.Tensor, block_tables_BM: torch.Tensor,
                       seq_lens_B: torch.Tensor, scale: float, kv_lora_rank: int,
-                      out_BHR: torch.Tensor | None = None, num_splits: int | None = None) -> torch.Tensor:
+                      out_BHR: torch.Tensor | None = None, num_splits: int | None = None,
+                      kv_scale: float = 1.0) -> torch.Tensor:
     """Absorbed-form MLA decode: one query per sequence over its whole context (seq_lens_B keys,
     read through block_tables_BM). q_BHC = [q_nope @ W_UK | q_pe]; returns out_BHR (latent
-    outputs, q's dtype unless `out_BHR` is given). Softmax in fp32."""
+    outputs, q's dtype unless `out_BHR` is given). Softmax in fp32. kv_scale: an FP8 cache's
+    scale (other caches ignore it)."""
     if q_BHC.dim() != 3 or cache_NSC.dim() != 3:
         raise ValueError(f"q must be [B, H, C] and cache [N, S, C]; got {tuple(q_BHC.shape)}, {tuple(cache_NSC.shape)}")
     B, H, C = q_BHC.shape
@@ -220,12 +240,13 @@ def mla_decode_triton(q_BHC: torch.Tensor, cache_NSC: torch.Tensor, block_tables
     else:
         part_out = part_lse = out_BHR  # unused
     upcast = _interpreting() and q_BHC.dtype != torch.float32
+    fp8 = is_fp8_kv(cache_NSC.dtype)
     _mla_decode_kernel[(B, head_tiles, num_splits)](
         q_BHC, cache_NSC, block_tables_BM, seq_lens_B, out_BHR, part_out, part_lse,
-        H, R, C - R, scale * _LOG2E, num_splits,
+        H, R, C - R, scale * _LOG2E * kv_scale if fp8 else scale * _LOG2E, num_splits,
         q_BHC.stride(0), q_BHC.stride(1), cache_NSC.stride(0), cache_NSC.stride(1), block_tables_BM.stride(0),
-        out_BHR.stride(0), out_BHR.stride(1),
-        S=S, SPLIT=num_splits > 1, BLOCK_H=block_h, BLOCK_N=block_n, R_PAD=R_PAD, P_PAD=P_PAD,
+        out_BHR.stride(0), out_BHR.stride(1), float(kv_scale),
+        S=S, SPLIT=num_splits > 1, SCALED=fp8, BLOCK_H=block_h, BLOCK_N=block_n, R_PAD=R_PAD, P_PAD=P_PAD,
         PRECISION="ieee" if q_BHC.dtype == torch.float32 else "tf32", UPCAST=upcast,
         num_warps=warps, num_stages=2, **pdl_launch(q_BHC))
     if num_splits > 1:

@@ -10,7 +10,7 @@ table (the new tokens' K/V are written there first). A program handles one seque
 queries and HPP query heads of one KV group: its M = QPT * HPP rows are (query, head) pairs, so a
 K/V tile is loaded once for all those heads, and a decode row (n_b = 1) still fills HPP rows.
 Key tiles entirely visible to every row of the tile run without masks; only the last few
-(the causal diagonal, chunk edges) are masked.
+(the causal diagonal, chunk edges) are masked. An FP8 cache: as decode.py's docstring says.
 """
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.attention import is_fp8_kv
 from kernels.pdl import pdl_enter, pdl_launch
 from kernels.triton_attention.common import (
     LOG2E,
@@ -33,10 +34,11 @@ from kernels.triton_attention.common import (
 @triton.jit
 def _prefill_kernel(q_ptr, kv_ptr, bt_ptr, qsl_ptr, seq_lens_ptr, o_ptr,
                     stride_qt, stride_qh, stride_ot, stride_oh, stride_btb, stride_btm,
-                    v_offset, stride_blk, stride_tok, scale_log2, chunk_size,
+                    v_offset, stride_blk, stride_tok, scale_log2, chunk_size, v_scale,
                     HG: tl.constexpr, HPP: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, S: tl.constexpr,
-                    USE_CHUNK: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, USE_PDL: tl.constexpr):
+                    USE_CHUNK: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, USE_PDL: tl.constexpr,
+                    SCALE_V: tl.constexpr):
     pdl_enter(USE_PDL)
     QPT: tl.constexpr = BLOCK_M // HPP  # queries per tile
     pid_m = tl.program_id(0)
@@ -64,6 +66,8 @@ def _prefill_kernel(q_ptr, kv_ptr, bt_ptr, qsl_ptr, seq_lens_ptr, o_ptr,
     out = attend_context(q, qpos, L - n + m0, QPT, L, chunk_size, kv_ptr, bt_row_ptr, stride_btm, kv_head, v_offset,
                          stride_blk, stride_tok, scale_log2, dd, BLOCK_M, S, BLOCK_N, HEAD_DIM, D_PAD, USE_CHUNK,
                          PRECISION, UPCAST)
+    if SCALE_V:  # an FP8 cache's v_scale (k_scale is in scale_log2)
+        out = out * v_scale
     o_off = (q_begin + qi).to(tl.int64) * stride_ot + head * stride_oh
     tl.store(o_ptr + o_off[:, None] + dd[None, :], out.to(o_ptr.dtype.element_ty),
              mask=row_ok[:, None] & (dd[None, :] < HEAD_DIM))
@@ -84,12 +88,14 @@ def paged_attention_prefill_triton(q_THd: torch.Tensor, kv_cache_2NSGd: torch.Te
                                    block_tables_BM: torch.Tensor, query_start_loc_B1: torch.Tensor,
                                    seq_lens_B: torch.Tensor, max_query_len: int, scale: float,
                                    chunk_size: int | None = None, out_THd: torch.Tensor | None = None,
-                                   config: dict | None = None) -> torch.Tensor:
+                                   config: dict | None = None, k_scale: float = 1.0,
+                                   v_scale: float = 1.0) -> torch.Tensor:
     """Causal (optionally chunked-local) GQA attention of each sequence's queries over its cached
     context; returns out_THd [T, H, d] in q's dtype.
 
     q_THd: [T, H, d] fp32/fp16/bf16, any strides with a unit stride along d.
-    kv_cache_2NSGd: contiguous [2, N, S, G, d]; K/V are cast to q's dtype on load.
+    kv_cache_2NSGd: contiguous [2, N, S, G, d]; K/V are cast to q's dtype on load (an FP8 cache's
+    scales: k_scale folded into the score scale, v_scale onto the output; other caches ignore them).
     block_tables_BM: [B, max_blocks] int32/int64. query_start_loc_B1: [B+1], seq_lens_B: [B]
     int32 or int64 (device). max_query_len: host int >= every sequence's query count (sizes the grid).
     config: optional override of BLOCK_M / BLOCK_N / num_warps / num_stages (tuning).
@@ -118,13 +124,14 @@ def paged_attention_prefill_triton(q_THd: torch.Tensor, kv_cache_2NSGd: torch.Te
         raise ValueError(f"BLOCK_M {cfg['BLOCK_M']} smaller than the {hpp} heads per program")
     precision, upcast = dot_flags(q_THd.dtype)
     N = kv_cache_2NSGd.shape[1]
+    fp8 = is_fp8_kv(kv_cache_2NSGd.dtype)
     grid = (triton.cdiv(max_query_len, qpt), H // hpp, B)
     _prefill_kernel[grid](
         q_THd, kv_cache_2NSGd, block_tables_BM, query_start_loc_B1, seq_lens_B, out_THd,
         q_THd.stride(0), q_THd.stride(1), out_THd.stride(0), out_THd.stride(1),
         block_tables_BM.stride(0), block_tables_BM.stride(1),
-        N * S * G * d, S * G * d, G * d, scale * LOG2E, chunk_size or 1,
-        HG=H // G, HPP=hpp, HEAD_DIM=d, D_PAD=d_pad, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], S=S,
-        USE_CHUNK=chunk_size is not None, PRECISION=precision, UPCAST=upcast,
+        N * S * G * d, S * G * d, G * d, scale * LOG2E * k_scale if fp8 else scale * LOG2E, chunk_size or 1,
+        float(v_scale), HG=H // G, HPP=hpp, HEAD_DIM=d, D_PAD=d_pad, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
+        S=S, USE_CHUNK=chunk_size is not None, PRECISION=precision, UPCAST=upcast, SCALE_V=fp8,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_launch(q_THd))
     return out_THd

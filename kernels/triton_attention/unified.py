@@ -20,7 +20,7 @@ tile slot j of the flat numbering belongs to the last sequence b with
 query_start_loc[b] // BQ + b <= j (a binary search over the device offsets). That numbering gives
 sequence b at least cdiv(n_b, BQ) slots (one spare at most) without a prefix sum over the batch;
 spare slots, and slots past query_start_loc[B] when q has padding rows, return at once and write
-nothing.
+nothing. An FP8 cache: as decode.py's docstring says.
 """
 from __future__ import annotations
 
@@ -30,6 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.attention import is_fp8_kv
 from kernels.pdl import pdl_enter, pdl_launch
 from kernels.triton_attention.decode import paged_attention_decode_triton
 from kernels.triton_attention.common import (
@@ -71,11 +72,11 @@ def _find_tile(qsl_ptr, B, slot, BQ: tl.constexpr):
 @triton.jit(do_not_specialize=["B", "stride_btb"])
 def _unified_kernel(q_ptr, kv_ptr, bt_ptr, qsl_ptr, seq_lens_ptr, o_ptr, B,
                     stride_qt, stride_qh, stride_ot, stride_oh, stride_btb, stride_btm,
-                    v_offset, stride_blk, stride_tok, scale_log2, chunk_size,
+                    v_offset, stride_blk, stride_tok, scale_log2, chunk_size, v_scale,
                     HG: tl.constexpr, BQ: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr,
                     D_PAD: tl.constexpr, BLOCK_N: tl.constexpr, S: tl.constexpr, USE_CHUNK: tl.constexpr,
                     PRECISION: tl.constexpr, UPCAST: tl.constexpr, USE_PDL: tl.constexpr,
-                    SKIP_DECODES: tl.constexpr):
+                    SKIP_DECODES: tl.constexpr, SCALE_V: tl.constexpr):
     pdl_enter(USE_PDL)
     # Slots in reverse: a sequence's last tiles see the most keys, so they start first and the
     # grid's tail is short tiles (the order changes nothing else).
@@ -105,6 +106,8 @@ def _unified_kernel(q_ptr, kv_ptr, bt_ptr, qsl_ptr, seq_lens_ptr, o_ptr, B,
     out = attend_context(q, qpos, L - n + m0, BQ, L, chunk_size, kv_ptr, bt_row_ptr, stride_btm, kv_head, v_offset,
                          stride_blk, stride_tok, scale_log2, dd, BLOCK_M, S, BLOCK_N, HEAD_DIM, D_PAD, USE_CHUNK,
                          PRECISION, UPCAST)
+    if SCALE_V:  # an FP8 cache's v_scale (k_scale is in scale_log2)
+        out = out * v_scale
     o_off = (q_begin + qi).to(tl.int64) * stride_ot + head * stride_oh
     tl.store(o_ptr + o_off[:, None] + dd[None, :], out.to(o_ptr.dtype.element_ty),
              mask=row_ok[:, None] & (dd[None, :] < HEAD_DIM))
@@ -129,13 +132,15 @@ def unified_attention_triton(q_THd: torch.Tensor, kv_cache_2NSGd: torch.Tensor, 
                              query_start_loc_B1: torch.Tensor, seq_lens_B: torch.Tensor, scale: float,
                              chunk_size: int | None = None, out_THd: torch.Tensor | None = None,
                              block_q: int | None = None, config: dict | None = None,
-                             decodes_apart: bool | None = None) -> torch.Tensor:
+                             decodes_apart: bool | None = None, k_scale: float = 1.0,
+                             v_scale: float = 1.0) -> torch.Tensor:
     """Causal (optionally chunked-local) GQA attention of each sequence's queries over its cached
     context, any mix of prefill and decode rows; returns out_THd [T, H, d] in q's dtype.
 
     q_THd: [T, H, d] fp32/fp16/bf16, any strides with a unit stride along d. Rows at and past
     query_start_loc[B] (padding) are neither read nor written.
-    kv_cache_2NSGd: contiguous [2, N, S, G, d]; K/V are cast to q's dtype on load.
+    kv_cache_2NSGd: contiguous [2, N, S, G, d]; K/V are cast to q's dtype on load (an FP8 cache's
+    scales: k_scale folded into the score scale, v_scale onto the output; other caches ignore them).
     block_tables_BM: [B, max_blocks] int32/int64. query_start_loc_B1: [B+1], seq_lens_B: [B]
     int32/int64, on the device; only their shapes are read on the host (CUDA-graph safe).
     block_q: query tokens per tile (None: default_block_q). config: optional BLOCK_N / num_warps /
@@ -171,19 +176,21 @@ def unified_attention_triton(q_THd: torch.Tensor, kv_cache_2NSGd: torch.Tensor, 
     cfg = {"BLOCK_N": 64 if d_pad <= 128 else 32, "num_warps": 4, "num_stages": 2, **(config or {})}
     precision, upcast = dot_flags(q_THd.dtype)
     N = kv_cache_2NSGd.shape[1]
+    fp8 = is_fp8_kv(kv_cache_2NSGd.dtype)
     if decodes_apart is None:
         decodes_apart = DECODES_APART
     if decodes_apart:
         paged_attention_decode_triton(q_THd, kv_cache_2NSGd, block_tables_BM, seq_lens_B, scale, chunk_size,
                                       out_BHd=out_THd, query_start_loc_B1=query_start_loc_B1,
-                                      block_n=(config or {}).get("BLOCK_N"))
+                                      block_n=(config or {}).get("BLOCK_N"), k_scale=k_scale, v_scale=v_scale)
     grid = (num_tile_slots(T, B, block_q), G)
     _unified_kernel[grid](
         q_THd, kv_cache_2NSGd, block_tables_BM, query_start_loc_B1, seq_lens_B, out_THd, B,
         q_THd.stride(0), q_THd.stride(1), out_THd.stride(0), out_THd.stride(1),
         block_tables_BM.stride(0), block_tables_BM.stride(1),
-        N * S * G * d, S * G * d, G * d, scale * LOG2E, chunk_size or 1,
-        HG=hg, BQ=block_q, BLOCK_M=tile_rows(block_q, hg), HEAD_DIM=d, D_PAD=d_pad, BLOCK_N=cfg["BLOCK_N"], S=S,
-        USE_CHUNK=chunk_size is not None, PRECISION=precision, UPCAST=upcast, SKIP_DECODES=decodes_apart,
+        N * S * G * d, S * G * d, G * d, scale * LOG2E * k_scale if fp8 else scale * LOG2E, chunk_size or 1,
+        float(v_scale), HG=hg, BQ=block_q, BLOCK_M=tile_rows(block_q, hg), HEAD_DIM=d, D_PAD=d_pad,
+        BLOCK_N=cfg["BLOCK_N"], S=S, USE_CHUNK=chunk_size is not None, PRECISION=precision, UPCAST=upcast,
+        SKIP_DECODES=decodes_apart, SCALE_V=fp8,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_launch(q_THd))
     return out_THd

@@ -14,7 +14,8 @@ that each product is rounded as torch rounds it.
 Optionally the same launch writes the token's rotated k and its v to its paged KV-cache slot (what
 kernels/triton_attention/kv_cache.py does in a launch of its own): the key program already holds
 the rotated k, so a decode step saves a launch per layer. The values are those the separate write
-would store: the rotated k rounded to k's dtype, then cast to the cache dtype.
+would store: the rotated k rounded to k's dtype, then cast to the cache dtype (an FP8 cache:
+quantised with k_scale / v_scale, kernels/triton_attention/kv_cache.py's to_cache_dtype).
 """
 from __future__ import annotations
 
@@ -23,7 +24,8 @@ import triton
 import triton.language as tl
 
 from kernels.pdl import pdl_enter, pdl_launch
-from kernels.triton_attention.kv_cache import check_kv_write, store_token_heads
+from kernels.attention import is_fp8_kv
+from kernels.triton_attention.kv_cache import check_kv_write, fp8_max, store_token_heads, to_cache_dtype
 from kernels.triton_fused.common import (
     check_float,
     check_same_device,
@@ -44,11 +46,12 @@ def _norm_part(x, w_ptr, offs, offs_mask, rstd, in_dtype: tl.constexpr, out_dtyp
 
 @triton.jit
 def _rope_heads(x_ptr, out_ptr, w_ptr, t, cos_row_ptr, sin_row_ptr, NH, stride_t, stride_h, eps, cache_ptr,
-                cache_slot, HEAD_DIM: tl.constexpr, ROT: tl.constexpr, NEOX: tl.constexpr, NORM: tl.constexpr,
-                BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_REST: tl.constexpr,
-                INTERPRET: tl.constexpr, TO_CACHE: tl.constexpr):
+                cache_slot, cache_scale, HEAD_DIM: tl.constexpr, ROT: tl.constexpr, NEOX: tl.constexpr,
+                NORM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_REST: tl.constexpr,
+                INTERPRET: tl.constexpr, TO_CACHE: tl.constexpr, QUANT: tl.constexpr, FP8_MAX: tl.constexpr):
     """All NH heads of token t: (norm,) rotate, store to the contiguous out [T, NH, HEAD_DIM] and,
-    with TO_CACHE, to cache_ptr (the token's slot: NH heads of HEAD_DIM, contiguous) unless cache_slot < 0."""
+    with TO_CACHE, to cache_ptr (the token's slot: NH heads of HEAD_DIM, contiguous) unless cache_slot < 0
+    (QUANT: an FP8 cache, quantised with cache_scale)."""
     HALF: tl.constexpr = ROT // 2
     in_dtype: tl.constexpr = x_ptr.dtype.element_ty
     out_dtype: tl.constexpr = out_ptr.dtype.element_ty
@@ -93,20 +96,23 @@ def _rope_heads(x_ptr, out_ptr, w_ptr, t, cos_row_ptr, sin_row_ptr, NH, stride_t
             cache_dtype: tl.constexpr = cache_ptr.dtype.element_ty
             cdst = cache_ptr + heads[:, None] * HEAD_DIM
             ok = (tl.zeros([BLOCK_H, 1], dtype=tl.int64) + cache_slot) >= 0  # [BLOCK_H, 1]
-            tl.store(cdst + o1[None, :], y1.to(out_dtype).to(cache_dtype), mask=mask & ok)
-            tl.store(cdst + o2[None, :], y2.to(out_dtype).to(cache_dtype), mask=mask & ok)
+            c1 = to_cache_dtype(y1.to(out_dtype), cache_scale, cache_dtype, QUANT, FP8_MAX, INTERPRET)
+            c2 = to_cache_dtype(y2.to(out_dtype), cache_scale, cache_dtype, QUANT, FP8_MAX, INTERPRET)
+            tl.store(cdst + o1[None, :], c1, mask=mask & ok)
+            tl.store(cdst + o2[None, :], c2, mask=mask & ok)
             if ROT < HEAD_DIM:
-                tl.store(cdst + rest[None, :], xr.to(out_dtype).to(cache_dtype), mask=rmask & ok)
+                cr = to_cache_dtype(xr.to(out_dtype), cache_scale, cache_dtype, QUANT, FP8_MAX, INTERPRET)
+                tl.store(cdst + rest[None, :], cr, mask=rmask & ok)
 
 
 @triton.jit
 def _rope_kernel(pos_ptr, q_ptr, k_ptr, q_out_ptr, k_out_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr,
                  H, G, stride_qt, stride_qh, stride_kt, stride_kh, eps,
-                 v_ptr, stride_vt, stride_vh, kv_ptr, slot_ptr, v_offset,
+                 v_ptr, stride_vt, stride_vh, kv_ptr, slot_ptr, v_offset, k_scale, v_scale,
                  HEAD_DIM: tl.constexpr, ROT: tl.constexpr, NEOX: tl.constexpr, NORM: tl.constexpr,
                  BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_REST: tl.constexpr,
                  WRITE_KV: tl.constexpr, G_PAD: tl.constexpr, D_PAD: tl.constexpr, INTERPRET: tl.constexpr,
-                 USE_PDL: tl.constexpr):
+                 QUANT: tl.constexpr, FP8_MAX: tl.constexpr, USE_PDL: tl.constexpr):
     """Program (t, 0) does token t's query heads, (t, 1) its key heads (and with WRITE_KV its
     k and v to KV-cache slot slot_ptr[t]; a slot of -1 is skipped, as the separate write does)."""
     pdl_enter(USE_PDL)
@@ -115,17 +121,21 @@ def _rope_kernel(pos_ptr, q_ptr, k_ptr, q_out_ptr, k_out_ptr, qw_ptr, kw_ptr, co
     cos_row, sin_row = cos_ptr + pos * (ROT // 2), sin_ptr + pos * (ROT // 2)
     if tl.program_id(1) == 0:
         _rope_heads(q_ptr, q_out_ptr, qw_ptr, t, cos_row, sin_row, H, stride_qt, stride_qh, eps, q_out_ptr, -1,
-                    HEAD_DIM, ROT, NEOX, NORM, BLOCK_H, BLOCK_HALF, BLOCK_REST, INTERPRET, False)
+                    k_scale, HEAD_DIM, ROT, NEOX, NORM, BLOCK_H, BLOCK_HALF, BLOCK_REST, INTERPRET, False, False,
+                    FP8_MAX)
     elif WRITE_KV:
         slot = tl.load(slot_ptr + t).to(tl.int64)
         k_slot = kv_ptr + tl.maximum(slot, 0) * (G * HEAD_DIM)
         _rope_heads(k_ptr, k_out_ptr, kw_ptr, t, cos_row, sin_row, G, stride_kt, stride_kh, eps, k_slot, slot,
-                    HEAD_DIM, ROT, NEOX, NORM, BLOCK_H, BLOCK_HALF, BLOCK_REST, INTERPRET, True)
+                    k_scale, HEAD_DIM, ROT, NEOX, NORM, BLOCK_H, BLOCK_HALF, BLOCK_REST, INTERPRET, True, QUANT,
+                    FP8_MAX)
         if slot >= 0:
-            store_token_heads(v_ptr + t * stride_vt, stride_vh, k_slot + v_offset, G, HEAD_DIM, G_PAD, D_PAD)
+            store_token_heads(v_ptr + t * stride_vt, stride_vh, k_slot + v_offset, G, v_scale, HEAD_DIM, G_PAD,
+                              D_PAD, QUANT, FP8_MAX, INTERPRET)
     else:
         _rope_heads(k_ptr, k_out_ptr, kw_ptr, t, cos_row, sin_row, G, stride_kt, stride_kh, eps, k_out_ptr, -1,
-                    HEAD_DIM, ROT, NEOX, NORM, BLOCK_H, BLOCK_HALF, BLOCK_REST, INTERPRET, False)
+                    k_scale, HEAD_DIM, ROT, NEOX, NORM, BLOCK_H, BLOCK_HALF, BLOCK_REST, INTERPRET, False, False,
+                    FP8_MAX)
 
 
 def _check_qk(positions_T, q_THd, k_TGd, cos_cache, sin_cache, rotary_dim):
@@ -161,7 +171,7 @@ def _check_kv_write(k, v_TGd, kv_cache_2NSGd, slot_mapping_T):
 
 
 def _launch(positions_T, q, k, q_out, k_out, qw, kw, eps, cos_cache, sin_cache, rotary_dim, is_neox_style, norm,
-            v=None, kv_cache=None, slot_mapping=None):
+            v=None, kv_cache=None, slot_mapping=None, k_scale=1.0, v_scale=1.0):
     T, H, d = q.shape
     G = k.shape[1]
     if T == 0:
@@ -178,16 +188,18 @@ def _launch(positions_T, q, k, q_out, k_out, qw, kw, eps, cos_cache, sin_cache, 
         positions_T, q, k, q_out, k_out, qw, kw, cos_cache.contiguous(), sin_cache.contiguous(),
         H, G, q.stride(0), q.stride(1), k.stride(0), k.stride(1), float(eps),
         v, v.stride(0), v.stride(1), kv_cache, slot_mapping, kv_cache[0].numel() if write_kv else 0,
+        float(k_scale), float(v_scale),
         HEAD_DIM=d, ROT=rotary_dim, NEOX=bool(is_neox_style), NORM=norm, BLOCK_H=BLOCK_H,
         BLOCK_HALF=BLOCK_HALF, BLOCK_REST=BLOCK_REST, WRITE_KV=write_kv, G_PAD=triton.next_power_of_2(G),
-        D_PAD=triton.next_power_of_2(d),
-        INTERPRET=interpreting(), num_warps=4, enable_fp_fusion=False, **pdl_launch(q))
+        D_PAD=triton.next_power_of_2(d), INTERPRET=interpreting(),
+        QUANT=write_kv and is_fp8_kv(kv_cache.dtype), FP8_MAX=fp8_max(kv_cache.dtype) if write_kv else 0.0,
+        num_warps=4, enable_fp_fusion=False, **pdl_launch(q))
 
 
 def rope_triton(positions_T: torch.Tensor, q_THd: torch.Tensor, k_TGd: torch.Tensor, cos_cache: torch.Tensor,
                 sin_cache: torch.Tensor, rotary_dim: int, is_neox_style: bool, *, v_TGd: torch.Tensor | None = None,
-                kv_cache_2NSGd: torch.Tensor | None = None, slot_mapping_T: torch.Tensor | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+                kv_cache_2NSGd: torch.Tensor | None = None, slot_mapping_T: torch.Tensor | None = None,
+                k_scale: float = 1.0, v_scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotated (q, k), new contiguous tensors of q's dtype, as RotaryEmbedding.forward.
 
     positions_T: int32/int64 [T], each < P (not checked: no host sync). q_THd [T, H, d], k_TGd
@@ -195,7 +207,8 @@ def rope_triton(positions_T: torch.Tensor, q_THd: torch.Tensor, k_TGd: torch.Ten
     cos_cache, sin_cache: [P, rotary_dim / 2], fp32 as RotaryEmbedding builds them (other float
     dtypes are read and widened to fp32, as torch's type promotion does).
     kv_cache_2NSGd, v_TGd, slot_mapping_T (together or not at all): also write each token's rotated
-    k and its v to its cache slot, as write_kv_cache_triton(k_out, v, ...) would (-1 skips a token).
+    k and its v to its cache slot, as write_kv_cache_triton(k_out, v, ..., k_scale, v_scale) would
+    (-1 skips a token; the scales quantise an FP8 cache, other caches ignore them).
     """
     _check_qk(positions_T, q_THd, k_TGd, cos_cache, sin_cache, rotary_dim)
     q, k = unit_last_stride(q_THd), unit_last_stride(k_TGd)
@@ -203,7 +216,7 @@ def rope_triton(positions_T: torch.Tensor, q_THd: torch.Tensor, k_TGd: torch.Ten
     q_out, k_out = torch.empty(q.shape, dtype=q.dtype, device=q.device), torch.empty(k.shape, dtype=k.dtype,
                                                                                    device=k.device)
     _launch(positions_T, q, k, q_out, k_out, q, k, 0.0, cos_cache, sin_cache, rotary_dim, is_neox_style, False,
-            v_TGd, kv_cache_2NSGd, slot_mapping_T)
+            v_TGd, kv_cache_2NSGd, slot_mapping_T, k_scale, v_scale)
     return q_out, k_out
 
 
@@ -211,7 +224,8 @@ def qk_norm_rope_triton(positions_T: torch.Tensor, q_THd: torch.Tensor, k_TGd: t
                         q_weight_d: torch.Tensor, k_weight_d: torch.Tensor, eps: float, cos_cache: torch.Tensor,
                         sin_cache: torch.Tensor, rotary_dim: int, is_neox_style: bool, *,
                         v_TGd: torch.Tensor | None = None, kv_cache_2NSGd: torch.Tensor | None = None,
-                        slot_mapping_T: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                        slot_mapping_T: torch.Tensor | None = None, k_scale: float = 1.0,
+                        v_scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """rope(RMSNorm_q(q), RMSNorm_k(k)) in one launch (Qwen3 attention): each head normalised
     over d with its weight, then rotated. Output dtype: promote(q dtype, weight dtype), as the
     unfused composition gives. Arguments as rope_triton (the KV-cache write too), plus the [d]
@@ -230,5 +244,6 @@ def qk_norm_rope_triton(positions_T: torch.Tensor, q_THd: torch.Tensor, k_TGd: t
     q_out = torch.empty(q.shape, dtype=q_dtype, device=q.device)
     k_out = torch.empty(k.shape, dtype=k_dtype, device=k.device)
     _launch(positions_T, q, k, q_out, k_out, q_weight_d.contiguous(), k_weight_d.contiguous(), eps,
-            cos_cache, sin_cache, rotary_dim, is_neox_style, True, v_TGd, kv_cache_2NSGd, slot_mapping_T)
+            cos_cache, sin_cache, rotary_dim, is_neox_style, True, v_TGd, kv_cache_2NSGd, slot_mapping_T,
+            k_scale, v_scale)
     return q_out, k_out

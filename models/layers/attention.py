@@ -8,6 +8,11 @@ head's query heads serve prefill chunks and decode rows of a mixed batch alike
 (MOE_UNIFIED_ATTENTION=0: the varlen prefill kernel instead, its tile height set by the longest
 query). Elsewhere the batched CPU path runs (kernels/cpu_attention.py, tested against the
 pure-torch reference kernels.attention.paged_attention_torch).
+
+An FP8 cache (kv_cache_dtype "fp8" / "fp8_e4m3" / "fp8_e5m2", allocated so by the model runner)
+is quantised with the layer's per-tensor k_scale / v_scale: host floats, 1.0 unless the checkpoint
+has them (models/loader.py), fixed after loading, so captured CUDA graphs keep them. Caches of the
+model dtype ignore them.
 """
 from __future__ import annotations
 
@@ -16,7 +21,7 @@ import os
 import torch
 from torch import nn
 
-from kernels.attention import AttentionMetadata, paged_attention_torch, write_kv_cache
+from kernels.attention import AttentionMetadata, is_fp8_kv, paged_attention_torch, write_kv_cache
 from kernels.cpu_attention import paged_attention_cpu
 
 try:  # Triton is absent on some platforms; the torch reference then serves every device.
@@ -59,6 +64,9 @@ class Attention(nn.Module):
         self.chunk_size = chunk_size
         self.kv_cache: torch.Tensor | None = None  # [2, N, S, G, d], bound by the runner
         self.kv_group = 0  # which KV-cache group's block tables this layer reads (set by the runner)
+        # An FP8 cache's per-tensor scales (stored = fp8(x / scale)); the loader sets checkpoint values.
+        self.k_scale = 1.0
+        self.v_scale = 1.0
 
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
         return (2, num_blocks, block_size, self.num_kv_heads, self.head_dim)
@@ -69,7 +77,12 @@ class Attention(nn.Module):
         meta = meta.for_group(self.kv_group)
         if self.kv_cache is None or not ROPE_WRITES_KV or not self._triton_serves(q, meta):
             return None
-        return {"kv_cache_2NSGd": self.kv_cache, "slot_mapping_T": meta.slot_mapping_T}
+        return {"kv_cache_2NSGd": self.kv_cache, "slot_mapping_T": meta.slot_mapping_T, **self._fp8_scales()}
+
+    def _fp8_scales(self) -> dict:
+        """The k_scale / v_scale keyword arguments of the KV write and attention calls for an FP8
+        cache; none for other caches, whose calls stay as they were without FP8 support."""
+        return {"k_scale": self.k_scale, "v_scale": self.v_scale} if is_fp8_kv(self.kv_cache.dtype) else {}
 
     @staticmethod
     def _triton_serves(q: torch.Tensor, group_meta: AttentionMetadata) -> bool:
@@ -92,19 +105,22 @@ class Attention(nn.Module):
         else:
             if kv_written:
                 raise ValueError("kv_written is only for the Triton path (kv_write_args)")
-            write_kv_cache(k, v, self.kv_cache, meta.slot_mapping_T)
+            scales = self._fp8_scales()
+            write_kv_cache(k, v, self.kv_cache, meta.slot_mapping_T, **scales)
             attend = paged_attention_torch if q.is_cuda else paged_attention_cpu
-            out = attend(q, k, v, self.kv_cache, meta, self.scale, self.chunk_size)
+            out = attend(q, k, v, self.kv_cache, meta, self.scale, self.chunk_size, **scales)
         return out.reshape(T, self.num_heads * self.head_dim)
 
     def _forward_triton(self, q, k, v, meta: AttentionMetadata, kv_written: bool) -> torch.Tensor:
+        scales = self._fp8_scales()
         if not kv_written:
-            write_kv_cache_triton(k, v, self.kv_cache, meta.slot_mapping_T)
+            write_kv_cache_triton(k, v, self.kv_cache, meta.slot_mapping_T, **scales)
         if meta.decode_only:
             return paged_attention_decode_triton(q, self.kv_cache, meta.block_tables_BM, meta.seq_lens_t,
-                                                 self.scale, self.chunk_size)
+                                                 self.scale, self.chunk_size, **scales)
         if UNIFIED_ATTENTION:
             return unified_attention_triton(q, self.kv_cache, meta.block_tables_BM, meta.query_start_loc_t,
-                                            meta.seq_lens_t, self.scale, self.chunk_size)
+                                            meta.seq_lens_t, self.scale, self.chunk_size, **scales)
         return paged_attention_prefill_triton(q, self.kv_cache, meta.block_tables_BM, meta.query_start_loc_t,
-                                              meta.seq_lens_t, meta.max_query_len, self.scale, self.chunk_size)
+                                              meta.seq_lens_t, meta.max_query_len, self.scale, self.chunk_size,
+                                              **scales)

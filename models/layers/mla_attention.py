@@ -15,6 +15,10 @@ decode-only step), prefill rows expanded with one context gather, one kv_b_proj 
 Heads are split across TP ranks (q_b_proj / q_proj and kv_b_proj column-parallel, o_proj
 row-parallel); the down projections and the cache row are replicated.
 
+An FP8 cache (kv_cache_dtype "fp8" / "fp8_e5m2") holds the whole row with one per-tensor scale,
+`k_scale` (vLLM's choice for MLA; v_scale is kept but unused): a host float, 1.0 unless the
+checkpoint has one (models/loader.py). Caches of the model dtype ignore it.
+
 Legend: T tokens, H local heads, R kv_lora_rank, P qk_rope_head_dim, C = R + P,
 Dn qk_nope_head_dim, Dv v_head_dim, Q q_lora_rank.
 """
@@ -27,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.attention import AttentionMetadata
+from kernels.attention import AttentionMetadata, dequantize_kv
 from kernels.host_to_device import host_to_device
 from kernels.mla_attention import mla_absorbed_torch, mla_expanded_prefill_torch, write_latent_cache
 from models.config import RopeConfig
@@ -80,6 +84,10 @@ class MLAAttention(nn.Module):
         self.rotary_emb = get_rope(P, cfg.max_position_embeddings, cfg.rope, is_neox_style=not cfg.rope_interleave)
         self.scale = yarn_softmax_scale(self.qk_head_dim, cfg.rope)
         self.kv_cache: torch.Tensor | None = None  # [N, S, C], bound by the runner
+        # An FP8 cache's per-tensor scale of the whole row (stored = fp8(row / k_scale)); v_scale is
+        # what a checkpoint may also give, unused (one scale for MLA's cache, as vLLM).
+        self.k_scale = 1.0
+        self.v_scale = 1.0
 
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
         return (num_blocks, block_size, self.cfg.kv_lora_rank + self.cfg.qk_rope_head_dim)
@@ -109,9 +117,9 @@ class MLAAttention(nn.Module):
             raise RuntimeError("attention ran before the model runner bound a KV cache")
         if self.mode == "auto" and use_triton_path(x):
             from kernels.triton_attention.mla_decode import write_latent_cache_triton
-            write_latent_cache_triton(latent_TC, self.kv_cache, meta.slot_mapping_T)
+            write_latent_cache_triton(latent_TC, self.kv_cache, meta.slot_mapping_T, self.k_scale)
             return self.o_proj(self._attend_triton(q_nope, q_pe, meta).reshape(T, H * Dv))
-        write_latent_cache(latent_TC, self.kv_cache, meta.slot_mapping_T)
+        write_latent_cache(latent_TC, self.kv_cache, meta.slot_mapping_T, self.k_scale)
 
         if self.mode == "expanded":
             expanded, absorbed_prefill, absorbed_decode = meta.prefill_seqs + meta.decode_seqs, [], False
@@ -122,7 +130,8 @@ class MLAAttention(nn.Module):
         out_THDv = q.new_empty(T, H, Dv)
         if expanded:
             mla_expanded_prefill_torch(torch.cat((q_nope, q_pe), dim=-1), latent_TC, self.kv_cache,
-                                       self.kv_b_proj.weight, meta, expanded, Dn, Dv, self.scale, out_THDv)
+                                       self.kv_b_proj.weight, meta, expanded, Dn, Dv, self.scale, out_THDv,
+                                       self.k_scale)
         if absorbed_prefill or (absorbed_decode and meta.decode_seqs):
             w_uk, w_uv = self._kv_b_parts()
             rows = _rows(meta, absorbed_prefill, absorbed_decode, x.device)
@@ -131,7 +140,7 @@ class MLAAttention(nn.Module):
             q_abs[rows] = torch.cat((q_lat, q_pe[rows]), dim=-1)
             out_THR = q.new_zeros(T, H, R)
             mla_absorbed_torch(q_abs, latent_TC, self.kv_cache, meta, absorbed_prefill, absorbed_decode,
-                               self.scale, out_THR)
+                               self.scale, out_THR, self.k_scale)
             out_THDv[rows] = torch.einsum("thr,hvr->thv", out_THR[rows], w_uv)
         return self.o_proj(out_THDv.reshape(T, H * Dv))
 
@@ -160,7 +169,7 @@ class MLAAttention(nn.Module):
         q_lat_HBR = torch.bmm(q_nope_BHD.transpose(0, 1), w_uk)
         q_BHC = torch.cat((q_lat_HBR.transpose(0, 1), q_pe_BHP), dim=-1)
         out_BHR = mla_decode_triton(q_BHC, self.kv_cache, block_tables_BM, seq_lens_B, self.scale,
-                                    self.cfg.kv_lora_rank)
+                                    self.cfg.kv_lora_rank, kv_scale=self.k_scale)
         return torch.bmm(out_BHR.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)  # [B, H, Dv]
 
     def _prefill_triton(self, q_nope: torch.Tensor, q_pe: torch.Tensor, meta: AttentionMetadata,
@@ -179,7 +188,7 @@ class MLAAttention(nn.Module):
         gather = meta.derived.get("mla_prefill")
         if gather is None:  # the first MLA layer of this forward: every other layer reuses it
             gather = meta.derived["mla_prefill"] = _PrefillGather.of(meta, self.kv_cache.shape[1], q_nope.device)
-        ctx_LC = self.kv_cache.flatten(0, 1)[gather.slots_L].to(q_nope.dtype)
+        ctx_LC = dequantize_kv(self.kv_cache.flatten(0, 1)[gather.slots_L], q_nope.dtype, self.k_scale)
         L = ctx_LC.shape[0]
         k_nope, v_LHDv = F.linear(ctx_LC[:, :R], self.kv_b_proj.weight).view(L, H, Dn + Dv).split([Dn, Dv], dim=-1)
         k_LHE = torch.cat((k_nope, ctx_LC[:, None, R:].expand(L, H, ctx_LC.shape[1] - R)), dim=-1)

@@ -18,16 +18,24 @@ import torch
 from moe import LLM, SamplingParams
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="moe bench engine-cpu", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="tiny-qwen3-moe")
-    parser.add_argument("--num-prompts", type=int, default=64)
-    parser.add_argument("--input-len", type=int, default=128)
-    parser.add_argument("--output-len", type=int, default=64)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--out", default=None)
-    args = parser.parse_args(argv)
+    parser.add_argument("--model", default="tiny-qwen3-moe",
+                        help="checkpoint folder, or 'tiny-qwen3-moe', the built-in model (default: %(default)s)")
+    parser.add_argument("--num-prompts", type=int, default=64, help="requests per run (default: %(default)s)")
+    parser.add_argument("--input-len", type=int, default=128,
+                        help="random prompt tokens per request (default: %(default)s)")
+    parser.add_argument("--output-len", type=int, default=64,
+                        help="greedy tokens generated per request (default: %(default)s)")
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="timed generate calls; the best one is reported (default: %(default)s)")
+    parser.add_argument("--out", default=None, help="write the result as JSON here")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
 
     llm = LLM(args.model, dtype="float32", device="cpu", enable_prefix_caching=False)
     vocab = llm.llm_engine.model_config.vocab_size

@@ -218,7 +218,8 @@ class EngineCore:
         p = req.params
         self.scheduler.add_request(Request(
             req.request_id, req.prompt_token_ids, req.max_tokens, req.eos_token_ids, tuple(p.stop_token_ids),
-            p.ignore_eos, p.min_tokens, p, mm_items=req.mm_items))
+            p.ignore_eos, p.min_tokens, p, mm_items=req.mm_items,
+            skip_reading_prefix_cache=p.prompt_logprobs is not None))
         self._arrival[req.request_id] = time.monotonic()
 
     def abort_requests(self, request_ids: list[str], status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> None:
@@ -263,7 +264,8 @@ class EngineCore:
                 return result
             if self.recovery is not None:
                 self.recovery.on_success(so)
-            result.outputs = self.scheduler.update_from_output(so, runner_out.sampled, runner_out.logprobs)
+            result.outputs = runner_out.attach_prompt_logprobs(
+                self.scheduler.update_from_output(so, runner_out.sampled, runner_out.logprobs))
         if self.recovery is not None:
             finished = [co.req_id for co in result.outputs if co.finish_reason is not None]
             if finished:
@@ -317,7 +319,8 @@ class EngineCore:
         if self.recovery is not None:
             self.recovery.on_success(so)
         if out is not None:
-            result.outputs.extend(self.scheduler.update_from_output(so, out.sampled, out.logprobs))
+            result.outputs.extend(out.attach_prompt_logprobs(self.scheduler.update_from_output(so, out.sampled,
+                                                                                               out.logprobs)))
 
     def _needs_history(self) -> bool:
         """A running request samples with penalties (they count its generated tokens)."""

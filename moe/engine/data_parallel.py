@@ -80,7 +80,7 @@ class DataParallelScheduler:
     def update_from_output(self, scheduler_outputs: list[SchedulerOutput], runner_outputs) -> list[EngineCoreOutput]:
         core: list[EngineCoreOutput] = []
         for sched, so, out in zip(self.schedulers, scheduler_outputs, runner_outputs):
-            for co in sched.update_from_output(so, out.sampled, out.logprobs):
+            for co in out.attach_prompt_logprobs(sched.update_from_output(so, out.sampled, out.logprobs)):
                 if co.finished:
                     self._owner.pop(co.req_id, None)
                 core.append(co)

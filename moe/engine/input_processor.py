@@ -194,10 +194,12 @@ class InputProcessor:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
         vocab = self.vocab_size
-        if params.logprobs is not None and params.logprobs > min(self.max_logprobs, vocab):
-            which = f"max_logprobs={self.max_logprobs}" if self.max_logprobs <= vocab else f"vocab_size={vocab}"
-            raise ValueError(f"invalid sampling parameter logprobs={params.logprobs}: at most {which} "
-                             "(the engine argument max_logprobs raises the limit, up to the vocabulary size)")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(params, name)
+            if k is not None and k > min(self.max_logprobs, vocab):
+                which = f"max_logprobs={self.max_logprobs}" if self.max_logprobs <= vocab else f"vocab_size={vocab}"
+                raise ValueError(f"invalid sampling parameter {name}={k}: at most {which} "
+                                 "(the engine argument max_logprobs raises the limit, up to the vocabulary size)")
         bad = [t for t in params.stop_token_ids if t >= vocab]
         if bad:
             raise ValueError(f"invalid sampling parameter stop_token_ids: token id {bad[0]} is out of vocabulary "
@@ -219,12 +221,25 @@ class InputProcessor:
         return params.max_tokens
 
     def make_core_requests(self, request_id: str, p: ProcessedPrompt, params: SamplingParams) -> list[CoreRequest]:
-        """One engine-core sequence per n; with a seed, sequence i samples with seed + i."""
+        """One engine-core sequence per n; with a seed, sequence i samples with seed + i. The n
+        sequences share one prompt, so only sequence 0 computes its prompt_logprobs (the others
+        then need no logits of the prompt and may read it from the prefix cache)."""
         max_tokens = self._max_tokens(request_id, params, len(p.prompt_token_ids))
         return [CoreRequest(child_request_id(request_id, i, params.n), p.prompt_token_ids, max_tokens,
-                            params if params.n == 1 or params.seed is None else params.clone(seed=params.seed + i),
-                            self.info.eos_token_ids, p.mm_items)
+                            _child_params(params, i), self.info.eos_token_ids, p.mm_items)
                 for i in range(params.n)]
+
+
+def _child_params(params: SamplingParams, index: int) -> SamplingParams:
+    """Sequence `index`'s params: its own seed (seed + index), no prompt_logprobs past sequence 0."""
+    if params.n == 1 or (params.seed is None and params.prompt_logprobs is None):
+        return params
+    changes = {}
+    if params.seed is not None:
+        changes["seed"] = params.seed + index
+    if index > 0 and params.prompt_logprobs is not None:
+        changes["prompt_logprobs"] = None
+    return params.clone(**changes) if changes else params
 
 
 def split_chat_images(messages: list[dict]) -> tuple[list[dict], list]:

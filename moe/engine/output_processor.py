@@ -1,8 +1,9 @@
 """Output processing: the engine core's per-sequence tokens -> request outputs.
 
-Detokenisation, stop strings, logprob decoding, the grouping of the n sequences of a request,
-and the metrics (token counts, the scheduler's gauges and counters, request_success by
-finished_reason, the per-request and latency histograms: moe/engine/metrics.py). Runs in the
+Detokenisation, stop strings, logprob decoding (prompt logprobs too), the grouping of the n
+sequences of a request, and the metrics (token counts, the scheduler's gauges and counters,
+request_success by finished_reason, the per-request and latency histograms:
+moe/engine/metrics.py). Runs in the
 caller's process offline and in the API process(es) under `moe serve`. A stop string found here
 finishes its sequence in the core: the caller does that with `ProcessResult.stopped` (directly
 offline, as a message when served).
@@ -21,6 +22,7 @@ from moe.engine.tokenizer import Tokenizer
 from moe.outputs import CompletionOutput, Logprob, RequestOutput
 from moe.sampling_params import SamplingParams
 from moe.worker.model_runner import TokenLogprobs
+from moe.worker.prompt_logprobs import PromptLogprobs
 
 logger = logging.getLogger("moe.engine.llm_engine")
 
@@ -75,6 +77,11 @@ class _Parent:
     arrival_time: float = field(default_factory=time.monotonic)
     added_time: float = field(default_factory=time.monotonic)  # handed to the engine core (about)
     error: str | None = None   # set when a failed step finished the request
+    # SamplingParams.prompt_logprobs (None: not asked); the prompt's entries once they came (with
+    # sequence 0's first token: only it computes them), and whether a delta handed them out.
+    prompt_logprobs_k: int | None = None
+    prompt_logprobs: list | None = None
+    sent_prompt_logprobs: bool = False
 
     @property
     def finished(self) -> bool:
@@ -85,13 +92,23 @@ class _Parent:
                                  c.logprobs, c.finish_reason, c.stop_reason)
                 for c in sorted(self.children.values(), key=lambda c: c.index)]
         return RequestOutput(self.request_id, self.prompt.prompt, self.prompt.prompt_token_ids, outs,
-                             self.finished, num_cached_tokens=self.num_cached_tokens, error=self.error)
+                             self.finished, self.prompt_logprobs, num_cached_tokens=self.num_cached_tokens,
+                             error=self.error)
 
     def delta_output(self) -> RequestOutput:
-        """Only what is new since the last call, per sequence (streaming)."""
+        """Only what is new since the last call, per sequence (streaming). With prompt_logprobs the
+        first delta carries them (vLLM's streaming shape) and no sequence's output goes out before
+        they have come (sequence 0 computes them; another may reach its first token first)."""
+        finished = self.finished
+        if self.prompt_logprobs_k is not None and self.prompt_logprobs is None and not finished:
+            return RequestOutput(self.request_id, self.prompt.prompt, self.prompt.prompt_token_ids, [], False,
+                                 num_cached_tokens=self.num_cached_tokens)
         outs = [d for c in sorted(self.children.values(), key=lambda c: c.index) if (d := c.delta()) is not None]
+        prompt_logprobs = None
+        if self.prompt_logprobs is not None and not self.sent_prompt_logprobs and (outs or finished):
+            prompt_logprobs, self.sent_prompt_logprobs = self.prompt_logprobs, True
         return RequestOutput(self.request_id, self.prompt.prompt, self.prompt.prompt_token_ids, outs,
-                             self.finished, num_cached_tokens=self.num_cached_tokens, error=self.error)
+                             finished, prompt_logprobs, num_cached_tokens=self.num_cached_tokens, error=self.error)
 
 
 @dataclass
@@ -139,7 +156,7 @@ class OutputProcessor:
                 p.include_stop_str_in_output, p.skip_special_tokens), p,
                 logprobs=[] if p.logprobs is not None else None,
                 cumulative_logprob=0.0 if p.logprobs is not None else None, max_tokens=cr.max_tokens)
-        parent = _Parent(request_id, prompt, children)
+        parent = _Parent(request_id, prompt, children, prompt_logprobs_k=core_requests[0].params.prompt_logprobs)
         if arrival_time is not None:
             parent.arrival_time = arrival_time
         self.parents[request_id] = parent
@@ -174,6 +191,10 @@ class OutputProcessor:
             if co.finish_reason == "error":
                 self._fail(parent, co.req_id, result.errors.get(co.req_id, "the engine failed this request"), out, now)
             else:
+                if parent.prompt_logprobs_k is not None and parent.prompt_logprobs is None and child.index == 0 \
+                        and co.new_token_ids:
+                    parent.prompt_logprobs = self._prompt_logprob_list(parent.prompt.prompt_token_ids,
+                                                                       co.prompt_logprobs)
                 step_tokens += self._process_tokens(co, child, len(parent.prompt.prompt_token_ids), out)
                 if child.finish_reason is not None:
                     self.child_to_parent.pop(co.req_id, None)
@@ -249,6 +270,27 @@ class OutputProcessor:
         elif co.finished:
             child.finish_reason, child.stop_reason = co.finish_reason, co.stop_reason
         return counted
+
+    def _prompt_logprob_list(self, prompt_ids: list[int], plp: PromptLogprobs | None) -> list:
+        """vLLM's prompt_logprobs: one entry per prompt token, None for the first (nothing scores
+        it), else {token id: Logprob} of the prompt token (its own rank) and the top-k of its
+        position (ranks 1..k), the prompt token first."""
+        out: list = [None] * len(prompt_ids)
+        if plp is None:
+            return out
+        n = len(plp.logprobs)
+        ids = prompt_ids[plp.start:plp.start + n]
+        texts: dict[int, str | None] = {}
+        if self.tokenizer is not None:  # each distinct id decoded once, in one call
+            unique = list(dict.fromkeys([*ids, *(t for top in plp.top_ids for t in top)]))
+            texts = dict(zip(unique, self.tokenizer.decode_tokens(unique)))
+        for r, tid in enumerate(ids):
+            entry = {tid: Logprob(plp.logprobs[r], plp.ranks[r], texts.get(tid))}
+            for rank, (t, lp) in enumerate(zip(plp.top_ids[r], plp.top_logprobs[r]), start=1):
+                if t not in entry:
+                    entry[t] = Logprob(lp, rank, texts.get(t))
+            out[plp.start + r] = entry
+        return out
 
     def _to_logprob_dict(self, entry: TokenLogprobs) -> dict[int, Logprob]:
         decode = self.tokenizer.decode_token if self.tokenizer is not None else (lambda t: None)

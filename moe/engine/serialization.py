@@ -18,9 +18,10 @@ params is SamplingParams' fields as a map; images is one [hash, offset, length, 
 pixels] per image of the prompt, pixels = [dtype name, shape, raw bytes], null when the core's side
 of the IPC cache holds that image (mm_processor_cache_type "lru"), or {"shm": [store, handle]} in a
 shared-memory store ("shm"); an output is [id, new
-token ids, logprobs, finish_reason, stop_reason, num_cached_tokens] with logprobs null or one
-[token, logprob, rank, top ids, top logprobs] per new token; stats is SchedulerStats' fields in
-order.
+token ids, logprobs, finish_reason, stop_reason, num_cached_tokens, prompt logprobs] with logprobs
+null or one [token, logprob, rank, top ids, top logprobs] per new token, and prompt logprobs null or
+[start, logprobs, ranks, top ids, top logprobs] (moe/worker/prompt_logprobs.py's PromptLogprobs);
+stats is SchedulerStats' fields in order.
 """
 from __future__ import annotations
 
@@ -36,6 +37,7 @@ from moe.multimodal.processor_cache import ReceiverCache, SenderCache
 from moe.multimodal.shm_transport import ShmPixels, ShmSender
 from moe.sampling_params import SamplingParams
 from moe.worker.model_runner import TokenLogprobs
+from moe.worker.prompt_logprobs import PromptLogprobs
 from scheduler.output import EngineCoreOutput
 
 _PARAM_FIELDS = [f.name for f in dataclasses.fields(SamplingParams) if f.init]
@@ -120,14 +122,17 @@ def unpack_stats(item: list) -> SchedulerStats:
 def pack_output(co: EngineCoreOutput) -> list:
     lps = None if co.new_logprobs is None else [
         [e.token_id, e.logprob, e.rank, e.top_ids, e.top_logprobs] for e in co.new_logprobs]
-    return [co.req_id, co.new_token_ids, lps, co.finish_reason, co.stop_reason, co.num_cached_tokens]
+    plp = co.prompt_logprobs
+    plp = None if plp is None else [plp.start, plp.logprobs, plp.ranks, plp.top_ids, plp.top_logprobs]
+    return [co.req_id, co.new_token_ids, lps, co.finish_reason, co.stop_reason, co.num_cached_tokens, plp]
 
 
 def unpack_output(item: list) -> EngineCoreOutput:
-    req_id, tokens, lps, finish_reason, stop_reason, num_cached = item
+    req_id, tokens, lps, finish_reason, stop_reason, num_cached, plp = item
     if lps is not None:
         lps = [TokenLogprobs(*e) for e in lps]
-    return EngineCoreOutput(req_id, tokens, lps, finish_reason, stop_reason, num_cached)
+    return EngineCoreOutput(req_id, tokens, lps, finish_reason, stop_reason, num_cached,
+                            None if plp is None else PromptLogprobs(*plp))
 
 
 def pack_step(result: CoreStepResult) -> bytes:

@@ -59,6 +59,48 @@ class Tokenizer:
     def decode_token(self, token_id: int) -> str:
         return self._tk.decode([token_id], skip_special_tokens=False)
 
+    def token_bytes(self, token_id: int) -> bytes | None:
+        """The bytes a token stands for, where its vocabulary entry shows them: a byte-level BPE
+        piece (GPT-2's byte-to-character alphabet) or a byte-fallback piece ("<0xE2>"); None for
+        other pieces (use the decoded text's UTF-8) and unknown ids."""
+        piece = self._tk.id_to_token(token_id)
+        if piece is None:
+            return None
+        if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+            try:
+                return bytes([int(piece[3:5], 16)])
+            except ValueError:
+                return None
+        table = _byte_level_decoder()
+        if all(c in table for c in piece):
+            return bytes(table[c] for c in piece)
+        return None
+
+    def decode_tokens(self, token_ids: list[int]) -> list[str]:
+        """decode_token of each id, in one call into the tokenizers library."""
+        return self._tk.decode_batch([[t] for t in token_ids], skip_special_tokens=False)
+
+
+_BYTE_LEVEL_DECODER: dict[str, int] | None = None
+
+
+def _byte_level_decoder() -> dict[str, int]:
+    """Character -> byte of byte-level BPE vocabularies (GPT-2's table: printable bytes stand for
+    themselves, the others for U+0100 onwards in byte order)."""
+    global _BYTE_LEVEL_DECODER
+    if _BYTE_LEVEL_DECODER is None:
+        printable = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1),
+                     *range(ord("\xae"), ord("\xff") + 1)]
+        table, extra = {}, 0
+        for b in range(256):
+            if b in printable:
+                table[chr(b)] = b
+            else:
+                table[chr(256 + extra)] = b
+                extra += 1
+        _BYTE_LEVEL_DECODER = table
+    return _BYTE_LEVEL_DECODER
+
 
 def load_tokenizer(path: str | None) -> Tokenizer | None:
     """The tokenizer in `path`, or None when the folder has no tokenizer.json."""

@@ -23,66 +23,6 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--logprobs", type=int, default=None, help="log-probabilities of this many top tokens per step")
 
 
-# Help of each engine argument's flag (EngineArgs.add_cli_args gives most none; those it gives, the
-# JSON ones, are kept), and of the two `moe serve` flags without one; the formatter appends each
-# default. docs/engine_args.md has the long form.
-ENGINE_ARG_HELP = {
-    "model": "checkpoint folder, or 'tiny-qwen3-moe' (the built-in model); or the first positional argument",
-    "tokenizer": "folder with tokenizer.json (default: the model folder)",
-    "dtype": "auto (the checkpoint's torch_dtype), float32, bfloat16 or float16",
-    "seed": "seed of the engine's random generator (and of dummy weights)",
-    "max_model_len": "longest prompt + output (default: the model's max_position_embeddings)",
-    "block_size": "tokens per KV-cache block",
-    "max_num_seqs": "most requests in one step",
-    "max_num_batched_tokens": "token budget of one step",
-    "gpu_memory_utilization": "share of GPU memory for weights, activations and KV cache, in (0, 1]",
-    "num_gpu_blocks_override": "exact number of KV-cache blocks (wins over the sizing rules)",
-    "kv_cache_memory_bytes": "KV cache size in bytes (on the CPU 1 GiB by default)",
-    "enable_prefix_caching": "reuse the KV blocks of identical prompt prefixes",
-    "enable_chunked_prefill": "split long prompts over steps",
-    "load_format": "auto, safetensors, or dummy (random weights at the real size)",
-    "disable_log_stats": "no periodic log lines of throughput, requests and KV-cache use",
-    "device": "auto (CUDA when present), cpu, cuda or cuda:N",
-    "tensor_parallel_size": "ranks that split attention, dense MLPs and embeddings",
-    "pipeline_parallel_size": "pipeline stages (consecutive layers each)",
-    "data_parallel_size": "engine replicas, each with its own scheduler",
-    "enable_expert_parallel": "MoE layers hold whole experts, spread over the TP x DP ranks",
-    "all2all_backend": "token dispatch under expert parallelism: auto, allgather_reducescatter, all_to_all "
-                       "or low_latency",
-    "expert_placement_strategy": "linear (contiguous experts per rank) or round_robin",
-    "distributed_executor_backend": "mp (worker processes), uni (one process) or external_launcher (torchrun)",
-    "moe_backend": "expert kernel: torch, triton or deepspeed (default: the best for the device)",
-    "quantization": "FP8 block checkpoints: fp8 (keep the experts FP8) or none (dequantise at load)",
-    "trust_remote_code": "accepted for vLLM compatibility; no remote code ever runs",
-    "max_logprobs": "the largest logprobs a request may ask for (-1: the vocabulary)",
-    "enforce_eager": "on CUDA, run every step eagerly instead of replaying CUDA graphs",
-    "cudagraph_capture_sizes": "decode batch sizes captured as CUDA graphs (default: 1, 2, 4, 8, 16, ...)",
-    "async_scheduling": "schedule step N+1 before step N's tokens reach the host (default: on where it pays)",
-    "record_expert_load": "count the tokens routed to each expert",
-    "expert_load_window_steps": "engine steps per expert-load window",
-    "enable_eplb": "expert-parallel load balancing (needs --enable-expert-parallel)",
-    "mm_encoder_tp_mode": "weights (split the vision encoder's linears) or data (each rank encodes its tiles)",
-    "mm_processor_cache_gb": "GiB of processed images cached (0: off)",
-    "mm_processor_cache_type": "lru (in the API process) or shm (shared memory the workers read)",
-    "mm_shm_cache_max_object_size_mb": "largest processed image the shm cache holds, in MiB",
-    "tokenizer_mode": "auto or hf (both: tokenizer.json through the fast tokenizers library)",
-    "revision": "the revision of a Hugging Face hub model id",
-    "kv_cache_dtype": "auto (the model's dtype) or that dtype",
-    "swap_space": "accepted for vLLM compatibility; no effect (no CPU swap space)",
-    "cpu_offload_gb": "accepted for vLLM compatibility; no effect (no weight offloading)",
-    "disable_custom_all_reduce": "accepted for vLLM compatibility; no effect (no custom all-reduce)",
-    "port": "port to listen on",
-    "uvicorn_log_level": "uvicorn's log level",
-}
-
-
-def _add_help(p: argparse.ArgumentParser) -> None:
-    """Give each flag of `p` without a help text its ENGINE_ARG_HELP entry."""
-    for action in p._actions:
-        if action.help is None and action.dest in ENGINE_ARG_HELP:
-            action.help = ENGINE_ARG_HELP[action.dest]
-
-
 def _parse_prompt_token_ids(values: list[str] | None) -> list[dict]:
     prompts = []
     for s in values or []:
@@ -227,19 +167,21 @@ def build_parser() -> argparse.ArgumentParser:
                      help="print one JSON object per prompt (with logprobs when --logprobs is given)")
     EngineArgs.add_cli_args(gen, model_required=False)
     _add_sampling_args(gen)
-    _add_help(gen)
     gen.set_defaults(func=_generate)
+
+    from moe.entrypoints.serve.api_server import add_serve_args
+    from moe.entrypoints.serve.protocol import DEFAULT_MAX_N
 
     serve = sub.add_parser("serve", help="an OpenAI-compatible HTTP server: moe serve MODEL [engine arguments]",
                            description="Serve a model over an OpenAI-compatible HTTP API (/v1/completions, "
                                        "/v1/chat/completions, /v1/models, /tokenize, /detokenize, /health, /ping, "
                                        "/version, /metrics): moe serve MODEL or moe serve --model MODEL.",
+                           epilog="environment: MOE_MAX_N_SEQUENCES, else VLLM_MAX_N_SEQUENCES: the most samples "
+                                  f"(n) one request may ask for (default: {DEFAULT_MAX_N}); MOE_API_KEY, else "
+                                  "VLLM_API_KEY: the API key when --api-key is not given",
                            formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    from moe.entrypoints.serve.api_server import add_serve_args
-
     add_serve_args(serve)
     EngineArgs.add_cli_args(serve, model_required=False)
-    _add_help(serve)
     serve.set_defaults(func=_serve)
 
     bench = sub.add_parser("bench", help="run a benchmark: moe bench NAME [its flags] (moe bench NAME --help)",

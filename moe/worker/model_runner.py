@@ -37,6 +37,8 @@ from moe.expert_load.counters import ExpertLoadCounters
 from moe.multimodal.encoder_runner import EncoderRunner
 from moe.worker.block_tables import BlockTables
 from moe.worker.cuda_graphs import MIXED_GRAPHS, StepGraphs, default_capture_sizes, default_mixed_sizes
+from moe.worker.prompt_logprobs import (PromptLogprobs, PromptLogprobsTracker, assemble_prompt_logprobs,
+                                        stage_prompt_logprobs)
 from moe.worker.sampler import SamplingBatch, sample
 from moe.worker.step_buffers import StepBuffers
 from moe.worker.step_inputs import RequestState, StepBatch, buffer_metadata, host_metadata, upload
@@ -59,6 +61,18 @@ class TokenLogprobs:
 class ModelRunnerOutput:
     sampled: dict[str, list[int]] = field(default_factory=dict)
     logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+    # With the first sampled token of a request that asked for them (moe/worker/prompt_logprobs.py).
+    prompt_logprobs: dict[str, PromptLogprobs] = field(default_factory=dict)
+
+    def attach_prompt_logprobs(self, outputs: list) -> list:
+        """The scheduler's outputs of this step, with their requests' prompt logprobs set. They ride
+        with the first token, so they reach the output side exactly when it does: a token the
+        scheduler drops (its request aborted or preempted meanwhile) takes them along, and the
+        runner scores the prompt again when it is recomputed."""
+        if self.prompt_logprobs:
+            for co in outputs:
+                co.prompt_logprobs = self.prompt_logprobs.get(co.req_id)
+        return outputs
 
 
 class PendingStep:
@@ -66,12 +80,16 @@ class PendingStep:
     (ModelRunner.launch). On CUDA they are copied to pinned memory right after sampling, so waiting
     for them does not wait for a later step queued behind."""
 
-    def __init__(self, batch: StepBatch, result) -> None:
+    def __init__(self, batch: StepBatch, result, prompt_finals: dict | None = None) -> None:
         self.batch = batch
         self.sampled_B = result.sampled_B
         self.sample_index = {batch.req_ids[i]: j for j, i in enumerate(batch.sample_rows)}
         outputs = {"sampled": result.sampled_B, "logprob": result.sampled_logprob_B, "rank": result.sampled_rank_B,
                    "top_ids": result.logprob_ids_BK, "top_vals": result.logprob_vals_BK}
+        self.prompt_starts: dict[str, int] = {}  # requests whose prompt logprobs come with this step
+        if prompt_finals:
+            prompt, self.prompt_starts = stage_prompt_logprobs(prompt_finals)
+            outputs.update(prompt)
         self._outputs = {k: t for k, t in outputs.items() if t is not None}
         self._ready = None
         if self.sampled_B.is_cuda:
@@ -99,7 +117,7 @@ def _derived_seed(seed: int, output_index: int) -> int:
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, device: torch.device, block_size: int,
                  eos_token_ids: tuple[int, ...], vocab_size: int, enforce_eager: bool = True,
-                 cudagraph_capture_sizes: list[int] | None = None) -> None:
+                 cudagraph_capture_sizes: list[int] | None = None, kv_cache_dtype: torch.dtype | None = None) -> None:
         self.model = model
         self.device = device
         self.block_size = block_size
@@ -109,6 +127,14 @@ class ModelRunner:
         self.images = EncoderRunner(model, device)  # the vision encoder's side of a step
         self.block_tables: BlockTables | None = None  # made with the KV cache (its group count)
         self.kv_caches: list[torch.Tensor] = []
+        # The caches' storage dtype: the model's, or an FP8 one (kv_cache_dtype="fp8" / "fp8_e5m2",
+        # EngineArgs.resolve_kv_cache_dtype), which holds twice a bf16 cache's blocks in its memory.
+        self.kv_cache_dtype = kv_cache_dtype or self.kv_dtype
+        unit_scales = all((getattr(a, "k_scale", 1.0), getattr(a, "v_scale", 1.0)) == (1.0, 1.0)
+                          for a in model.attention_layers())
+        if self.kv_cache_dtype == torch.float8_e4m3fn and unit_scales and get_parallel_state().rank == 0:
+            logger.warning("kv_cache_dtype fp8 (e4m3) with KV-cache scales 1.0 (the checkpoint has none): K/V "
+                           "beyond +-448 saturate; a checkpoint with k_scale / v_scale tensors avoids it")
         self.num_kv_blocks = 0  # blocks of the smallest KV-cache group (set with the cache)
         ps = get_parallel_state()
         self.is_driver = ps.is_driver
@@ -144,6 +170,7 @@ class ModelRunner:
         self.mixed_graphs: StepGraphs | None = None  # the others, by token count
         self.counters: ExpertLoadCounters | None = None  # set by the worker when expert load is recorded
         self.dispatch_step = DispatchStep()  # sized by configure
+        self.prompt_logprobs = PromptLogprobsTracker(self.is_last_stage, vocab_size)  # requests scoring their prompt
 
     def configure(self, max_num_seqs: int, max_model_len: int, max_num_batched_tokens: int) -> None:
         """The engine's limits, which size the step buffers and the CUDA graphs."""
@@ -154,14 +181,17 @@ class ModelRunner:
 
     # ---- KV cache ----------------------------------------------------------------------
     def kv_cache_bytes_per_block(self) -> int:
+        """Bytes of one block in every attention layer's cache, at the cache's storage dtype (an FP8
+        cache: one byte an element)."""
         total = 0
         for attn in self.model.attention_layers():
             shape = attn.kv_cache_shape(1, self.block_size)
-            total += int(np.prod(shape)) * torch.finfo(self.kv_dtype).bits // 8
+            total += int(np.prod(shape)) * self.kv_cache_dtype.itemsize
         return total
 
     @property
     def kv_dtype(self) -> torch.dtype:
+        """The model's dtype, that of the K/V it computes (the cache stores them as kv_cache_dtype)."""
         return next(self.model.parameters()).dtype
 
     def allocate_kv_cache(self, groups: int | list[KVCacheGroup]) -> None:
@@ -185,7 +215,7 @@ class ModelRunner:
             group = keys.index(getattr(attn, "chunk_size", None))
             attn.kv_group = group
             cache = torch.zeros(attn.kv_cache_shape(groups[group].num_blocks + extra, self.block_size),
-                                dtype=self.kv_dtype, device=self.device)
+                                dtype=self.kv_cache_dtype, device=self.device)
             attn.kv_cache = cache
             self.kv_caches.append(cache)
         if self.gpu_inputs and self.limits is not None:
@@ -281,6 +311,7 @@ class ModelRunner:
         self.kv_caches, self.graphs, self.buffers = [], None, None
         self.requests.clear()
         self.images.holding.clear()
+        self.prompt_logprobs.active.clear()
 
     def kv_cache_chunk_sizes(self) -> list[int | None]:
         """Per attention layer of this rank: its chunked-local window, or None."""
@@ -294,12 +325,14 @@ class ModelRunner:
             if state is not None:
                 tables.remove(state.row)
                 self.images.free(req_id, None)
+                self.prompt_logprobs.drop(req_id)
         for req_id, index in so.free_encoder_inputs:
             self.images.free(req_id, self.requests.get(req_id), index)
         for new in so.scheduled_new_reqs:
-            self.requests[new.req_id] = RequestState(list(new.token_ids), new.num_prompt_tokens,
-                                                     new.sampling_params, tables.add(new.block_ids),
-                                                     new.num_computed_tokens, new.mm_items)
+            state = self.requests[new.req_id] = RequestState(list(new.token_ids), new.num_prompt_tokens,
+                                                             new.sampling_params, tables.add(new.block_ids),
+                                                             new.num_computed_tokens, new.mm_items)
+            self.prompt_logprobs.add(new.req_id, state)
         cached = so.scheduled_cached_reqs
         for req_id, new_blocks, num_computed in zip(cached.req_ids, cached.new_block_ids, cached.num_computed_tokens):
             state = self.requests[req_id]
@@ -502,6 +535,9 @@ class ModelRunner:
                 self.images.encode(so, self.requests, self.kv_dtype)
             with_images = bool(self.images.holding)
         hidden = self._run_batch(batch, with_images=with_images, prev=prev)
+        # Prompt logprobs: the rows of this step that score prompt tokens (eager, after any graph replay).
+        prompt_finals = self.prompt_logprobs.step(batch, hidden, self.model, self.is_driver) \
+            if self.prompt_logprobs.active and hidden is not None else None
         sample_rows = batch.sample_rows
         if not sample_rows or hidden is None:
             return None
@@ -516,7 +552,7 @@ class ModelRunner:
         sample_states = [states[i] for i in sample_rows]
         result = sample(logits, self._sampling_batch(sample_states, batch.seq_lens_B[sample_rows].tolist(),
                                                      [batch.req_ids[i] for i in sample_rows], prev))
-        return PendingStep(batch, result)
+        return PendingStep(batch, result, prompt_finals)
 
     def collect(self, pending: PendingStep) -> ModelRunnerOutput:
         """Wait for a launched step's tokens, append them to the request states, and return them."""
@@ -527,6 +563,8 @@ class ModelRunner:
             lp, ranks = got["logprob"], got["rank"]
             top_ids, top_vals = got.get("top_ids"), got.get("top_vals")
         out = ModelRunnerOutput()
+        if pending.prompt_starts:
+            out.prompt_logprobs = assemble_prompt_logprobs(got, pending.prompt_starts)
         req_ids, states = batch.req_ids, batch.states
         for j, i in enumerate(batch.sample_rows):
             req_id, state = req_ids[i], states[i]

@@ -1,8 +1,8 @@
 """Token sampling for one step's batch: penalties, logit_bias / allowed_token_ids / bad words,
 temperature, top-k, top-p, min-p, per-request seeds, and logprobs of the raw model distribution
-(as vLLM reports them).
+(as vLLM reports them); `token_logprobs` scores given tokens the same way (prompt logprobs).
 
-Legend: B rows (one per sampling request), V vocabulary.
+Legend: B rows (one per sampling request), R rows scored (prompt positions), K top-k, V vocabulary.
 """
 from __future__ import annotations
 
@@ -158,3 +158,16 @@ def sample(logits_BV: torch.Tensor, b: SamplingBatch) -> SamplerOutput:
         out.sampled_logprob_B = chosen[:, 0]
         out.sampled_rank_B = (raw_logprobs > chosen).sum(-1) + 1
     return out
+
+
+def token_logprobs(logits_RV: torch.Tensor, token_ids_R: torch.Tensor, k: int
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """The raw distribution's logprob and rank (1 = most likely; ties rank alike) of given tokens,
+    and its top-k: (logprob_R float32, rank_R int64, top_vals_RK float32, top_ids_RK int64), the top
+    ones None for k = 0. logits_RV: any float dtype; token_ids_R: int64 on the same device. The
+    float32 copy and its log_softmax are [R, V] each: the caller bounds R."""
+    logprobs = logits_RV.float().log_softmax(-1)
+    chosen = logprobs.gather(-1, token_ids_R[:, None])
+    rank = (logprobs > chosen).sum(-1) + 1
+    vals, ids = logprobs.topk(k, dim=-1) if k > 0 else (None, None)
+    return chosen[:, 0], rank, vals, ids

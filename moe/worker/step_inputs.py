@@ -31,6 +31,9 @@ class RequestState:
     mm_items: list | tuple = ()  # the prompt's images (moe/multimodal/inputs.py's ImageItem)
     # Encoder features [num_embeds, D] of the images whose tokens are being computed, by item index.
     encoder_outputs: dict = field(default_factory=dict)
+    # SamplingParams.prompt_logprobs being computed: the device results of the prompt's chunks so
+    # far (moe/worker/prompt_logprobs.py); None when not asked for, or once handed over.
+    prompt_chunks: list | None = None
 
 
 @dataclass

@@ -97,7 +97,8 @@ class Worker:
         self.model = build_model(spec.model_cls, spec.config, spec.model_path, spec.args, device, spec.dtype)
         self.runner = ModelRunner(self.model, device, spec.args.block_size, spec.eos_token_ids,
                                   spec.config.vocab_size, enforce_eager=spec.args.enforce_eager,
-                                  cudagraph_capture_sizes=spec.args.cudagraph_capture_sizes)
+                                  cudagraph_capture_sizes=spec.args.cudagraph_capture_sizes,
+                                  kv_cache_dtype=spec.args.resolve_kv_cache_dtype(spec.dtype))
         # A fixed-capacity dispatcher (all2all_backend="low_latency") is sized to a decode batch
         # and told each step's largest replica batch (models/layers/moe.py DispatchStep).
         attach_dispatch_step(self.model, self.runner.dispatch_step)

@@ -29,9 +29,18 @@ def test_other_tokenizer_modes_are_refused(mode):
         _validate(tokenizer_mode=mode)
 
 
-@pytest.mark.parametrize("dtype", ["fp8", "fp8_e4m3", "fp8_e5m2"])
-def test_fp8_kv_cache_is_refused_for_now(dtype):
-    with pytest.raises(ValueError, match=rf"kv_cache_dtype='{dtype}': an FP8 KV cache is not supported yet"):
+@pytest.mark.parametrize("dtype,expect", [("fp8", torch.float8_e4m3fn), ("fp8_e4m3", torch.float8_e4m3fn),
+                                          ("fp8_e5m2", torch.float8_e5m2)])
+def test_fp8_kv_cache_dtypes(dtype, expect):
+    args = _validate(kv_cache_dtype=dtype)
+    for model_dtype in (torch.float32, torch.bfloat16, torch.float16):  # any model dtype: the cache is FP8
+        assert args.resolve_kv_cache_dtype(model_dtype) == expect
+    assert EngineArgs("m", dtype="bfloat16", kv_cache_dtype=dtype).resolve_dtype(None) == torch.bfloat16
+
+
+@pytest.mark.parametrize("dtype", ["fp8_inc", "fp8_ds_mla"])
+def test_other_fp8_formats_are_refused(dtype):
+    with pytest.raises(ValueError, match=rf"kv_cache_dtype='{dtype}' is not supported; use 'auto'.*'fp8_e5m2'"):
         _validate(kv_cache_dtype=dtype)
 
 

@@ -75,14 +75,22 @@ def test_completions_equal_offline(client, llm):
 
 
 def test_completion_logprobs_and_echo(client, llm):
-    ref = llm.generate(PROMPTS[0], greedy(5, logprobs=2, ignore_eos=True), use_tqdm=False)[0].outputs[0]
+    """With echo, logprobs cover the echoed prompt too (vLLM's shape): its first token has none."""
+    out = llm.generate(PROMPTS[0], greedy(5, logprobs=2, prompt_logprobs=2, ignore_eos=True), use_tqdm=False)[0]
+    ref, prompt_ids = out.outputs[0], out.prompt_token_ids
     resp = client.completions.create(model=MODEL_NAME, prompt=PROMPTS[0], max_tokens=5, temperature=0.0,
                                      logprobs=2, echo=True, extra_body={"ignore_eos": True})
     choice = resp.choices[0]
     assert choice.text == PROMPTS[0] + ref.text
-    assert choice.logprobs.token_logprobs == pytest.approx(
+    assert choice.logprobs.token_logprobs[0] is None and choice.logprobs.top_logprobs[0] is None
+    assert choice.logprobs.token_logprobs[1:] == pytest.approx(
+        [step[t].logprob for step, t in zip(out.prompt_logprobs[1:], prompt_ids[1:])]
+        + [step[t].logprob for step, t in zip(ref.logprobs, ref.token_ids)], abs=1e-5)
+    assert all(len(top) == 2 for top in choice.logprobs.top_logprobs[1:])
+    resp = client.completions.create(model=MODEL_NAME, prompt=PROMPTS[0], max_tokens=5, temperature=0.0,
+                                     logprobs=2, extra_body={"ignore_eos": True})
+    assert resp.choices[0].logprobs.token_logprobs == pytest.approx(
         [step[t].logprob for step, t in zip(ref.logprobs, ref.token_ids)], abs=1e-5)
-    assert all(len(top) == 2 for top in choice.logprobs.top_logprobs)
 
 
 def test_streamed_completion_equals_offline_raw_http(server, llm):

@@ -47,6 +47,7 @@ from collections.abc import Mapping
 from contextlib import asynccontextmanager
 
 from moe.config import EngineArgs
+from moe.entrypoints.serve import protocol
 from moe.entrypoints.serve.header_timeout import header_timeout_protocol
 from moe.entrypoints.serve.protocol import ChatCompletionRequest, CompletionRequest, ErrorResponse, error_body
 
@@ -57,6 +58,8 @@ _DISCONNECT_POLL_S = 0.25  # how often a request that has not started its respon
 # Paths open without the API key: liveness probes and load balancers send none, and these tell nothing.
 OPEN_PATHS = frozenset({"/health", "/ping", "/version"})
 API_KEY_ENV_VARS = ("MOE_API_KEY", "VLLM_API_KEY")  # read in this order when --api-key is not given
+# The most samples (n) per request, read in this order; VLLM_MAX_N_SEQUENCES is vLLM's name.
+MAX_N_ENV_VARS = ("MOE_MAX_N_SEQUENCES", "VLLM_MAX_N_SEQUENCES")
 DEFAULT_MAX_REQUEST_BODY_BYTES = 32 << 20  # room for a few base64 images in a chat request
 DEFAULT_REQUEST_BODY_TIMEOUT_S = 30.0
 DEFAULT_REQUEST_HEADER_TIMEOUT_S = 30.0  # a connection without its headers by then is closed
@@ -138,7 +141,9 @@ def build_app(args: EngineArgs, served_model_name: str | None = None, api_key: s
               core_addresses: list[str] | None = None, core_pids: list[int] | None = None, server_index: int = 0,
               metrics_without_api_key: bool = False, max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
               request_body_timeout_s: float = DEFAULT_REQUEST_BODY_TIMEOUT_S,
-              shutdown_timeout_s: float = DEFAULT_SHUTDOWN_TIMEOUT_S):
+              shutdown_timeout_s: float = DEFAULT_SHUTDOWN_TIMEOUT_S, max_n: int | None = None):
+    """The app of one API process. max_n, when given, becomes protocol.MAX_N (the most samples per
+    request) for the whole process: each API process builds one app."""
     from fastapi import FastAPI, Request
     from fastapi.exceptions import RequestValidationError
     from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -151,6 +156,8 @@ def build_app(args: EngineArgs, served_model_name: str | None = None, api_key: s
     from moe.entrypoints.serve.handlers import ChatHandler, CompletionHandler
     from moe.entrypoints.serve.tokenize_routes import add_tokenize_routes
 
+    if max_n is not None:
+        protocol.MAX_N = max_n
     engine = AsyncLLM(args, core_addresses, core_pids, server_index)
     model_name = served_model_name or args.model
 
@@ -257,6 +264,23 @@ def build_app(args: EngineArgs, served_model_name: str | None = None, api_key: s
     # The live expert-load dashboard (/dashboard) over the windows the engine cores send.
     add_dashboard_routes(app, engine.expert_load_payload)
     return app
+
+
+def resolve_max_n(environ: Mapping[str, str] = os.environ) -> int:
+    """The most samples (n) one request may ask for: $MOE_MAX_N_SEQUENCES, else $VLLM_MAX_N_SEQUENCES
+    (vLLM's name), else protocol.DEFAULT_MAX_N; a value that is not an integer >= 1 is refused at start."""
+    for name in MAX_N_ENV_VARS:
+        raw = environ.get(name)
+        if raw is None or raw.strip() == "":
+            continue
+        try:
+            value = int(raw)
+        except ValueError:
+            value = 0
+        if value < 1:
+            raise ValueError(f"{name}={raw!r} must be an integer >= 1 (the most samples, n, per request)")
+        return value
+    return protocol.DEFAULT_MAX_N
 
 
 def resolve_api_key(flag: str | None, environ: Mapping[str, str] = os.environ) -> str | None:
@@ -493,8 +517,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model_tag", nargs="?", default=None, help="checkpoint folder or 'tiny-qwen3-moe' "
                         "(or --model)")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--served-model-name", default=None, help="the model name clients use (default: --model)")
+    parser.add_argument("--port", type=int, default=8000, help="port to listen on")
+    parser.add_argument("--served-model-name", default=None,
+                        help="the model name clients send as `model` (default: %(default)s: the model as given)")
     parser.add_argument("--api-key", default=None,
                         help="require 'Authorization: Bearer KEY' on every endpoint but /health, /ping and /version "
                              "(not given: $MOE_API_KEY, else $VLLM_API_KEY, which keep the key out of ps)")
@@ -517,7 +542,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                              "meanwhile); then streams end with an error event and [DONE], other requests get "
                              "503, and the server exits")
     parser.add_argument("--uvicorn-log-level", default="info",
-                        choices=["critical", "error", "warning", "info", "debug", "trace"])
+                        choices=["critical", "error", "warning", "info", "debug", "trace"],
+                        help="log level of uvicorn, the HTTP server (its access log at info and below)")
 
 
 def run_server(args: argparse.Namespace, engine_args: EngineArgs) -> int:
@@ -532,6 +558,7 @@ def run_server(args: argparse.Namespace, engine_args: EngineArgs) -> int:
     if not (args.shutdown_timeout >= 0 and math.isfinite(args.shutdown_timeout)):
         raise ValueError(f"--shutdown-timeout must be a number of seconds >= 0, got {args.shutdown_timeout}")
     args.api_key = resolve_api_key(args.api_key)  # before any process starts: the API processes get it resolved
+    args.max_n = resolve_max_n()  # likewise
     _reclaim_leftovers()
     if args.api_server_count > 1:
         return _run_launcher(args, engine_args)
@@ -607,7 +634,8 @@ def _build_app_from_args(args: argparse.Namespace, engine_args: EngineArgs, core
     return build_app(engine_args, args.served_model_name, args.api_key, core_addresses, core_pids, server_index,
                      metrics_without_api_key=args.metrics_without_api_key,
                      max_request_body_bytes=args.max_request_body_bytes,
-                     request_body_timeout_s=args.request_body_timeout, shutdown_timeout_s=args.shutdown_timeout)
+                     request_body_timeout_s=args.request_body_timeout, shutdown_timeout_s=args.shutdown_timeout,
+                     max_n=getattr(args, "max_n", None))
 
 
 def _reuseport_socket(host: str, port: int) -> socket.socket:

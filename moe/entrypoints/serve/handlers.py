@@ -7,6 +7,15 @@ event loop keeps serving the other clients (and /health) meanwhile.
 
 Choice index of prompt i's sequence j is i * n + j (as vLLM numbers them). Usage counts each
 prompt's tokens once and every generated token.
+
+Completions' logprobs name each token by its text, as OpenAI's legacy format does. Where that text
+would not tell tokens apart, the name does (a `top_logprobs` dict would otherwise keep one of
+them): a token whose bytes are not whole UTF-8 characters on their own (part of a character,
+decoded "\ufffd") is named by its bytes, "bytes:\\xe2\\x80" (OpenAI's legacy form); a token whose
+name another token of the same position already has gets "token_id:<id>" (vLLM's token-id form),
+the chosen token keeping the plain name. `tokens` uses the same names; `text_offset` counts the
+decoded text. Chat logprobs are lists ({"token", "logprob", "bytes"}): nothing collapses there, and
+`bytes` holds the token's own bytes.
 """
 from __future__ import annotations
 
@@ -25,6 +34,67 @@ from moe.outputs import CompletionOutput, RequestOutput
 
 def _bad_request(exc: ValueError) -> ErrorResponse:
     return ErrorResponse(str(exc), 400, "BadRequestError")
+
+
+def _finite(logprob: float) -> float:
+    """-inf (a token the model cannot produce) as -9999.0, OpenAI's value: JSON has no infinity."""
+    return max(logprob, -9999.0)
+
+
+class _TokenNames:
+    """Names of tokens in completions' logprobs (the module docstring says which), one request's worth cached."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self._text: dict[int, str] = {}
+        self._name: dict[int, str] = {}
+
+    def text(self, token_id: int) -> str:
+        text = self._text.get(token_id)
+        if text is None:
+            text = self._text[token_id] = self.tokenizer.decode_token(token_id) if self.tokenizer else str(token_id)
+        return text
+
+    def bytes(self, token_id: int) -> bytes:
+        raw = self.tokenizer.token_bytes(token_id) if self.tokenizer is not None else None
+        return raw if raw is not None else self.text(token_id).encode("utf-8")
+
+    def name(self, token_id: int) -> str:
+        name = self._name.get(token_id)
+        if name is None:
+            name = self.text(token_id)
+            if "\ufffd" in name:
+                raw = self.bytes(token_id)
+                try:
+                    raw.decode("utf-8")
+                except UnicodeDecodeError:
+                    name = "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+            self._name[token_id] = name
+        return name
+
+    def distinct(self, token_ids: list[int]) -> dict[int, str]:
+        """Each id's name, the later of two equal names replaced by "token_id:<id>"."""
+        out: dict[int, str] = {}
+        used: set[str] = set()
+        for t in token_ids:
+            if t in out:
+                continue
+            name = self.name(t)
+            if name in used:
+                name = f"token_id:{t}"
+            out[t] = name
+            used.add(name)
+        return out
+
+
+def prompt_logprobs_json(entries: list | None) -> list | None:
+    """RequestOutput.prompt_logprobs as vLLM's server returns it: None for the first token, else
+    {token id: {"logprob", "rank", "decoded_token"}} (JSON keys are strings)."""
+    if entries is None:
+        return None
+    return [None if e is None else {str(t): {"logprob": _finite(lp.logprob), "rank": lp.rank,
+                                             "decoded_token": lp.decoded_token} for t, lp in e.items()}
+            for e in entries]
 
 
 @dataclass
@@ -110,9 +180,12 @@ class _Handler:
             # The first delta is awaited here: a dead engine still gets a status code, not a broken stream.
             return await first_then_rest(self._stream(body, request_id, created, prompts, params.n, _merge(gens)))
         choices: dict[int, _Choice] = {}
+        prompt_logprobs: dict[int, list] = {}  # by prompt index (its n choices share them)
         async for i, out in _merge(gens):
             if out.error is not None:
                 raise ErrorResponse(f"the engine failed this request: {out.error}", 500, "InternalServerError")
+            if out.prompt_logprobs is not None:
+                prompt_logprobs[i] = out.prompt_logprobs
             for o in out.outputs:
                 c = choices.setdefault(i * params.n + o.index, _Choice())
                 c.text += o.text
@@ -120,7 +193,8 @@ class _Handler:
                 c.logprobs += o.logprobs or []
                 c.finish_reason, c.stop_reason = o.finish_reason, o.stop_reason
         return {"id": request_id, "object": self.object_name, "created": created, "model": self.model_name,
-                "choices": [self._choice(body, k, choices[k], prompts[k // params.n]) for k in sorted(choices)],
+                "choices": [self._choice(body, k, choices[k], prompts[k // params.n],
+                                         prompt_logprobs.get(k // params.n)) for k in sorted(choices)],
                 "usage": _usage(prompts, sum(len(c.token_ids) for c in choices.values()))}
 
     async def _stream(self, body, request_id, created, prompts, n, merged):
@@ -128,6 +202,7 @@ class _Handler:
 
         num_generated = 0
         started: set[int] = set()
+        prompt_logprobs: dict[int, list] = {}  # by prompt index: they come with its first delta
         sent_any = False
         try:
             async for i, out in merged:
@@ -135,10 +210,12 @@ class _Handler:
                     yield sse({"error": {"message": f"the engine failed this request: {out.error}",
                                          "type": "InternalServerError", "code": 500}})
                     return
+                if out.prompt_logprobs is not None:
+                    prompt_logprobs[i] = out.prompt_logprobs
                 for o in out.outputs:
                     k = i * n + o.index
                     num_generated += len(o.token_ids)
-                    chunk = self._chunk(body, k, o, prompts[i], first=k not in started)
+                    chunk = self._chunk(body, k, o, prompts[i], k not in started, prompt_logprobs.get(i))
                     started.add(k)
                     sent_any = True
                     yield sse({"id": request_id, "object": self.chunk_object, "created": created,
@@ -166,8 +243,15 @@ class CompletionHandler(_Handler):
     def _prepare(self, body: CompletionRequest):
         if body.suffix is not None:
             raise ValueError("suffix is not supported")
+        if body.stream and body.prompt_logprobs:  # vLLM's rule (0 is let through)
+            raise ValueError("`prompt_logprobs` are not available when `stream=True`.")
         prompts = body.prompts()
-        params = body.sampling_params(body.max_tokens, body.logprobs)
+        # vLLM: echo with logprobs scores the echoed prompt too, with logprobs alternatives unless
+        # prompt_logprobs says otherwise.
+        prompt_logprobs = body.prompt_logprobs
+        if prompt_logprobs is None and body.echo:
+            prompt_logprobs = body.logprobs
+        params = body.sampling_params(body.max_tokens, body.logprobs, prompt_logprobs)
         processed = []
         for i, p in enumerate(prompts):
             try:
@@ -187,31 +271,50 @@ class CompletionHandler(_Handler):
         return tok.decode(prompt.prompt_token_ids, skip_special_tokens=False) if tok is not None else ""
 
     def _logprobs(self, body, token_ids: list[int], entries: list, text_start: int) -> dict | None:
+        """OpenAI's legacy logprobs of the tokens; an entry None (the first prompt token, echoed)
+        has no logprob and no alternatives."""
         if body.logprobs is None:
             return None
-        decode = self.engine.info.tokenizer.decode_token if self.engine.info.tokenizer else str
+        names = _TokenNames(self.engine.info.tokenizer)
         tokens, token_logprobs, tops, offsets = [], [], [], []
         offset = text_start
         for tid, entry in zip(token_ids, entries):
-            piece = decode(tid)
-            tokens.append(piece)
-            token_logprobs.append(entry[tid].logprob)
-            ranked = sorted(entry.items(), key=lambda kv: kv[1].rank)[:max(body.logprobs, 1)]
-            tops.append({decode(t): lp.logprob for t, lp in ranked} if body.logprobs else None)
             offsets.append(offset)
-            offset += len(piece)
+            offset += len(names.text(tid))
+            if entry is None:
+                tokens.append(names.name(tid))
+                token_logprobs.append(None)
+                tops.append(None)
+                continue
+            ranked = sorted(entry.items(), key=lambda kv: kv[1].rank)[:max(body.logprobs, 1)]
+            named = names.distinct([tid, *(t for t, _ in ranked)])  # the chosen token keeps its name
+            tokens.append(named[tid])
+            token_logprobs.append(_finite(entry[tid].logprob))
+            tops.append({named[t]: _finite(lp.logprob) for t, lp in ranked} if body.logprobs else None)
         return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": offsets}
 
-    def _choice(self, body, index: int, c: _Choice, prompt: ProcessedPrompt) -> dict:
-        echo = self._echo(body, prompt)
-        return {"index": index, "text": echo + c.text, "logprobs": self._logprobs(body, c.token_ids, c.logprobs,
-                                                                                 len(echo)),
-                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+    def _scored(self, body, prompt: ProcessedPrompt, prompt_logprobs: list | None, echo: str,
+                token_ids: list[int], entries: list) -> tuple[list[int], list, int]:
+        """The tokens and logprob entries a choice reports, and the text offset of the first: with
+        echo and logprobs the prompt's come first (vLLM's shape), from text offset 0."""
+        if not echo or body.logprobs is None:
+            return token_ids, entries, len(echo)
+        ids = prompt.prompt_token_ids
+        return ids + token_ids, (prompt_logprobs or [None] * len(ids)) + entries, 0
 
-    def _chunk(self, body, index: int, o: CompletionOutput, prompt: ProcessedPrompt, first: bool) -> dict:
+    def _choice(self, body, index: int, c: _Choice, prompt: ProcessedPrompt,
+                prompt_logprobs: list | None = None) -> dict:
+        echo = self._echo(body, prompt)
+        token_ids, entries, start = self._scored(body, prompt, prompt_logprobs, echo, c.token_ids, c.logprobs)
+        return {"index": index, "text": echo + c.text, "logprobs": self._logprobs(body, token_ids, entries, start),
+                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
+                "prompt_logprobs": prompt_logprobs_json(prompt_logprobs)}
+
+    def _chunk(self, body, index: int, o: CompletionOutput, prompt: ProcessedPrompt, first: bool,
+               prompt_logprobs: list | None = None) -> dict:
         echo = self._echo(body, prompt) if first else ""
-        return {"index": index, "text": echo + o.text,
-                "logprobs": self._logprobs(body, o.token_ids, o.logprobs or [], len(echo)),
+        token_ids, entries, start = self._scored(body, prompt, prompt_logprobs, echo, o.token_ids, o.logprobs or [])
+        return {"index": index, "text": echo + o.text, "logprobs": self._logprobs(body, token_ids, entries, start),
                 "finish_reason": o.finish_reason, "stop_reason": o.stop_reason}
 
 
@@ -273,11 +376,10 @@ class ChatHandler(_Handler):
     def _logprobs(self, body, token_ids: list[int], entries: list) -> dict | None:
         if not body.logprobs:
             return None
-        decode = self.engine.info.tokenizer.decode_token
+        names = _TokenNames(self.engine.info.tokenizer)
 
         def item(tid, lp):
-            text = decode(tid)
-            return {"token": text, "logprob": lp.logprob, "bytes": list(text.encode("utf-8"))}
+            return {"token": names.text(tid), "logprob": _finite(lp.logprob), "bytes": list(names.bytes(tid))}
 
         content = []
         for tid, entry in zip(token_ids, entries):
@@ -285,12 +387,14 @@ class ChatHandler(_Handler):
             content.append({**item(tid, entry[tid]), "top_logprobs": [item(t, lp) for t, lp in ranked]})
         return {"content": content}
 
-    def _choice(self, body, index: int, c: _Choice, prompt: ProcessedPrompt) -> dict:
+    def _choice(self, body, index: int, c: _Choice, prompt: ProcessedPrompt,
+                prompt_logprobs: list | None = None) -> dict:
         return {"index": index, "message": {"role": body.response_role(), "content": self._echo(body) + c.text},
                 "logprobs": self._logprobs(body, c.token_ids, c.logprobs),
                 "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
 
-    def _chunk(self, body, index: int, o: CompletionOutput, prompt: ProcessedPrompt, first: bool) -> dict:
+    def _chunk(self, body, index: int, o: CompletionOutput, prompt: ProcessedPrompt, first: bool,
+               prompt_logprobs: list | None = None) -> dict:
         if first:
             delta = {"role": body.response_role(), "content": self._echo(body) + o.text}
         else:

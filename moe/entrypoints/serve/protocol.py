@@ -21,8 +21,10 @@ from moe.sampling_params import INT64_MAX, SamplingParams
 logger = logging.getLogger("moe.entrypoints.serve")
 
 # The largest `n` (samples per prompt) one request may ask for: each sample is a sequence of its
-# own in the engine, so an unbounded n lets one request take every slot. The server may set it.
-MAX_N = 128
+# own in the engine, so an unbounded n lets one request take every slot. `moe serve` sets it at
+# start from $MOE_MAX_N_SEQUENCES, else $VLLM_MAX_N_SEQUENCES (vLLM's name), else DEFAULT_MAX_N.
+DEFAULT_MAX_N = 128
+MAX_N = DEFAULT_MAX_N
 
 # The most prompts one /v1/completions request may hold. Each is an engine request of its own (n
 # sequences), and the body limit does not bound their number (a token-id prompt is 4 bytes: 8
@@ -142,7 +144,8 @@ class _SamplingRequest(_StrictModel):
             raise ValueError(f"n={n} is more than this server allows: at most {MAX_N} samples per prompt")
         return n
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None,
+                        prompt_logprobs: int | None = None) -> SamplingParams:
         """Unset values take OpenAI's defaults (temperature 1, top_p 1)."""
         return SamplingParams(
             n=self.n, temperature=1.0 if self.temperature is None else self.temperature,
@@ -152,7 +155,8 @@ class _SamplingRequest(_StrictModel):
             ignore_eos=self.ignore_eos, presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty,
             include_stop_str_in_output=self.include_stop_str_in_output, logprobs=logprobs,
-            skip_special_tokens=self.skip_special_tokens, logit_bias=self._logit_bias(),
+            prompt_logprobs=prompt_logprobs, skip_special_tokens=self.skip_special_tokens,
+            logit_bias=self._logit_bias(),
             allowed_token_ids=self.allowed_token_ids, bad_words=self.bad_words,
             truncate_prompt_tokens=self.truncate_prompt_tokens)
 
@@ -179,6 +183,8 @@ class CompletionRequest(_SamplingRequest):
     prompt: Union[str, list[str], list[Int64], list[list[Int64]], None] = None
     max_tokens: Int64 | None = 16
     logprobs: Int64 | None = None
+    # vLLM's extra parameter: each choice's "prompt_logprobs" (not with stream=True, as vLLM)
+    prompt_logprobs: Int64 | None = None
     echo: bool = False
     suffix: str | None = None
 
