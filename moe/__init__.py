@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import importlib
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput", "Logprob"]
 __version__ = "0.1.0"
 
 _LAZY = {
     "LLM": "moe.entrypoints.llm",
     "SamplingParams": "moe.sampling_params",
+    "StructuredOutputsParams": "moe.structured_output.params",
     "RequestOutput": "moe.outputs",
     "CompletionOutput": "moe.outputs",
     "Logprob": "moe.outputs",

@@ -10,6 +10,8 @@ import math
 import numbers
 from dataclasses import dataclass, field
 
+from moe.structured_output.params import StructuredOutputsParams
+
 _EPS = 1e-5
 # Integers travel to the engine core as msgpack ints and into torch int64 tensors (top_k): larger
 # values fail there, inside a step, so they are refused here with the parameter's name. A seed
@@ -64,6 +66,8 @@ class SamplingParams:
     bad_words: list[str] | None = None              # words never generated (update_from_tokenizer)
     truncate_prompt_tokens: int | None = None       # keep the last k prompt tokens (-1: max_model_len)
     best_of: int | None = None                      # only None or n: vLLM's V1 engine dropped best_of
+    # The output must match a JSON schema, regex, choice or grammar (moe/structured_output).
+    structured_outputs: StructuredOutputsParams | None = None
     # bad_words as token sequences (each with and without a leading space), made from the tokenizer
     # where the request arrives; a field (as in vLLM) so that it travels to the engine core.
     _bad_words_token_ids: list[list[int]] | None = field(default=None, repr=False)
@@ -146,6 +150,9 @@ class SamplingParams:
             bad("prompt_logprobs", "must be a non-negative integer (0: only each prompt token's own logprob)")
         if self.seed is not None and self.seed < 0:
             bad("seed", "must be a non-negative integer, or -1 / None for unseeded")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            bad("structured_outputs",
+                f"must be a StructuredOutputsParams, got {type(self.structured_outputs).__name__}")
         self._validate_stops(bad)
         self._validate_token_controls(bad)
 

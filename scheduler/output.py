@@ -46,6 +46,11 @@ class SchedulerOutput:
     scheduled_encoder_inputs: dict[str, list[int]] = field(default_factory=dict)
     # Encoder features the runner drops before the step (their tokens are all computed).
     free_encoder_inputs: list[tuple[str, int]] = field(default_factory=list)
+    # Structured outputs (filled by the engine core after scheduling): the requests whose sampled
+    # token is constrained this step, and their allowed tokens, one row each in that order: an
+    # int32 numpy array [rows, ceil(V / 32)], bit t % 32 of word t // 32 set = token t allowed.
+    structured_output_request_ids: list[str] = field(default_factory=list)
+    grammar_bitmask: Any = None
 
     @property
     def is_empty(self) -> bool:
@@ -62,6 +67,9 @@ class EngineCoreOutput:
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
     prompt_logprobs: Any = None   # with the first new token of a request that asked, opaque to the scheduler
+    # Finished ("stop") because its structured-output grammar is complete: the last token is text,
+    # not a stop token (EOS / stop_token_ids) whose text the output leaves out.
+    stopped_by_grammar: bool = False
 
     @property
     def finished(self) -> bool:

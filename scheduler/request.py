@@ -8,6 +8,8 @@ from typing import Any
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
+    # Waiting for its structured-output grammar to compile (vLLM's name): the scheduler passes it over.
+    WAITING_FOR_FSM = "waiting_for_fsm"
     RUNNING = "running"
     PREEMPTED = "preempted"
     FINISHED_STOPPED = "finished_stopped"
@@ -47,7 +49,7 @@ class Request:
                  "eos_token_ids", "stop_token_ids", "ignore_eos", "min_tokens", "sampling_params",
                  "arrival_time", "status", "num_computed_tokens", "num_cached_tokens", "num_preemptions",
                  "stop_reason", "block_hashes", "stopping_tokens", "mm_items", "num_output_placeholders",
-                 "skip_reading_prefix_cache")
+                 "skip_reading_prefix_cache", "use_structured_output")
 
     def __init__(
         self,
@@ -62,6 +64,7 @@ class Request:
         arrival_time: float | None = None,
         mm_items: list | tuple = (),
         skip_reading_prefix_cache: bool = False,
+        use_structured_output: bool = False,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -91,6 +94,10 @@ class Request:
         # that asks for prompt logprobs needs the logits of every prompt position. Its blocks
         # are still registered for others to hit.
         self.skip_reading_prefix_cache = skip_reading_prefix_cache
+        # Its tokens are constrained by a grammar (the engine core's StructuredOutputManager): each
+        # step's mask needs the previous token, so with async scheduling it is not scheduled while
+        # a token of it is in flight.
+        self.use_structured_output = use_structured_output
 
     @property
     def num_tokens(self) -> int:

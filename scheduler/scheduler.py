@@ -155,8 +155,11 @@ class Scheduler:
             request = self.running[i]
             num_new = min(len(request.all_token_ids) + request.num_output_placeholders - request.num_computed_tokens,
                           budget)
-            if num_new <= 0 or (request.num_output_placeholders and self._done_in_flight(request)):
-                i += 1  # nothing to compute (sync: cannot happen after update); keep the order
+            if num_new <= 0 or (request.num_output_placeholders and (
+                    request.use_structured_output or self._done_in_flight(request))):
+                # Nothing to compute (sync: cannot happen after update), or async: the tokens in
+                # flight finish it, or its grammar mask needs the token in flight. Keep the order.
+                i += 1
                 continue
             to_encode = None
             if request.mm_items:
@@ -193,9 +196,14 @@ class Scheduler:
             i += 1
 
         # Then waiting requests in arrival order (preempted ones were put back at the front),
-        # unless this step had to preempt: the pool is too tight to admit more.
+        # unless this step had to preempt: the pool is too tight to admit more. Those whose
+        # grammar is still compiling let the others pass and keep their place.
+        compiling: list[Request] = []
         while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs and not preempted:
             request = self.waiting[0]
+            if request.status == RequestStatus.WAITING_FOR_FSM:
+                compiling.append(self.waiting.popleft())
+                continue
             hit_blocks, num_hit = self.kv.get_computed_blocks(request)
             num_new = request.num_tokens - num_hit
             if num_new > budget:
@@ -224,6 +232,8 @@ class Scheduler:
             if placeholders:
                 self._add_placeholder(request)
 
+        if compiling:
+            self.waiting.extendleft(reversed(compiling))
         total = cfg.max_num_batched_tokens - budget
         assert total <= cfg.max_num_batched_tokens and len(self.running) <= cfg.max_num_seqs
         out = SchedulerOutput(

@@ -24,6 +24,7 @@ from moe.engine.step_recovery import StepRecovery
 from moe.expert_load.recording import ExpertLoadMeta
 from moe.expert_load.tracker import ExpertLoadTracker, physical_slot_ranks
 from moe.sampling_params import SamplingParams
+from moe.structured_output.manager import StructuredOutputManager
 from moe.worker.executor import Executor, InProcessExecutor, make_executor
 from moe.worker.model_runner import ModelRunnerOutput, PendingStep
 from routing.placement import expert_owner_ranks
@@ -123,6 +124,7 @@ class EngineCore:
         self.num_steps = 0
         self._in_flight: tuple[SchedulerOutput, PendingStep] | None = None  # async scheduling
         self._arrival: dict[str, float] = {}  # requests not scheduled yet -> arrival time
+        self.structured: StructuredOutputManager | None = None  # made at the first structured request
         self.expert_load, self.eplb = self._start_expert_load(info)
 
     @staticmethod
@@ -216,23 +218,51 @@ class EngineCore:
     # ---- requests ----------------------------------------------------------------------
     def add_request(self, req: CoreRequest) -> None:
         p = req.params
-        self.scheduler.add_request(Request(
+        request = Request(
             req.request_id, req.prompt_token_ids, req.max_tokens, req.eos_token_ids, tuple(p.stop_token_ids),
             p.ignore_eos, p.min_tokens, p, mm_items=req.mm_items,
-            skip_reading_prefix_cache=p.prompt_logprobs is not None))
+            skip_reading_prefix_cache=p.prompt_logprobs is not None,
+            use_structured_output=p.structured_outputs is not None)
+        if request.use_structured_output:
+            manager = self._structured_outputs()
+            if req.request_id in manager:
+                raise ValueError(f"request id {req.request_id!r} is already in use")
+            manager.add_request(request)  # before the scheduler: it may have to wait for its grammar
+            try:
+                self.scheduler.add_request(request)
+            except Exception:
+                manager.remove([req.request_id])
+                raise
+        else:
+            self.scheduler.add_request(request)
         self._arrival[req.request_id] = time.monotonic()
+
+    def _structured_outputs(self) -> StructuredOutputManager:
+        if self.structured is None:
+            info = self.info
+            if info.tokenizer is None:
+                raise ValueError("structured_outputs need the model's tokenizer (tokenizer.json), and this model "
+                                 "has none")
+            self.structured = StructuredOutputManager(info.tokenizer, info.model_config.vocab_size,
+                                                      tuple(info.eos_token_ids))
+        return self.structured
 
     def abort_requests(self, request_ids: list[str], status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> None:
         """Finish sequences now (aborted, or stopped by a stop string); unknown ids are ignored."""
-        if self.recovery is not None:
-            self.recovery.forget(request_ids)
-        for rid in request_ids:
-            self._arrival.pop(rid, None)
-        self.scheduler.finish_requests(request_ids, status)
+        self._finish(request_ids, status)
         if self._in_flight is not None and not self.scheduler.has_unfinished_requests():
             # Nothing the step in flight computes is wanted any more: collect it now (its outputs
             # are dropped), so the engine is idle, as after a synchronous step.
             self._finish_in_flight(CoreStepResult())
+
+    def _finish(self, request_ids: list[str], status: RequestStatus) -> None:
+        if self.recovery is not None:
+            self.recovery.forget(request_ids)
+        for rid in request_ids:
+            self._arrival.pop(rid, None)
+        if self.structured is not None:
+            self.structured.remove(request_ids)
+        self.scheduler.finish_requests(request_ids, status)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests() or bool(self.recovery and self.recovery.num_held) \
@@ -247,14 +277,17 @@ class EngineCore:
     def step(self) -> CoreStepResult:
         self.num_steps += 1
         result = CoreStepResult()
+        if self.structured is not None:
+            self._poll_grammars(result)
         if self.async_scheduling:
             self._step_async(result)
         elif isinstance(self.scheduler, DataParallelScheduler):
-            sos = self.scheduler.schedule()
+            sos = self._schedule()
             self._note_scheduled(sos, result)
-            result.outputs = self.scheduler.update_from_output(sos, self.executor.execute_models(sos))
+            result.outputs.extend(self._advance_grammars(
+                self.scheduler.update_from_output(sos, self.executor.execute_models(sos)), result))
         else:
-            so = self.scheduler.schedule()
+            so = self._schedule()
             self._note_scheduled([so], result)
             try:
                 runner_out = self.executor.execute_model(so)
@@ -264,8 +297,8 @@ class EngineCore:
                 return result
             if self.recovery is not None:
                 self.recovery.on_success(so)
-            result.outputs = runner_out.attach_prompt_logprobs(
-                self.scheduler.update_from_output(so, runner_out.sampled, runner_out.logprobs))
+            result.outputs.extend(self._advance_grammars(runner_out.attach_prompt_logprobs(
+                self.scheduler.update_from_output(so, runner_out.sampled, runner_out.logprobs)), result))
         if self.recovery is not None:
             finished = [co.req_id for co in result.outputs if co.finish_reason is not None]
             if finished:
@@ -283,7 +316,7 @@ class EngineCore:
         executor = self.executor
         if self._in_flight is not None and self._needs_history():
             self._finish_in_flight(result)
-        so = self.scheduler.schedule()
+        so = self._schedule()
         self._note_scheduled([so], result)
         prev = self._in_flight
         self._in_flight = None
@@ -319,8 +352,49 @@ class EngineCore:
         if self.recovery is not None:
             self.recovery.on_success(so)
         if out is not None:
-            result.outputs.extend(out.attach_prompt_logprobs(self.scheduler.update_from_output(so, out.sampled,
-                                                                                               out.logprobs)))
+            result.outputs.extend(self._advance_grammars(out.attach_prompt_logprobs(
+                self.scheduler.update_from_output(so, out.sampled, out.logprobs)), result))
+
+    # ---- structured outputs ------------------------------------------------------------
+    def _schedule(self):
+        """The scheduler's step (one SchedulerOutput, or a list under data parallelism), with the
+        grammar bitmask of its structured sequences that sample (filled on the host, here)."""
+        sos = self.scheduler.schedule()
+        if self.structured is not None:
+            for so in sos if isinstance(sos, list) else [sos]:
+                self.structured.fill_bitmask(so)
+        return sos
+
+    def _poll_grammars(self, result: CoreStepResult) -> None:
+        """Let the sequences whose grammar compiled be scheduled; finish those whose grammar failed.
+        When nothing else can run, wait a little for a compilation rather than spin."""
+        s = self.scheduler
+        idle = self._in_flight is None and s.num_running == 0 and s.num_waiting <= self.structured.num_compiling
+        errors = self.structured.poll(block=idle)
+        if errors:
+            self._finish(list(errors), RequestStatus.FINISHED_ABORTED)
+            for rid, error in errors.items():
+                result.outputs.append(EngineCoreOutput(rid, [], finish_reason="error"))
+                result.errors[rid] = error
+
+    def _advance_grammars(self, outputs: list[EngineCoreOutput], result: CoreStepResult) -> list[EngineCoreOutput]:
+        """The matchers consume the step's tokens: a grammar that is complete finishes its sequence
+        ("stop", as EOS would), a refused token (the mask prevents it) finishes it with an error."""
+        if self.structured is None:
+            return outputs
+        stopped, errors = self.structured.advance(outputs)
+        if stopped or errors:
+            by_id = {co.req_id: co for co in outputs}
+            self._finish(stopped, RequestStatus.FINISHED_STOPPED)
+            for rid in stopped:
+                co = by_id[rid]
+                co.finish_reason, co.stop_reason, co.stopped_by_grammar = "stop", None, True
+            self._finish(list(errors), RequestStatus.FINISHED_ABORTED)
+            for rid, error in errors.items():
+                logger.error("request %s: %s", rid, error)
+                by_id[rid].finish_reason = "error"
+                result.errors[rid] = error
+        return outputs
 
     def _needs_history(self) -> bool:
         """A running request samples with penalties (they count its generated tokens)."""
@@ -369,4 +443,6 @@ class EngineCore:
         if getattr(self, "_in_flight", None) is not None:  # outputs not wanted; workers reply before they stop
             with contextlib.suppress(Exception):
                 self._finish_in_flight(CoreStepResult())
+        if getattr(self, "structured", None) is not None:
+            self.structured.shutdown()
         self.executor.shutdown()

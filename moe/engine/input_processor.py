@@ -206,6 +206,17 @@ class InputProcessor:
                              f"(vocab_size={vocab})")
         # token ids of logit_bias / allowed_token_ids against the vocabulary, bad_words into token ids
         params.update_from_tokenizer(self.tokenizer, vocab)
+        if params.structured_outputs is not None:
+            self._check_structured_outputs(params)
+
+    def _check_structured_outputs(self, params: SamplingParams) -> None:
+        """Compile the request's constraint here too, so that a bad schema, regex or grammar is a
+        ValueError naming it before anything is queued (the server answers 400); the engine core
+        compiles it again through its own cache."""
+        from moe.structured_output.grammar import ll_tokenizer, validate
+
+        tokenizer = ll_tokenizer(self.tokenizer, self.vocab_size, tuple(self.info.eos_token_ids))
+        validate(params.structured_outputs, tokenizer)
 
     def _max_tokens(self, request_id: str, params: SamplingParams, prompt_len: int) -> int:
         room = self.max_model_len - prompt_len

@@ -256,8 +256,10 @@ class OutputProcessor:
             for entry in co.new_logprobs:
                 child.logprobs.append(self._to_logprob_dict(entry))
                 child.cumulative_logprob += entry.logprob
-        # A stop token's own text is not part of the output (unless asked for).
-        stopped_by_token = co.finish_reason == "stop" and not child.params.include_stop_str_in_output
+        # A stop token's own text is not part of the output (unless asked for); a grammar that is
+        # complete ends on a token of the output's text.
+        stopped_by_token = co.finish_reason == "stop" and not co.stopped_by_grammar \
+            and not child.params.include_stop_str_in_output
         text_tokens = co.new_token_ids[:-1] if stopped_by_token else co.new_token_ids
         stop_str = child.detokenizer.update(text_tokens)
         if stop_str is None and co.finished:

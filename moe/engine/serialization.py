@@ -14,14 +14,15 @@ Every message is one msgpack array whose first item names it:
                      ["stats", stats]                   the scheduler's state, sent when idle
                      ["dead", error]                    the core failed and is exiting
 
-params is SamplingParams' fields as a map; images is one [hash, offset, length, num_embeds,
+params is SamplingParams' fields as a map (structured_outputs: null or StructuredOutputsParams' fields
+as a map); images is one [hash, offset, length, num_embeds,
 pixels] per image of the prompt, pixels = [dtype name, shape, raw bytes], null when the core's side
 of the IPC cache holds that image (mm_processor_cache_type "lru"), or {"shm": [store, handle]} in a
 shared-memory store ("shm"); an output is [id, new
-token ids, logprobs, finish_reason, stop_reason, num_cached_tokens, prompt logprobs] with logprobs
-null or one [token, logprob, rank, top ids, top logprobs] per new token, and prompt logprobs null or
-[start, logprobs, ranks, top ids, top logprobs] (moe/worker/prompt_logprobs.py's PromptLogprobs);
-stats is SchedulerStats' fields in order.
+token ids, logprobs, finish_reason, stop_reason, num_cached_tokens, prompt logprobs,
+stopped_by_grammar] with logprobs null or one [token, logprob, rank, top ids, top logprobs] per new
+token, and prompt logprobs null or [start, logprobs, ranks, top ids, top logprobs]
+(moe/worker/prompt_logprobs.py's PromptLogprobs); stats is SchedulerStats' fields in order.
 """
 from __future__ import annotations
 
@@ -36,6 +37,7 @@ from moe.multimodal.inputs import ImageItem
 from moe.multimodal.processor_cache import ReceiverCache, SenderCache
 from moe.multimodal.shm_transport import ShmPixels, ShmSender
 from moe.sampling_params import SamplingParams
+from moe.structured_output.params import StructuredOutputsParams
 from moe.worker.model_runner import TokenLogprobs
 from moe.worker.prompt_logprobs import PromptLogprobs
 from scheduler.output import EngineCoreOutput
@@ -77,6 +79,21 @@ def unpack_tensor(item: list) -> torch.Tensor:
     return torch.from_numpy(np.frombuffer(data, dtype=torch.empty(0, dtype=dtype).numpy().dtype).copy()).reshape(shape)
 
 
+def pack_params(p: SamplingParams) -> dict:
+    """SamplingParams' fields as a map; the nested StructuredOutputsParams as a map of its own."""
+    packed = {name: getattr(p, name) for name in _PARAM_FIELDS}
+    if p.structured_outputs is not None:
+        packed["structured_outputs"] = dataclasses.asdict(p.structured_outputs)
+    return packed
+
+
+def unpack_params(packed: dict) -> SamplingParams:
+    so = packed.get("structured_outputs")
+    if so is not None:
+        packed = {**packed, "structured_outputs": StructuredOutputsParams(**so)}
+    return SamplingParams(**packed)
+
+
 def pack_request(req: CoreRequest, ipc: SenderCache | None = None, shm: ShmSender | None = None) -> list:
     """ipc: the API side of the IPC cache; an image the engine core holds already travels as its
     hash alone (pixels null). shm: the shared-memory store the pixels go through ({"shm": [store,
@@ -93,7 +110,7 @@ def pack_request(req: CoreRequest, ipc: SenderCache | None = None, shm: ShmSende
             packed = None if pixels is None else pack_tensor(pixels)
         images.append([m.mm_hash, m.offset, m.length, m.num_embeds, packed])
     return [req.request_id, req.prompt_token_ids, req.max_tokens, list(req.eos_token_ids),
-            {name: getattr(p, name) for name in _PARAM_FIELDS}, images]
+            pack_params(p), images]
 
 
 def unpack_request(item: list, ipc: ReceiverCache | None = None) -> CoreRequest:
@@ -107,7 +124,7 @@ def unpack_request(item: list, ipc: ReceiverCache | None = None) -> CoreRequest:
             pixels = None if pixels is None else unpack_tensor(pixels)
             pixels = pixels if ipc is None else ipc.resolve(h, pixels)
         items.append(ImageItem(h, offset, length, n, pixels))
-    return CoreRequest(request_id, prompt_token_ids, max_tokens, SamplingParams(**params), tuple(eos), items)
+    return CoreRequest(request_id, prompt_token_ids, max_tokens, unpack_params(params), tuple(eos), items)
 
 
 # ---- step results ------------------------------------------------------------------------
@@ -124,15 +141,16 @@ def pack_output(co: EngineCoreOutput) -> list:
         [e.token_id, e.logprob, e.rank, e.top_ids, e.top_logprobs] for e in co.new_logprobs]
     plp = co.prompt_logprobs
     plp = None if plp is None else [plp.start, plp.logprobs, plp.ranks, plp.top_ids, plp.top_logprobs]
-    return [co.req_id, co.new_token_ids, lps, co.finish_reason, co.stop_reason, co.num_cached_tokens, plp]
+    return [co.req_id, co.new_token_ids, lps, co.finish_reason, co.stop_reason, co.num_cached_tokens, plp,
+            co.stopped_by_grammar]
 
 
 def unpack_output(item: list) -> EngineCoreOutput:
-    req_id, tokens, lps, finish_reason, stop_reason, num_cached, plp = item
+    req_id, tokens, lps, finish_reason, stop_reason, num_cached, plp, by_grammar = item
     if lps is not None:
         lps = [TokenLogprobs(*e) for e in lps]
     return EngineCoreOutput(req_id, tokens, lps, finish_reason, stop_reason, num_cached,
-                            None if plp is None else PromptLogprobs(*plp))
+                            None if plp is None else PromptLogprobs(*plp), by_grammar)
 
 
 def pack_step(result: CoreStepResult) -> bytes:

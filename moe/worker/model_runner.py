@@ -37,6 +37,7 @@ from moe.expert_load.counters import ExpertLoadCounters
 from moe.multimodal.encoder_runner import EncoderRunner
 from moe.worker.block_tables import BlockTables
 from moe.worker.cuda_graphs import MIXED_GRAPHS, StepGraphs, default_capture_sizes, default_mixed_sizes
+from moe.worker.grammar_mask import grammar_mask_inputs
 from moe.worker.prompt_logprobs import (PromptLogprobs, PromptLogprobsTracker, assemble_prompt_logprobs,
                                         stage_prompt_logprobs)
 from moe.worker.sampler import SamplingBatch, sample
@@ -550,8 +551,11 @@ class ModelRunner:
             return None
         states = batch.states
         sample_states = [states[i] for i in sample_rows]
-        result = sample(logits, self._sampling_batch(sample_states, batch.seq_lens_B[sample_rows].tolist(),
-                                                     [batch.req_ids[i] for i in sample_rows], prev))
+        sample_ids = [batch.req_ids[i] for i in sample_rows]
+        sampling = self._sampling_batch(sample_states, batch.seq_lens_B[sample_rows].tolist(), sample_ids, prev)
+        if so.grammar_bitmask is not None:
+            sampling.grammar_rows_R, sampling.grammar_bitmask_RW = grammar_mask_inputs(so, sample_ids, self.device)
+        result = sample(logits, sampling)
         return PendingStep(batch, result, prompt_finals)
 
     def collect(self, pending: PendingStep) -> ModelRunnerOutput:

@@ -1,6 +1,7 @@
-"""Token sampling for one step's batch: penalties, logit_bias / allowed_token_ids / bad words,
-temperature, top-k, top-p, min-p, per-request seeds, and logprobs of the raw model distribution
-(as vLLM reports them); `token_logprobs` scores given tokens the same way (prompt logprobs).
+"""Token sampling for one step's batch: structured outputs' grammar masks, penalties, logit_bias /
+allowed_token_ids / bad words, temperature, top-k, top-p, min-p, per-request seeds, and logprobs
+of the raw model distribution (as vLLM reports them: after the grammar mask, before everything
+else); `token_logprobs` scores given tokens the same way (prompt logprobs).
 
 Legend: B rows (one per sampling request), R rows scored (prompt positions), K top-k, V vocabulary.
 """
@@ -9,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from kernels.token_bitmask import apply_token_bitmask
 
 _EPS = 1e-5
 
@@ -42,6 +45,10 @@ class SamplingBatch:
     # the prefix needs there). The ban applies on the device when that token matches.
     pending_bans: torch.Tensor | None = None
     pending_tokens: torch.Tensor | None = None  # the step in flight's sampled tokens
+    # Structured outputs: the rows whose tokens a grammar constrains (int64 [R]) and their allowed
+    # tokens (int32 [R, ceil(V / 32)], llguidance's packed bits), on the device.
+    grammar_rows_R: torch.Tensor | None = None
+    grammar_bitmask_RW: torch.Tensor | None = None
 
     @property
     def adjusts_logits(self) -> bool:
@@ -123,6 +130,10 @@ def _noise(probs: torch.Tensor, seeds: list[int | None]) -> torch.Tensor:
 
 
 def sample(logits_BV: torch.Tensor, b: SamplingBatch) -> SamplerOutput:
+    if b.grammar_bitmask_RW is not None:
+        # In place, before anything reads the logits: as in vLLM, the logprobs reported are then
+        # those of the masked distribution, and the greedy fast path below stays valid.
+        apply_token_bitmask(logits_BV, b.grammar_rows_R, b.grammar_bitmask_RW)
     if b.all_greedy and b.max_num_logprobs < 0 and not b.adjusts_logits:
         # The argmax of the logits as they come (bf16 on a GPU): the float32 copy would be exact,
         # so its argmax (the first maximum) is the same, but at 256 rows of a 152k vocabulary the

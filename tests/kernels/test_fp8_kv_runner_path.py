@@ -32,6 +32,8 @@ FAMILIES = {
 def _generate(path: str, prompts: list[dict], kv_cache_dtype: str, device: str = "cpu",
               **kw) -> tuple[list[list[int]], bool]:
     params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+    if device == "cuda":  # a small cache: tests run side by side on one GPU (pytest-xdist)
+        kw.update(gpu_memory_utilization=0.1, kv_cache_memory_bytes=64 << 20)
     with LLM(path, device=device, dtype="float32", max_model_len=64, max_num_batched_tokens=16, max_num_seqs=4,
              block_size=4, kv_cache_dtype=kv_cache_dtype, **kw) as llm:
         runner = llm.llm_engine.executor.runner

@@ -1,0 +1,197 @@
+"""StructuredOutputManager: the grammar state of the engine core's structured requests (vLLM's
+StructuredOutputManager, on llguidance).
+
+It lives beside the scheduler, in the engine core's process:
+
+* Compilation runs in a thread pool (llguidance drops the GIL while it builds a grammar), cached by
+  grammar text (which spells the kind, the spec and its options): a request waits for its grammar
+  (RequestStatus.WAITING_FOR_FSM, which the scheduler passes over) while the others run.
+  A compiled grammar is kept as a template matcher; each sequence gets a deep copy (n > 1: one each).
+* Each step, the sequences that sample get their allowed tokens as rows of an int32 bitmask
+  [rows, ceil(V / 32)] (bit t % 32 of word t // 32 is token t), filled on the host, which travels
+  in the SchedulerOutput to the runner (the sampler applies it on the device).
+* After each step the matchers consume the sampled tokens. A matcher that reaches the end of its
+  grammar finishes its request (finish_reason "stop"); one that refuses a token (the mask makes
+  that impossible) finishes it with an error.
+
+Invariant: a sequence's matcher has consumed exactly its output tokens so far. A preempted
+sequence keeps them (RECOMPUTE recomputes the KV only), a dropped in-flight token was never
+consumed, a failed step's tokens are never applied: nothing needs rolling back.
+"""
+from __future__ import annotations
+
+import concurrent.futures as cf
+import logging
+import os
+from collections import OrderedDict
+
+import numpy as np
+
+from moe.structured_output.grammar import _detail, ll_tokenizer
+from moe.structured_output.grammar import grammar_text as _grammar_text
+from scheduler import Request, RequestStatus
+from scheduler.output import EngineCoreOutput, SchedulerOutput
+
+logger = logging.getLogger("moe.structured_output")
+
+_CACHE_SIZE = 256          # compiled grammars kept (templates; requests hold their own copies)
+_POLL_WAIT_S = 0.05        # how long an idle engine waits for a compilation before it steps again
+
+
+def _compile(tokenizer_future: cf.Future, grammar: str):
+    """A template matcher for the grammar (raises ValueError with llguidance's message)."""
+    import llguidance as llg
+
+    matcher = llg.LLMatcher(tokenizer_future.result(), grammar, log_level=0)
+    if matcher.is_error():
+        raise ValueError(_detail(matcher.get_error()))
+    return matcher
+
+
+class _Sequence:
+    """One structured sequence: its scheduler request, its grammar (compiling) and its matcher."""
+    __slots__ = ("request", "kind", "future", "matcher")
+
+    def __init__(self, request: Request, kind: str, future: cf.Future) -> None:
+        self.request, self.kind, self.future, self.matcher = request, kind, future, None
+
+
+class StructuredOutputManager:
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: tuple[int, ...],
+                 max_workers: int | None = None) -> None:
+        self.vocab_size = vocab_size
+        self.num_words = (vocab_size + 31) // 32
+        workers = max_workers or max(1, min(8, (os.cpu_count() or 2) // 2))
+        self._pool = cf.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="moe-grammar")
+        # Built once (about a second for a 150k vocabulary), off the step loop like the grammars.
+        self._tokenizer = self._pool.submit(ll_tokenizer, tokenizer, vocab_size, tuple(eos_token_ids))
+        self._cache: OrderedDict[str, cf.Future] = OrderedDict()
+        self._sequences: dict[str, _Sequence] = {}
+        self._compiling: dict[str, _Sequence] = {}
+        self._executor = None  # llguidance.LLExecutor: fills masks and consumes tokens in parallel
+        self.num_compiled = 0  # grammars compiled (cache misses), for tests and logs
+
+    # ---- requests ----------------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        """Track a structured request (before the scheduler sees it): it waits for its grammar
+        unless the cache holds it compiled already. Raises ValueError for a spec llguidance cannot
+        translate."""
+        params = request.sampling_params.structured_outputs
+        grammar = _grammar_text(params)
+        future = self._cache.get(grammar)
+        if future is None or (future.done() and future.exception() is not None):
+            future = self._pool.submit(_compile, self._tokenizer, grammar)
+            self.num_compiled += 1
+            self._cache[grammar] = future
+            if len(self._cache) > _CACHE_SIZE:
+                self._cache.popitem(last=False)
+        else:
+            self._cache.move_to_end(grammar)
+        seq = _Sequence(request, params.kind, future)
+        self._sequences[request.request_id] = seq
+        if not (future.done() and self._start(seq) is None):
+            request.status = RequestStatus.WAITING_FOR_FSM
+            self._compiling[request.request_id] = seq
+
+    def remove(self, request_ids) -> None:
+        """Sequences that left the engine (finished, aborted)."""
+        for rid in request_ids:
+            if self._sequences.pop(rid, None) is not None:
+                self._compiling.pop(rid, None)
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._sequences
+
+    @property
+    def num_compiling(self) -> int:
+        return len(self._compiling)
+
+    def _start(self, seq: _Sequence) -> str | None:
+        """Give a sequence whose grammar is compiled its matcher; its error message if it failed."""
+        exc = seq.future.exception()
+        if exc is not None:
+            return f"invalid structured_outputs.{seq.kind}: {exc}"
+        seq.matcher = seq.future.result().deep_copy()  # a new sequence: no output tokens to replay
+        return None
+
+    def poll(self, block: bool = False) -> dict[str, str]:
+        """Move the sequences whose grammar is ready to the scheduler's waiting state; returns the
+        ones whose grammar failed (request id -> message; the caller finishes them). block: wait a
+        little for one when nothing else can run."""
+        if not self._compiling:
+            return {}
+        if block and not any(s.future.done() for s in self._compiling.values()):
+            cf.wait([s.future for s in self._compiling.values()], timeout=_POLL_WAIT_S,
+                    return_when=cf.FIRST_COMPLETED)
+        errors = {}
+        for rid, seq in list(self._compiling.items()):
+            if not seq.future.done():
+                continue
+            del self._compiling[rid]
+            error = self._start(seq)
+            if error is not None:
+                errors[rid] = error
+                self._sequences.pop(rid, None)
+            elif seq.request.status == RequestStatus.WAITING_FOR_FSM:
+                seq.request.status = RequestStatus.WAITING
+        return errors
+
+    # ---- each step ---------------------------------------------------------------------
+    @property
+    def executor(self):
+        if self._executor is None:
+            import llguidance as llg
+            self._executor = llg.LLExecutor()
+        return self._executor
+
+    def fill_bitmask(self, so: SchedulerOutput) -> None:
+        """The allowed tokens of the step's structured sequences that sample (their scheduled tokens
+        reach the end of their known ones: a prefill chunk short of it samples nothing), into
+        so.grammar_bitmask [rows, num_words] int32 with so.structured_output_request_ids naming
+        the rows."""
+        if not self._sequences:
+            return
+        rows = []
+        for rid in so.num_scheduled_tokens:
+            seq = self._sequences.get(rid)
+            if seq is not None and seq.matcher is not None and \
+                    seq.request.num_computed_tokens >= seq.request.num_tokens:
+                rows.append((rid, seq.matcher))
+        if not rows:
+            return
+        from llguidance.numpy import fill_next_token_bitmask_par
+
+        bitmask = np.empty((len(rows), self.num_words), dtype=np.int32)
+        fill_next_token_bitmask_par(self.executor, [(m, i) for i, (_, m) in enumerate(rows)], bitmask)
+        so.structured_output_request_ids = [rid for rid, _ in rows]
+        so.grammar_bitmask = bitmask
+
+    def advance(self, outputs: list[EngineCoreOutput]) -> tuple[list[str], dict[str, str]]:
+        """Consume a step's new tokens. Returns the sequences whose grammar is now complete (to
+        finish with "stop") and those whose matcher refused a token (request id -> message). The
+        sequences that finished in this step are forgotten."""
+        stopped, errors = [], {}
+        singles, many = [], []
+        for co in outputs:
+            seq = self._sequences.get(co.req_id)
+            if seq is None or not co.new_token_ids or seq.matcher is None:
+                continue
+            (singles if len(co.new_token_ids) == 1 else many).append((co, seq))
+        if singles:
+            ok = self.executor.consume_token_par([(s.matcher, co.new_token_ids[0]) for co, s in singles])
+        for (co, seq), good in zip(singles + many, (ok if singles else []) + [None] * len(many)):
+            if good is None:
+                good = seq.matcher.consume_tokens(co.new_token_ids)
+            if co.finish_reason is not None:
+                self._sequences.pop(co.req_id, None)
+            if not good:
+                errors[co.req_id] = (f"structured_outputs.{seq.kind}: the grammar refused token "
+                                     f"{co.new_token_ids[-1]} ({_detail(seq.matcher.get_error())})")
+                self._sequences.pop(co.req_id, None)
+            elif co.finish_reason is None and seq.matcher.is_stopped():
+                stopped.append(co.req_id)
+                self._sequences.pop(co.req_id, None)
+        return stopped, errors
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
