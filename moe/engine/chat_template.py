@@ -24,7 +24,8 @@ from moe.engine.template_renderers import render_in_renderer_process
 from moe.engine.template_sandbox import MAX_OUTPUT_ENV, MAX_SOURCE_ENV, TIMEOUT_ENV, TemplateLimits, render_here
 
 __all__ = ["MAX_OUTPUT_ENV", "MAX_SOURCE_ENV", "RESERVED_KWARGS", "SUPPORTED_PART_TYPES", "TIMEOUT_ENV", "ChatTemplate",
-           "TemplateLimits", "check_content_parts", "check_messages", "check_template_kwargs", "template_limits"]
+           "TemplateLimits", "check_content_parts", "check_messages", "check_template_kwargs", "check_tools",
+           "read_chat_template", "template_limits"]
 
 _SPECIAL = ("bos_token", "eos_token", "unk_token", "pad_token")
 
@@ -34,7 +35,7 @@ _SPECIAL = ("bos_token", "eos_token", "unk_token", "pad_token")
 SUPPORTED_PART_TYPES = ("text", "image_url", "image_pil", "image")
 # Variables the renderer sets itself (and the parameters of the functions that pass
 # chat_template_kwargs on): a chat_template_kwargs key among them is refused, not a clash.
-RESERVED_KWARGS = ("messages", "add_generation_prompt", *_SPECIAL, "chat_template", "self")
+RESERVED_KWARGS = ("messages", "add_generation_prompt", "tools", *_SPECIAL, "chat_template", "self")
 
 
 def template_limits(environ=os.environ) -> TemplateLimits:
@@ -74,14 +75,24 @@ class ChatTemplate:
         self.special_tokens = special_tokens
         self.limits = limits
 
+    @staticmethod
+    def _config(folder: str) -> dict:
+        config_file = os.path.join(folder, "tokenizer_config.json")
+        if not os.path.isfile(config_file):
+            return {}
+        with open(config_file) as f:
+            return json.load(f)
+
+    @classmethod
+    def special_tokens_of(cls, folder: str) -> dict[str, str | None]:
+        """bos_token, eos_token, ... of the folder's tokenizer_config.json (None where not set)."""
+        config = cls._config(folder)
+        return {k: _token_text(config.get(k)) for k in _SPECIAL}
+
     @classmethod
     def load(cls, folder: str) -> "ChatTemplate | None":
         """The folder's chat template, or None when it has none."""
-        config_file = os.path.join(folder, "tokenizer_config.json")
-        config = {}
-        if os.path.isfile(config_file):
-            with open(config_file) as f:
-                config = json.load(f)
+        config = cls._config(folder)
         source = config.get("chat_template")
         if isinstance(source, list):  # [{"name": "default", "template": ...}, ...]
             named = {t.get("name"): t.get("template") for t in source if isinstance(t, dict)}
@@ -94,15 +105,20 @@ class ChatTemplate:
             return None
         return cls(source, {k: _token_text(config.get(k)) for k in _SPECIAL})
 
-    def render(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> str:
+    def render(self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None,
+               **kwargs) -> str:
+        """tools: the functions the model may call (OpenAI's [{"type": "function", "function": {...}}]),
+        given to the template as `tools` (None without), as transformers' apply_chat_template does."""
         check_messages(messages)
+        check_tools(tools)
         check_template_kwargs(kwargs)
         limits = self.limits or template_limits()
         if len(self.source) > limits.max_source_chars:
             raise ValueError(f"the chat template is {len(self.source)} characters long, more than the limit of "
                              f"{limits.max_source_chars} ({MAX_SOURCE_ENV})")
         context = {**{k: v for k, v in self.special_tokens.items() if v is not None}, **kwargs,
-                   "messages": messages, "add_generation_prompt": add_generation_prompt}
+                   "messages": template_messages(messages), "add_generation_prompt": add_generation_prompt,
+                   "tools": tools}
         text = render_in_renderer_process(self.source, context, limits)
         if text is None:
             text = render_here(self.source, context, limits)
@@ -112,6 +128,25 @@ class ChatTemplate:
             raise ValueError(f"the chat template's output is not valid Unicode text: {e.reason} at position "
                              f"{e.start}") from None
         return text
+
+
+# The names a message's reasoning comes under: vLLM's current `reasoning`, the older
+# `reasoning_content` (DeepSeek's API, Qwen3's templates read it) and gpt-oss templates' `thinking`.
+REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+
+
+def template_messages(messages: list[dict]) -> list[dict]:
+    """The messages as transformers hands them to a template: keys whose value is null left out
+    (OpenAI clients send `"content": null` beside tool_calls; templates test for a missing key,
+    not for None), and a message's reasoning under each of REASONING_FIELDS."""
+    out = []
+    for m in messages:
+        m = {k: v for k, v in m.items() if v is not None}
+        reasoning = next((m[k] for k in REASONING_FIELDS if k in m), None)
+        if reasoning is not None:
+            m = {"thinking": reasoning, **m, "reasoning_content": reasoning}
+        out.append(m)
+    return out
 
 
 def check_messages(messages) -> None:
@@ -130,7 +165,49 @@ def check_messages(messages) -> None:
         elif not isinstance(content, (str, list)):
             raise ValueError(f"messages[{i}]['content'] must be a string or a list of content parts, got "
                              f"{type(content).__name__} {_shown(content)}")
+        if m.get("tool_calls") is not None:
+            _check_tool_calls(i, m["tool_calls"])
     check_content_parts(messages)
+
+
+def _check_tool_calls(i: int, calls) -> None:
+    if not isinstance(calls, list):
+        raise ValueError(f"messages[{i}]['tool_calls'] must be a list of tool calls")
+    for j, call in enumerate(calls):
+        where = f"messages[{i}]['tool_calls'][{j}]"
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise ValueError(f"{where} must be {{'type': 'function', 'function': {{'name': ..., 'arguments': "
+                             "...}}}}")
+        if not isinstance(function.get("arguments", ""), (str, dict, type(None))):
+            raise ValueError(f"{where}['function']['arguments'] must be a JSON object's text")
+
+
+def check_tools(tools) -> None:
+    """tools: None, or a non-empty list of {"type": "function", "function": {"name": ..., ...}}."""
+    if tools is None:
+        return
+    if not isinstance(tools, list) or not tools:
+        raise ValueError("tools must be a non-empty list of {'type': 'function', 'function': {'name': ..., "
+                         "'parameters': {...}}} (leave it out for none)")
+    for i, tool in enumerate(tools):
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(tool, dict) or tool.get("type", "function") != "function" or not isinstance(function, dict) \
+                or not isinstance(function.get("name"), str) or not function["name"]:
+            raise ValueError(f"tools[{i}] must be {{'type': 'function', 'function': {{'name': ..., 'parameters': "
+                             "{...}}}}")
+        if not isinstance(function.get("parameters", {}), (dict, type(None))):
+            raise ValueError(f"tools[{i}]['function']['parameters'] must be a JSON schema (an object)")
+
+
+def read_chat_template(value: str) -> str:
+    """vLLM's --chat-template: the path of a template file, or the template itself."""
+    if os.path.isfile(value):
+        with open(value, encoding="utf-8") as f:
+            return f.read()
+    if "{{" in value or "{%" in value:
+        return value
+    raise ValueError(f"--chat-template {value!r}: no such file, and not a template either (no {{{{ or {{%)")
 
 
 def check_content_parts(messages) -> None:

@@ -128,33 +128,44 @@ class InputProcessor:
     @property
     def chat_template(self) -> ChatTemplate | None:
         if self._chat_template is False:
-            folder = self.tokenizer.path if self.tokenizer is not None else self.info.model_path
-            self._chat_template = ChatTemplate.load(folder)
+            self._chat_template = ChatTemplate.load(self._template_folder())
         return self._chat_template
+
+    def _template_folder(self) -> str:
+        return self.tokenizer.path if self.tokenizer is not None else self.info.model_path
+
+    def use_chat_template(self, source: str) -> None:
+        """Render chats with `source` instead of the checkpoint's template (`moe serve --chat-template`);
+        a request's own chat_template still wins."""
+        self._chat_template = ChatTemplate(source, ChatTemplate.special_tokens_of(self._template_folder()))
 
     # The arguments before `/` are positional-only, so that a chat_template_kwargs key such as
     # "messages" lands in **kwargs and is refused by name (check_template_kwargs), not a TypeError.
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True,
-                    chat_template: str | None = None, /, **kwargs) -> str:
-        """The conversation as the prompt text the model was trained on (the checkpoint's template)."""
+                    chat_template: str | None = None, tools: list[dict] | None = None, /, **kwargs) -> str:
+        """The conversation as the prompt text the model was trained on (the checkpoint's template);
+        tools: the functions the model may call, for the template to describe."""
         check_template_kwargs(kwargs)
         template = self.chat_template
         if chat_template is not None:
-            template = ChatTemplate(chat_template, template.special_tokens if template else {})
+            template = ChatTemplate(chat_template, template.special_tokens if template else
+                                    ChatTemplate.special_tokens_of(self._template_folder()))
         if template is None:
             raise ValueError(f"the model at {self.info.model_path!r} has no chat template (tokenizer_config.json "
-                             "'chat_template' or chat_template.jinja): pass chat_template=..., or use generate "
-                             "with a prompt")
-        return template.render(messages, add_generation_prompt=add_generation_prompt, **kwargs)
+                             "'chat_template' or chat_template.jinja): give one (the request's chat_template, "
+                             "`moe serve --chat-template FILE`, or LLM.chat(..., chat_template=...)), or use "
+                             "completions / generate with a prompt")
+        return template.render(messages, add_generation_prompt=add_generation_prompt, tools=tools, **kwargs)
 
     def process_chat(self, messages: list[dict], add_generation_prompt: bool = True,
-                     chat_template: str | None = None, /, **kwargs) -> ProcessedPrompt:
+                     chat_template: str | None = None, tools: list[dict] | None = None, /,
+                     **kwargs) -> ProcessedPrompt:
         check_messages(messages)  # before split_chat_images, which reads the parts
         check_template_kwargs(kwargs)
         if self.tokenizer is None:
             raise ValueError("chat needs a tokenizer: this model folder has no tokenizer.json")
         messages, images = split_chat_images(messages)
-        text = self.render_chat(messages, add_generation_prompt, chat_template, **kwargs)
+        text = self.render_chat(messages, add_generation_prompt, chat_template, tools, **kwargs)
         # The template writes the special tokens itself (as transformers' apply_chat_template does).
         p = ProcessedPrompt(text, self.tokenizer.encode(text, add_special_tokens=False))
         if images:

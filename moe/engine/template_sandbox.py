@@ -4,7 +4,9 @@ sandbox checks a budget as it goes, a deadline at every loop step, call, filter,
 and operator (and while lexing, parsing and compiling), and the size of what it builds before
 building it (`'x' * n`, `+`, `~`, `%`, format widths, join, replace, indent, integers of more than
 64 Kibit, the output). Deep recursion is a RecursionError, caught. `render_here` turns every way a
-template can fail into a ValueError naming the problem.
+template can fail into a ValueError naming the problem. What transformers gives templates is there too:
+`tojson`, `raise_exception`, `strftime_now`, the `{% generation %}` tag, and tool calls' arguments as
+moe.engine.tool_arguments reads them.
 
 TemplateLimits, and the environment variables that set them, live here because the budget's
 messages name them; chat_template.py re-exports them and reads the variables.
@@ -18,6 +20,8 @@ import re
 import time
 from dataclasses import dataclass
 from functools import lru_cache
+
+from moe.engine.tool_arguments import with_tool_arguments
 
 TIMEOUT_ENV = "MOE_CHAT_TEMPLATE_TIMEOUT_S"
 MAX_OUTPUT_ENV = "MOE_CHAT_TEMPLATE_MAX_OUTPUT_CHARS"
@@ -266,6 +270,13 @@ def _raise_exception(message):
     raise TemplateError(message)
 
 
+def _strftime_now(fmt):
+    """transformers' `strftime_now` (Llama templates print today's date with it)."""
+    import datetime
+
+    return datetime.datetime.now().strftime(str(fmt))
+
+
 _BOUNDED_ITER = "_moe_bounded_iter"
 
 
@@ -316,6 +327,16 @@ def _sandbox_classes():
                 self.visit(arg, frame)
                 self.write(", ")
             self.write("))")
+
+    class GenerationTag(Extension):
+        """transformers' `{% generation %}...{% endgeneration %}` (it marks the assistant's tokens for
+        training masks): the body renders as it is."""
+        tags = {"generation"}
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return nodes.Scope(body, lineno=lineno)
 
     class LexDeadline(Extension):
         """Lexing and parsing are within the deadline: one check per token."""
@@ -387,7 +408,7 @@ def _sandbox_classes():
                 out.append(part)
             return "".join(out)
 
-    return BoundedEnvironment, LexDeadline
+    return BoundedEnvironment, LexDeadline, GenerationTag
 
 
 @lru_cache(maxsize=8)
@@ -396,13 +417,14 @@ def _compile(source: str):
     from jinja2 import nodes, pass_context
     from jinja2.exceptions import TemplateSyntaxError
 
-    environment_class, lex_deadline = _sandbox_classes()
+    environment_class, lex_deadline, generation_tag = _sandbox_classes()
     env = environment_class(trim_blocks=True, lstrip_blocks=True, finalize=_finalize,
-                            extensions=["jinja2.ext.loopcontrols", lex_deadline])
+                            extensions=["jinja2.ext.loopcontrols", lex_deadline, generation_tag])
     env.filters["tojson"] = _tojson
     env.filters = {name: _bounded_filter(name, f) for name, f in env.filters.items()}
     env.filters[_BOUNDED_ITER] = pass_context(_bounded_iter)  # pass_context: never run at compile time
     env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
     env.globals.pop("lipsum", None)  # lipsum(n) writes n paragraphs in one call: nothing a chat template needs
     try:
         tree = env.parse(source)
@@ -430,7 +452,7 @@ def render_here(source: str, context: dict, limits: TemplateLimits) -> str:
 
     token = _budget.set(_Budget(limits))
     try:
-        return _compile(source).render(**context)
+        return _compile(source).render(**with_tool_arguments(context))
     except TemplateBudgetError as e:
         raise ValueError(f"the chat template {e}") from None
     except RecursionError:

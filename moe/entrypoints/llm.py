@@ -117,15 +117,18 @@ class LLM:
 
     def chat(self, messages, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              use_tqdm: bool = True, chat_template: str | None = None, add_generation_prompt: bool = True,
-             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+             chat_template_kwargs: dict | None = None, tools: list[dict] | None = None) -> list[RequestOutput]:
         """Generate replies to one conversation ([{"role": ..., "content": ...}, ...]) or a list of
         them, each rendered with the checkpoint's chat template (tokenizer_config.json) or
-        `chat_template`; returns one RequestOutput per conversation."""
+        `chat_template`; returns one RequestOutput per conversation. tools (OpenAI's
+        [{"type": "function", "function": {"name", "description", "parameters"}}]) go to the template
+        as `tools`, as vLLM's LLM.chat passes them; the reply is the model's text (calls are parsed
+        by `moe serve --tool-call-parser`)."""
         if isinstance(messages, list) and messages and isinstance(messages[0], dict):
             messages = [messages]
         if not isinstance(messages, (list, tuple)) or not messages:
             raise ValueError("messages must be a conversation (a list of {'role', 'content'} dicts) or a list of them")
-        processed = [self._engine().input.process_chat(conv, add_generation_prompt, chat_template,
+        processed = [self._engine().input.process_chat(conv, add_generation_prompt, chat_template, tools,
                                                         **(chat_template_kwargs or {})) for conv in messages]
         prompts = [{"prompt": p.prompt, "prompt_token_ids": p.prompt_token_ids} for p in processed]
         return self._generate(prompts, processed, sampling_params, use_tqdm)

@@ -213,6 +213,17 @@ def test_bad_requests_get_4xx_and_server_keeps_serving(server, client, body, sta
     assert client.completions.create(model=MODEL_NAME, prompt="hi", max_tokens=2).choices[0].text is not None
 
 
+def test_tools_need_the_auto_tool_choice_flags_as_in_vllm(client):
+    """This server has no --enable-auto-tool-choice: tools default to tool_choice "auto", a 400;
+    "none" renders them and reads no calls (tests/serve/test_structured_tools_server.py has the rest)."""
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    with pytest.raises(openai.BadRequestError, match="requires --enable-auto-tool-choice and --tool-call-parser"):
+        client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, tools=tools, max_tokens=2)
+    r = client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, tools=tools, tool_choice="none",
+                                       max_tokens=2)
+    assert r.choices[0].message.tool_calls is None and r.choices[0].message.content is not None
+
+
 def test_wrong_api_key_is_401(server):
     r = httpx.post(f"{server.url}/v1/completions", json={"model": MODEL_NAME, "prompt": "hi"}, timeout=10,
                    headers={"Authorization": "Bearer wrong"})

@@ -47,6 +47,8 @@ from collections.abc import Mapping
 from contextlib import asynccontextmanager
 
 from moe.config import EngineArgs
+from moe.engine.chat_template import read_chat_template
+from moe.entrypoints.parsers import REASONING_PARSERS, TOOL_PARSERS
 from moe.entrypoints.serve import protocol
 from moe.entrypoints.serve.header_timeout import header_timeout_protocol
 from moe.entrypoints.serve.protocol import ChatCompletionRequest, CompletionRequest, ErrorResponse, error_body
@@ -141,9 +143,12 @@ def build_app(args: EngineArgs, served_model_name: str | None = None, api_key: s
               core_addresses: list[str] | None = None, core_pids: list[int] | None = None, server_index: int = 0,
               metrics_without_api_key: bool = False, max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
               request_body_timeout_s: float = DEFAULT_REQUEST_BODY_TIMEOUT_S,
-              shutdown_timeout_s: float = DEFAULT_SHUTDOWN_TIMEOUT_S, max_n: int | None = None):
+              shutdown_timeout_s: float = DEFAULT_SHUTDOWN_TIMEOUT_S, max_n: int | None = None,
+              chat_template: str | None = None, tool_settings=None, reasoning_parser: str | None = None):
     """The app of one API process. max_n, when given, becomes protocol.MAX_N (the most samples per
-    request) for the whole process: each API process builds one app."""
+    request) for the whole process: each API process builds one app. chat_template: the template
+    text that replaces the checkpoint's (--chat-template); tool_settings: a ToolSettings (the tool
+    flags); reasoning_parser: the --reasoning-parser name."""
     from fastapi import FastAPI, Request
     from fastapi.exceptions import RequestValidationError
     from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -153,12 +158,15 @@ def build_app(args: EngineArgs, served_model_name: str | None = None, api_key: s
     from moe.dashboard import add_dashboard_routes
     from moe.engine.core_client import EngineDeadError
     from moe.entrypoints.serve.async_llm import AsyncLLM
-    from moe.entrypoints.serve.handlers import ChatHandler, CompletionHandler
+    from moe.entrypoints.serve.chat_handler import ChatHandler
+    from moe.entrypoints.serve.handlers import CompletionHandler
     from moe.entrypoints.serve.tokenize_routes import add_tokenize_routes
 
     if max_n is not None:
         protocol.MAX_N = max_n
     engine = AsyncLLM(args, core_addresses, core_pids, server_index)
+    if chat_template is not None:
+        engine.input.use_chat_template(chat_template)
     model_name = served_model_name or args.model
 
     @asynccontextmanager
@@ -173,7 +181,7 @@ def build_app(args: EngineArgs, served_model_name: str | None = None, api_key: s
     app = FastAPI(title="moe-runtime", version=moe.__version__, lifespan=lifespan)
     drain = app.state.drain = _Drain(shutdown_timeout_s)
     completions = CompletionHandler(engine, model_name)
-    chat = ChatHandler(engine, model_name)
+    chat = ChatHandler(engine, model_name, tool_settings, reasoning_parser)
 
     def error_response(e: ErrorResponse) -> JSONResponse:
         return JSONResponse(e.body(), status_code=e.status_code)
@@ -541,6 +549,23 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                         help="seconds that requests in flight at SIGTERM get to finish (new ones get 503 "
                              "meanwhile); then streams end with an error event and [DONE], other requests get "
                              "503, and the server exits")
+    parser.add_argument("--chat-template", default=None,
+                        help="the chat template to render chats with, instead of the checkpoint's (for one that ships "
+                             "none): a .jinja file, or the template text itself; a request's chat_template still "
+                             "wins")
+    parser.add_argument("--enable-auto-tool-choice", action="store_true",
+                        help='let the model decide when to call tools (tool_choice "auto", the default when a '
+                             "request has tools): its calls are read from its text with --tool-call-parser")
+    parser.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
+                        help="the model family's tool-call format, read into OpenAI tool_calls: hermes (Qwen3's "
+                             "<tool_call> blocks), deepseek_v3, pythonic / llama4_pythonic ([f(a=1)]), "
+                             "llama3_json / llama4_json ({\"name\": ..., \"parameters\": ...})")
+    parser.add_argument("--exclude-tools-when-tool-choice-none", action="store_true",
+                        help='leave a request\'s tools out of the chat template when its tool_choice is "none" '
+                             "(by default the template describes them anyway)")
+    parser.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
+                        help="put the text between the model's <think> and </think> into the reply's reasoning "
+                             "(and reasoning_content), the rest into its content: deepseek_r1 or qwen3")
     parser.add_argument("--uvicorn-log-level", default="info",
                         choices=["critical", "error", "warning", "info", "debug", "trace"],
                         help="log level of uvicorn, the HTTP server (its access log at info and below)")
@@ -559,6 +584,9 @@ def run_server(args: argparse.Namespace, engine_args: EngineArgs) -> int:
         raise ValueError(f"--shutdown-timeout must be a number of seconds >= 0, got {args.shutdown_timeout}")
     args.api_key = resolve_api_key(args.api_key)  # before any process starts: the API processes get it resolved
     args.max_n = resolve_max_n()  # likewise
+    if args.chat_template is not None:  # the text itself, read once: every API process renders with it
+        args.chat_template = read_chat_template(args.chat_template)
+    tool_settings_of(args)  # the tool flags checked before anything starts
     _reclaim_leftovers()
     if args.api_server_count > 1:
         return _run_launcher(args, engine_args)
@@ -635,7 +663,16 @@ def _build_app_from_args(args: argparse.Namespace, engine_args: EngineArgs, core
                      metrics_without_api_key=args.metrics_without_api_key,
                      max_request_body_bytes=args.max_request_body_bytes,
                      request_body_timeout_s=args.request_body_timeout, shutdown_timeout_s=args.shutdown_timeout,
-                     max_n=getattr(args, "max_n", None))
+                     max_n=getattr(args, "max_n", None), chat_template=getattr(args, "chat_template", None),
+                     tool_settings=tool_settings_of(args), reasoning_parser=getattr(args, "reasoning_parser", None))
+
+
+def tool_settings_of(args: argparse.Namespace):
+    """The ToolSettings of the tool flags (a ValueError for flags that do not go together)."""
+    from moe.entrypoints.serve.tool_choice import ToolSettings
+
+    return ToolSettings(getattr(args, "enable_auto_tool_choice", False), getattr(args, "tool_call_parser", None),
+                        getattr(args, "exclude_tools_when_tool_choice_none", False))
 
 
 def _reuseport_socket(host: str, port: int) -> socket.socket:

@@ -1,5 +1,6 @@
 """The OpenAI completion and chat-completion handlers: request -> engine prompts and SamplingParams,
 engine deltas -> one JSON response or a stream of server-sent events ending in `data: [DONE]`.
+This file holds their common part and the completions handler; chat_handler.py the chat one.
 
 A request's input processing (chat template, tokenisation, image decoding: seconds for a long
 prompt, a large image or a hostile template) runs in the engine's input thread pool, so that the
@@ -25,11 +26,12 @@ import uuid
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
-from moe.engine.chat_template import check_messages
 from moe.engine.core_client import EngineDeadError
-from moe.engine.input_processor import ProcessedPrompt, split_chat_images
-from moe.entrypoints.serve.protocol import ChatCompletionRequest, CompletionRequest, ErrorResponse, flatten_content
+from moe.engine.input_processor import ProcessedPrompt
+from moe.entrypoints.serve.constraints import request_constraint
+from moe.entrypoints.serve.protocol import CompletionRequest, ErrorResponse
 from moe.outputs import CompletionOutput, RequestOutput
+from moe.sampling_params import SamplingParams
 
 
 def _bad_request(exc: ValueError) -> ErrorResponse:
@@ -151,26 +153,32 @@ class _Handler:
         self.engine = engine
         self.model_name = model_name
 
-    def _prepare(self, body) -> tuple[list[ProcessedPrompt], object]:
+    def _prepare(self, body) -> tuple[list[ProcessedPrompt], SamplingParams, object]:
+        """The engine prompts, their SamplingParams, and the request's state for its outputs (None
+        for none)."""
         raise NotImplementedError
 
-    def _prepare_checked(self, body) -> tuple[list[ProcessedPrompt], object]:
+    def _checked(self, body, prompts: list[ProcessedPrompt], params: SamplingParams, state) -> SamplingParams:
+        """The params once their checks passed (a handler may change them then, and check again)."""
+        return params
+
+    def _prepare_checked(self, body) -> tuple[list[ProcessedPrompt], SamplingParams, object]:
         """_prepare and the checks of its result; in a thread of the engine's input pool."""
-        prompts, params = self._prepare(body)
+        prompts, params, state = self._prepare(body)
         self.engine.input.check_params(params)
         asked = body.requested_max_tokens()
         if asked is not None:
             name, max_tokens = asked
             for p in prompts:
                 self.engine.input.check_context_length(len(p.prompt_token_ids), max_tokens, self.prompt_what, name)
-        return prompts, params
+        return prompts, self._checked(body, prompts, params, state), state
 
     async def create(self, body):
         """A dict (the response) or, with stream, an async iterator of SSE lines."""
         from moe.entrypoints.serve.api_server import first_then_rest
 
         try:
-            prompts, params = await self.engine.run_input(self._prepare_checked, body)
+            prompts, params, state = await self.engine.run_input(self._prepare_checked, body)
         except ValueError as e:
             raise _bad_request(e) from None
         request_id = f"{self.id_prefix}-{uuid.uuid4().hex}"
@@ -178,7 +186,8 @@ class _Handler:
         created = int(time.time())
         if body.stream:
             # The first delta is awaited here: a dead engine still gets a status code, not a broken stream.
-            return await first_then_rest(self._stream(body, request_id, created, prompts, params.n, _merge(gens)))
+            return await first_then_rest(self._stream(body, request_id, created, prompts, params.n, _merge(gens),
+                                                      state))
         choices: dict[int, _Choice] = {}
         prompt_logprobs: dict[int, list] = {}  # by prompt index (its n choices share them)
         async for i, out in _merge(gens):
@@ -194,10 +203,10 @@ class _Handler:
                 c.finish_reason, c.stop_reason = o.finish_reason, o.stop_reason
         return {"id": request_id, "object": self.object_name, "created": created, "model": self.model_name,
                 "choices": [self._choice(body, k, choices[k], prompts[k // params.n],
-                                         prompt_logprobs.get(k // params.n)) for k in sorted(choices)],
+                                         prompt_logprobs.get(k // params.n), state) for k in sorted(choices)],
                 "usage": _usage(prompts, sum(len(c.token_ids) for c in choices.values()))}
 
-    async def _stream(self, body, request_id, created, prompts, n, merged):
+    async def _stream(self, body, request_id, created, prompts, n, merged, state=None):
         from moe.entrypoints.serve.api_server import sse
 
         num_generated = 0
@@ -215,11 +224,11 @@ class _Handler:
                 for o in out.outputs:
                     k = i * n + o.index
                     num_generated += len(o.token_ids)
-                    chunk = self._chunk(body, k, o, prompts[i], k not in started, prompt_logprobs.get(i))
-                    started.add(k)
-                    sent_any = True
-                    yield sse({"id": request_id, "object": self.chunk_object, "created": created,
-                               "model": self.model_name, "choices": [chunk]})
+                    for chunk in self._chunks(body, k, o, prompts[i], k not in started, prompt_logprobs.get(i), state):
+                        started.add(k)
+                        sent_any = True
+                        yield sse({"id": request_id, "object": self.chunk_object, "created": created,
+                                   "model": self.model_name, "choices": [chunk]})
         except EngineDeadError as e:
             if not sent_any:
                 raise  # still before the response: a 503
@@ -251,7 +260,8 @@ class CompletionHandler(_Handler):
         prompt_logprobs = body.prompt_logprobs
         if prompt_logprobs is None and body.echo:
             prompt_logprobs = body.logprobs
-        params = body.sampling_params(body.max_tokens, body.logprobs, prompt_logprobs)
+        params = body.sampling_params(body.max_tokens, body.logprobs, prompt_logprobs,
+                                      request_constraint(body.structured_outputs, body.response_format))
         processed = []
         for i, p in enumerate(prompts):
             try:
@@ -260,7 +270,7 @@ class CompletionHandler(_Handler):
                 if len(prompts) == 1:
                     raise
                 raise ValueError(f"prompt[{i}]: {e}") from None  # which of the batch
-        return processed, params
+        return processed, params, None
 
     def _echo(self, body, prompt: ProcessedPrompt) -> str:
         if not body.echo:
@@ -303,101 +313,16 @@ class CompletionHandler(_Handler):
         return ids + token_ids, (prompt_logprobs or [None] * len(ids)) + entries, 0
 
     def _choice(self, body, index: int, c: _Choice, prompt: ProcessedPrompt,
-                prompt_logprobs: list | None = None) -> dict:
+                prompt_logprobs: list | None = None, state=None) -> dict:
         echo = self._echo(body, prompt)
         token_ids, entries, start = self._scored(body, prompt, prompt_logprobs, echo, c.token_ids, c.logprobs)
         return {"index": index, "text": echo + c.text, "logprobs": self._logprobs(body, token_ids, entries, start),
                 "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
                 "prompt_logprobs": prompt_logprobs_json(prompt_logprobs)}
 
-    def _chunk(self, body, index: int, o: CompletionOutput, prompt: ProcessedPrompt, first: bool,
-               prompt_logprobs: list | None = None) -> dict:
+    def _chunks(self, body, index: int, o: CompletionOutput, prompt: ProcessedPrompt, first: bool,
+                prompt_logprobs: list | None = None, state=None) -> list[dict]:
         echo = self._echo(body, prompt) if first else ""
         token_ids, entries, start = self._scored(body, prompt, prompt_logprobs, echo, o.token_ids, o.logprobs or [])
-        return {"index": index, "text": echo + o.text, "logprobs": self._logprobs(body, token_ids, entries, start),
-                "finish_reason": o.finish_reason, "stop_reason": o.stop_reason}
-
-
-class ChatHandler(_Handler):
-    object_name, chunk_object, id_prefix = "chat.completion", "chat.completion.chunk", "chatcmpl"
-    prompt_what = "the messages"
-
-    def _prepare(self, body: ChatCompletionRequest):
-        if not body.messages:
-            raise ValueError("messages is required: a non-empty list of {'role': ..., 'content': ...}")
-        check_messages(body.messages)  # before flatten_content, which keeps only the text parts
-        messages = flatten_content(body.messages)
-        kwargs = body.chat_template_kwargs or {}
-        if body.continue_final_message:
-            prompt = self._continue_final(messages, body.generation_prompt(), body.chat_template, kwargs)
-        else:
-            prompt = self.engine.input.process_chat(messages, body.generation_prompt(), body.chat_template, **kwargs)
-        asked = body.requested_max_tokens()
-        params = body.sampling_params(None if asked is None else asked[1], body.chat_logprobs())
-        # cut after rendering, as LLM.chat's: the rendered prompt must fit max_model_len
-        return [self.engine.input.truncate(prompt, params.truncate_prompt_tokens)], params
-
-    def _continue_final(self, messages: list[dict], add_generation_prompt: bool, template: str | None,
-                        kwargs: dict) -> ProcessedPrompt:
-        """The conversation rendered so that it ends inside the last message (the model continues
-        it): a marker appended to that message's content shows where its text ends."""
-        if add_generation_prompt:
-            raise ValueError("continue_final_message needs add_generation_prompt false")
-        messages, images = split_chat_images(messages)
-        content = messages[-1].get("content")
-        if not isinstance(content, str):
-            raise ValueError("continue_final_message: the last message needs a text content to continue")
-        marker = f"<moe-continue-{uuid.uuid4().hex}>"
-        marked = [*messages[:-1], {**messages[-1], "content": content + marker}]
-        text = self.engine.input.render_chat(marked, False, template, **kwargs)
-        if text.count(marker) != 1:
-            raise ValueError("continue_final_message: the chat template does not render the last message's "
-                             "content as given, so there is no end of it to continue from")
-        text = text[:text.index(marker)]
-        tok = self.engine.input.tokenizer
-        if tok is None:
-            raise ValueError("chat needs a tokenizer: this model folder has no tokenizer.json")
-        # The template writes the special tokens itself, as for any chat prompt.
-        prompt = {"prompt": text, "prompt_token_ids": tok.encode(text, add_special_tokens=False)}
-        if images:
-            prompt["multi_modal_data"] = {"image": images}
-        return self.engine.input.process_prompt(prompt)
-
-    @staticmethod
-    def _echo(body: ChatCompletionRequest) -> str:
-        """With echo: the last message's content when the reply continues that role (vLLM's rule)."""
-        if not body.echo or not body.messages:
-            return ""
-        last = flatten_content(body.messages[-1:])[0]
-        if last.get("role") != body.response_role():
-            return ""
-        return last.get("content") or ""
-
-    def _logprobs(self, body, token_ids: list[int], entries: list) -> dict | None:
-        if not body.logprobs:
-            return None
-        names = _TokenNames(self.engine.info.tokenizer)
-
-        def item(tid, lp):
-            return {"token": names.text(tid), "logprob": _finite(lp.logprob), "bytes": list(names.bytes(tid))}
-
-        content = []
-        for tid, entry in zip(token_ids, entries):
-            ranked = sorted(entry.items(), key=lambda kv: kv[1].rank)[:body.top_logprobs or 0]
-            content.append({**item(tid, entry[tid]), "top_logprobs": [item(t, lp) for t, lp in ranked]})
-        return {"content": content}
-
-    def _choice(self, body, index: int, c: _Choice, prompt: ProcessedPrompt,
-                prompt_logprobs: list | None = None) -> dict:
-        return {"index": index, "message": {"role": body.response_role(), "content": self._echo(body) + c.text},
-                "logprobs": self._logprobs(body, c.token_ids, c.logprobs),
-                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
-
-    def _chunk(self, body, index: int, o: CompletionOutput, prompt: ProcessedPrompt, first: bool,
-               prompt_logprobs: list | None = None) -> dict:
-        if first:
-            delta = {"role": body.response_role(), "content": self._echo(body) + o.text}
-        else:
-            delta = {"content": o.text}
-        return {"index": index, "delta": delta, "logprobs": self._logprobs(body, o.token_ids, o.logprobs or []),
-                "finish_reason": o.finish_reason, "stop_reason": o.stop_reason}
+        return [{"index": index, "text": echo + o.text, "logprobs": self._logprobs(body, token_ids, entries, start),
+                 "finish_reason": o.finish_reason, "stop_reason": o.stop_reason}]

@@ -12,7 +12,7 @@ escapes can carry) are refused with the field's name, before they reach the engi
 from __future__ import annotations
 
 import logging
-from typing import Annotated, Any, Union
+from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -100,6 +100,22 @@ class StreamOptions(_StrictModel):
     continuous_usage_stats: bool = False
 
 
+class JsonSchemaFormat(_StrictModel):
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")  # `schema` would shadow BaseModel's
+    strict: bool | None = None
+
+
+class ResponseFormat(_StrictModel):
+    """OpenAI's response_format: "text", "json_object", "json_schema" (with json_schema), and
+    vLLM's "structural_tag" (structures and triggers)."""
+    type: Literal["text", "json_object", "json_schema", "structural_tag"]
+    json_schema: JsonSchemaFormat | None = None
+    structures: list[dict[str, Any]] | None = None
+    triggers: list[str] | None = None
+
+
 class _SamplingRequest(_StrictModel):
     model: str | None = None
     max_tokens: Int64 | None = None
@@ -126,6 +142,9 @@ class _SamplingRequest(_StrictModel):
     user: str | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
+    response_format: ResponseFormat | None = None
+    # vLLM's extension: StructuredOutputsParams' fields (json, regex, choice, grammar, structural_tag, ...)
+    structured_outputs: dict[str, Any] | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -145,7 +164,7 @@ class _SamplingRequest(_StrictModel):
         return n
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None,
-                        prompt_logprobs: int | None = None) -> SamplingParams:
+                        prompt_logprobs: int | None = None, structured_outputs=None) -> SamplingParams:
         """Unset values take OpenAI's defaults (temperature 1, top_p 1)."""
         return SamplingParams(
             n=self.n, temperature=1.0 if self.temperature is None else self.temperature,
@@ -158,7 +177,7 @@ class _SamplingRequest(_StrictModel):
             prompt_logprobs=prompt_logprobs, skip_special_tokens=self.skip_special_tokens,
             logit_bias=self._logit_bias(),
             allowed_token_ids=self.allowed_token_ids, bad_words=self.bad_words,
-            truncate_prompt_tokens=self.truncate_prompt_tokens)
+            truncate_prompt_tokens=self.truncate_prompt_tokens, structured_outputs=structured_outputs)
 
     def _logit_bias(self) -> dict[int, float] | None:
         if self.logit_bias is None:
@@ -231,8 +250,33 @@ class CompletionRequest(_SamplingRequest):
         return None
 
 
+class FunctionDefinition(_StrictModel):
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments object
+    strict: bool | None = None
+
+
+class ToolParam(_StrictModel):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(_StrictModel):
+    name: str
+
+
+class NamedToolChoice(_StrictModel):
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
 class ChatCompletionRequest(_SamplingRequest):
     messages: list[dict[str, Any]] = Field(default_factory=list)
+    tools: list[ToolParam] | None = None
+    tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
+    parallel_tool_calls: bool | None = True
+    include_reasoning: bool = True  # vLLM's: false leaves the reasoning out of the reply
     max_completion_tokens: Int64 | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=INT64_MAX)] | None = None

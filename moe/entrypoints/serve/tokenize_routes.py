@@ -1,7 +1,7 @@
 """/tokenize and /detokenize, with vLLM's bodies and answers.
 
 POST /tokenize {"model", "prompt"} or {"model", "messages"} (rendered with the chat template, as
-/v1/chat/completions renders them) -> {"count", "max_model_len", "tokens", "token_strs"}.
+/v1/chat/completions renders them, with the request's `tools`) -> {"count", "max_model_len", "tokens", "token_strs"}.
 add_special_tokens defaults to true for a prompt and false for messages (the template writes the
 special tokens itself); token_strs is the vocabulary's spelling of each token with
 return_token_strs, else null.
@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from moe.engine.chat_template import check_content_parts, check_template_kwargs
-from moe.entrypoints.serve.protocol import ErrorResponse, Int64, _StrictModel, flatten_content
+from moe.entrypoints.serve.protocol import ErrorResponse, Int64, ToolParam, _StrictModel, flatten_content
 
 
 class TokenizeRequest(_StrictModel):
@@ -26,6 +26,7 @@ class TokenizeRequest(_StrictModel):
     add_generation_prompt: bool = True
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[ToolParam] | None = None  # for the template, as in a chat request
     return_token_strs: bool = False
 
 
@@ -54,7 +55,8 @@ def add_tokenize_routes(app, engine, check_model: Callable[[str | None], None]) 
                 raise ErrorResponse("/tokenize takes text messages only (no image parts)", param="messages")
             kwargs = body.chat_template_kwargs or {}
             check_template_kwargs(kwargs)
-            text = engine.input.render_chat(messages, body.add_generation_prompt, body.chat_template, **kwargs)
+            tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
+            text = engine.input.render_chat(messages, body.add_generation_prompt, body.chat_template, tools, **kwargs)
             add_special = bool(body.add_special_tokens)
         else:
             text = body.prompt
