@@ -14,6 +14,8 @@ Stages:
            --random-range-ratio` draws them) in one `LLM.generate`: wall time, output tok/s, the
            fraction of the floor, and per kind of step (decode-only, mixed prefill + decode,
            prefill-only) the count, seconds, ms and tokens per step, device time and floor.
+  structured TPOT of B = 1, 32, 256 requests under a JSON schema (llguidance masks) against plain ones,
+           and 32 structured among 256, with the host's mask-fill time per step (synthetic 150k vocabulary).
   eager    the decode step at 256 again with enforce_eager=True (what the graphs buy).
   qwen3-tp2 (two GPUs) the qwen3 runs (--runs) under tensor_parallel_size=2 only.
   tp2      (two GPUs) tiny checkpoints' greedy tokens under tensor_parallel_size=2 (eager and CUDA
@@ -48,6 +50,7 @@ import contextlib
 import json
 import os
 import random
+import statistics
 import tempfile
 import time
 
@@ -772,6 +775,122 @@ def families(results: dict, runs=FAMILY_RUNS, only: str | None = None) -> None:
         torch.cuda.empty_cache()
 
 
+def _structured_model(cfg: dict) -> str:
+    """A dummy-weight checkpoint folder with a synthetic 150k byte-level BPE tokenizer (the grammar
+    library's cost grows with the vocabulary; built as benchmarks/bench_grammar_mask.py builds it)."""
+    from benchmarks.bench_grammar_mask import VOCAB, build_tokenizer
+
+    path = tempfile.mkdtemp()
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump({**cfg, "eos_token_id": 0}, f)  # the tokenizer's <|endoftext|>
+    build_tokenizer(min(VOCAB, cfg["vocab_size"])).save(os.path.join(path, "tokenizer.json"))
+    return path
+
+
+def structured_masks(results: dict, cfg: dict | None = None, device: str = "cuda", batches=(1, 32, 256),
+                     input_len: int = 128, output_len: int = 48, backends=("guidance", "xgrammar")) -> None:
+    """What grammar masks cost a decode step (#33): TPOT of B requests under a JSON schema against B
+    plain ones, B = 1, 32, 256 (and 32 structured among 256), Qwen3-30B-A3B shape, dummy weights,
+    default (async) scheduling. Each request's schema is an array of at least 64 five-field objects,
+    so no grammar completes inside output_len; "maxLength" bounds the string field, llguidance's slow
+    case. Host time of the bitmask fill (StructuredOutputManager.fill_bitmask) per step beside. Once
+    per grammar library (structured_outputs_config backend), each in its own engine. First, the
+    device's part alone: the mask's upload and the Triton kernel that applies it, CUDA events."""
+    from moe.structured_output.manager import StructuredOutputManager
+
+    if device == "cuda":
+        mask_on_device(results, batches)
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    cfg = cfg or {**QWEN3_30B_A3B, "max_position_embeddings": 4096}
+    t0 = time.perf_counter()
+    path = _structured_model(cfg)
+    results["structured/tokenizer_s"] = time.perf_counter() - t0
+    fills: list[float] = []
+    fill = StructuredOutputManager.fill_bitmask
+
+    def timed_fill(self, so):
+        t = time.perf_counter()
+        fill(self, so)
+        fills.append(time.perf_counter() - t)
+
+    from moe.structured_output import xgrammar_backend
+
+    if not xgrammar_backend.available():
+        print("xgrammar does not import here: llguidance only", flush=True)
+        backends = [b for b in backends if b != "xgrammar"]
+    StructuredOutputManager.fill_bitmask = timed_fill
+    try:
+        for backend in backends:
+            _structured_runs(results, path, backend, cfg, device, batches, input_len, output_len, fills, sync)
+    finally:
+        StructuredOutputManager.fill_bitmask = fill
+
+
+def mask_on_device(results: dict, batches, vocab: int = 151936, iters: int = 50) -> None:
+    """Upload of a [B, ceil(V/32)] int32 host bitmask (pinned staging, no sync) plus the apply kernel
+    on fp32 logits [B, V], per step, CUDA events over iters steps."""
+    import numpy as np
+
+    from kernels.host_to_device import host_to_device
+    from kernels.token_bitmask import apply_token_bitmask
+
+    rng = np.random.default_rng(0)
+    for b in batches:
+        logits = torch.randn(b, vocab, device="cuda")
+        mask = rng.integers(-2**31, 2**31 - 1, size=(b, (vocab + 31) // 32), dtype=np.int32)
+        rows = np.arange(b, dtype=np.int64)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        for timed in (False, True):
+            start.record()
+            for _ in range(iters):
+                apply_token_bitmask(logits, host_to_device(rows, logits.device), host_to_device(mask, logits.device))
+            end.record()
+            torch.cuda.synchronize()
+        row = {"batch": b, "vocab": vocab, "upload_and_apply_us": start.elapsed_time(end) * 1e3 / iters}
+        results[f"structured/device/{b}"] = row
+        print(f"structured device mask {b}: {json.dumps(row)}", flush=True)
+
+
+def _structured_runs(results, path, backend, cfg, device, batches, input_len, output_len, fills, sync) -> None:
+    from benchmarks.bench_grammar_mask import SCHEMAS
+    from moe import StructuredOutputsParams
+
+    with LLM(path, device=device, load_format="dummy", max_model_len=4096, max_num_seqs=256,
+             max_num_batched_tokens=8192, enable_prefix_caching=False,
+             structured_outputs_config={"backend": backend}) as llm:
+        vocab = min(cfg["vocab_size"], 150_000)
+
+        def params(kind: str | None, n: int) -> SamplingParams:
+            so = None if kind is None else StructuredOutputsParams(
+                json={"type": "array", "items": SCHEMAS[kind], "minItems": 64})
+            return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=kind is None, structured_outputs=so)
+
+        def run(batch: int, kinds: list, n: int) -> tuple[float, list[int]]:
+            prompts = _prompts(batch, input_len, seed=4, vocab=vocab)
+            sync()
+            t = time.perf_counter()
+            outs = llm.generate(prompts, [params(k, n) for k in kinds], use_tqdm=False)
+            sync()
+            return time.perf_counter() - t, [len(o.outputs[0].token_ids) for o in outs]
+
+        cases = [(f"{kind or 'plain'}/{b}", b, [kind] * b) for b in batches
+                 for kind in (None, "typical", "string_maxLength")]
+        cases.append(("typical_32_of/256", 256, ["typical"] * 32 + [None] * 224))
+        for name, batch, kinds in cases:
+            run(batch, kinds, 2)  # warm: compiles the schema, fills the caches
+            t1 = min(run(batch, kinds, 1)[0] for _ in range(2))
+            del fills[:]
+            tn, lengths = min(run(batch, kinds, output_len) for _ in range(2))
+            per_token = (tn - t1) / (output_len - 1)
+            row = {"batch": batch, "structured": sum(k is not None for k in kinds),
+                   "tpot_ms": per_token * 1e3, "tokens": sorted(set(lengths)),
+                   "fill_ms_per_step": 1e3 * statistics.median(fills) if fills else 0.0,
+                   "fill_p90_ms_per_step": 1e3 * sorted(fills)[int(0.9 * len(fills))] if fills else 0.0}
+            results[f"structured/{backend}/{name}"] = row
+            shown = {k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}
+            print(f"structured {backend} {name}: {json.dumps(shown)}", flush=True)
+
+
 DP2EP_LAYOUTS = {
     "tp2": dict(tensor_parallel_size=2),
     "dp2ep-ll-graphs": dict(data_parallel_size=2, enable_expert_parallel=True, all2all_backend="low_latency"),
@@ -808,7 +927,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("stages", nargs="+",
                         choices=["parity", "qwen3", "qwen3-tp2", "eager", "families", "families-mixed",
-                                 "deepseek-mixed", "tp2", "recording", "dp2ep"])
+                                 "deepseek-mixed", "tp2", "recording", "dp2ep", "structured"])
     parser.add_argument("--checkpoints", nargs="*", default=[".gpu_ckpts/qwen3_moe", ".gpu_ckpts/deepseek_v3",
                                                              ".gpu_ckpts/llama4_mm"])
     parser.add_argument("--runs", nargs="*", default=["decode256", "tpot1", "tpot32", "tput_256x2048x512",
@@ -835,6 +954,8 @@ def main(argv: list[str] | None = None) -> int:
                     qwen3(results, eager=False, runs=["decode256", "tpot1"], record=record, tag_suffix=f"-{i // 2}")
             elif stage == "dp2ep":
                 dp2ep(results)
+            elif stage == "structured":
+                structured_masks(results)
             elif stage == "tp2":
                 parity(results, args.checkpoints[:1], tp=2)
                 for tp in (1, 2):

@@ -44,7 +44,8 @@
 #                 Qwen3-30B-A3B shape (SERVE_CKPT as above; the default's config.json is written when missing)
 #                 driven by `moe bench serve` at each rate in turn (Poisson arrivals), 400 text prompts of
 #                 512 +-75% tokens, 128 +-75% out; TTFT / TPOT / ITL / E2E mean, p50, p90, p99 per rate
-#                 (POISSON_ARGS adds flags, e.g. "--api-server-counts 4") -> $OUT/serve_poisson/summary.json
+#                 (POISSON_ARGS adds flags, e.g. "--api-server-counts 4"; POISSON_TAG suffixes the folder)
+#                 -> $OUT/serve_poisson$POISSON_TAG/summary.json
 #                 (~4-5 min: 100 + 50 + 25 s of arrivals, the inf run, start-up and warm-up; bound 8 min)
 #   mm-fixtures   HF's Llama-4 processor (needs torchvision) on the test images -> $OUT/fixtures (installs the
 #                 carried .whl-hf wheels into /tmp/site-hf when transformers < 5.23 is missing)
@@ -59,6 +60,9 @@
 #                 (blocks, kernel times, greedy agreement) -> $OUT/kv_fp8.json
 #   engine-fp8    gpu_engine_bench.py qwen3 --runs ${FP8_RUNS:-decode256 tpot1 mixed} with a bf16 KV cache,
 #                 then with kv_cache_dtype=fp8 -> $OUT/engine_kv_{auto,fp8}.json
+#   structured    (carry .whl-llg: the llguidance, xgrammar and apache-tvm-ffi wheels) the structured-output GPU tests, bench_grammar_mask.py on
+#                 this host's CPUs, and gpu_engine_bench.py structured: TPOT under JSON-schema masks at 1 / 32 / 256
+#                 requests against plain ones -> $OUT/grammar_mask_host.json, $OUT/engine_structured.json
 #   eplb          (two GPUs) benchmarks/eplb_gpu_bench.py: DP2+EP on the Qwen3-30B-A3B shape, a skewed workload,
 #                 balancedness and decode-step time before/after one EPLB rebalance (EPLB_ARGS adds flags) -> $OUT/eplb.json
 set -u
@@ -137,7 +141,7 @@ for stage in "$@"; do
 from moe.bench.common import QWEN3_30B_A3B
 os.makedirs(sys.argv[1], exist_ok=True)
 json.dump(QWEN3_30B_A3B, open(os.path.join(sys.argv[1], 'config.json'), 'w'))" "$CKPT"
-      step serve-poisson timeout 480 python3 benchmarks/serve_gpu_bench.py "$CKPT" --out-dir "$OUT/serve_poisson" \
+      step serve-poisson timeout 480 python3 benchmarks/serve_gpu_bench.py "$CKPT" --out-dir "$OUT/serve_poisson${POISSON_TAG:-}" \
            --request-rates 4,8,16,inf --num-prompts 400 --input-len 512 --output-len 128 --random-range-ratio 0.75 \
            --deadline-s 465 ${POISSON_ARGS:-} ;;
     mm-fixtures) mkdir -p "$OUT/fixtures"
@@ -160,6 +164,14 @@ json.dump(QWEN3_30B_A3B, open(os.path.join(sys.argv[1], 'config.json'), 'w'))" "
         step "engine kv $dt" env BENCH_KV_CACHE_DTYPE=$dt timeout 290 python3 benchmarks/gpu_engine_bench.py qwen3 \
              --runs ${FP8_RUNS:-decode256 tpot1 mixed} --out "$OUT/engine_kv_$dt.json"
       done ;;
+    structured) python3 -c "import llguidance, xgrammar" 2>/dev/null || { [ -d /tmp/site-llg ] || python3 -m pip install \
+          -q --no-index --no-deps --target /tmp/site-llg .whl-llg/*.whl; export PYTHONPATH="$PYTHONPATH:/tmp/site-llg"; }
+      python3 -c "import transformers, xgrammar, llguidance; print('transformers', transformers.__version__, 'xgrammar', \
+          xgrammar.__version__, 'llguidance', llguidance.__version__)" 2>&1 | tail -1 | tee -a "$LOG"
+      step structured-tests timeout 200 python3 -m pytest -q -p no:cacheprovider \
+           tests/structured_output/test_gpu.py tests/kernels/test_token_bitmask.py tests/structured_output/test_backends.py
+      step grammar-mask timeout 200 python3 benchmarks/bench_grammar_mask.py --out "$OUT/grammar_mask_host.json"
+      step structured-engine timeout 400 python3 benchmarks/gpu_engine_bench.py structured --out "$OUT/engine_structured.json" ;;
     eplb) step eplb timeout 580 python3 benchmarks/eplb_gpu_bench.py --out "$OUT/eplb.json" ${EPLB_ARGS:-} ;;
     *) echo "unknown stage $stage" | tee -a "$LOG" ;;
   esac

@@ -9,7 +9,8 @@ from dataclasses import dataclass
 
 import torch
 
-from models.fp8 import QUANTIZATION_CHOICES as QUANTIZATIONS  # None (auto) | "fp8" | "none"
+from models.fp8 import QUANTIZATION_CHOICES as QUANTIZATIONS
+from moe.structured_output.config import StructuredOutputsConfig  # None (auto) | "fp8" | "none"
 
 logger = logging.getLogger("moe.config")
 
@@ -179,6 +180,9 @@ ENGINE_ARG_HELP = {
     "tokenizer_mode": "auto or hf: both load tokenizer.json through the fast tokenizers library, the only loader",
     "revision": "branch, tag or commit of a hub model id; a local folder ignores it (default: %(default)s: "
                 "main)",
+    "structured_outputs_config": "structured outputs as JSON, e.g. '{\"backend\": \"xgrammar\"}': backend auto "
+                                 "(xgrammar when installed and able, else llguidance), guidance or xgrammar; "
+                                 "disable_any_whitespace, disable_additional_properties",
     "kv_cache_dtype": "dtype of the KV cache: auto (the model dtype) or a dtype by name (docs/engine_args.md "
                       "lists those accepted)",
     **{name: f"accepted for vLLM compatibility, without effect: {why}"
@@ -259,6 +263,8 @@ class EngineArgs:
     # "auto": the model dtype; "fp8" (= "fp8_e4m3") / "fp8_e5m2": an FP8 cache with per-tensor
     # scales (half a bf16 cache's bytes); another explicit dtype must be the model's.
     kv_cache_dtype: str = "auto"
+    # Structured outputs: the grammar library (StructuredOutputsConfig's keys, as vLLM's).
+    structured_outputs_config: dict | str | None = None
     swap_space: float | None = None  # accepted, no effect (NO_EFFECT_ARGS)
     cpu_offload_gb: float = 0.0      # accepted, no effect
     disable_custom_all_reduce: bool = False  # accepted, no effect
@@ -272,6 +278,10 @@ class EngineArgs:
     def eplb(self) -> EPLBConfig | None:
         """The parsed EPLB settings when enable_eplb, else None."""
         return EPLBConfig.parse(self.eplb_config) if self.enable_eplb else None
+
+    @property
+    def structured_outputs(self) -> StructuredOutputsConfig:
+        return StructuredOutputsConfig.parse(self.structured_outputs_config)
 
     def resolve_device(self) -> torch.device:
         if self.device == "auto":
@@ -369,6 +379,7 @@ class EngineArgs:
         if self.mm_shm_cache_max_object_size_mb < 1:
             raise ValueError(f"mm_shm_cache_max_object_size_mb must be >= 1, "
                              f"got {self.mm_shm_cache_max_object_size_mb}")
+        StructuredOutputsConfig.parse(self.structured_outputs_config)
         eplb = EPLBConfig.parse(self.eplb_config)  # bad keys or values fail even with EPLB off
         if self.enable_eplb:
             if not self.enable_expert_parallel or self.tensor_parallel_size * self.data_parallel_size < 2:
@@ -415,7 +426,7 @@ class EngineArgs:
                 action = parser.add_argument(*flags, action=argparse.BooleanOptionalAction, default=f.default)
             elif str(f.type).startswith("list[int]"):
                 action = parser.add_argument(*flags, type=int, nargs="+", default=f.default)
-            elif f.name in ("limit_mm_per_prompt", "eplb_config"):  # JSON text
+            elif f.name in ("limit_mm_per_prompt", "eplb_config", "structured_outputs_config"):  # JSON text
                 action = parser.add_argument(*flags, type=str, default=None)
             else:
                 kind = int if "int" in str(f.type) else float if "float" in str(f.type) else str

@@ -244,7 +244,7 @@ class EngineCore:
                 raise ValueError("structured_outputs need the model's tokenizer (tokenizer.json), and this model "
                                  "has none")
             self.structured = StructuredOutputManager(info.tokenizer, info.model_config.vocab_size,
-                                                      tuple(info.eos_token_ids))
+                                                      tuple(info.eos_token_ids), info.args.structured_outputs)
         return self.structured
 
     def abort_requests(self, request_ids: list[str], status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> None:

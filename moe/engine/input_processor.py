@@ -224,10 +224,17 @@ class InputProcessor:
         """Compile the request's constraint here too, so that a bad schema, regex or grammar is a
         ValueError naming it before anything is queued (the server answers 400); the engine core
         compiles it again through its own cache."""
+        config = self.info.args.structured_outputs
+        spec = config.apply(params.structured_outputs)
+        if config.backend_for(spec) == "xgrammar":
+            from moe.structured_output.xgrammar_backend import grammar
+
+            grammar(spec)  # no tokenizer needed to check a spec
+            return
         from moe.structured_output.grammar import ll_tokenizer, validate
 
         tokenizer = ll_tokenizer(self.tokenizer, self.vocab_size, tuple(self.info.eos_token_ids))
-        validate(params.structured_outputs, tokenizer)
+        validate(spec, tokenizer)
 
     def _max_tokens(self, request_id: str, params: SamplingParams, prompt_len: int) -> int:
         room = self.max_model_len - prompt_len

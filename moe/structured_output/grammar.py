@@ -149,3 +149,59 @@ def validate(p: StructuredOutputsParams, tokenizer) -> str:
     if error:
         raise _bad(p.kind, error)
     return grammar
+
+
+class LLGuidanceBackend:
+    """llguidance behind the interface the manager drives (xgrammar_backend.XgrammarBackend has the
+    same): compile, a matcher per sequence, batched mask fills and token consumption."""
+    name = "guidance"
+
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: tuple[int, ...]) -> None:
+        self._tokenizer = ll_tokenizer(tokenizer, vocab_size, tuple(eos_token_ids))
+        self._executor = None  # llguidance.LLExecutor: fills masks and consumes tokens in parallel
+
+    @staticmethod
+    def key(p: StructuredOutputsParams) -> str:
+        """The grammar text: what identifies a compiled grammar (the manager's cache key)."""
+        return grammar_text(p)
+
+    def compile(self, p: StructuredOutputsParams):
+        """A template matcher for the request's grammar (raises ValueError with llguidance's message)."""
+        import llguidance as llg
+
+        matcher = llg.LLMatcher(self._tokenizer, grammar_text(p), log_level=0)
+        if matcher.is_error():
+            raise ValueError(_detail(matcher.get_error()))
+        return matcher
+
+    @staticmethod
+    def matcher(template):
+        return template.deep_copy()  # a new sequence: no output tokens to replay
+
+    @property
+    def executor(self):
+        if self._executor is None:
+            import llguidance as llg
+            self._executor = llg.LLExecutor()
+        return self._executor
+
+    def fill(self, rows: list[tuple[object, int]], bitmask) -> None:
+        """Fill bitmask[i] for each (matcher, i)."""
+        from llguidance.numpy import fill_next_token_bitmask_par
+
+        fill_next_token_bitmask_par(self.executor, rows, bitmask)
+
+    def consume(self, pairs: list[tuple[object, int]]) -> list[bool]:
+        return self.executor.consume_token_par(pairs)
+
+    @staticmethod
+    def consume_tokens(matcher, tokens: list[int]) -> bool:
+        return matcher.consume_tokens(tokens)
+
+    @staticmethod
+    def is_stopped(matcher) -> bool:
+        return matcher.is_stopped()
+
+    @staticmethod
+    def error(matcher) -> str:
+        return _detail(matcher.get_error())

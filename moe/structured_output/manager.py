@@ -27,8 +27,8 @@ from collections import OrderedDict
 
 import numpy as np
 
-from moe.structured_output.grammar import _detail, ll_tokenizer
-from moe.structured_output.grammar import grammar_text as _grammar_text
+from moe.structured_output.config import StructuredOutputsConfig
+from moe.structured_output.grammar import LLGuidanceBackend
 from scheduler import Request, RequestStatus
 from scheduler.output import EngineCoreOutput, SchedulerOutput
 
@@ -38,56 +38,69 @@ _CACHE_SIZE = 256          # compiled grammars kept (templates; requests hold th
 _POLL_WAIT_S = 0.05        # how long an idle engine waits for a compilation before it steps again
 
 
-def _compile(tokenizer_future: cf.Future, grammar: str):
-    """A template matcher for the grammar (raises ValueError with llguidance's message)."""
-    import llguidance as llg
+def _backend_class(name: str):
+    if name == "xgrammar":
+        from moe.structured_output.xgrammar_backend import XgrammarBackend
+        return XgrammarBackend
+    return LLGuidanceBackend
 
-    matcher = llg.LLMatcher(tokenizer_future.result(), grammar, log_level=0)
-    if matcher.is_error():
-        raise ValueError(_detail(matcher.get_error()))
-    return matcher
+
+def _compile(backend_future: cf.Future, params):
+    """A compiled grammar (raises ValueError with the library's message)."""
+    return backend_future.result().compile(params)
 
 
 class _Sequence:
-    """One structured sequence: its scheduler request, its grammar (compiling) and its matcher."""
-    __slots__ = ("request", "kind", "future", "matcher")
+    """One structured sequence: its scheduler request, its grammar (compiling), the library that
+    runs it and its matcher."""
+    __slots__ = ("request", "kind", "backend_name", "future", "backend", "matcher")
 
-    def __init__(self, request: Request, kind: str, future: cf.Future) -> None:
-        self.request, self.kind, self.future, self.matcher = request, kind, future, None
+    def __init__(self, request: Request, kind: str, backend_name: str, future: cf.Future) -> None:
+        self.request, self.kind, self.backend_name, self.future = request, kind, backend_name, future
+        self.backend = self.matcher = None
 
 
 class StructuredOutputManager:
     def __init__(self, tokenizer, vocab_size: int, eos_token_ids: tuple[int, ...],
-                 max_workers: int | None = None) -> None:
+                 config: StructuredOutputsConfig | None = None, max_workers: int | None = None) -> None:
         self.vocab_size = vocab_size
         self.num_words = (vocab_size + 31) // 32
+        self.config = config or StructuredOutputsConfig()
         workers = max_workers or max(1, min(8, (os.cpu_count() or 2) // 2))
         self._pool = cf.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="moe-grammar")
-        # Built once (about a second for a 150k vocabulary), off the step loop like the grammars.
-        self._tokenizer = self._pool.submit(ll_tokenizer, tokenizer, vocab_size, tuple(eos_token_ids))
+        self._tokenizer_args = (tokenizer, vocab_size, tuple(eos_token_ids))
+        # A library's tokenizer is built once (about a second for a 150k vocabulary), off the step
+        # loop like the grammars, when its first request arrives.
+        self._backends: dict[str, cf.Future] = {}
         self._cache: OrderedDict[str, cf.Future] = OrderedDict()
         self._sequences: dict[str, _Sequence] = {}
         self._compiling: dict[str, _Sequence] = {}
-        self._executor = None  # llguidance.LLExecutor: fills masks and consumes tokens in parallel
         self.num_compiled = 0  # grammars compiled (cache misses), for tests and logs
+
+    def _backend(self, name: str) -> cf.Future:
+        future = self._backends.get(name)
+        if future is None:
+            future = self._backends[name] = self._pool.submit(_backend_class(name), *self._tokenizer_args)
+        return future
 
     # ---- requests ----------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
         """Track a structured request (before the scheduler sees it): it waits for its grammar
         unless the cache holds it compiled already. Raises ValueError for a spec llguidance cannot
         translate."""
-        params = request.sampling_params.structured_outputs
-        grammar = _grammar_text(params)
-        future = self._cache.get(grammar)
+        params = self.config.apply(request.sampling_params.structured_outputs)
+        name = self.config.backend_for(params)
+        key = _backend_class(name).key(params)
+        future = self._cache.get(key)
         if future is None or (future.done() and future.exception() is not None):
-            future = self._pool.submit(_compile, self._tokenizer, grammar)
+            future = self._pool.submit(_compile, self._backend(name), params)
             self.num_compiled += 1
-            self._cache[grammar] = future
+            self._cache[key] = future
             if len(self._cache) > _CACHE_SIZE:
                 self._cache.popitem(last=False)
         else:
-            self._cache.move_to_end(grammar)
-        seq = _Sequence(request, params.kind, future)
+            self._cache.move_to_end(key)
+        seq = _Sequence(request, params.kind, name, future)
         self._sequences[request.request_id] = seq
         if not (future.done() and self._start(seq) is None):
             request.status = RequestStatus.WAITING_FOR_FSM
@@ -111,7 +124,8 @@ class StructuredOutputManager:
         exc = seq.future.exception()
         if exc is not None:
             return f"invalid structured_outputs.{seq.kind}: {exc}"
-        seq.matcher = seq.future.result().deep_copy()  # a new sequence: no output tokens to replay
+        seq.backend = self._backends[seq.backend_name].result()
+        seq.matcher = seq.backend.matcher(seq.future.result())
         return None
 
     def poll(self, block: bool = False) -> dict[str, str]:
@@ -137,13 +151,6 @@ class StructuredOutputManager:
         return errors
 
     # ---- each step ---------------------------------------------------------------------
-    @property
-    def executor(self):
-        if self._executor is None:
-            import llguidance as llg
-            self._executor = llg.LLExecutor()
-        return self._executor
-
     def fill_bitmask(self, so: SchedulerOutput) -> None:
         """The allowed tokens of the step's structured sequences that sample (their scheduled tokens
         reach the end of their known ones: a prefill chunk short of it samples nothing), into
@@ -156,13 +163,12 @@ class StructuredOutputManager:
             seq = self._sequences.get(rid)
             if seq is not None and seq.matcher is not None and \
                     seq.request.num_computed_tokens >= seq.request.num_tokens:
-                rows.append((rid, seq.matcher))
+                rows.append((rid, seq))
         if not rows:
             return
-        from llguidance.numpy import fill_next_token_bitmask_par
-
         bitmask = np.empty((len(rows), self.num_words), dtype=np.int32)
-        fill_next_token_bitmask_par(self.executor, [(m, i) for i, (_, m) in enumerate(rows)], bitmask)
+        for backend, group in _by_backend((seq, i) for i, (_, seq) in enumerate(rows)):
+            backend.fill([(seq.matcher, i) for seq, i in group], bitmask)
         so.structured_output_request_ids = [rid for rid, _ in rows]
         so.grammar_bitmask = bitmask
 
@@ -177,21 +183,32 @@ class StructuredOutputManager:
             if seq is None or not co.new_token_ids or seq.matcher is None:
                 continue
             (singles if len(co.new_token_ids) == 1 else many).append((co, seq))
-        if singles:
-            ok = self.executor.consume_token_par([(s.matcher, co.new_token_ids[0]) for co, s in singles])
-        for (co, seq), good in zip(singles + many, (ok if singles else []) + [None] * len(many)):
+        accepted = {}
+        for backend, group in _by_backend((seq, co) for co, seq in singles):
+            ok = backend.consume([(seq.matcher, co.new_token_ids[0]) for seq, co in group])
+            accepted.update((co.req_id, good) for (_, co), good in zip(group, ok))
+        for co, seq in singles + many:
+            good = accepted.get(co.req_id)
             if good is None:
-                good = seq.matcher.consume_tokens(co.new_token_ids)
+                good = seq.backend.consume_tokens(seq.matcher, co.new_token_ids)
             if co.finish_reason is not None:
                 self._sequences.pop(co.req_id, None)
             if not good:
                 errors[co.req_id] = (f"structured_outputs.{seq.kind}: the grammar refused token "
-                                     f"{co.new_token_ids[-1]} ({_detail(seq.matcher.get_error())})")
+                                     f"{co.new_token_ids[-1]} ({seq.backend.error(seq.matcher)})")
                 self._sequences.pop(co.req_id, None)
-            elif co.finish_reason is None and seq.matcher.is_stopped():
+            elif co.finish_reason is None and seq.backend.is_stopped(seq.matcher):
                 stopped.append(co.req_id)
                 self._sequences.pop(co.req_id, None)
         return stopped, errors
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _by_backend(items):
+    """(backend, [(seq, x), ...]) per library among (seq, x) pairs (one group, normally)."""
+    groups: dict[int, tuple[object, list]] = {}
+    for seq, x in items:
+        groups.setdefault(id(seq.backend), (seq.backend, []))[1].append((seq, x))
+    return groups.values()

@@ -1,5 +1,5 @@
-"""StructuredOutputManager and the grammar translation on their own (no model): the bitmask it
-fills is llguidance's own mask, matchers follow their sequence's tokens, a grammar is compiled
+"""StructuredOutputManager on llguidance and the grammar translation on their own (no model): the
+bitmask it fills is llguidance's own mask, matchers follow their sequence's tokens, a grammar is compiled
 once per spec, a complete grammar stops its sequence, a compile failure in the engine core is
 reported for that request, and structural tags constrain only their tagged segments."""
 from __future__ import annotations
@@ -12,6 +12,7 @@ import pytest
 from models.tiny import ensure_tiny_model
 from moe.engine.tokenizer import Tokenizer
 from moe.structured_output import StructuredOutputsParams
+from moe.structured_output.config import StructuredOutputsConfig
 from moe.structured_output.grammar import grammar_text, ll_tokenizer, validate
 from moe.structured_output.manager import StructuredOutputManager
 from moe.sampling_params import SamplingParams
@@ -19,6 +20,7 @@ from scheduler import CachedRequestData, Request, RequestStatus, SchedulerOutput
 from scheduler.output import EngineCoreOutput
 
 V, EOS = 512, (0, 511)
+GUIDANCE = StructuredOutputsConfig(backend="guidance")
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +55,7 @@ def _allowed(bitmask_row: np.ndarray) -> set[int]:
 def test_bitmask_is_the_matchers_mask_and_follows_the_tokens(tokenizer):
     import llguidance as llg
 
-    manager = StructuredOutputManager(tokenizer, V, EOS)
+    manager = StructuredOutputManager(tokenizer, V, EOS, GUIDANCE)
     spec = StructuredOutputsParams(regex="ab[0-9]")
     a, plain, b = _request("a", spec), Request("plain", [1, 2], 5), _request("b", spec, prompt=(7,))
     _ready(manager, a, b)
@@ -77,7 +79,7 @@ def test_bitmask_is_the_matchers_mask_and_follows_the_tokens(tokenizer):
 
 
 def test_one_compilation_per_spec_and_a_refused_token(tokenizer):
-    manager = StructuredOutputManager(tokenizer, V, EOS)
+    manager = StructuredOutputManager(tokenizer, V, EOS, GUIDANCE)
     spec = StructuredOutputsParams(choice=["yes", "no"])
     reqs = [_request(f"r{i}", StructuredOutputsParams(choice=["yes", "no"])) for i in range(3)]
     _ready(manager, *reqs)
@@ -93,11 +95,11 @@ def test_one_compilation_per_spec_and_a_refused_token(tokenizer):
 def test_a_grammar_that_fails_in_the_core_is_reported(tokenizer, monkeypatch):
     import moe.structured_output.manager as manager_mod
 
-    def broken(tokenizer_future, grammar):
+    def broken(backend_future, params):
         raise ValueError("the core's limits are lower")
 
     monkeypatch.setattr(manager_mod, "_compile", broken)
-    manager = StructuredOutputManager(tokenizer, V, EOS)
+    manager = StructuredOutputManager(tokenizer, V, EOS, GUIDANCE)
     r = _request("r", StructuredOutputsParams(regex="x+"))
     manager.add_request(r)
     errors = {}
@@ -114,10 +116,10 @@ def test_engine_core_finishes_a_request_whose_grammar_fails_and_goes_on(monkeypa
 
     real = manager_mod._compile
 
-    def picky(tokenizer_future, grammar):
-        if "zzz" in grammar:
+    def picky(backend_future, params):
+        if "zzz" in (params.regex or ""):
             raise ValueError("too complex here")
-        return real(tokenizer_future, grammar)
+        return real(backend_future, params)
 
     monkeypatch.setattr(manager_mod, "_compile", picky)
     llm = LLM("tiny-qwen3-moe", device="cpu")
