@@ -60,7 +60,7 @@
 #                 (blocks, kernel times, greedy agreement) -> $OUT/kv_fp8.json
 #   engine-fp8    gpu_engine_bench.py qwen3 --runs ${FP8_RUNS:-decode256 tpot1 mixed} with a bf16 KV cache,
 #                 then with kv_cache_dtype=fp8 -> $OUT/engine_kv_{auto,fp8}.json
-#   structured    (carry .whl-llg: the llguidance, xgrammar and apache-tvm-ffi wheels) the structured-output GPU tests, bench_grammar_mask.py on
+#   structured    (carry .whl: extra_wheels below) the structured-output GPU tests, bench_grammar_mask.py on
 #                 this host's CPUs, and gpu_engine_bench.py structured: TPOT under JSON-schema masks at 1 / 32 / 256
 #                 requests against plain ones -> $OUT/grammar_mask_host.json, $OUT/engine_structured.json
 #   eplb          (two GPUs) benchmarks/eplb_gpu_bench.py: DP2+EP on the Qwen3-30B-A3B shape, a skewed workload,
@@ -83,6 +83,16 @@ hf_path() {
       2>/dev/null; then echo "$PYTHONPATH"; return; fi
   [ -d /tmp/site-hf ] || python3 -m pip install -q --no-index --no-deps --target /tmp/site-hf .whl-hf/*.whl >&2
   echo ".:/tmp/site-hf${PYTHONPATH:+:$PYTHONPATH}"
+}
+# The runtime's packages the GPU machine lacks (llguidance, xgrammar, the server's): carry .whl with their
+# cp312 wheels (pip download --only-binary=:all: --python-version 3.12 ...); installed once into
+# /tmp/site-extra, after the machine's own packages on PYTHONPATH.
+EXTRA_IMPORTS="import llguidance, xgrammar, fastapi, uvicorn, zmq, msgpack, httpx, prometheus_client, plotly"
+extra_wheels() {
+  export PYTHONPATH="$PYTHONPATH:/tmp/site-extra"
+  python3 -c "$EXTRA_IMPORTS" 2>/dev/null && return
+  python3 -m pip install -q --no-index --no-deps --upgrade --target /tmp/site-extra .whl/*.whl
+  python3 -c "$EXTRA_IMPORTS" || echo "extra_wheels: still missing (see above)" | tee -a "$LOG"
 }
 for stage in "$@"; do
   case $stage in
@@ -132,11 +142,11 @@ for stage in "$@"; do
     parallel-fp8) step parallel-fp8 timeout 300 python3 benchmarks/gpu_parallel_check.py \
            .gpu_ckpts/deepseek_v3_fp8 --layouts tp2 tp2_ep2 --twin .gpu_ckpts/deepseek_v3_fp8_twin \
            --out "$OUT/parallel_fp8.json" ;;
-    serve) step serve timeout 590 python3 benchmarks/serve_gpu_bench.py ${SERVE_CKPT:-.gpu_ckpts/qwen3_30b_a3b} \
+    serve) extra_wheels; step serve timeout 590 python3 benchmarks/serve_gpu_bench.py ${SERVE_CKPT:-.gpu_ckpts/qwen3_30b_a3b} \
            --out-dir "$OUT/serve" --deadline-s 570 ${SERVE_ARGS:-} ;;
     mixed) step mixed timeout 300 python3 benchmarks/gpu_engine_bench.py qwen3 --runs ${MIXED_RUNS:-mixed} \
            --out "$OUT/engine_mixed.json" ;;
-    serve-poisson) CKPT=${SERVE_CKPT:-.gpu_ckpts/qwen3_30b_a3b}
+    serve-poisson) CKPT=${SERVE_CKPT:-.gpu_ckpts/qwen3_30b_a3b}; extra_wheels
       [ -n "${SERVE_CKPT:-}" ] || [ -f "$CKPT/config.json" ] || python3 -c "import json, os, sys
 from moe.bench.common import QWEN3_30B_A3B
 os.makedirs(sys.argv[1], exist_ok=True)
@@ -164,10 +174,9 @@ json.dump(QWEN3_30B_A3B, open(os.path.join(sys.argv[1], 'config.json'), 'w'))" "
         step "engine kv $dt" env BENCH_KV_CACHE_DTYPE=$dt timeout 290 python3 benchmarks/gpu_engine_bench.py qwen3 \
              --runs ${FP8_RUNS:-decode256 tpot1 mixed} --out "$OUT/engine_kv_$dt.json"
       done ;;
-    structured) python3 -c "import llguidance, xgrammar" 2>/dev/null || { [ -d /tmp/site-llg ] || python3 -m pip install \
-          -q --no-index --no-deps --target /tmp/site-llg .whl-llg/*.whl; export PYTHONPATH="$PYTHONPATH:/tmp/site-llg"; }
-      python3 -c "import transformers, xgrammar, llguidance; print('transformers', transformers.__version__, 'xgrammar', \
-          xgrammar.__version__, 'llguidance', llguidance.__version__)" 2>&1 | tail -1 | tee -a "$LOG"
+    structured) extra_wheels
+      python3 -c "import transformers, importlib.metadata as m; print('transformers', transformers.__version__, \
+          'xgrammar', m.version('xgrammar'), 'llguidance', m.version('llguidance'))" 2>&1 | tail -1 | tee -a "$LOG"
       step structured-tests timeout 200 python3 -m pytest -q -p no:cacheprovider \
            tests/structured_output/test_gpu.py tests/kernels/test_token_bitmask.py tests/structured_output/test_backends.py
       step grammar-mask timeout 200 python3 benchmarks/bench_grammar_mask.py --out "$OUT/grammar_mask_host.json"

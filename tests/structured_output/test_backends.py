@@ -82,18 +82,20 @@ def test_bounded_json_strings_admit_no_raw_control_characters(backends, tokenize
             assert allowed and not allowed & control, (name, schema, sorted(allowed & control))
 
 
-def test_the_manager_fills_xgrammar_rows_as_its_matchers_do(tokenizer, backends):
+@pytest.mark.parametrize("rows", [2, 7])  # on the engine's thread / through the batch matcher's threads
+def test_the_manager_fills_xgrammar_rows_as_its_matchers_do(tokenizer, backends, rows):
     manager = StructuredOutputManager(tokenizer, V, EOS, StructuredOutputsConfig(backend="xgrammar"))
-    spec = StructuredOutputsParams(regex="ab[0-9]")
-    a, b = _request("a", spec), _request("b", StructuredOutputsParams(choice=["yes", "no"]))
-    _ready(manager, a, b)
-    so = _step(["a", "b"], [a, b])
+    specs = [StructuredOutputsParams(regex="ab[0-9]"), StructuredOutputsParams(choice=["yes", "no"])]
+    requests = [_request(f"r{i}", specs[i % 2]) for i in range(rows)]
+    _ready(manager, *requests)
+    so = _step([r.request_id for r in requests], requests)
     manager.fill_bitmask(so)
-    assert so.structured_output_request_ids == ["a", "b"]
+    assert so.structured_output_request_ids == [r.request_id for r in requests]
     x = backends["xgrammar"]
-    assert _allowed(so.grammar_bitmask[0]) == _mask(x, x.matcher(x.compile(spec)))
-    assert _allowed(so.grammar_bitmask[1]) == _mask(x, x.matcher(x.compile(StructuredOutputsParams(
-        choice=["yes", "no"]))))
+    expected = [_mask(x, x.matcher(x.compile(spec))) for spec in specs]
+    assert expected[0] != expected[1]
+    for i in range(rows):
+        assert _allowed(so.grammar_bitmask[i]) == expected[i % 2], i
     manager.shutdown()
 
 
