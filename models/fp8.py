@@ -84,7 +84,7 @@ def resolve_fp8_experts(fp8: Fp8BlockConfig | None, quantization: str | None, de
     if quantization == "fp8" and (fp8 is None or not supported):
         raise ValueError("quantization='fp8' needs a block-FP8 checkpoint (config.json quantization_config "
                          "with quant_method 'fp8' and weight_block_size) of a model with FP8 experts "
-                         "(DeepseekV3ForCausalLM); online quantisation is not supported")
+                         "(DeepseekV3ForCausalLM, Glm4MoeForCausalLM); online quantisation is not supported")
     if fp8 is None or not supported or quantization == "none":
         return False
     if load_format == "dummy":

@@ -11,6 +11,9 @@ _ARCHITECTURES = {
     "DeepseekV3ForCausalLM": ("models.deepseek_v3", "DeepseekV3ForCausalLM"),
     "Llama4ForCausalLM": ("models.llama4", "Llama4ForCausalLM"),
     "Llama4ForConditionalGeneration": ("models.llama4", "Llama4ForCausalLM"),
+    "MixtralForCausalLM": ("models.mixtral", "MixtralForCausalLM"),
+    "Glm4MoeForCausalLM": ("models.glm4_moe", "Glm4MoeForCausalLM"),
+    "MiniMaxM2ForCausalLM": ("models.minimax_m2", "MiniMaxM2ForCausalLM"),
 }
 
 

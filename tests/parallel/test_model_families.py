@@ -7,7 +7,7 @@ shared expert; the pipeline case splits [dense, MoE] | [MoE, MoE] and runs TP in
 Llama-4 (multimodal layout: weights under `language_model.`, tied embeddings, top-2 so each
 token's two scaled inputs travel separately through the dispatcher): the shared expert is
 TP-sharded beside expert-parallel routed experts; the pipeline case puts the tied lm_head on a
-stage without the embedding.
+stage without the embedding. Mixtral (4 layers, 6 experts top-2, GQA heads split over TP).
 """
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ import pytest
 from moe import LLM
 from tests.factories_deepseek import make_deepseek_v3_checkpoint
 from tests.factories_llama4 import make_llama4_model, save_llama4_checkpoint
+from tests.factories_mixtral import make_mixtral_checkpoint
 from tests.parallel.conftest import assert_same_as_reference, prompts, sampling_params, summarize
 
 # Few prompts and tokens: every layout spawns its own workers.
@@ -34,7 +35,11 @@ def _make_llama4(path: str) -> str:
     return save_llama4_checkpoint(model, path, layout="multimodal")
 
 
-FAMILIES = {"deepseek_v3": _make_deepseek, "llama4": _make_llama4}
+def _make_mixtral(path: str) -> str:
+    return make_mixtral_checkpoint(path, seed=6, num_hidden_layers=4)
+
+
+FAMILIES = {"deepseek_v3": _make_deepseek, "llama4": _make_llama4, "mixtral": _make_mixtral}
 LAYOUTS = {
     "deepseek_v3": {
         "tp2_ep2": TP2_EP2,
@@ -42,6 +47,10 @@ LAYOUTS = {
         "pp": dict(tensor_parallel_size=2, pipeline_parallel_size=2, block_size=4, max_num_batched_tokens=16),
     },
     "llama4": {
+        "tp2_ep2": TP2_EP2,
+        "pp": dict(pipeline_parallel_size=2, block_size=4, max_num_batched_tokens=16),
+    },
+    "mixtral": {
         "tp2_ep2": TP2_EP2,
         "pp": dict(pipeline_parallel_size=2, block_size=4, max_num_batched_tokens=16),
     },
