@@ -2,7 +2,8 @@
 machine, then carry the folder to the GPU machine): one per model family, with dimensions that
 exercise multi-block contexts, GQA and, for Llama-4, chunk boundaries of the local attention.
 
-    python benchmarks/make_gpu_checkpoints.py .gpu_ckpts
+    python benchmarks/make_gpu_checkpoints.py .gpu_ckpts          # every family
+    python benchmarks/make_gpu_checkpoints.py .gpu_ckpts --new    # Mixtral, GLM-4.5, MiniMax-M2 only
 """
 from __future__ import annotations
 
@@ -11,11 +12,21 @@ import sys
 
 from tests.factories import make_qwen3_moe_checkpoint
 from tests.factories_deepseek import make_deepseek_v3_checkpoint
+from tests.factories_glm4_moe import make_glm4_moe_checkpoint
 from tests.factories_llama4 import make_llama4_model, save_llama4_checkpoint
+from tests.factories_minimax_m2 import make_minimax_m2_checkpoint
+from tests.factories_mixtral import make_mixtral_checkpoint
 
 
-def main(out: str) -> None:
+def main(out: str, only: list[str] | None = None) -> None:
     os.makedirs(out, exist_ok=True)
+    # The families added later (#34); `--new` builds only these.
+    make_mixtral_checkpoint(os.path.join(out, "mixtral"), max_position_embeddings=1024)
+    make_glm4_moe_checkpoint(os.path.join(out, "glm4_moe"))
+    make_minimax_m2_checkpoint(os.path.join(out, "minimax_m2"))
+    if only == ["new"]:
+        print("checkpoints in", out)
+        return
     make_qwen3_moe_checkpoint(os.path.join(out, "qwen3_moe"), num_attention_heads=8, num_key_value_heads=2,
                               head_dim=32, max_position_embeddings=1024)
     make_deepseek_v3_checkpoint(os.path.join(out, "deepseek_v3"))
@@ -25,4 +36,5 @@ def main(out: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else ".gpu_ckpts")
+    args = [a for a in sys.argv[1:] if a != "--new"]
+    main(args[0] if args else ".gpu_ckpts", ["new"] if "--new" in sys.argv else None)

@@ -59,7 +59,7 @@ class Fp8BlockConfig:
             raise ValueError("only block-wise FP8 checkpoints (quantization_config.weight_block_size "
                              "= [128, 128]) are supported")
         fmt = qc.get("fmt", "e4m3")
-        if fmt != "e4m3":
+        if fmt not in ("e4m3", "float8_e4m3fn"):  # MiniMax's hub names it by torch's dtype
             raise ValueError(f"FP8 format {fmt!r} is not supported (only e4m3)")
         ignored = list(qc.get("modules_to_not_convert") or []) + list(qc.get("ignored_layers") or [])
         return cls((int(block[0]), int(block[1])), ignored)
@@ -84,7 +84,8 @@ def resolve_fp8_experts(fp8: Fp8BlockConfig | None, quantization: str | None, de
     if quantization == "fp8" and (fp8 is None or not supported):
         raise ValueError("quantization='fp8' needs a block-FP8 checkpoint (config.json quantization_config "
                          "with quant_method 'fp8' and weight_block_size) of a model with FP8 experts "
-                         "(DeepseekV3ForCausalLM, Glm4MoeForCausalLM); online quantisation is not supported")
+                         "(DeepseekV3ForCausalLM, Glm4MoeForCausalLM, MiniMaxM2ForCausalLM); online quantisation "
+                         "is not supported")
     if fp8 is None or not supported or quantization == "none":
         return False
     if load_format == "dummy":

@@ -57,14 +57,6 @@ def _rotary_dim(cfg: dict, head_dim: int) -> int:
     return dim
 
 
-def _fp8_config(cfg: dict) -> Fp8BlockConfig | None:
-    qc = cfg.get("quantization_config")
-    if qc and qc.get("fmt") == "float8_e4m3fn":
-        # The MiniMax hub names the format by torch's dtype; models/fp8.py knows it as e4m3.
-        cfg = {**cfg, "quantization_config": {**qc, "fmt": "e4m3"}}
-    return Fp8BlockConfig.from_hf(cfg)
-
-
 def _refuse_unsupported(cfg: dict) -> None:
     """Fields of MiniMax configs that would change the maths here (transformers' model ignores them
     and computes what the released MiniMax-M2 needs): refused rather than run differently."""
@@ -108,7 +100,7 @@ class MiniMaxM2Config(ModelConfig):
             # Every layer is MoE: `intermediate_size` is the experts' width.
             moe_intermediate_size=int(hf_get(cfg, "intermediate_size")),
             rotary_dim=_rotary_dim(cfg, common["head_dim"]),
-            fp8=_fp8_config(cfg),
+            fp8=Fp8BlockConfig.from_hf(cfg),
         )
         check_moe_fields("num_local_experts", config.num_local_experts, config.num_experts_per_tok)
         return config
