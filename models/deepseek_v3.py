@@ -15,9 +15,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.config import ModelConfig, check_moe_fields, hf_get
-from models.fp8 import Fp8BlockConfig, attach_fp8_scales
+from models.fp8 import Fp8BlockConfig, attach_fp8_scales, block_fp8_params, experts_fp8_block
 from models.layers.decoder import DecoderForCausalLM, DecoderStack, PreNormDecoderLayer
-from models.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from models.layers.mla_attention import MLAAttention, MLAConfig
 from models.layers.mlp import SwiGLUMLP
 from models.layers.moe import FusedMoE, MoEBlock, MoEParallelConfig
@@ -120,15 +119,6 @@ class DeepseekV3Gate(nn.Module):
         return self._route(logits_TE, e_score_correction_bias_E=self.e_score_correction_bias)
 
 
-def _fp8_experts_block(cfg: DeepseekV3Config, layer_idx: int) -> tuple[int, int] | None:
-    """The scale block when this layer's routed experts stay FP8 (the engine chose so and the
-    checkpoint quantised them), else None."""
-    fp8 = cfg.fp8
-    if fp8 is None or not fp8.keep_experts or fp8.skips(f"model.layers.{layer_idx}.mlp.experts"):
-        return None
-    return fp8.block
-
-
 class DeepseekV3DecoderLayer(PreNormDecoderLayer):
     def __init__(self, cfg: DeepseekV3Config, layer_idx: int, attn_mode: str = "auto",
                  moe_parallel: MoEParallelConfig | None = None) -> None:
@@ -139,7 +129,7 @@ class DeepseekV3DecoderLayer(PreNormDecoderLayer):
             shared = (SwiGLUMLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts)
                       if cfg.n_shared_experts else None)
             experts = FusedMoE(cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size, moe_parallel,
-                               fp8_block=_fp8_experts_block(cfg, layer_idx))
+                               fp8_block=experts_fp8_block(cfg.fp8, layer_idx))
             self.mlp = MoEBlock(gate=gate, router_fn=gate.route, experts=experts, shared_experts=shared)
         else:
             self.mlp = SwiGLUMLP(cfg.hidden_size, cfg.intermediate_size)
@@ -154,17 +144,6 @@ class DeepseekV3Model(DecoderStack):
                          lambda i: DeepseekV3DecoderLayer(cfg, i, attn_mode, moe_parallel))
 
 
-def _fp8_params(module_name: str, module: nn.Module) -> list[str]:
-    """Weights the hub checkpoint stores in FP8 and that are dequantised at load: every linear
-    and the routed experts, unless they stay FP8 and own their scales (not the embedding,
-    lm_head, norms or router gate)."""
-    if isinstance(module, FusedMoE):
-        return [] if module.fp8_block is not None else ["w13_weight", "w2_weight"]
-    if isinstance(module, (ReplicatedLinear, ColumnParallelLinear, RowParallelLinear)):
-        return ["weight"]
-    return []
-
-
 class DeepseekV3ForCausalLM(DecoderForCausalLM):
     config_class = DeepseekV3Config
     supports_fp8_experts = True  # routed experts can stay FP8 (models/fp8.resolve_fp8_experts)
@@ -173,7 +152,7 @@ class DeepseekV3ForCausalLM(DecoderForCausalLM):
                  moe_parallel: MoEParallelConfig | None = None) -> None:
         super().__init__(cfg, DeepseekV3Model(cfg, attn_mode, moe_parallel))
         if cfg.fp8 is not None:
-            attach_fp8_scales(self, cfg.fp8, _fp8_params)
+            attach_fp8_scales(self, cfg.fp8, block_fp8_params)
 
     def attention_layers(self) -> list[MLAAttention]:
         return [layer.self_attn for layer in self.model.stage_layers()]

@@ -237,3 +237,25 @@ def attach_fp8_scales(model: nn.Module, cfg: Fp8BlockConfig,
             scale = new_param(scale_loader.numel, dtype=torch.float32)
             scale.data.fill_(1.0)
             setattr(module, pname + "_scale_inv", attach_loader(scale, scale_loader))
+
+
+def experts_fp8_block(fp8: Fp8BlockConfig | None, layer_idx: int) -> tuple[int, int] | None:
+    """The scale block when this layer's routed experts stay FP8 (the engine chose so and the
+    checkpoint quantised them), else None."""
+    if fp8 is None or not fp8.keep_experts or fp8.skips(f"model.layers.{layer_idx}.mlp.experts"):
+        return None
+    return fp8.block
+
+
+def block_fp8_params(module_name: str, module: nn.Module) -> list[str]:
+    """attach_fp8_scales' choice for DeepSeek-style hub checkpoints: the weights stored in FP8 and
+    dequantised at load are every linear's and the routed experts' unless they stay FP8 and own
+    their scales (not the embedding, lm_head, norms or router gate)."""
+    from models.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
+    from models.layers.moe import FusedMoE
+
+    if isinstance(module, FusedMoE):
+        return [] if module.fp8_block is not None else ["w13_weight", "w2_weight"]
+    if isinstance(module, (ReplicatedLinear, ColumnParallelLinear, RowParallelLinear)):
+        return ["weight"]
+    return []

@@ -17,10 +17,10 @@ from torch import nn
 from kernels.attention import AttentionMetadata
 from models.config import ModelConfig, check_moe_fields, hf_get
 from models.deepseek_v3 import DeepseekV3Gate
-from models.fp8 import Fp8BlockConfig, attach_fp8_scales
+from models.fp8 import Fp8BlockConfig, attach_fp8_scales, block_fp8_params, experts_fp8_block
 from models.layers.attention import Attention
 from models.layers.decoder import DecoderForCausalLM, DecoderStack, PreNormDecoderLayer
-from models.layers.linear import ColumnParallelLinear, QKVParallelLinear, ReplicatedLinear, RowParallelLinear
+from models.layers.linear import QKVParallelLinear, RowParallelLinear
 from models.layers.mlp import SwiGLUMLP
 from models.layers.moe import FusedMoE, MoEBlock, MoEParallelConfig
 from models.layers.norm import RMSNorm
@@ -120,15 +120,6 @@ class Glm4MoeAttention(nn.Module):
         return self.o_proj(self.attn(q.reshape(T, -1), k.reshape(T, -1), v, meta, kv_written=kv_write is not None))
 
 
-def _fp8_experts_block(cfg: Glm4MoeConfig, layer_idx: int) -> tuple[int, int] | None:
-    """The scale block when this layer's routed experts stay FP8 (the engine chose so and the
-    checkpoint quantised them), else None."""
-    fp8 = cfg.fp8
-    if fp8 is None or not fp8.keep_experts or fp8.skips(f"model.layers.{layer_idx}.mlp.experts"):
-        return None
-    return fp8.block
-
-
 class Glm4MoeDecoderLayer(PreNormDecoderLayer):
     def __init__(self, cfg: Glm4MoeConfig, layer_idx: int, moe_parallel: MoEParallelConfig | None = None) -> None:
         super().__init__()
@@ -138,7 +129,7 @@ class Glm4MoeDecoderLayer(PreNormDecoderLayer):
             shared = (SwiGLUMLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts)
                       if cfg.n_shared_experts else None)
             experts = FusedMoE(cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size, moe_parallel,
-                               fp8_block=_fp8_experts_block(cfg, layer_idx))
+                               fp8_block=experts_fp8_block(cfg.fp8, layer_idx))
             self.mlp = MoEBlock(gate=gate, router_fn=gate.route, experts=experts, shared_experts=shared)
         else:
             self.mlp = SwiGLUMLP(cfg.hidden_size, cfg.intermediate_size)
@@ -153,17 +144,6 @@ class Glm4MoeModel(DecoderStack):
                          lambda i: Glm4MoeDecoderLayer(cfg, i, moe_parallel))
 
 
-def _fp8_params(module_name: str, module: nn.Module) -> list[str]:
-    """Weights an FP8 checkpoint stores in FP8 and that are dequantised at load: every linear
-    (not its bias) and the routed experts unless they stay FP8 and own their scales; not the
-    embedding, lm_head, norms or router gate."""
-    if isinstance(module, FusedMoE):
-        return [] if module.fp8_block is not None else ["w13_weight", "w2_weight"]
-    if isinstance(module, (ReplicatedLinear, ColumnParallelLinear, RowParallelLinear)):
-        return ["weight"]
-    return []
-
-
 class Glm4MoeForCausalLM(DecoderForCausalLM):
     config_class = Glm4MoeConfig
     supports_fp8_experts = True  # routed experts can stay FP8 (models/fp8.resolve_fp8_experts)
@@ -171,7 +151,7 @@ class Glm4MoeForCausalLM(DecoderForCausalLM):
     def __init__(self, cfg: Glm4MoeConfig, moe_parallel: MoEParallelConfig | None = None) -> None:
         super().__init__(cfg, Glm4MoeModel(cfg, moe_parallel))
         if cfg.fp8 is not None:
-            attach_fp8_scales(self, cfg.fp8, _fp8_params)
+            attach_fp8_scales(self, cfg.fp8, block_fp8_params)
 
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn.attn for layer in self.model.stage_layers()]

@@ -27,10 +27,10 @@ from torch import nn
 
 from kernels.attention import AttentionMetadata
 from models.config import ModelConfig, check_moe_fields, hf_get
-from models.fp8 import Fp8BlockConfig, attach_fp8_scales
+from models.fp8 import Fp8BlockConfig, attach_fp8_scales, block_fp8_params, experts_fp8_block
 from models.layers.attention import Attention
 from models.layers.decoder import DecoderForCausalLM, DecoderStack, PreNormDecoderLayer
-from models.layers.linear import ColumnParallelLinear, QKVParallelLinear, ReplicatedLinear, RowParallelLinear
+from models.layers.linear import QKVParallelLinear, RowParallelLinear
 from models.layers.moe import FusedMoE, MoEBlock, MoEParallelConfig
 from models.layers.norm import RMSNorm
 from models.layers.rotary import get_rope
@@ -175,22 +175,13 @@ class MiniMaxM2Gate(nn.Module):
         return self._route(logits_TE, e_score_correction_bias_E=self.e_score_correction_bias)
 
 
-def _fp8_experts_block(cfg: MiniMaxM2Config, layer_idx: int) -> tuple[int, int] | None:
-    """The scale block when this layer's experts stay FP8 (the engine chose so and the checkpoint
-    quantised them), else None."""
-    fp8 = cfg.fp8
-    if fp8 is None or not fp8.keep_experts or fp8.skips(f"model.layers.{layer_idx}.mlp.experts"):
-        return None
-    return fp8.block
-
-
 class MiniMaxM2DecoderLayer(PreNormDecoderLayer):
     def __init__(self, cfg: MiniMaxM2Config, layer_idx: int, moe_parallel: MoEParallelConfig) -> None:
         super().__init__()
         self.self_attn = MiniMaxM2Attention(cfg)
         gate = MiniMaxM2Gate(cfg)
         experts = FusedMoE(cfg.num_local_experts, cfg.hidden_size, cfg.moe_intermediate_size, moe_parallel,
-                           top_k=cfg.num_experts_per_tok, fp8_block=_fp8_experts_block(cfg, layer_idx))
+                           top_k=cfg.num_experts_per_tok, fp8_block=experts_fp8_block(cfg.fp8, layer_idx))
         self.mlp = MoEBlock(gate=gate, router_fn=gate.route, experts=experts)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -203,16 +194,6 @@ class MiniMaxM2Model(DecoderStack):
                          lambda i: MiniMaxM2DecoderLayer(cfg, i, moe_parallel))
 
 
-def _fp8_params(module_name: str, module: nn.Module) -> list[str]:
-    """Weights the hub stores in FP8 and that are dequantised at load: the attention projections
-    and the experts unless they stay FP8 (not the embedding, lm_head, norms or router gate)."""
-    if isinstance(module, FusedMoE):
-        return [] if module.fp8_block is not None else ["w13_weight", "w2_weight"]
-    if isinstance(module, (ReplicatedLinear, ColumnParallelLinear, RowParallelLinear)):
-        return ["weight"]
-    return []
-
-
 class MiniMaxM2ForCausalLM(DecoderForCausalLM):
     config_class = MiniMaxM2Config
     supports_fp8_experts = True  # experts can stay FP8 (models/fp8.resolve_fp8_experts)
@@ -220,7 +201,7 @@ class MiniMaxM2ForCausalLM(DecoderForCausalLM):
     def __init__(self, cfg: MiniMaxM2Config, moe_parallel: MoEParallelConfig | None = None) -> None:
         super().__init__(cfg, MiniMaxM2Model(cfg, moe_parallel))
         if cfg.fp8 is not None:
-            attach_fp8_scales(self, cfg.fp8, _fp8_params)
+            attach_fp8_scales(self, cfg.fp8, block_fp8_params)
 
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn.attn for layer in self.model.stage_layers()]
