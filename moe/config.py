@@ -9,8 +9,8 @@ from dataclasses import dataclass
 
 import torch
 
-from models.fp8 import QUANTIZATION_CHOICES as QUANTIZATIONS
-from moe.structured_output.config import StructuredOutputsConfig  # None (auto) | "fp8" | "none"
+from models.fp8 import QUANTIZATION_CHOICES as QUANTIZATIONS  # None (auto) | "fp8" | "none"
+from moe.structured_output.config import StructuredOutputsConfig
 
 logger = logging.getLogger("moe.config")
 

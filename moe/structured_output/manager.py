@@ -1,12 +1,13 @@
 """StructuredOutputManager: the grammar state of the engine core's structured requests (vLLM's
-StructuredOutputManager, on llguidance).
+StructuredOutputManager), on llguidance or xgrammar (config.StructuredOutputsConfig picks per request;
+grammar.LLGuidanceBackend and xgrammar_backend.XgrammarBackend share one interface).
 
 It lives beside the scheduler, in the engine core's process:
 
-* Compilation runs in a thread pool (llguidance drops the GIL while it builds a grammar), cached by
-  grammar text (which spells the kind, the spec and its options): a request waits for its grammar
+* Compilation runs in a thread pool (both libraries drop the GIL while they build a grammar), cached
+  by the library's key of the spec (kind, spec and options): a request waits for its grammar
   (RequestStatus.WAITING_FOR_FSM, which the scheduler passes over) while the others run.
-  A compiled grammar is kept as a template matcher; each sequence gets a deep copy (n > 1: one each).
+  A compiled grammar is a template; each sequence gets its own matcher (n > 1: one each).
 * Each step, the sequences that sample get their allowed tokens as rows of an int32 bitmask
   [rows, ceil(V / 32)] (bit t % 32 of word t // 32 is token t), filled on the host, which travels
   in the SchedulerOutput to the runner (the sampler applies it on the device).
@@ -86,7 +87,7 @@ class StructuredOutputManager:
     # ---- requests ----------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
         """Track a structured request (before the scheduler sees it): it waits for its grammar
-        unless the cache holds it compiled already. Raises ValueError for a spec llguidance cannot
+        unless the cache holds it compiled already. Raises ValueError for a spec its library cannot
         translate."""
         params = self.config.apply(request.sampling_params.structured_outputs)
         name = self.config.backend_for(params)
