@@ -51,6 +51,9 @@ class SchedulerOutput:
     # int32 numpy array [rows, ceil(V / 32)], bit t % 32 of word t // 32 set = token t allowed.
     structured_output_request_ids: list[str] = field(default_factory=list)
     grammar_bitmask: Any = None
+    # Async scheduling: structured requests of this step whose previous token is still in flight;
+    # their rows are added (StructuredOutputManager.fill_deferred) before the step samples.
+    deferred_grammar_ids: list[str] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:

@@ -31,6 +31,10 @@ class SchedulerConfig:
     # Schedule the next step while this one runs: a request whose step samples a token gets a
     # placeholder for it (Request.num_output_placeholders), which the next step computes.
     async_scheduling: bool = False
+    # Async scheduling: a structured request may be scheduled with its token still in flight, its
+    # grammar mask then filled once that token is known, before the step samples (the engine core
+    # defers the step's sampling; in-process engines). False: it waits for the step after.
+    defer_grammar_masks: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size", "num_blocks"):
@@ -156,7 +160,7 @@ class Scheduler:
             num_new = min(len(request.all_token_ids) + request.num_output_placeholders - request.num_computed_tokens,
                           budget)
             if num_new <= 0 or (request.num_output_placeholders and (
-                    request.use_structured_output or self._done_in_flight(request))):
+                    (request.use_structured_output and not cfg.defer_grammar_masks) or self._done_in_flight(request))):
                 # Nothing to compute (sync: cannot happen after update), or async: the tokens in
                 # flight finish it, or its grammar mask needs the token in flight. Keep the order.
                 i += 1

@@ -113,7 +113,8 @@ class EngineCore:
             max_model_len=self.max_model_len, block_size=args.block_size, num_blocks=num_blocks,
             enable_chunked_prefill=args.enable_chunked_prefill, enable_prefix_caching=args.enable_prefix_caching,
             kv_cache_groups=groups, encoder_cache_size=self._encoder_cache_size(info),
-            async_scheduling=self.async_scheduling))
+            async_scheduling=self.async_scheduling,
+            defer_grammar_masks=self.async_scheduling and self.executor.supports_deferred_sampling))
             for _ in range(args.data_parallel_size)]
         self.scheduler = self.schedulers[0] if len(self.schedulers) == 1 else DataParallelScheduler(self.schedulers)
         self.executor.initialize_cache(groups)
@@ -342,10 +343,18 @@ class EngineCore:
                 self._recover_from_failed_step(prev[0], exc, result)
                 return
             self._apply(prev[0], out, result)
+        if self._in_flight is not None and so.deferred_grammar_ids:
+            # The step's structured rows whose token was in flight: their matchers have consumed it
+            # now, so their masks complete the bitmask and the step samples (queued behind its forward).
+            self.structured.fill_deferred(so)
+            self._in_flight = (so, executor.sample_deferred(pending, so))
 
     def _finish_in_flight(self, result: CoreStepResult) -> None:
         so, pending = self._in_flight
         self._in_flight = None
+        if so.deferred_grammar_ids:  # launched without its sampling (not normally left so: _step_async samples it)
+            self.structured.fill_deferred(so)
+            pending = self.executor.sample_deferred(pending, so)
         self._apply(so, self.executor.collect(pending), result)
 
     def _apply(self, so: SchedulerOutput, out: ModelRunnerOutput | None, result: CoreStepResult) -> None:

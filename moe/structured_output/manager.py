@@ -156,15 +156,35 @@ class StructuredOutputManager:
         """The allowed tokens of the step's structured sequences that sample (their scheduled tokens
         reach the end of their known ones: a prefill chunk short of it samples nothing), into
         so.grammar_bitmask [rows, num_words] int32 with so.structured_output_request_ids naming
-        the rows."""
+        the rows. Under async scheduling a sequence whose previous token is still in flight (two
+        placeholders: that one and this step's) cannot be masked yet: it is named in
+        so.deferred_grammar_ids, and fill_deferred adds its row once that token is consumed."""
         if not self._sequences:
             return
-        rows = []
+        rows, deferred = [], []
         for rid in so.num_scheduled_tokens:
             seq = self._sequences.get(rid)
             if seq is not None and seq.matcher is not None and \
                     seq.request.num_computed_tokens >= seq.request.num_tokens:
-                rows.append((rid, seq))
+                (deferred if seq.request.num_output_placeholders > 1 else rows).append((rid, seq))
+        so.deferred_grammar_ids = [rid for rid, _ in deferred]
+        self._set_rows(so, rows)
+
+    def fill_deferred(self, so: SchedulerOutput) -> None:
+        """Add the rows of so.deferred_grammar_ids, now that their in-flight tokens are consumed (a
+        sequence that finished with that token gets none: the step's token for it is dropped)."""
+        ids, so.deferred_grammar_ids = so.deferred_grammar_ids, []
+        rows = [(rid, self._sequences[rid]) for rid in ids if rid in self._sequences]
+        if not rows:
+            return
+        earlier = so.structured_output_request_ids
+        bitmask = so.grammar_bitmask
+        self._set_rows(so, rows)
+        if earlier:
+            so.structured_output_request_ids = list(earlier) + so.structured_output_request_ids
+            so.grammar_bitmask = np.concatenate([bitmask, so.grammar_bitmask])
+
+    def _set_rows(self, so: SchedulerOutput, rows: list) -> None:
         if not rows:
             return
         bitmask = np.empty((len(rows), self.num_words), dtype=np.int32)

@@ -43,6 +43,7 @@ class Executor(ABC):
     # Async scheduling (EngineCore._step_async): queue a step, then wait for it after the next
     # one is queued. Executors without it leave `supports_async_steps` False.
     supports_async_steps = False
+    supports_deferred_sampling = False
 
     def launch(self, scheduler_output: SchedulerOutput, prev=None):
         """Queue one step without waiting for it; returns what `collect` takes (None: nothing of
@@ -100,6 +101,13 @@ class InProcessExecutor(Executor):
 
     def collect(self, pending) -> ModelRunnerOutput:
         return self.worker.runner.collect(pending)
+
+    # Launch may leave a step's sampling for later (so.deferred_grammar_ids: grammar masks that wait
+    # for the step in flight); sample_deferred then samples it with the completed bitmask.
+    supports_deferred_sampling = True
+
+    def sample_deferred(self, pending, scheduler_output: SchedulerOutput):
+        return self.worker.runner.sample_deferred(pending, scheduler_output)
 
     def expert_load_snapshot(self) -> dict | None:
         return self.worker.expert_load_snapshot()

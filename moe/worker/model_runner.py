@@ -109,6 +109,17 @@ class PendingStep:
         return {k: t.tolist() for k, t in self._outputs.items()}
 
 
+class DeferredSampling:
+    """A launched step's logits and sampling inputs, not yet sampled (ModelRunner.launch with
+    so.deferred_grammar_ids): ModelRunner.sample_deferred makes it a PendingStep."""
+    __slots__ = ("batch", "logits", "sampling", "sample_ids", "prompt_finals")
+
+    def __init__(self, batch: StepBatch, logits: torch.Tensor, sampling, sample_ids: list[str],
+                 prompt_finals: dict | None) -> None:
+        self.batch, self.logits, self.sampling, self.sample_ids = batch, logits, sampling, sample_ids
+        self.prompt_finals = prompt_finals
+
+
 def _derived_seed(seed: int, output_index: int) -> int:
     # A seeded request's draw for its i-th token depends only on (seed, i): reproducible
     # across batch compositions and after preemption.
@@ -553,10 +564,19 @@ class ModelRunner:
         sample_states = [states[i] for i in sample_rows]
         sample_ids = [batch.req_ids[i] for i in sample_rows]
         sampling = self._sampling_batch(sample_states, batch.seq_lens_B[sample_rows].tolist(), sample_ids, prev)
+        deferred = DeferredSampling(batch, logits, sampling, sample_ids, prompt_finals)
+        return deferred if so.deferred_grammar_ids else self.sample_deferred(deferred, so)
+
+    @torch.inference_mode()
+    def sample_deferred(self, step: "DeferredSampling", so: SchedulerOutput) -> PendingStep:
+        """Sample a launched step with so's grammar bitmask: at once in launch, or (async
+        scheduling, so.deferred_grammar_ids) once the engine core has filled the rows that waited for
+        the step before. Queued behind the step's forward on the stream: no sync."""
+        sampling = step.sampling
         if so.grammar_bitmask is not None:
-            sampling.grammar_rows_R, sampling.grammar_bitmask_RW = grammar_mask_inputs(so, sample_ids, self.device)
-        result = sample(logits, sampling)
-        return PendingStep(batch, result, prompt_finals)
+            sampling.grammar_rows_R, sampling.grammar_bitmask_RW = grammar_mask_inputs(so, step.sample_ids,
+                                                                                      self.device)
+        return PendingStep(step.batch, sample(step.logits, sampling), step.prompt_finals)
 
     def collect(self, pending: PendingStep) -> ModelRunnerOutput:
         """Wait for a launched step's tokens, append them to the request states, and return them."""

@@ -54,6 +54,28 @@ def test_async_scheduling_gives_the_synchronous_tokens(reference):
     assert _tokens(llm, prompts, params) == want
 
 
+def test_async_structured_rows_decode_every_step(reference, monkeypatch):
+    """In-process async scheduling schedules a structured row with its token in flight and fills its
+    mask once that token is consumed, before the step samples: the same tokens as synchronous steps,
+    and a step per token rather than every other step."""
+    from moe.structured_output.manager import StructuredOutputManager
+
+    prompts, params, want = reference
+    deferred = []
+    real = StructuredOutputManager.fill_deferred
+    monkeypatch.setattr(StructuredOutputManager, "fill_deferred",
+                        lambda self, so: deferred.append(len(so.deferred_grammar_ids)) or real(self, so))
+    llm = tiny_llm(max_model_len=256, async_scheduling=True)
+    core = llm.llm_engine.core
+    assert core.scheduler.config.defer_grammar_masks
+    steps = core.num_steps
+    assert _tokens(llm, prompts, params) == want
+    longest = max(len(tokens) for tokens, _ in want)
+    assert deferred and max(deferred) > 1, "structured rows were scheduled with their token in flight"
+    # Prefill, the decode steps, and the last step's collection; every other step would be ~2x longest.
+    assert core.num_steps - steps <= longest + 4, (core.num_steps - steps, longest)
+
+
 def test_preemption_under_a_tiny_kv_cache_keeps_the_outputs(reference):
     prompts, params, want = reference
     for async_scheduling in (False, True):
