@@ -17,7 +17,8 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from moe.entrypoints.serve.api_server import json_body_problem, resolve_api_key
+from moe.entrypoints.serve.api_server import resolve_api_key
+from moe.entrypoints.serve.request_guard import json_body_problem
 from tests.serve.helpers import API_KEY, MODEL_NAME, ServerProcess, headers
 
 BODY_LIMIT = 64 * 1024
