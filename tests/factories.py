@@ -24,6 +24,31 @@ def perturb_norms(model: torch.nn.Module, seed: int = 0) -> None:
                 p.copy_(1.0 + 0.3 * torch.randn(p.shape, generator=gen))
 
 
+def perturb_biases(model: torch.nn.Module, seed: int = 0) -> None:
+    """Linear biases and routers' correction biases away from 0 (transformers zeroes them), so a
+    dropped one shows."""
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(".bias"):
+                p.copy_(0.1 * torch.randn(p.shape, generator=gen))
+        for name, buf in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buf.copy_(0.05 * torch.randn(buf.shape, generator=gen))
+
+
+def take_saved_tensors(path: str) -> dict[str, torch.Tensor]:
+    """The tensors save_pretrained wrote to `path` (the hub's names), its safetensors files and index
+    removed, so that the caller writes the layout it wants (write_safetensors)."""
+    tensors = {}
+    for f in os.listdir(path):
+        if f.endswith(".safetensors"):
+            tensors.update(load_file(os.path.join(path, f)))
+        if f.endswith(".safetensors") or f.endswith(".index.json"):
+            os.remove(os.path.join(path, f))
+    return tensors
+
+
 def save_tokenizer(path: str, vocab_size: int) -> None:
     from models.tiny import build_tokenizer
 
@@ -46,16 +71,9 @@ def make_qwen3_moe_checkpoint(path: str, layout: str = "per_expert", shards: int
     perturb_norms(model, seed)
     os.makedirs(path, exist_ok=True)
     model.save_pretrained(path)  # writes config.json and the per-expert hub layout
+    tensors = take_saved_tensors(path)
     if layout == "fused":
         tensors = {k: v.contiguous() for k, v in model.state_dict().items()}
-    else:
-        tensors = {}
-        for f in os.listdir(path):
-            if f.endswith(".safetensors"):
-                tensors.update(load_file(os.path.join(path, f)))
-    for f in os.listdir(path):
-        if f.endswith(".safetensors") or f.endswith(".index.json"):
-            os.remove(os.path.join(path, f))
     write_safetensors(path, tensors, shards)
     if with_tokenizer:
         save_tokenizer(path, config.vocab_size)

@@ -6,11 +6,10 @@ import os
 
 import numpy as np
 import torch
-from safetensors.torch import load_file
 
 from kernels.attention import AttentionMetadata
 
-from tests.factories import perturb_norms, save_tokenizer, write_safetensors
+from tests.factories import perturb_biases, perturb_norms, save_tokenizer, take_saved_tensors, write_safetensors
 
 DSV3_TINY = dict(
     vocab_size=512, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
@@ -91,21 +90,10 @@ def make_deepseek_v3_checkpoint(path: str, seed: int = 0, shards: int = 1, mtp: 
     config = DeepseekV3Config(**{**DSV3_TINY, **overrides})
     model = DeepseekV3ForCausalLM(config).float().eval()
     perturb_norms(model, seed)
-    gen = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith(".bias"):  # transformers zeroes them: a dropped bias would not show
-                p.copy_(0.1 * torch.randn(p.shape, generator=gen))
-        for name, buf in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                buf.copy_(0.05 * torch.randn(buf.shape, generator=gen))
+    perturb_biases(model, seed)
     os.makedirs(path, exist_ok=True)
     model.save_pretrained(path)
-    tensors = {}
-    for f in os.listdir(path):
-        if f.endswith(".safetensors"):
-            tensors.update(load_file(os.path.join(path, f)))
-            os.remove(os.path.join(path, f))
+    tensors = take_saved_tensors(path)
     if layout == "fused":
         tensors = {k: v.contiguous() for k, v in model.state_dict().items()}
     assert any(k.endswith("e_score_correction_bias") for k in tensors)

@@ -5,9 +5,8 @@ import json
 import os
 
 import torch
-from safetensors.torch import load_file
 
-from tests.factories import perturb_norms, save_tokenizer, write_safetensors
+from tests.factories import perturb_biases, perturb_norms, save_tokenizer, take_saved_tensors, write_safetensors
 from tests.factories_deepseek import dequantize_block, is_fp8_weight, quantize_block
 
 # head_dim 32 != hidden / heads (16), so a head dim taken from the wrong field shows; half of each
@@ -51,22 +50,10 @@ def make_glm4_moe_checkpoint(path: str, seed: int = 0, shards: int = 1, mtp: boo
     config = Glm4MoeConfig(**{**GLM4_MOE_TINY, **overrides})
     model = Glm4MoeForCausalLM(config).float().eval()
     perturb_norms(model, seed)
-    gen = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith(".bias"):  # transformers zeroes them: a dropped bias would not show
-                p.copy_(0.1 * torch.randn(p.shape, generator=gen))
-        for name, buf in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                buf.copy_(0.05 * torch.randn(buf.shape, generator=gen))
+    perturb_biases(model, seed)
     os.makedirs(path, exist_ok=True)
     model.save_pretrained(path)  # config.json and the per-expert hub layout
-    tensors = {}
-    for f in os.listdir(path):
-        if f.endswith(".safetensors") or f.endswith(".index.json"):
-            if f.endswith(".safetensors"):
-                tensors.update(load_file(os.path.join(path, f)))
-            os.remove(os.path.join(path, f))
+    tensors = take_saved_tensors(path)
     if layout == "fused":
         tensors = {k: v.contiguous() for k, v in model.state_dict().items()
                    if not (config.tie_word_embeddings and k == "lm_head.weight")}  # as save_pretrained

@@ -5,9 +5,8 @@ import json
 import os
 
 import torch
-from safetensors.torch import load_file
 
-from tests.factories import perturb_norms, save_tokenizer, write_safetensors
+from tests.factories import perturb_norms, save_tokenizer, take_saved_tensors, write_safetensors
 from tests.factories_deepseek import dequantize_block, quantize_block
 
 # Partial RoPE (8 of 16 dims), 8 experts top-2, every layer MoE.
@@ -91,12 +90,7 @@ def make_minimax_m2_checkpoint(path: str, seed: int = 0, shards: int = 1, layout
     _perturb(model, seed)
     os.makedirs(path, exist_ok=True)
     model.save_pretrained(path)
-    tensors = {}
-    for f in os.listdir(path):
-        if f.endswith(".safetensors") or f.endswith(".index.json"):
-            if f.endswith(".safetensors"):
-                tensors.update(load_file(os.path.join(path, f)))
-            os.remove(os.path.join(path, f))
+    tensors = take_saved_tensors(path)
     if layout == "fused":
         tensors = {k: v.contiguous() for k, v in model.state_dict().items()
                    if not (config.tie_word_embeddings and k == "lm_head.weight")}  # shared with the embedding

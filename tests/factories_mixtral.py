@@ -4,9 +4,7 @@ from __future__ import annotations
 import os
 
 import torch
-from safetensors.torch import load_file
-
-from tests.factories import perturb_norms, save_tokenizer, write_safetensors
+from tests.factories import perturb_norms, save_tokenizer, take_saved_tensors, write_safetensors
 
 MIXTRAL_TINY = dict(
     vocab_size=512, hidden_size=64, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
@@ -27,16 +25,9 @@ def make_mixtral_checkpoint(path: str, layout: str = "hub", shards: int = 1, see
     perturb_norms(model, seed)
     os.makedirs(path, exist_ok=True)
     model.save_pretrained(path)
+    tensors = take_saved_tensors(path)
     if layout == "fused":
         tensors = {k: v.contiguous() for k, v in model.state_dict().items()}
-    else:
-        tensors = {}
-        for f in os.listdir(path):
-            if f.endswith(".safetensors"):
-                tensors.update(load_file(os.path.join(path, f)))
-    for f in os.listdir(path):
-        if f.endswith(".safetensors") or f.endswith(".index.json"):
-            os.remove(os.path.join(path, f))
     write_safetensors(path, tensors, shards)
     save_tokenizer(path, config.vocab_size)
     return path
