@@ -22,7 +22,7 @@ from models.layers.mlp import SwiGLUMLP
 from models.layers.moe import FusedMoE, MoEBlock, MoEParallelConfig
 from models.layers.norm import RMSNorm
 from models.layers.weights import ReplicatedLoader, attach_loader, new_param
-from models.loader import GATE_UP_RULES, NameRule
+from models.loader import EXPERT_RULES, GATE_UP_RULES, NameRule
 from models.parallel.pipeline import skip_other_stage_tensor, tied_lm_head_rules
 from routing.grouped_topk import grouped_topk
 from routing.router import RouterOutput
@@ -158,17 +158,7 @@ class DeepseekV3ForCausalLM(DecoderForCausalLM):
         return [layer.self_attn for layer in self.model.stage_layers()]
 
     def weight_name_rules(self) -> list[NameRule]:
-        rules = tied_lm_head_rules(self.config.tie_word_embeddings)
-        for suffix in ("_scale_inv", ""):  # scales first: their names extend the weights'
-            rules += [
-                NameRule(f"experts.w13_weight{suffix}", f"experts.{{e}}.gate_proj.weight{suffix}", "w1"),
-                NameRule(f"experts.w13_weight{suffix}", f"experts.{{e}}.up_proj.weight{suffix}", "w3"),
-                NameRule(f"experts.w2_weight{suffix}", f"experts.{{e}}.down_proj.weight{suffix}", "w2"),
-            ]
-        return rules + [
-            NameRule("experts.w13_weight", "experts.gate_up_proj", "w13"),
-            NameRule("experts.w2_weight", "experts.down_proj", "w2"),
-        ] + GATE_UP_RULES
+        return tied_lm_head_rules(self.config.tie_word_embeddings) + EXPERT_RULES + GATE_UP_RULES
 
     _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 

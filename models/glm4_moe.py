@@ -25,7 +25,7 @@ from models.layers.mlp import SwiGLUMLP
 from models.layers.moe import FusedMoE, MoEBlock, MoEParallelConfig
 from models.layers.norm import RMSNorm
 from models.layers.rotary import get_rope
-from models.loader import GATE_UP_RULES, QKV_RULES, NameRule
+from models.loader import EXPERT_RULES, GATE_UP_RULES, NameRule, QKV_RULES
 from models.parallel.pipeline import skip_other_stage_tensor, tied_lm_head_rules
 
 # transformers' Glm4MoeConfig sets this when config.json has no partial_rotary_factor.
@@ -157,17 +157,7 @@ class Glm4MoeForCausalLM(DecoderForCausalLM):
         return [layer.self_attn.attn for layer in self.model.stage_layers()]
 
     def weight_name_rules(self) -> list[NameRule]:
-        rules = tied_lm_head_rules(self.config.tie_word_embeddings)
-        for suffix in ("_scale_inv", ""):  # scales first: their names extend the weights'
-            rules += [
-                NameRule(f"experts.w13_weight{suffix}", f"experts.{{e}}.gate_proj.weight{suffix}", "w1"),
-                NameRule(f"experts.w13_weight{suffix}", f"experts.{{e}}.up_proj.weight{suffix}", "w3"),
-                NameRule(f"experts.w2_weight{suffix}", f"experts.{{e}}.down_proj.weight{suffix}", "w2"),
-            ]
-        return rules + [
-            NameRule("experts.w13_weight", "experts.gate_up_proj", "w13"),
-            NameRule("experts.w2_weight", "experts.down_proj", "w2"),
-        ] + QKV_RULES + GATE_UP_RULES
+        return tied_lm_head_rules(self.config.tie_word_embeddings) + EXPERT_RULES + QKV_RULES + GATE_UP_RULES
 
     _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 

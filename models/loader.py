@@ -49,6 +49,14 @@ class NameRule:
 QKV_RULES = [NameRule("qkv_proj", "q_proj", "q"), NameRule("qkv_proj", "k_proj", "k"),
              NameRule("qkv_proj", "v_proj", "v")]
 GATE_UP_RULES = [NameRule("gate_up_proj", "gate_proj", 0), NameRule("gate_up_proj", "up_proj", 1)]
+# The hub's per-expert SwiGLU names (experts.{e}.gate_proj / up_proj / down_proj, with the FP8 block
+# scales beside them first: their names extend the weights') and transformers' fused 3-D tensors.
+EXPERT_RULES = [rule for suffix in ("_scale_inv", "") for rule in (
+    NameRule(f"experts.w13_weight{suffix}", f"experts.{{e}}.gate_proj.weight{suffix}", "w1"),
+    NameRule(f"experts.w13_weight{suffix}", f"experts.{{e}}.up_proj.weight{suffix}", "w3"),
+    NameRule(f"experts.w2_weight{suffix}", f"experts.{{e}}.down_proj.weight{suffix}", "w2"),
+)] + [NameRule("experts.w13_weight", "experts.gate_up_proj", "w13"),
+      NameRule("experts.w2_weight", "experts.down_proj", "w2")]
 
 
 def map_checkpoint_name(name: str, rules: list[NameRule]) -> tuple[str, Hashable, int | None]:

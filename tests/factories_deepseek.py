@@ -54,6 +54,18 @@ def quantize_block(w: torch.Tensor, block: int = 128) -> tuple[torch.Tensor, tor
     return q, scale
 
 
+def quantize_with_twin(tensors: dict[str, torch.Tensor], is_fp8=is_fp8_weight) -> dict[str, torch.Tensor]:
+    """Quantise the weights of `tensors` that the hub stores in FP8 (`is_fp8` of their names) in place
+    (e4m3 128x128 blocks, `*_scale_inv` beside each); returns the dequantised fp32 twin (what
+    transformers loads to compare against)."""
+    twin = dict(tensors)
+    for name in [n for n in tensors if is_fp8(n)]:
+        q, s = quantize_block(tensors[name])
+        tensors[name], tensors[name + "_scale_inv"] = q, s
+        twin[name] = dequantize_block(q, s)
+    return twin
+
+
 def dequantize_block(q: torch.Tensor, scale: torch.Tensor, block: int = 128) -> torch.Tensor:
     out = q.float()
     for i in range(scale.shape[0]):
@@ -98,11 +110,7 @@ def make_deepseek_v3_checkpoint(path: str, seed: int = 0, shards: int = 1, mtp: 
         tensors = {k: v.contiguous() for k, v in model.state_dict().items()}
     assert any(k.endswith("e_score_correction_bias") for k in tensors)
     if fp8_twin_path is not None:
-        twin = dict(tensors)
-        for name in [n for n in tensors if is_fp8_weight(n)]:
-            q, s = quantize_block(tensors[name])
-            tensors[name], tensors[name + "_scale_inv"] = q, s
-            twin[name] = dequantize_block(q, s)
+        twin = quantize_with_twin(tensors)
         os.makedirs(fp8_twin_path, exist_ok=True)
         for f in os.listdir(path):
             if f.endswith(".json"):

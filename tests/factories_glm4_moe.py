@@ -7,7 +7,7 @@ import os
 import torch
 
 from tests.factories import perturb_biases, perturb_norms, save_tokenizer, take_saved_tensors, write_safetensors
-from tests.factories_deepseek import dequantize_block, is_fp8_weight, quantize_block
+from tests.factories_deepseek import quantize_with_twin
 
 # head_dim 32 != hidden / heads (16), so a head dim taken from the wrong field shows; half of each
 # head rotates; layer 0 dense; 8 experts in 2 groups of which a token may use 1. Weights drawn wider
@@ -58,11 +58,7 @@ def make_glm4_moe_checkpoint(path: str, seed: int = 0, shards: int = 1, mtp: boo
         tensors = {k: v.contiguous() for k, v in model.state_dict().items()
                    if not (config.tie_word_embeddings and k == "lm_head.weight")}  # as save_pretrained
     if fp8_twin_path is not None:
-        twin = dict(tensors)
-        for name in [n for n in tensors if is_fp8_weight(n)]:
-            q, s = quantize_block(tensors[name])
-            tensors[name], tensors[name + "_scale_inv"] = q, s
-            twin[name] = dequantize_block(q, s)
+        twin = quantize_with_twin(tensors)
         os.makedirs(fp8_twin_path, exist_ok=True)
         with open(os.path.join(path, "config.json")) as f:
             raw = json.load(f)

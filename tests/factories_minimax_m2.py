@@ -7,7 +7,7 @@ import os
 import torch
 
 from tests.factories import perturb_norms, save_tokenizer, take_saved_tensors, write_safetensors
-from tests.factories_deepseek import dequantize_block, quantize_block
+from tests.factories_deepseek import quantize_with_twin
 
 # Partial RoPE (8 of 16 dims), 8 experts top-2, every layer MoE.
 MINIMAX_M2_TINY = dict(
@@ -96,11 +96,7 @@ def make_minimax_m2_checkpoint(path: str, seed: int = 0, shards: int = 1, layout
                    if not (config.tie_word_embeddings and k == "lm_head.weight")}  # shared with the embedding
     assert any(k.endswith("e_score_correction_bias") for k in tensors)
     if fp8_twin_path is not None:
-        twin = dict(tensors)
-        for name in [n for n in tensors if is_fp8_weight(n)]:
-            q, s = quantize_block(tensors[name])
-            tensors[name], tensors[name + "_scale_inv"] = q, s
-            twin[name] = dequantize_block(q, s)
+        twin = quantize_with_twin(tensors, is_fp8_weight)
         os.makedirs(fp8_twin_path, exist_ok=True)
         for f in os.listdir(path):
             if f.endswith(".json"):
