@@ -793,7 +793,7 @@ def structured_masks(results: dict, cfg: dict | None = None, device: str = "cuda
     plain ones, B = 1, 32, 256 (and 32 structured among 256), Qwen3-30B-A3B shape, dummy weights,
     default (async) scheduling. Each request's schema is an array of at least 64 five-field objects,
     so no grammar completes inside output_len; "maxLength" bounds the string field, llguidance's slow
-    case. Host time of the bitmask fill (StructuredOutputManager.fill_bitmask) per step beside. Once
+    case. Host time of the bitmask fill per step beside (fill_bitmask + fill_deferred). Once
     per grammar library (structured_outputs_config backend), each in its own engine. First, the
     device's part alone: the mask's upload and the Triton kernel that applies it, CUDA events."""
     from moe.structured_output.manager import StructuredOutputManager
@@ -806,24 +806,32 @@ def structured_masks(results: dict, cfg: dict | None = None, device: str = "cuda
     path = _structured_model(cfg)
     results["structured/tokenizer_s"] = time.perf_counter() - t0
     fills: list[float] = []
-    fill = StructuredOutputManager.fill_bitmask
+    fill, fill_deferred = StructuredOutputManager.fill_bitmask, StructuredOutputManager.fill_deferred
 
-    def timed_fill(self, so):
-        t = time.perf_counter()
-        fill(self, so)
-        fills.append(time.perf_counter() - t)
+    def timed(f, deferred: bool):
+        """A step's fill: its scheduled rows, plus the rows deferred under async scheduling (filled
+        after the previous step is collected, before the next step is scheduled)."""
+        def wrapper(self, so):
+            t = time.perf_counter()
+            f(self, so)
+            if deferred and fills:
+                fills[-1] += time.perf_counter() - t
+            else:
+                fills.append(time.perf_counter() - t)
+        return wrapper
 
     from moe.structured_output import xgrammar_backend
 
     if not xgrammar_backend.available():
         print("xgrammar does not import here: llguidance only", flush=True)
         backends = [b for b in backends if b != "xgrammar"]
-    StructuredOutputManager.fill_bitmask = timed_fill
+    StructuredOutputManager.fill_bitmask = timed(fill, False)
+    StructuredOutputManager.fill_deferred = timed(fill_deferred, True)
     try:
         for backend in backends:
             _structured_runs(results, path, backend, cfg, device, batches, input_len, output_len, fills, sync)
     finally:
-        StructuredOutputManager.fill_bitmask = fill
+        StructuredOutputManager.fill_bitmask, StructuredOutputManager.fill_deferred = fill, fill_deferred
 
 
 def mask_on_device(results: dict, batches, vocab: int = 151936, iters: int = 50) -> None:
