@@ -27,8 +27,9 @@ Stages:
            low_latency with the bytes rule's fallback), "all_to_all" (eager: its count exchange syncs
            with the host), against tensor_parallel_size=2 with graphs.
   families a DeepSeek-V3 shape cut to 4 layers (1 dense + 3 MoE; bf16 experts) and a Llama-4
-           Scout shape cut to 8 layers (dummy bf16 weights): decode step at 64 and 256 running
-           requests and an offline throughput run, each against its floor.
+           Scout shape cut to 8 layers (dummy bf16 weights), and gpt-oss-20b's shape (24 layers, experts
+           in bf16): decode step at 64 and 256 running requests and an offline throughput run, each
+           against its floor. `gpt-oss`: that shape alone (--runs to choose).
   profile  where a decode step's time goes at 256 and at 1 running requests: host time of each
            engine part, GPU time of one graph replay, and the top kernels of an eager step.
   replay   (--runs replay1 replay16 replay32 replay256) the decode graph's GPU time alone, replayed back to
@@ -51,6 +52,7 @@ import json
 import os
 import random
 import statistics
+import sys
 import tempfile
 import time
 
@@ -125,6 +127,10 @@ class Costs:
             - embed_numel
         self.active_expert_params = sum(n * self.top_k / E for E, _, n in self.expert_layers)
         self.kv_bytes_per_token = runner.kv_cache_bytes_per_block() / runner.block_size
+        # sliding-window layers (gpt-oss) read at most their window: (share of the KV bytes, window)
+        layers = model.attention_layers()
+        windows = [getattr(m, "sliding_window", None) for m in layers]
+        self.kv_window = (sum(w is not None for w in windows) / len(layers), max(w or 0 for w in windows))
         # attention FLOPs per (query, key) pair over all layers: 2 x (qk dim + v dim) x heads
         self.attn_flops_per_pair = sum(
             2 * m.num_heads * 2 * m.head_dim if isinstance(m, Attention) else
@@ -134,7 +140,9 @@ class Costs:
 
     def decode_step_s(self, batch: int, mean_context: float) -> float:
         touched = sum(b * (1 - (1 - self.top_k / E) ** batch) for E, b, _ in self.expert_layers)
-        return (self.dense_bytes + touched + batch * mean_context * self.kv_bytes_per_token) / HBM_BYTES_PER_S
+        share, window = self.kv_window
+        read = mean_context * (1 - share) + min(mean_context, window) * share
+        return (self.dense_bytes + touched + batch * read * self.kv_bytes_per_token) / HBM_BYTES_PER_S
 
     def prefill_s(self, num_prompts: int, input_len: int) -> float:
         per_token = 2 * (self.dense_params + self.active_expert_params)
@@ -747,12 +755,24 @@ LLAMA4_SCOUT_CUT = {
     "tie_word_embeddings": False, "torch_dtype": "bfloat16", "eos_token_id": 200008,
 }
 
-
+# gpt-oss-20b's shape (openai/gpt-oss-20b's config.json), experts dequantised to bf16 (dummy weights).
+GPT_OSS_20B = {
+    "architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "vocab_size": 201088, "hidden_size": 2880,
+    "intermediate_size": 2880, "num_hidden_layers": 24, "num_attention_heads": 64, "num_key_value_heads": 8,
+    "head_dim": 64, "num_local_experts": 32, "num_experts_per_tok": 4, "sliding_window": 128,
+    "layer_types": ["sliding_attention", "full_attention"] * 12, "max_position_embeddings": 4096,
+    "rms_norm_eps": 1e-5, "swiglu_limit": 7.0, "attention_bias": True, "tie_word_embeddings": False,
+    "rope_parameters": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                        "original_max_position_embeddings": 4096, "rope_theta": 150000.0},
+    "torch_dtype": "bfloat16", "eos_token_id": 200002,
+}
+FAMILY_SHAPES = (("deepseek-v3-4L", DEEPSEEK_V3_CUT), ("llama4-scout-8L", LLAMA4_SCOUT_CUT),
+                 ("gpt-oss-20b", GPT_OSS_20B))
 FAMILY_RUNS = ("decode64", "decode256", "tput_256x1024x128")
 
 
 def families(results: dict, runs=FAMILY_RUNS, only: str | None = None) -> None:
-    for name, cfg in (("deepseek-v3-4L", DEEPSEEK_V3_CUT), ("llama4-scout-8L", LLAMA4_SCOUT_CUT)):
+    for name, cfg in FAMILY_SHAPES:
         if only and not name.startswith(only):
             continue
         path = tempfile.mkdtemp()
@@ -935,7 +955,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("stages", nargs="+",
                         choices=["parity", "qwen3", "qwen3-tp2", "eager", "families", "families-mixed",
-                                 "deepseek-mixed", "tp2", "recording", "dp2ep", "structured"])
+                                 "deepseek-mixed", "gpt-oss", "tp2", "recording", "dp2ep", "structured"])
     parser.add_argument("--checkpoints", nargs="*", default=[".gpu_ckpts/qwen3_moe", ".gpu_ckpts/deepseek_v3",
                                                              ".gpu_ckpts/llama4_mm"])
     parser.add_argument("--runs", nargs="*", default=["decode256", "tpot1", "tpot32", "tput_256x2048x512",
@@ -957,6 +977,8 @@ def main(argv: list[str] | None = None) -> int:
                 families(results, ["mixed_step", "mixed"])
             elif stage == "deepseek-mixed":  # the DeepSeek-V3 cut alone, --runs of mixed / mixed_step
                 families(results, args.runs, only="deepseek")
+            elif stage == "gpt-oss":  # the gpt-oss-20b shape alone: --runs given, else the family runs
+                families(results, args.runs if "--runs" in (argv or sys.argv) else FAMILY_RUNS, only="gpt-oss")
             elif stage == "recording":  # expert-load recording on, off, on again (the spread)
                 for i, record in enumerate((True, False, True, False)):
                     qwen3(results, eager=False, runs=["decode256", "tpot1"], record=record, tag_suffix=f"-{i // 2}")

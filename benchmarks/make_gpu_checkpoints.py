@@ -3,7 +3,7 @@ machine, then carry the folder to the GPU machine): one per model family, with d
 exercise multi-block contexts, GQA and, for Llama-4, chunk boundaries of the local attention.
 
     python benchmarks/make_gpu_checkpoints.py .gpu_ckpts          # every family
-    python benchmarks/make_gpu_checkpoints.py .gpu_ckpts --new    # Mixtral, GLM-4.5, MiniMax-M2 only
+    python benchmarks/make_gpu_checkpoints.py .gpu_ckpts --new    # Mixtral, GLM-4.5, MiniMax-M2, gpt-oss only
 """
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import sys
 from tests.factories import make_qwen3_moe_checkpoint
 from tests.factories_deepseek import make_deepseek_v3_checkpoint
 from tests.factories_glm4_moe import make_glm4_moe_checkpoint
+from tests.factories_gpt_oss import make_gpt_oss_mxfp4_checkpoint
 from tests.factories_llama4 import make_llama4_model, save_llama4_checkpoint
 from tests.factories_minimax_m2 import make_minimax_m2_checkpoint
 from tests.factories_mixtral import make_mixtral_checkpoint
@@ -24,6 +25,9 @@ def main(out: str, only: list[str] | None = None) -> None:
     make_mixtral_checkpoint(os.path.join(out, "mixtral"), max_position_embeddings=1024)
     make_glm4_moe_checkpoint(os.path.join(out, "glm4_moe"))
     make_minimax_m2_checkpoint(os.path.join(out, "minimax_m2"))
+    # the hub's MXFP4 layout, and its dense twin (transformers' layout); contexts beyond the window
+    make_gpt_oss_mxfp4_checkpoint(os.path.join(out, "gpt_oss_mxfp4"), os.path.join(out, "gpt_oss"),
+                                  max_position_embeddings=1024)
     if only == ["new"]:
         print("checkpoints in", out)
         return

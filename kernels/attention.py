@@ -12,6 +12,13 @@ gives them), as vLLM: a value x is stored as fp8(clamp(x / scale, +-fp8 max)) an
 float(stored) * scale, the attention maths then as usual. Every reader attends over what the cache
 holds: fresh keys of a prefill go through the same round trip. Caches of any other dtype ignore
 the scales.
+
+Local attention, at most one kind per layer (key_start): chunked-local (Llama-4's RoPE layers,
+chunk_size C: a query at p sees floor(p / C) * C .. p) or a sliding window (gpt-oss's alternate
+layers, sliding_window W: p sees max(0, p - W + 1) .. p, as transformers' kv_idx > q_idx - W).
+Attention sinks (gpt-oss, sinks_H: fp32 [H]): head h's learned logit s_h (natural-log units, not
+scaled) joins every row's softmax as one more column whose value is zero,
+p_j = exp(l_j) / (sum_i exp(l_i) + exp(s_h)): the output shrinks where the keys score low.
 """
 from __future__ import annotations
 
@@ -124,17 +131,72 @@ def chunk_start(pos: torch.Tensor | int, chunk_size: int | None):
     return (pos // chunk_size) * chunk_size
 
 
+def key_start(pos: torch.Tensor | int, chunk_size: int | None, sliding_window: int | None = None):
+    """First position a query at `pos` may attend to: its chunk's start under chunked-local
+    attention, max(0, pos - sliding_window + 1) under a sliding window, else 0."""
+    if sliding_window is None:
+        return chunk_start(pos, chunk_size)
+    lo = pos - (sliding_window - 1)
+    return lo.clamp(min=0) if isinstance(lo, torch.Tensor) else max(lo, 0)
+
+
+def check_local(chunk_size: int | None, sliding_window: int | None) -> None:
+    """Validates the local-attention arguments of every paged-attention entry point."""
+    if chunk_size is not None and sliding_window is not None:
+        raise ValueError(f"chunk_size ({chunk_size}) and sliding_window ({sliding_window}) exclude each other")
+    if chunk_size is not None and chunk_size <= 0:
+        raise ValueError(f"chunk_size must be positive or None, got {chunk_size}")
+    if sliding_window is not None and sliding_window <= 0:
+        raise ValueError(f"sliding_window must be positive or None, got {sliding_window}")
+
+
+def check_sinks(sinks_H: torch.Tensor | None, H: int, device: torch.device) -> torch.Tensor | None:
+    """Validates attention sinks (one float logit per query head, on the queries' device); returns
+    them contiguous (the kernels index them by head)."""
+    if sinks_H is None:
+        return None
+    if sinks_H.shape != (H,) or not sinks_H.is_floating_point():
+        raise ValueError(f"sinks must be a float [H={H}] tensor, got {sinks_H.dtype} {tuple(sinks_H.shape)}")
+    if sinks_H.device != device:
+        raise ValueError(f"sinks on {sinks_H.device}, queries on {device}")
+    return sinks_H.contiguous()
+
+
+def _attend(q, k, v, mask, causal: bool, scale: float, gqa: bool, sinks_H: torch.Tensor | None):
+    """SDPA of q [.., H, n, d] over k, v [.., G, L, d] (mask: bool, broadcast to [.., n, L]; causal:
+    the top-left causal mask instead). With sinks_H [H], the plain softmax with the sink column
+    appended (as transformers' gpt-oss eager attention), in fp32."""
+    if sinks_H is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=gqa)
+    H, n, L = q.shape[-3], q.shape[-2], k.shape[-2]
+    k, v = (t.float().repeat_interleave(H // t.shape[-3], dim=-3) for t in (k, v))
+    scores = q.float() @ k.transpose(-1, -2) * scale  # [.., H, n, L]
+    if causal:
+        mask = torch.ones(n, L, dtype=torch.bool, device=q.device).tril()
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    sink = sinks_H.float().view(H, 1, 1).expand(*scores.shape[:-1], 1)
+    p = torch.cat([scores, sink], dim=-1).softmax(-1)[..., :-1]
+    return (p @ v).to(q.dtype)
+
+
 def paged_attention_torch(q_THd: torch.Tensor, k_TGd: torch.Tensor, v_TGd: torch.Tensor,
                           kv_cache_2NSGd: torch.Tensor, meta: AttentionMetadata, scale: float,
-                          chunk_size: int | None = None, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
+                          chunk_size: int | None = None, k_scale: float = 1.0, v_scale: float = 1.0, *,
+                          sliding_window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of each sequence's new queries over its context.
 
     chunk_size: None = global causal attention. Otherwise chunked-local attention (Llama-4's
     RoPE layers): a query at position p sees only the keys at positions
     floor(p / chunk_size) * chunk_size .. p, its own chunk so far.
+    sliding_window: a query at p sees the keys max(0, p - sliding_window + 1) .. p (not with
+    chunk_size). sinks: fp32 [H], each head's sink logit (module docstring); None = no sinks.
     New K/V must already be written to the cache. k_scale / v_scale: an FP8 cache's scales
     (ignored for other caches; see the module docstring). Returns [T, H, d].
     """
+    check_local(chunk_size, sliding_window)
+    sinks = check_sinks(sinks, q_THd.shape[1], q_THd.device)
+    local = chunk_size is not None or sliding_window is not None
     out = torch.empty_like(q_THd)
     H, G = q_THd.shape[1], kv_cache_2NSGd.shape[3]
     gqa = H != G
@@ -147,34 +209,34 @@ def paged_attention_torch(q_THd: torch.Tensor, k_TGd: torch.Tensor, v_TGd: torch
         start, end = meta.query_start_loc[b], meta.query_start_loc[b + 1]
         n, L = end - start, meta.seq_lens[b]
         q = q_THd[start:end].transpose(0, 1)  # [H, n, d]
-        if n == L and chunk_size is None:  # no cached context: attend over the fresh keys directly
+        if n == L and not local:  # no cached context: attend over the fresh keys directly
             k, v = fresh(start, end)
             mask, causal = None, True
         else:
-            # Keys before the chunk of the first query are never seen: skip reading them.
-            k0 = chunk_start(L - n, chunk_size)
+            # Keys before the first query's chunk / window are never seen: skip reading them.
+            k0 = key_start(L - n, chunk_size, sliding_window)
             if n == L:
                 k, v = fresh(start, end)
             else:
                 k, v = _gather_context(kv_cache_2NSGd, meta.block_tables_BM[b], L, k0)
-            # Query i sits at position L - n + i and sees keys chunk_start(L - n + i) .. L - n + i.
+            # Query i sits at position L - n + i and sees keys key_start(L - n + i) .. L - n + i.
             qpos = torch.arange(L - n, L, device=q.device)[:, None]
             kpos = torch.arange(k0, L, device=q.device)[None, :]
-            mask, causal = (kpos <= qpos) & (kpos >= chunk_start(qpos, chunk_size)), False
+            mask, causal = (kpos <= qpos) & (kpos >= key_start(qpos, chunk_size, sliding_window)), False
         k, v = dequantize_kv(k.transpose(0, 1), q.dtype, k_scale), dequantize_kv(v.transpose(0, 1), q.dtype, v_scale)
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=gqa)
+        o = _attend(q, k, v, mask, causal, scale, gqa, sinks)
         out[start:end] = o.transpose(0, 1)
     if meta.decode_seqs:
         idx, lens, tables = meta.decode_token_idx, meta.decode_seq_lens, meta.decode_block_tables
         S, nblk = kv_cache_2NSGd.shape[2], tables.shape[1]
-        if chunk_size is None:
+        if not local:
             first_pos = torch.zeros_like(lens)
             block_ids = tables  # [B, nblk]
         else:
-            # Read only the blocks of each query's chunk (the one query sits at lens - 1).
-            first_pos = chunk_start(lens - 1, chunk_size)
-            window = min(-(-chunk_size // S) + 1, nblk)
-            cols = (first_pos // S)[:, None] + torch.arange(window, device=lens.device)[None, :]
+            # Read only the blocks of each query's chunk / window (the one query sits at lens - 1).
+            first_pos = key_start(lens - 1, chunk_size, sliding_window)
+            span = min(-(-(chunk_size or sliding_window) // S) + 1, nblk)  # blocks a chunk / window can touch
+            cols = (first_pos // S)[:, None] + torch.arange(span, device=lens.device)[None, :]
             block_ids = tables.gather(1, cols.clamp(max=nblk - 1))  # clamped columns are masked below
         W = block_ids.shape[1]
         kv = kv_cache_2NSGd[:, block_ids]  # [2, B, W, S, G, d]
@@ -182,8 +244,7 @@ def paged_attention_torch(q_THd: torch.Tensor, k_TGd: torch.Tensor, v_TGd: torch
         kpos = (first_pos // S * S)[:, None] + torch.arange(W * S, device=q_THd.device)[None, :]
         mask = (kpos < lens[:, None]) & (kpos >= first_pos[:, None])
         q = q_THd[idx][:, :, None, :]  # [B, H, 1, d]
-        o = F.scaled_dot_product_attention(q, dequantize_kv(kv[0], q.dtype, k_scale),
-                                           dequantize_kv(kv[1], q.dtype, v_scale),
-                                           attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=gqa)
+        o = _attend(q, dequantize_kv(kv[0], q.dtype, k_scale), dequantize_kv(kv[1], q.dtype, v_scale),
+                    mask[:, None, None, :], False, scale, gqa, sinks)
         out[idx] = o[:, :, 0, :]
     return out

@@ -13,7 +13,7 @@ import math
 import torch
 
 from kernels.cpu_experts import fused_experts_cpu
-from kernels.reference import fused_experts_torch
+from kernels.reference import check_activation, fused_experts_torch
 
 FP8_DTYPE = torch.float8_e4m3fn
 DEFAULT_BLOCK_SHAPE = (128, 128)
@@ -54,6 +54,23 @@ def _check_shapes(x_TD, w13_EFD, w2_EDF, topk_weights_TK, topk_ids_TK, expert_ma
             f"{tuple(topk_ids_TK.shape)} must have the same shape")
     if expert_map_E is not None and expert_map_E.dim() != 1:
         raise ValueError(f"expert_map must be 1-D [num_global_experts], got {tuple(expert_map_E.shape)}")
+
+
+def _check_biases(x_TD, w13_EFD, w13_bias, w2_bias) -> None:
+    """Expert biases: w13_bias [E, 2F], w2_bias [E, D], on the activations' device, fp32 or the
+    activation dtype."""
+    E, F2, D = w13_EFD.shape
+    for name, b, want in (("w13_bias", w13_bias, (E, F2)), ("w2_bias", w2_bias, (E, D))):
+        if b is None:
+            continue
+        if not isinstance(b, torch.Tensor):
+            raise ValueError(f"{name} must be a tensor or None, got {type(b).__name__}")
+        if tuple(b.shape) != want:
+            raise ValueError(f"{name} must be {list(want)}, got shape {tuple(b.shape)}")
+        if b.device != x_TD.device:
+            raise ValueError(f"{name} is on {b.device}, the hidden states on {x_TD.device}")
+        if b.dtype not in (torch.float32, x_TD.dtype):
+            raise ValueError(f"{name} must be float32 or the activation dtype {x_TD.dtype}, got {b.dtype}")
 
 
 def _check_fp8(w13_EFD, w2_EDF, w13_scale, w2_scale, block_shape) -> tuple[int, int] | None:
@@ -99,6 +116,12 @@ def fused_experts(
     w2_scale: torch.Tensor | None = None,
     block_shape: tuple[int, int] | None = None,
     defer_sum: bool = False,
+    *,
+    w13_bias: torch.Tensor | None = None,
+    w2_bias: torch.Tensor | None = None,
+    activation: str = "silu",
+    swiglu_alpha: float = 1.702,
+    swiglu_limit: float = 7.0,
 ) -> torch.Tensor:
     """Run the routed experts of one MoE layer and sum their weighted outputs.
 
@@ -126,11 +149,29 @@ def fused_experts(
         defer_sum: the "triton" backend may return the unsummed top-k outputs as a
             kernels.triton_fused.moe_sum.TopKSum, which the caller's next RMSNorm sums
             (models/layers/norm.py); other backends ignore it.
+        w13_bias: optional [E, 2F] bias of the gate_up projection (gate then up, as w13's rows),
+            w2_bias: optional [E, D] bias of the down projection; fp32 or the activation dtype,
+            added in fp32. b2 is added before the routed weight multiplies the expert's output
+            (gpt-oss); rows of experts not on this rank (expert_map -1) get nothing, bias included.
+        activation: "silu" (SiLU(gate) * up) or "swigluoai" (gpt-oss: gate = min(gate, limit),
+            up = clamp(up, -limit, limit), gate * sigmoid(alpha * gate) * (up + 1)).
+        swiglu_alpha, swiglu_limit: alpha and limit of "swigluoai" (gpt-oss config swiglu_alpha,
+            swiglu_limit); unused by "silu".
+        Biases and "swigluoai" run on "torch", "reference" and "triton" with unquantised weights;
+        with FP8 weights or backend "deepspeed" they raise ValueError.
     Returns:
         [T, D] in the dtype of `hidden_states` (or a TopKSum, see defer_sum).
     """
     _check_shapes(hidden_states, w13, w2, topk_weights, topk_ids, expert_map)
     block = _check_fp8(w13, w2, w13_scale, w2_scale, block_shape)
+    check_activation(activation)
+    _check_biases(hidden_states, w13, w13_bias, w2_bias)
+    new_args = w13_bias is not None or w2_bias is not None or activation != "silu"
+    if new_args and block is not None:
+        raise ValueError("expert biases and the 'swigluoai' activation are not supported with FP8 "
+                         "weights (w13_scale/w2_scale); use unquantised weights")
+    extra = dict(w13_bias=w13_bias, w2_bias=w2_bias, activation=activation, swiglu_alpha=swiglu_alpha,
+                 swiglu_limit=swiglu_limit)
     if backend is None:
         backend = "triton" if _triton_usable(hidden_states) else "torch"
     if backend in ("torch", "reference"):
@@ -139,19 +180,24 @@ def fused_experts(
             return fused_experts_fp8_torch(hidden_states, w13, w2, w13_scale, w2_scale, topk_weights,
                                            topk_ids, expert_map, block)
         if backend == "torch" and not hidden_states.is_cuda:
-            return fused_experts_cpu(hidden_states, w13, w2, topk_weights, topk_ids, expert_map)
-        return fused_experts_torch(hidden_states, w13, w2, topk_weights, topk_ids, expert_map)
+            return fused_experts_cpu(hidden_states, w13, w2, topk_weights, topk_ids, expert_map, **extra)
+        return fused_experts_torch(hidden_states, w13, w2, topk_weights, topk_ids, expert_map, **extra)
     if backend == "triton":
         if block is not None:
             from kernels.triton_moe import fused_experts_triton_fp8
             return fused_experts_triton_fp8(hidden_states, w13, w2, w13_scale, w2_scale, topk_weights,
                                             topk_ids, expert_map, block, defer_sum=defer_sum)
         from kernels.triton_moe import fused_experts_triton
-        return fused_experts_triton(hidden_states, w13, w2, topk_weights, topk_ids, expert_map, defer_sum=defer_sum)
+        return fused_experts_triton(hidden_states, w13, w2, topk_weights, topk_ids, expert_map, defer_sum=defer_sum,
+                                    **extra)
     if backend == "deepspeed":
         if block is not None:
             raise ValueError("backend 'deepspeed' has no FP8 path (deepspeed-kernels' MoE GEMM takes "
                              "fp16/bf16 weights); use backend 'triton' or 'torch' for FP8 experts")
+        if new_args:
+            raise ValueError("backend 'deepspeed' has no expert biases and only the 'silu' activation "
+                             "(deepspeed-kernels' MoE GEMM); use backend 'triton' or 'torch' for "
+                             "w13_bias/w2_bias/activation='swigluoai'")
         from kernels.deepspeed_moe import fused_experts_deepspeed
         return fused_experts_deepspeed(hidden_states, w13, w2, topk_weights, topk_ids, expert_map)
     raise ValueError(f"unknown fused_experts backend {backend!r}; choose one of {_BACKENDS} or None")

@@ -214,11 +214,18 @@ def load_weights(model: torch.nn.Module, model_dir: str, progress: bool = True) 
         if not param.param_loader.wants(shard, expert):
             continue
         tensor = read_tensor(path, f, name)
-        if param.is_floating_point() and not tensor.is_floating_point():
+        stored = param.param_loader.stored_dtype(shard)
+        if stored is not None:
+            if tensor.dtype != stored:
+                raise ValueError(f"tensor {name!r} in {os.path.basename(path)} has dtype {tensor.dtype}, but the "
+                                 f"model expects {stored}")
+        elif param.is_floating_point() and not tensor.is_floating_point():
             raise ValueError(f"tensor {name!r} in {os.path.basename(path)} has dtype {tensor.dtype}, but the "
                              f"model expects floating-point weights ({param.dtype}); integer-quantised "
                              "checkpoints are not supported")
-        loaded[pname].update(param.param_loader.load(param, tensor.to(param.dtype), shard, expert))
+        else:
+            tensor = tensor.to(param.dtype)
+        loaded[pname].update(param.param_loader.load(param, tensor, shard, expert))
     missing = []
     for pname, param in params.items():
         for shard, expert in param.param_loader.pieces():
@@ -234,14 +241,15 @@ def load_weights(model: torch.nn.Module, model_dir: str, progress: bool = True) 
 def init_dummy_weights(model: torch.nn.Module, seed: int = 0, low: float = -1e-3, high: float = 1e-3) -> None:
     """Random weights at the real size (load_format='dummy', for benchmarks).
 
-    Router correction biases (DeepSeek-V3) are zeroed: a random bias would outweigh the
-    near-zero router logits of random weights and send every token to the same experts.
+    Biases are zeroed: the same for every token, a random one (a router's, DeepSeek-V3's correction
+    bias, or gpt-oss's attention and expert biases in the residual stream) would outweigh the
+    near-zero, token-dependent values of random weights and send every token to the same experts.
     """
     gen = torch.Generator(device="cpu").manual_seed(seed)
     for name, param in model.named_parameters():
         if not param.is_floating_point():
             continue
-        if name.endswith("e_score_correction_bias"):
+        if name.endswith("bias"):
             param.data.zero_()
         elif param.device.type == "cpu":
             param.data.copy_(torch.empty(param.shape, dtype=torch.float32).uniform_(low, high, generator=gen))

@@ -14,6 +14,7 @@ _ARCHITECTURES = {
     "MixtralForCausalLM": ("models.mixtral", "MixtralForCausalLM"),
     "Glm4MoeForCausalLM": ("models.glm4_moe", "Glm4MoeForCausalLM"),
     "MiniMaxM2ForCausalLM": ("models.minimax_m2", "MiniMaxM2ForCausalLM"),
+    "GptOssForCausalLM": ("models.gpt_oss", "GptOssForCausalLM"),
 }
 
 

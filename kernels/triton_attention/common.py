@@ -5,6 +5,8 @@ Legend: T query tokens, B sequences, H query heads, G KV heads, d head dim, N ca
 S block size, M rows of a query tile (query x head pairs), BLOCK_N keys of a key tile.
 KV cache per layer: kv_cache_2NSGd = [2 (k, v), N, S, G, d], contiguous; the key at position p
 of sequence b sits in block block_tables[b, p // S] at offset p % S.
+Local attention (chunked-local or a sliding window) and attention sinks: as kernels/attention.py's
+docstring says; each is a constexpr switch, so kernels without them compile as before.
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import triton
 import triton.language as tl
 
 LOG2E = 1.4426950408889634
+LOG2E_JIT = tl.constexpr(LOG2E)  # the same inside kernels
 # Running max before any key is seen: finite so that a row whose keys are all masked so far
 # gives exp2(-inf - NEG_BIG) = 0 instead of NaN from (-inf) - (-inf).
 NEG_BIG = tl.constexpr(-1.0e30)
@@ -79,41 +82,76 @@ def attend_key_tile(acc, m_i, l_i, q, kv_ptr, bt_row_ptr, stride_btm, kv_head, v
 
 
 @triton.jit
-def attend_context(q, qpos, q_first, num_queries, L, chunk_size, kv_ptr, bt_row_ptr, stride_btm, kv_head,
-                   v_offset, stride_blk, stride_tok, scale_log2, dd, BLOCK_M: tl.constexpr, S: tl.constexpr,
-                   BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
-                   USE_CHUNK: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
-    """Causal (optionally chunked-local) attention of a tile's rows q [BLOCK_M, D_PAD] at
-    positions qpos (the tile's queries q_first .. q_first + num_queries - 1) over the keys
-    0 .. L - 1 of one sequence through its block-table row; returns the normalised fp32 output.
-    A row that sees no key (a padding sequence has L = 0, its rows negative positions) gets
-    zeros: no key tile below 0 or past L - 1 is read."""
+def join_sink(acc, m_i, l_i, sink_log2):
+    """The online-softmax state after one more key of score sink_log2 [M] (log2 units) and value
+    zero: it only adds to the denominator (-inf: no sink)."""
+    m_new = tl.maximum(m_i, sink_log2)
+    alpha = tl.exp2(m_i - m_new)
+    return acc * alpha[:, None], m_new, l_i * alpha + tl.exp2(sink_log2 - m_new)
+
+
+@triton.jit
+def attend_context(q, qpos, q_first, num_queries, L, chunk_size, window, kv_ptr, bt_row_ptr, stride_btm, kv_head,
+                   v_offset, stride_blk, stride_tok, scale_log2, dd, sinks_ptr, head, BLOCK_M: tl.constexpr,
+                   S: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+                   USE_CHUNK: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SINKS: tl.constexpr,
+                   PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """Causal (optionally chunked-local or sliding-window) attention of a tile's rows q
+    [BLOCK_M, D_PAD] at positions qpos (the tile's queries q_first .. q_first + num_queries - 1)
+    over the keys 0 .. L - 1 of one sequence through its block-table row; returns the normalised
+    fp32 output. A row that sees no key (a padding sequence has L = 0, its rows negative
+    positions) gets zeros: no key tile below 0 or past L - 1 is read.
+    USE_WINDOW: row r sees keys max(0, qpos[r] - window + 1) .. qpos[r]. USE_SINKS: row r's softmax
+    has head[r]'s sink logit (sinks_ptr, natural-log units) as one more column of value zero;
+    head[r] must be a valid head for every row, padding rows included."""
     q_last = tl.minimum(q_first + num_queries - 1, L - 1)
     if USE_CHUNK:
         row_lo = (qpos // chunk_size) * chunk_size
         k_lo = tl.maximum((q_first // chunk_size) * chunk_size, 0)  # keys before the first row's chunk: never read
         same_chunk = k_lo == (q_last // chunk_size) * chunk_size
+    elif USE_WINDOW:
+        row_lo = tl.maximum(qpos - window + 1, 0)
+        k_lo = tl.maximum(q_first - window + 1, 0)  # keys before the first row's window: never read
+        same_chunk = True
     else:
         row_lo = qpos * 0
         k_lo = q_first * 0
         same_chunk = True
-    # Keys k_lo .. q_first are visible to every row when all rows share one chunk: whole tiles of
-    # them run without masks, the rest (causal diagonal, chunk edges, the context's end) masked.
+    if USE_WINDOW:
+        # The rows' windows start at different keys: keys from the last row's start to q_first are
+        # visible to every row, so whole tiles of them (on the grid of tiles from k_lo) run without
+        # masks; those before (some rows' windows only) and after (the causal diagonal, the context's
+        # end) masked.
+        k_all = tl.maximum(q_last - window + 1, 0)
+        k_mask_end = tl.minimum(k_lo + tl.cdiv(k_all - k_lo, BLOCK_N) * BLOCK_N, q_last + 1)
+    else:
+        k_mask_end = k_lo
+    # Keys k_mask_end .. q_first are visible to every row when all rows share one chunk: whole
+    # tiles of them run without masks, the rest (causal diagonal, chunk edges, the context's end) masked.
     if same_chunk:
-        k_free = tl.maximum(k_lo + ((q_first + 1 - k_lo) // BLOCK_N) * BLOCK_N, k_lo)
+        k_free = tl.maximum(k_mask_end + ((q_first + 1 - k_mask_end) // BLOCK_N) * BLOCK_N, k_mask_end)
     else:
         k_free = k_lo
     acc = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], NEG_BIG, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    for k0 in range(k_lo, k_free, BLOCK_N):
+    if USE_WINDOW:
+        for k0 in range(k_lo, k_mask_end, BLOCK_N):
+            acc, m_i, l_i = attend_key_tile(acc, m_i, l_i, q, kv_ptr, bt_row_ptr, stride_btm, kv_head, v_offset,
+                                            stride_blk, stride_tok, k0, qpos, row_lo, L, scale_log2, dd,
+                                            S, BLOCK_N, HEAD_DIM, D_PAD, True, True, PRECISION, UPCAST)
+    for k0 in range(k_mask_end, k_free, BLOCK_N):
         acc, m_i, l_i = attend_key_tile(acc, m_i, l_i, q, kv_ptr, bt_row_ptr, stride_btm, kv_head, v_offset,
                                         stride_blk, stride_tok, k0, qpos, row_lo, L, scale_log2, dd,
-                                        S, BLOCK_N, HEAD_DIM, D_PAD, False, USE_CHUNK, PRECISION, UPCAST)
+                                        S, BLOCK_N, HEAD_DIM, D_PAD, False, USE_CHUNK or USE_WINDOW, PRECISION,
+                                        UPCAST)
     for k0 in range(k_free, q_last + 1, BLOCK_N):
         acc, m_i, l_i = attend_key_tile(acc, m_i, l_i, q, kv_ptr, bt_row_ptr, stride_btm, kv_head, v_offset,
                                         stride_blk, stride_tok, k0, qpos, row_lo, L, scale_log2, dd,
-                                        S, BLOCK_N, HEAD_DIM, D_PAD, True, USE_CHUNK, PRECISION, UPCAST)
+                                        S, BLOCK_N, HEAD_DIM, D_PAD, True, USE_CHUNK or USE_WINDOW, PRECISION,
+                                        UPCAST)
+    if USE_SINKS:
+        acc, m_i, l_i = join_sink(acc, m_i, l_i, tl.load(sinks_ptr + head).to(tl.float32) * LOG2E_JIT)
     return acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
 
 

@@ -8,7 +8,7 @@ BQ query tokens of a tile, M = BQ * HG rows of a tile padded to a power of two (
 smallest), n_b queries and L_b context tokens of sequence b.
 
 Sequence b owns query rows query_start_loc[b] .. query_start_loc[b+1]-1; query i sits at position
-L_b - n_b + i and sees keys chunk_start(pos) .. pos through the block table (the new tokens' K/V
+L_b - n_b + i and sees keys key_start(pos) .. pos through the block table (the new tokens' K/V
 are in the cache already). A program takes BQ consecutive queries of one sequence times all HG
 query heads of one KV head, so the GQA group shares every K/V tile it loads (the varlen prefill
 kernel's tile height follows the longest query of the batch instead). Optionally
@@ -20,7 +20,8 @@ tile slot j of the flat numbering belongs to the last sequence b with
 query_start_loc[b] // BQ + b <= j (a binary search over the device offsets). That numbering gives
 sequence b at least cdiv(n_b, BQ) slots (one spare at most) without a prefix sum over the batch;
 spare slots, and slots past query_start_loc[B] when q has padding rows, return at once and write
-nothing. An FP8 cache: as decode.py's docstring says.
+nothing. An FP8 cache: as decode.py's docstring says. Sliding windows and sinks: as prefill.py's
+docstring says (the decode kernel, with decodes_apart, takes them too).
 """
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.attention import is_fp8_kv
+from kernels.attention import check_local, check_sinks, is_fp8_kv
 from kernels.pdl import pdl_enter, pdl_launch
 from kernels.triton_attention.decode import paged_attention_decode_triton
 from kernels.triton_attention.common import (
@@ -70,11 +71,12 @@ def _find_tile(qsl_ptr, B, slot, BQ: tl.constexpr):
 
 # An eager step's sequence count and block-table width compile no new variant.
 @triton.jit(do_not_specialize=["B", "stride_btb"])
-def _unified_kernel(q_ptr, kv_ptr, bt_ptr, qsl_ptr, seq_lens_ptr, o_ptr, B,
+def _unified_kernel(q_ptr, kv_ptr, bt_ptr, qsl_ptr, seq_lens_ptr, o_ptr, sinks_ptr, B,
                     stride_qt, stride_qh, stride_ot, stride_oh, stride_btb, stride_btm,
-                    v_offset, stride_blk, stride_tok, scale_log2, chunk_size, v_scale,
+                    v_offset, stride_blk, stride_tok, scale_log2, chunk_size, window, v_scale,
                     HG: tl.constexpr, BQ: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr,
                     D_PAD: tl.constexpr, BLOCK_N: tl.constexpr, S: tl.constexpr, USE_CHUNK: tl.constexpr,
+                    USE_WINDOW: tl.constexpr, USE_SINKS: tl.constexpr,
                     PRECISION: tl.constexpr, UPCAST: tl.constexpr, USE_PDL: tl.constexpr,
                     SKIP_DECODES: tl.constexpr, SCALE_V: tl.constexpr):
     pdl_enter(USE_PDL)
@@ -103,9 +105,10 @@ def _unified_kernel(q_ptr, kv_ptr, bt_ptr, qsl_ptr, seq_lens_ptr, o_ptr, B,
                 mask=row_ok[:, None] & (dd[None, :] < HEAD_DIM), other=0.0)
 
     bt_row_ptr = bt_ptr + b.to(tl.int64) * stride_btb
-    out = attend_context(q, qpos, L - n + m0, BQ, L, chunk_size, kv_ptr, bt_row_ptr, stride_btm, kv_head, v_offset,
-                         stride_blk, stride_tok, scale_log2, dd, BLOCK_M, S, BLOCK_N, HEAD_DIM, D_PAD, USE_CHUNK,
-                         PRECISION, UPCAST)
+    # head: kv_head * HG + r % HG, a valid head in every row (attend_context's sinks load needs no mask)
+    out = attend_context(q, qpos, L - n + m0, BQ, L, chunk_size, window, kv_ptr, bt_row_ptr, stride_btm, kv_head,
+                         v_offset, stride_blk, stride_tok, scale_log2, dd, sinks_ptr, head, BLOCK_M, S, BLOCK_N,
+                         HEAD_DIM, D_PAD, USE_CHUNK, USE_WINDOW, USE_SINKS, PRECISION, UPCAST)
     if SCALE_V:  # an FP8 cache's v_scale (k_scale is in scale_log2)
         out = out * v_scale
     o_off = (q_begin + qi).to(tl.int64) * stride_ot + head * stride_oh
@@ -133,9 +136,10 @@ def unified_attention_triton(q_THd: torch.Tensor, kv_cache_2NSGd: torch.Tensor, 
                              chunk_size: int | None = None, out_THd: torch.Tensor | None = None,
                              block_q: int | None = None, config: dict | None = None,
                              decodes_apart: bool | None = None, k_scale: float = 1.0,
-                             v_scale: float = 1.0) -> torch.Tensor:
-    """Causal (optionally chunked-local) GQA attention of each sequence's queries over its cached
-    context, any mix of prefill and decode rows; returns out_THd [T, H, d] in q's dtype.
+                             v_scale: float = 1.0, *, sliding_window: int | None = None,
+                             sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal (optionally chunked-local or sliding-window) GQA attention of each sequence's queries
+    over its cached context, any mix of prefill and decode rows; returns out_THd [T, H, d] in q's dtype.
 
     q_THd: [T, H, d] fp32/fp16/bf16, any strides with a unit stride along d. Rows at and past
     query_start_loc[B] (padding) are neither read nor written.
@@ -148,6 +152,8 @@ def unified_attention_triton(q_THd: torch.Tensor, kv_cache_2NSGd: torch.Tensor, 
     decodes_apart: the sequences of one query run in the split-KV decode kernel (a second
     launch, graph-safe too) instead of a tile here padded to BLOCK_M rows for one token's HG
     heads; None = DECODES_APART.
+    sliding_window: a query at p sees keys max(0, p - sliding_window + 1) .. p (not with chunk_size).
+    sinks: fp32 [H] on the device, each head's sink logit (kernels/attention.py); None = none.
     """
     if q_THd.dim() != 3 or q_THd.stride(2) != 1:
         raise ValueError(f"q_THd must be [T, H, d] with unit stride along d, got {tuple(q_THd.shape)}")
@@ -159,8 +165,8 @@ def unified_attention_triton(q_THd: torch.Tensor, kv_cache_2NSGd: torch.Tensor, 
     check_block_tables(block_tables_BM, B)
     if query_start_loc_B1.shape != (B + 1,):
         raise ValueError(f"query_start_loc_B1 must be [B+1={B + 1}], got {tuple(query_start_loc_B1.shape)}")
-    if chunk_size is not None and chunk_size <= 0:
-        raise ValueError(f"chunk_size must be positive or None, got {chunk_size}")
+    check_local(chunk_size, sliding_window)
+    sinks = check_sinks(sinks, H, q_THd.device)
     if out_THd is None:
         out_THd = torch.empty_like(q_THd)
     elif out_THd.shape != q_THd.shape or out_THd.stride(2) != 1:
@@ -182,15 +188,18 @@ def unified_attention_triton(q_THd: torch.Tensor, kv_cache_2NSGd: torch.Tensor, 
     if decodes_apart:
         paged_attention_decode_triton(q_THd, kv_cache_2NSGd, block_tables_BM, seq_lens_B, scale, chunk_size,
                                       out_BHd=out_THd, query_start_loc_B1=query_start_loc_B1,
-                                      block_n=(config or {}).get("BLOCK_N"), k_scale=k_scale, v_scale=v_scale)
+                                      block_n=(config or {}).get("BLOCK_N"), k_scale=k_scale, v_scale=v_scale,
+                                      sliding_window=sliding_window, sinks=sinks)
     grid = (num_tile_slots(T, B, block_q), G)
     _unified_kernel[grid](
-        q_THd, kv_cache_2NSGd, block_tables_BM, query_start_loc_B1, seq_lens_B, out_THd, B,
+        q_THd, kv_cache_2NSGd, block_tables_BM, query_start_loc_B1, seq_lens_B, out_THd,
+        seq_lens_B if sinks is None else sinks, B,  # sinks: unused without them
         q_THd.stride(0), q_THd.stride(1), out_THd.stride(0), out_THd.stride(1),
         block_tables_BM.stride(0), block_tables_BM.stride(1),
         N * S * G * d, S * G * d, G * d, scale * LOG2E * k_scale if fp8 else scale * LOG2E, chunk_size or 1,
-        float(v_scale), HG=hg, BQ=block_q, BLOCK_M=tile_rows(block_q, hg), HEAD_DIM=d, D_PAD=d_pad,
-        BLOCK_N=cfg["BLOCK_N"], S=S, USE_CHUNK=chunk_size is not None, PRECISION=precision, UPCAST=upcast,
+        sliding_window or 1, float(v_scale), HG=hg, BQ=block_q, BLOCK_M=tile_rows(block_q, hg), HEAD_DIM=d,
+        D_PAD=d_pad, BLOCK_N=cfg["BLOCK_N"], S=S, USE_CHUNK=chunk_size is not None,
+        USE_WINDOW=sliding_window is not None, USE_SINKS=sinks is not None, PRECISION=precision, UPCAST=upcast,
         SKIP_DECODES=decodes_apart, SCALE_V=fp8,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_launch(q_THd))
     return out_THd

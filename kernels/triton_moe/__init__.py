@@ -1,7 +1,8 @@
 """Triton grouped-GEMM expert layer (the ``backend="triton"`` of ``kernels.fused_experts``).
 
 align.py   token alignment (sort by expert, pad to BLOCK_M) on the GPU, no host sync
-gemm.py    gate_up (SiLU*up fused) and down (routed weight fused) grouped GEMM kernels
+gemm.py    gate_up (SiLU*up fused) and down (routed weight fused) grouped GEMM kernels,
+           optionally with expert biases and gpt-oss's clamped SwiGLU ("swigluoai")
 quant.py   per-token-group FP8 activation quantisation
 fused.py   the launchers: fused_experts_triton, fused_experts_triton_fp8
 config.py  tuned config files (kernels/configs/) and defaults

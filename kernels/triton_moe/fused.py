@@ -1,5 +1,9 @@
 """Launchers of the Triton expert layer: align -> gate_up (SiLU*up fused) -> down (x weight) -> sum.
 
+Optionally (fused_experts_triton's keywords) expert biases, added in the GEMMs' epilogues (b2
+before the routed weight), and gpt-oss's clamped SwiGLU ("swigluoai") in place of SiLU*up; every
+path (one_row_blocks, align_tokens, plain / atomic / split-K down, moe_sum / TopKSum) takes them.
+
 Legend: T tokens, D hidden, E local experts, F expert intermediate, K top-k, P padded rows.
 
 No host synchronisation and no data-dependent allocation: every buffer is sized from shapes, the
@@ -13,6 +17,7 @@ import torch
 import triton
 
 from kernels.pdl import pdl_launch
+from kernels.reference import check_activation
 from kernels.triton_fused.moe_sum import TopKSum, moe_sum
 from kernels.triton_moe.align import align_tokens
 from kernels.triton_moe.config import get_config, split_config
@@ -51,8 +56,16 @@ def one_row_blocks(topk_ids_TK: torch.Tensor, block_m: int):
     return consts[0], topk_ids_TK.reshape(-1), consts[1]
 
 
+def _bias_args(bias: torch.Tensor | None) -> dict:
+    """The kernels' bias keywords: pointer and strides, HAS_BIAS (nothing extra when None)."""
+    if bias is None:
+        return {}
+    return {"b_ptr": bias, "stride_be": bias.stride(0), "stride_bn": bias.stride(1), "HAS_BIAS": True}
+
+
 def _run(x_TD, w13_EFD, w2_EDF, topk_weights_TK, topk_ids_TK, expert_map_E, cfg,
-         fp8=None, block_shape=(128, 128), defer_sum=False):
+         fp8=None, block_shape=(128, 128), defer_sum=False, w13_bias=None, w2_bias=None,
+         activation="silu", swiglu_alpha=1.702, swiglu_limit=7.0):
     T, D = x_TD.shape
     E, F2, _ = w13_EFD.shape
     F = F2 // 2
@@ -72,6 +85,11 @@ def _run(x_TD, w13_EFD, w2_EDF, topk_weights_TK, topk_ids_TK, expert_map_E, cfg,
     if not topk_w.is_contiguous():
         topk_w = topk_w.contiguous()
     use_fp8 = fp8 is not None
+    if use_fp8 and (w13_bias is not None or w2_bias is not None or activation != "silu"):
+        raise ValueError("the FP8 expert kernel has no biases and only the 'silu' activation")
+    check_activation(activation)
+    act = {} if activation == "silu" else {"ACTIVATION": activation, "swiglu_alpha": float(swiglu_alpha),
+                                           "swiglu_limit": float(swiglu_limit)}
     GN, GK = block_shape if use_fp8 else (1, 1)
     if use_fp8:
         w13_scale, w2_scale = fp8
@@ -102,7 +120,7 @@ def _run(x_TD, w13_EFD, w2_EDF, topk_weights_TK, topk_ids_TK, expert_map_E, cfg,
         BLOCK_M=BM, BLOCK_N=up["BLOCK_SIZE_N"], BLOCK_K=up["BLOCK_SIZE_K"],
         GROUP_M=up["GROUP_SIZE_M"], GN=GN, GK=GK, USE_FP8=use_fp8,
         EVEN_K=D % up["BLOCK_SIZE_K"] == 0, PRECISION=precision, UPCAST=upcast,
-        num_warps=up["num_warps"], num_stages=up["num_stages"], **pdl)
+        num_warps=up["num_warps"], num_stages=up["num_stages"], **pdl, **_bias_args(w13_bias), **act)
 
     # Plain: top-1 writes the output directly, top-k > 1 writes [T*K, D], then a sum over K.
     # Atomic (config "ATOMIC_SUM", or "SPLIT_K" > 1): fp32 atomics into a zeroed [T, D], then
@@ -123,7 +141,7 @@ def _run(x_TD, w13_EFD, w2_EDF, topk_weights_TK, topk_ids_TK, expert_map_E, cfg,
         GROUP_M=down["GROUP_SIZE_M"], GN=GN, GK=GK, USE_FP8=use_fp8,
         EVEN_K=F % down["BLOCK_SIZE_K"] == 0, SPLIT_K=split, ATOMIC=atomic,
         PRECISION=precision, UPCAST=upcast,
-        num_warps=down["num_warps"], num_stages=down["num_stages"], **pdl)
+        num_warps=down["num_warps"], num_stages=down["num_stages"], **pdl, **_bias_args(w2_bias))
     if atomic:
         return out.to(out_dtype)  # no copy for fp32
     if K == 1:
@@ -136,7 +154,10 @@ def _run(x_TD, w13_EFD, w2_EDF, topk_weights_TK, topk_ids_TK, expert_map_E, cfg,
 
 
 def fused_experts_triton(hidden_states, w13, w2, topk_weights, topk_ids, expert_map=None,
-                         config: dict | None = None, defer_sum: bool = False):
+                         config: dict | None = None, defer_sum: bool = False, *,
+                         w13_bias: torch.Tensor | None = None, w2_bias: torch.Tensor | None = None,
+                         activation: str = "silu", swiglu_alpha: float = 1.702,
+                         swiglu_limit: float = 7.0):
     """Triton expert layer; same contract as ``kernels.fused_experts``.
 
     Args:
@@ -148,6 +169,9 @@ def fused_experts_triton(hidden_states, w13, w2, topk_weights, topk_ids, expert_
         config: optional launch config (see config.py); default: tuned file or default.
         defer_sum: where the top-k sum would be a moe_sum launch of at least DEFER_SUM_MIN_TOKENS
             tokens, return the unsummed outputs as a TopKSum instead (for the next RMSNorm to sum).
+        w13_bias: optional [E, 2F] (gate then up), w2_bias: optional [E, D], fp32 or the
+            activation dtype, added in fp32 (b2 before the routed weight).
+        activation: "silu" or "swigluoai" (gpt-oss, with swiglu_alpha and swiglu_limit).
     Returns:
         [T, D] in the dtype of `hidden_states` (or a TopKSum, see defer_sum).
     """
@@ -155,7 +179,9 @@ def fused_experts_triton(hidden_states, w13, w2, topk_weights, topk_ids, expert_
         E, F2, _ = w13.shape
         config = get_config(hidden_states.shape[0], E, F2 // 2, topk_ids.shape[1],
                             hidden_states.dtype)
-    return _run(hidden_states, w13, w2, topk_weights, topk_ids, expert_map, config, defer_sum=defer_sum)
+    return _run(hidden_states, w13, w2, topk_weights, topk_ids, expert_map, config, defer_sum=defer_sum,
+                w13_bias=w13_bias, w2_bias=w2_bias, activation=activation, swiglu_alpha=swiglu_alpha,
+                swiglu_limit=swiglu_limit)
 
 
 def fused_experts_triton_fp8(hidden_states, w13_fp8, w2_fp8, w13_scale, w2_scale, topk_weights,

@@ -7,6 +7,12 @@ down:     out_RD[r] = w_r * (h_PF[p] @ w2_e^T)                 r = sorted_ids[p]
   or, ATOMIC: out_TD[t] += w_r * (h_PF[p] @ w2_e^T)           r = (t, k), fp32 atomics: the top-k
           sum is fused, and the F range may be split over SPLIT_K programs
 
+Optional (constexpr, so kernels without them compile as before): HAS_BIAS adds the expert's bias in
+fp32 to the accumulators in the epilogue (gate_up: b13_e [2F], gate columns then up columns; down:
+b2_e [D] before the routed weight, by split 0 alone when SPLIT_K > 1); ACTIVATION "swigluoai"
+(gpt-oss) replaces SiLU(g) * u with min(g, limit) * sigmoid(alpha * min(g, limit)) *
+(clamp(u, -limit, limit) + 1).
+
 The gate and up tiles of the same output columns are loaded side by side, so the activation is
 computed in registers and only h (F wide, not 2F) goes to memory; h is written in the sorted,
 padded order, so the down GEMM reads its A operand contiguously. Blocks whose expert is -1 are
@@ -57,6 +63,8 @@ def gate_up_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     GN: tl.constexpr, GK: tl.constexpr, USE_FP8: tl.constexpr, EVEN_K: tl.constexpr,
     PRECISION: tl.constexpr, UPCAST: tl.constexpr, USE_PDL: tl.constexpr,
+    b_ptr=None, stride_be=0, stride_bn=0, swiglu_alpha=1.702, swiglu_limit=7.0,
+    HAS_BIAS: tl.constexpr = False, ACTIVATION: tl.constexpr = "silu",
 ):
     pdl_enter(USE_PDL)
     pid_m, pid_n = _block_coords(num_m_blocks, N, BLOCK_N, GROUP_M)
@@ -104,7 +112,17 @@ def gate_up_kernel(
         a_ptrs += BLOCK_K * stride_xk
         g_ptrs += BLOCK_K * stride_wk
         u_ptrs += BLOCK_K * stride_wk
-    h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+    if HAS_BIAS:
+        b_ptrs = b_ptr + e * stride_be + offs_bn * stride_bn
+        acc_g += tl.load(b_ptrs).to(tl.float32)[None, :]
+        acc_u += tl.load(b_ptrs + N * stride_bn).to(tl.float32)[None, :]
+    if ACTIVATION == "swigluoai":
+        g = tl.minimum(acc_g, swiglu_limit)
+        u = tl.minimum(tl.maximum(acc_u, -swiglu_limit), swiglu_limit)
+        h = g / (1.0 + tl.exp(-swiglu_alpha * g)) * (u + 1.0)
+    else:
+        tl.static_assert(ACTIVATION == "silu", "ACTIVATION must be silu or swigluoai")
+        h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
     nmask = offs_n < N
     h_ptrs = h_ptr + offs_m.to(tl.int64)[:, None] * stride_hm + offs_n[None, :] * stride_hn
     if USE_FP8:
@@ -128,6 +146,7 @@ def down_kernel(
     GN: tl.constexpr, GK: tl.constexpr, USE_FP8: tl.constexpr, EVEN_K: tl.constexpr,
     SPLIT_K: tl.constexpr, ATOMIC: tl.constexpr,
     PRECISION: tl.constexpr, UPCAST: tl.constexpr, USE_PDL: tl.constexpr,
+    b_ptr=None, stride_be=0, stride_bn=0, HAS_BIAS: tl.constexpr = False,
 ):
     pdl_enter(USE_PDL)
     pid_m, pid_n = _block_coords(num_m_blocks, N, BLOCK_N, GROUP_M)
@@ -185,6 +204,11 @@ def down_kernel(
             acc = _dot(a, b, acc, PRECISION, UPCAST)
         a_ptrs += BLOCK_K * stride_hk
         b_ptrs += BLOCK_K * stride_wk
+    if HAS_BIAS:  # before the routed weight; once per tile, not once per split
+        bias = tl.load(b_ptr + e * stride_be + offs_bn * stride_bn).to(tl.float32)
+        if SPLIT_K > 1:
+            bias = tl.where(tl.program_id(1) == 0, bias, 0.0)
+        acc += bias[None, :]
     w = tl.load(topk_w_ptr + rows, mask=rmask, other=0.0).to(tl.float32)
     acc = acc * w[:, None]
     if ATOMIC:

@@ -55,13 +55,25 @@ def mixed_steps_graph_safe(layers: list[nn.Module]) -> bool:
 
 class Attention(nn.Module):
     """chunk_size: None for global causal attention, else chunked-local attention (a query at
-    position p sees keys floor(p / chunk_size) * chunk_size .. p)."""
+    position p sees keys floor(p / chunk_size) * chunk_size .. p). sliding_window W (gpt-oss): a
+    query at p sees keys max(0, p - W + 1) .. p. sinks (gpt-oss): a learned logit per query head
+    (fp32 [num_heads], this rank's heads; a parameter of this module) that joins each row's
+    softmax with a zero value."""
 
     def __init__(self, num_heads: int, head_dim: int, num_kv_heads: int, scale: float,
-                 chunk_size: int | None = None) -> None:
+                 chunk_size: int | None = None, sliding_window: int | None = None,
+                 sinks: nn.Parameter | None = None) -> None:
         super().__init__()
         self.num_heads, self.head_dim, self.num_kv_heads, self.scale = num_heads, head_dim, num_kv_heads, scale
         self.chunk_size = chunk_size
+        if chunk_size is not None and sliding_window is not None:
+            raise ValueError("an attention layer takes chunk_size or sliding_window, not both")
+        if sinks is not None and tuple(sinks.shape) != (num_heads,):
+            raise ValueError(f"sinks must be [{num_heads}] (one per query head), got {tuple(sinks.shape)}")
+        self.sliding_window = sliding_window
+        self.sinks = sinks
+        # Only layers that have them pass the new arguments: the other calls stay as they were.
+        self._extra = {"sliding_window": sliding_window} if sliding_window is not None else {}
         self.kv_cache: torch.Tensor | None = None  # [2, N, S, G, d], bound by the runner
         self.kv_group = 0  # which KV-cache group's block tables this layer reads (set by the runner)
         # An FP8 cache's per-tensor scales (stored = fp8(x / scale)); the loader sets checkpoint values.
@@ -84,6 +96,10 @@ class Attention(nn.Module):
         cache; none for other caches, whose calls stay as they were without FP8 support."""
         return {"k_scale": self.k_scale, "v_scale": self.v_scale} if is_fp8_kv(self.kv_cache.dtype) else {}
 
+    def _attend_args(self) -> dict:
+        """The attention calls' keyword arguments: FP8 scales, the sliding window and sinks where set."""
+        return {**self._fp8_scales(), **self._extra, **({"sinks": self.sinks} if self.sinks is not None else {})}
+
     @staticmethod
     def _triton_serves(q: torch.Tensor, group_meta: AttentionMetadata) -> bool:
         """The Triton kernels run this step (CUDA, with the device metadata the runner builds)."""
@@ -105,22 +121,21 @@ class Attention(nn.Module):
         else:
             if kv_written:
                 raise ValueError("kv_written is only for the Triton path (kv_write_args)")
-            scales = self._fp8_scales()
-            write_kv_cache(k, v, self.kv_cache, meta.slot_mapping_T, **scales)
+            write_kv_cache(k, v, self.kv_cache, meta.slot_mapping_T, **self._fp8_scales())
             attend = paged_attention_torch if q.is_cuda else paged_attention_cpu
-            out = attend(q, k, v, self.kv_cache, meta, self.scale, self.chunk_size, **scales)
+            out = attend(q, k, v, self.kv_cache, meta, self.scale, self.chunk_size, **self._attend_args())
         return out.reshape(T, self.num_heads * self.head_dim)
 
     def _forward_triton(self, q, k, v, meta: AttentionMetadata, kv_written: bool) -> torch.Tensor:
-        scales = self._fp8_scales()
         if not kv_written:
-            write_kv_cache_triton(k, v, self.kv_cache, meta.slot_mapping_T, **scales)
+            write_kv_cache_triton(k, v, self.kv_cache, meta.slot_mapping_T, **self._fp8_scales())
+        args = self._attend_args()
         if meta.decode_only:
             return paged_attention_decode_triton(q, self.kv_cache, meta.block_tables_BM, meta.seq_lens_t,
-                                                 self.scale, self.chunk_size, **scales)
+                                                 self.scale, self.chunk_size, **args)
         if UNIFIED_ATTENTION:
             return unified_attention_triton(q, self.kv_cache, meta.block_tables_BM, meta.query_start_loc_t,
-                                            meta.seq_lens_t, self.scale, self.chunk_size, **scales)
+                                            meta.seq_lens_t, self.scale, self.chunk_size, **args)
         return paged_attention_prefill_triton(q, self.kv_cache, meta.block_tables_BM, meta.query_start_loc_t,
                                               meta.seq_lens_t, meta.max_query_len, self.scale, self.chunk_size,
-                                              **scales)
+                                              **args)

@@ -96,6 +96,22 @@ class MoEParallelConfig:
                    ep_group=ps.ep_group if use_ep else None)
 
 
+@dataclass(frozen=True)
+class ExpertActivation:
+    """What each routed expert computes between its two GEMMs. name "silu": SiLU(gate) * up;
+    "swigluoai" (gpt-oss): gate clamped above at swiglu_limit, up clamped to +-swiglu_limit, then
+    gate * sigmoid(swiglu_alpha * gate) * (up + 1). bias: the GEMMs add per-expert biases
+    (w13_bias [E, 2F] gate then up, w2_bias [E, D], the latter before the routed weight)."""
+    name: str = "silu"
+    bias: bool = False
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
+
+    @property
+    def changes_kernel(self) -> bool:
+        return self.name != "silu" or self.bias
+
+
 class ExpertWeightLoader(ParamLoader):
     """Loads expert weights from per-expert tensors (`w1` gate, `w3` up, `w2` down, each
     [F, D] or [D, F]) or from fused 3-D tensors (`w13` = [E, 2F, D] gate rows then up rows,
@@ -150,6 +166,31 @@ class ExpertWeightLoader(ParamLoader):
                     self._copy_one(param, local, "w2", tensor[g])
             filled += [("w1", g), ("w3", g)] if shard_id == "w13" else [("w2", g)]
         return filled
+
+
+class ExpertBiasLoader(ParamLoader):
+    """Expert biases from fused 2-D tensors: `w13` [E, 2F] gate then up (this rank's F slice of
+    each), `w2` [E, D] (whole: under TP one rank adds it, see FusedMoE._experts)."""
+
+    def __init__(self, weights: ExpertWeightLoader) -> None:
+        self.w = weights
+
+    def pieces(self):
+        return [(self.w.kind, None)]
+
+    def ckpt_shape(self, shard_id, expert_id):
+        return (self.w.E, 2 * self.w.F) if self.w.kind == "w13" else (self.w.E, self.w.D)
+
+    def load(self, param, tensor, shard_id, expert_id):
+        f0, Fl, F = self.w.f0, self.w.Fl, self.w.F
+        for g, slots in self.w.local_of.items():
+            for local in slots:
+                if self.w.kind == "w13":
+                    param.data[local, :Fl].copy_(tensor[g, f0:f0 + Fl])
+                    param.data[local, Fl:].copy_(tensor[g, F + f0:F + f0 + Fl])
+                else:
+                    param.data[local].copy_(tensor[g])
+        return [(self.w.kind, None)]
 
 
 class ExpertScaleLoader(ParamLoader):
@@ -214,8 +255,11 @@ class FusedMoE(nn.Module):
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int,
                  parallel: MoEParallelConfig | None = None, top_k: int | None = None,
-                 fp8_block: tuple[int, int] | None = None) -> None:
+                 fp8_block: tuple[int, int] | None = None, activation: ExpertActivation | None = None) -> None:
         super().__init__()
+        self.activation = activation or ExpertActivation()
+        if self.activation.changes_kernel and fp8_block is not None:
+            raise ValueError(f"FP8 experts with the {self.activation.name!r} activation or biases are not supported")
         pc = parallel if parallel is not None else MoEParallelConfig.from_parallel_state()
         self.parallel = pc
         self.num_experts = num_experts
@@ -259,6 +303,9 @@ class FusedMoE(nn.Module):
         w13_loader, w2_loader = ExpertWeightLoader("w13", *args), ExpertWeightLoader("w2", *args)
         self.w13_weight = attach_loader(new_param(E, 2 * f_local, hidden_size, dtype=wdtype), w13_loader)
         self.w2_weight = attach_loader(new_param(E, hidden_size, f_local, dtype=wdtype), w2_loader)
+        if self.activation.bias:  # gate then up rows of this rank's F slice; down's bias whole
+            self.w13_bias = attach_loader(new_param(E, 2 * f_local), ExpertBiasLoader(w13_loader))
+            self.w2_bias = attach_loader(new_param(E, hidden_size), ExpertBiasLoader(w2_loader))
         if fp8_block is not None:
             bn, bk = fp8_block
             s13 = new_param(E, 2 * f_local // bn, math.ceil(hidden_size / bk), dtype=torch.float32)
@@ -267,9 +314,19 @@ class FusedMoE(nn.Module):
             self.w2_weight_scale_inv = attach_loader(s2, ExpertScaleLoader(w2_loader, fp8_block))
 
     def _experts(self, x_TD, topk_weights_TK, topk_ids_TK, expert_map_E, defer_sum: bool = False):
-        if self.fp8_block is None:  # (a dequantising model may hang its own *_scale_inv here)
+        if self.fp8_block is None and not self.activation.changes_kernel:
+            # (a dequantising model may hang its own *_scale_inv here)
             return kernels.fused_experts(x_TD, self.w13_weight, self.w2_weight, topk_weights_TK, topk_ids_TK,
                                          expert_map=expert_map_E, backend=self.kernel_backend, defer_sum=defer_sum)
+        if self.fp8_block is None:
+            act = self.activation
+            # TP-sharded experts sum partial outputs over the ranks: one of them adds down's bias.
+            w2_bias = self.w2_bias if act.bias and (not self.reduce_over_tp or self.parallel.tp_rank == 0) else None
+            return kernels.fused_experts(x_TD, self.w13_weight, self.w2_weight, topk_weights_TK, topk_ids_TK,
+                                         expert_map=expert_map_E, backend=self.kernel_backend, defer_sum=defer_sum,
+                                         w13_bias=self.w13_bias if act.bias else None, w2_bias=w2_bias,
+                                         activation=act.name, swiglu_alpha=act.swiglu_alpha,
+                                         swiglu_limit=act.swiglu_limit)
         return kernels.fused_experts(x_TD, self.w13_weight, self.w2_weight, topk_weights_TK, topk_ids_TK,
                                      expert_map=expert_map_E, backend=self.kernel_backend,
                                      w13_scale=self.w13_weight_scale_inv, w2_scale=self.w2_weight_scale_inv,
@@ -309,7 +366,8 @@ class FusedMoE(nn.Module):
     def expert_params(self) -> list[torch.Tensor]:
         """Every per-slot tensor of the routed experts (weights, and FP8 scales when kept)."""
         names = ["w13_weight", "w2_weight"] + (["w13_weight_scale_inv", "w2_weight_scale_inv"]
-                                               if self.fp8_block is not None else [])
+                                               if self.fp8_block is not None else []) \
+            + (["w13_bias", "w2_bias"] if self.activation.bias else [])
         return [getattr(self, n).data for n in names]
 
     def fill_dummy_replicas(self, seed: int, low: float, high: float) -> None:

@@ -28,6 +28,11 @@ class ParamLoader:
     def ckpt_shape(self, shard_id, expert_id) -> tuple[int, ...]:
         raise NotImplementedError
 
+    def stored_dtype(self, shard_id) -> torch.dtype | None:
+        """The dtype a piece must have on disk where the loader takes it as stored (MXFP4's uint8
+        blocks and scales, which it dequantises itself); None: it arrives in the parameter's dtype."""
+        return None
+
     def load(self, param: torch.Tensor, tensor: torch.Tensor, shard_id, expert_id) -> list[Piece]:
         """Copy `tensor` (already shape-checked) into `param`; return the pieces it filled."""
         raise NotImplementedError

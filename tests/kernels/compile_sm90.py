@@ -20,9 +20,11 @@ from kernels.triton_attention.decode import _decode_split_kernel  # noqa: E402
 
 # Qwen3-30B-A3B's decode shape: 8 query heads per KV head, head dim 128, blocks of 16, 3 splits.
 CONSTEXPRS = dict(HG=8, HG_PAD=16, HEAD_DIM=128, D_PAD=128, BLOCK_N=64, S=16, NUM_SPLITS=3, USE_CHUNK=False,
-                  FUSED_MERGE=True, PRECISION="tf32", UPCAST=False, USE_PDL=True, LANES=128, MIXED=False)
+                  FUSED_MERGE=True, PRECISION="tf32", UPCAST=False, USE_PDL=True, LANES=128, MIXED=False,
+                  USE_WINDOW=False, USE_SINKS=False)
 POINTERS = {"q_ptr": "bf16", "kv_ptr": "bf16", "o_ptr": "bf16", "bt_ptr": "i32", "seq_lens_ptr": "i32",
-            "part_o_ptr": "fp32", "part_lse_ptr": "fp32", "counter_ptr": "i32", "qsl_ptr": "i32"}
+            "part_o_ptr": "fp32", "part_lse_ptr": "fp32", "counter_ptr": "i32", "qsl_ptr": "i32",
+            "sinks_ptr": "fp32"}
 
 
 def decode_ptx(prefetch: bool) -> str:

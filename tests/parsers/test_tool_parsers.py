@@ -103,4 +103,5 @@ def test_content_is_streamed_before_the_output_ends():
 
 
 def test_registry_names_are_vllms():
-    assert set(TOOL_PARSERS) == {"hermes", "deepseek_v3", "pythonic", "llama4_pythonic", "llama3_json", "llama4_json"}
+    assert set(TOOL_PARSERS) == {"hermes", "deepseek_v3", "pythonic", "llama4_pythonic", "llama3_json", "llama4_json",
+                                 "openai"}

@@ -53,6 +53,7 @@ class _Engine:
         return fn(body)
 
     async def generate(self, prompt, params, request_id):
+        self.params = params
         for i, piece in enumerate(self.pieces):
             last = i == len(self.pieces) - 1
             yield RequestOutput(request_id, prompt.prompt, prompt.prompt_token_ids,
@@ -60,9 +61,9 @@ class _Engine:
                                 last)
 
 
-def _handler(pieces, reasoning="qwen3", auto=True, finish_reason="stop"):
+def _handler(pieces, reasoning="qwen3", auto=True, finish_reason="stop", tool_parser="hermes"):
     engine = _Engine(pieces, finish_reason)
-    tools = ToolSettings(enable_auto_tool_choice=auto, tool_call_parser="hermes" if auto else None)
+    tools = ToolSettings(enable_auto_tool_choice=auto, tool_call_parser=tool_parser if auto else None)
     return ChatHandler(engine, "m", tools, reasoning), engine
 
 
@@ -203,3 +204,21 @@ def test_auto_needs_the_server_flag():
     with pytest.raises(ErrorResponse, match='"auto" tool choice requires --enable-auto-tool-choice'):
         asyncio.run(handler.create(_body(tools=TOOLS)))
     reply(["x"], _body(tools=TOOLS, tool_choice="none"), auto=False)  # "none" is fine
+
+
+HARMONY_CALL = ("<|channel|>analysis<|message|>Need the weather tool.<|end|><|start|>assistant<|channel|>commentary "
+                'to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris"}<|call|>')
+
+
+@pytest.mark.parametrize("auto", [True, False])
+def test_harmony_keeps_special_tokens_and_reads_reasoning_and_calls(auto):
+    """gpt-oss: the harmony parsers read the special tokens, so the text keeps them (even without
+    tool parsing: the reasoning parser needs them too)."""
+    handler, engine = _handler([HARMONY_CALL], reasoning="openai_gptoss", auto=auto, tool_parser="openai")
+    choice = asyncio.run(handler.create(_body(tools=TOOLS) if auto else _body()))["choices"][0]
+    assert engine.params.skip_special_tokens is False
+    assert choice["message"]["reasoning_content"] == "Need the weather tool."
+    if auto:
+        assert [c["function"] for c in choice["message"]["tool_calls"]] == [
+            {"name": "get_weather", "arguments": '{"city": "Paris"}'}]
+        assert choice["finish_reason"] == "tool_calls"

@@ -17,6 +17,7 @@ vLLM does.
 """
 from __future__ import annotations
 
+from moe.entrypoints.parsers.harmony import HarmonyReasoningParser
 from moe.entrypoints.parsers.output import partial_suffix
 
 
@@ -98,5 +99,7 @@ class Qwen3ReasoningParser(ThinkingReasoningParser):
             self.thinking = False
 
 
-REASONING_PARSERS: dict[str, type[ThinkingReasoningParser]] = {
-    p.name: p for p in (DeepSeekR1ReasoningParser, Qwen3ReasoningParser)}
+# openai_gptoss (gpt-oss's harmony channels, harmony.py) has the same interface: extract, stream,
+# thinking and end
+REASONING_PARSERS: dict[str, type[ThinkingReasoningParser] | type[HarmonyReasoningParser]] = {
+    p.name: p for p in (DeepSeekR1ReasoningParser, Qwen3ReasoningParser, HarmonyReasoningParser)}

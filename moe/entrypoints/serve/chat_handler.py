@@ -25,7 +25,9 @@ from moe.sampling_params import SamplingParams
 
 # Parsers whose markers may be special tokens in some checkpoints (Hermes models'; DeepSeek's):
 # the text must keep them to be parsed, as vLLM's hermes parser asks for too.
-_PARSERS_NEEDING_SPECIAL_TOKENS = ("hermes", "deepseek_v3")
+_PARSERS_NEEDING_SPECIAL_TOKENS = ("hermes", "deepseek_v3", "openai")
+# harmony (gpt-oss) marks every message, the reasoning too, with special tokens: always kept in the text
+_REASONING_NEEDING_SPECIAL_TOKENS = ("openai_gptoss",)
 
 
 @dataclass
@@ -79,7 +81,8 @@ class ChatHandler(_Handler):
         asked = body.requested_max_tokens()
         params = body.sampling_params(None if asked is None else asked[1], body.chat_logprobs(),
                                       structured_outputs=constraint)
-        if plan.mode == "auto" and self.tools.tool_call_parser in _PARSERS_NEEDING_SPECIAL_TOKENS:
+        if (plan.mode == "auto" and self.tools.tool_call_parser in _PARSERS_NEEDING_SPECIAL_TOKENS) or \
+                self.reasoning_parser in _REASONING_NEEDING_SPECIAL_TOKENS:
             params = params.clone(skip_special_tokens=False)
         reasoning = None
         if self.reasoning_parser is not None:
