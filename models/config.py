@@ -136,9 +136,10 @@ class ModelConfig:
     def limit_positions(self, max_model_len: int) -> None:
         self._max_model_len = max_model_len
 
-    def kv_cache_chunk_sizes(self) -> list[int | None]:
-        """Per layer, the chunked-local attention window, or None for full attention (the KV
-        cache keeps chunked layers in a group of their own: scheduler/kv_cache_spec.py)."""
+    def kv_cache_keys(self) -> list:
+        """Per layer, its KV-cache group key: None for full attention, the chunk size of a
+        chunked-local layer (a group of its own: scheduler/kv_cache_spec.py); families with
+        sliding-window layers override it."""
         types = getattr(self, "layer_types", None)
         chunk = getattr(self, "attention_chunk_size", None)
         return [chunk if chunk and types and types[i] == "chunked_attention" else None

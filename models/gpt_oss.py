@@ -11,8 +11,8 @@ interleaved along the last dim, `down_proj` [E, F, D], biases `gate_up_proj_bias
 biases; config.json `quantization_config.quant_method: mxfp4`). MXFP4 experts are dequantised at load
 to the model dtype (models/mxfp4.py). The router is `mlp.router` on disk, `mlp.gate` here.
 
-Sliding-window layers share the full-attention KV-cache group: their kernels read only the window,
-but blocks behind it are kept.
+Sliding-window layers form a KV-cache group of their own that releases the blocks behind the
+window, unless prefix caching is on: they then share the full-attention group (which keeps the prefix).
 """
 from __future__ import annotations
 
@@ -36,6 +36,7 @@ from models.mxfp4 import MXFP4_BLOCK, dequantize_mxfp4
 from models.parallel.pipeline import skip_other_stage_tensor, tied_lm_head_rules
 from models.parallel.state import get_parallel_state
 from routing import softmax_topk
+from scheduler.kv_cache_spec import SlidingWindow
 
 LAYER_TYPES = ("sliding_attention", "full_attention")
 
@@ -78,6 +79,10 @@ class GptOssConfig(ModelConfig):
             raise ValueError(f"MXFP4 experts need hidden_size ({config.hidden_size}) and intermediate_size "
                              f"({config.intermediate_size}) to be multiples of {MXFP4_BLOCK}")
         return config
+
+
+    def kv_cache_keys(self) -> list:
+        return [SlidingWindow(self.sliding_window) if t == "sliding_attention" else None for t in self.layer_types]
 
 
 class GptOssAttention(nn.Module):

@@ -4,8 +4,8 @@ whose weights are renormalised over the chosen ones, SwiGLU experts of `intermed
 
 Hub tensors are `block_sparse_moe.gate` and `block_sparse_moe.experts.{e}.w1 / w3 / w2` (gate, up,
 down); transformers holds them as `mlp.gate` and fused 3-D `mlp.experts.gate_up_proj` / `down_proj`,
-which load too. A `sliding_window` shorter than the context is refused: the engine's attention has no
-sliding window yet, and running full attention instead would change the outputs past the window.
+which load too. A `sliding_window` (Mistral's releases set it null or past the context) makes every
+layer a sliding-window one; its KV stays in the full-attention group (no layer keeps the whole past).
 """
 from __future__ import annotations
 
@@ -32,18 +32,18 @@ from routing import softmax_topk
 class MixtralConfig(ModelConfig):
     num_local_experts: int = 0
     num_experts_per_tok: int = 0
+    sliding_window: int | None = None  # None: full attention (also for a window past the context)
 
     @classmethod
     def from_hf(cls, cfg: dict, architecture: str) -> "MixtralConfig":
         window = cfg.get("sliding_window")
+        if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window <= 0):
+            raise ValueError(f"sliding_window={window!r} must be a positive integer or null")
         max_position = int(hf_get(cfg, "max_position_embeddings"))
-        if window is not None and int(window) < max_position:
-            raise ValueError(f"sliding_window={window} (shorter than max_position_embeddings={max_position}) is not "
-                             "supported for Mixtral yet: set it to null for full attention if the model was trained "
-                             "so")
         config = cls(**cls.common_fields(cfg, architecture),
                      num_local_experts=int(hf_get(cfg, "num_local_experts")),
-                     num_experts_per_tok=int(hf_get(cfg, "num_experts_per_tok")))
+                     num_experts_per_tok=int(hf_get(cfg, "num_experts_per_tok")),
+                     sliding_window=window if window is not None and window < max_position else None)
         check_moe_fields("num_local_experts", config.num_local_experts, config.num_experts_per_tok)
         return config
 
@@ -55,7 +55,8 @@ class MixtralAttention(nn.Module):
         self.qkv_proj = QKVParallelLinear(cfg.hidden_size, d, cfg.num_attention_heads, cfg.num_key_value_heads)
         self.o_proj = RowParallelLinear(cfg.num_attention_heads * d, cfg.hidden_size)
         self.rotary_emb = get_rope(d, cfg.rope_max_position, cfg.rope)
-        self.attn = Attention(self.qkv_proj.num_heads, d, self.qkv_proj.num_kv_heads, d ** -0.5)
+        self.attn = Attention(self.qkv_proj.num_heads, d, self.qkv_proj.num_kv_heads, d ** -0.5,
+                              sliding_window=cfg.sliding_window)
         self.head_dim = d
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:

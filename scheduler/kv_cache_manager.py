@@ -1,7 +1,8 @@
 """Per-request KV block tables on top of the block pool, with prefix-cache lookup.
 
 The main group (full attention) keeps every block of a request and serves prefix caching.
-Chunked-local groups (see kv_cache_spec.py) hold only the blocks of the current chunk.
+Local groups (chunked-local and sliding-window layers, see kv_cache_spec.py) hold only the blocks
+their window still reaches.
 """
 from __future__ import annotations
 
@@ -10,19 +11,22 @@ from scheduler.kv_cache_spec import KVCacheGroup, cdiv
 from scheduler.request import Request
 
 
-class ChunkedLocalBlocks:
-    """Block tables of one chunked-local group. A request's list keeps None where a block
-    before its current chunk was released, so list index = position // block_size still."""
+class LocalBlocks:
+    """Block tables of one local group (chunked-local or sliding-window). A request's list keeps
+    None where a block behind its window was released, so list index = position // block_size still."""
 
     def __init__(self, group: KVCacheGroup, block_size: int) -> None:
-        self.chunk_size, self.block_size = group.chunk_size, block_size
+        self.group, self.block_size = group, block_size
         self.pool = BlockPool(group.num_blocks, enable_caching=False)
         self.req_to_blocks: dict[str, list[KVBlock | None]] = {}
 
+    def _first_needed_block(self, first_new_position: int) -> int:
+        """Blocks before this one lie wholly behind the window of the first new token (and so of
+        every later one): no query reads them again."""
+        return self.group.first_needed_position(first_new_position) // self.block_size
+
     def _releasable(self, blocks: list, first_new_position: int) -> int:
-        """Blocks wholly before the chunk of the first new token: no query reads them again."""
-        first_needed = (first_new_position // self.chunk_size) * self.chunk_size // self.block_size
-        return sum(1 for b in blocks[:first_needed] if b is not None)
+        return sum(1 for b in blocks[:self._first_needed_block(first_new_position)] if b is not None)
 
     def can_allocate(self, request: Request, num_computed: int, total_tokens: int) -> bool:
         blocks = self.req_to_blocks.get(request.request_id, [])
@@ -31,7 +35,7 @@ class ChunkedLocalBlocks:
 
     def allocate(self, request: Request, num_computed: int, total_tokens: int) -> list[KVBlock]:
         blocks = self.req_to_blocks.setdefault(request.request_id, [])
-        first_needed = (num_computed // self.chunk_size) * self.chunk_size // self.block_size
+        first_needed = self._first_needed_block(num_computed)
         released = [b for b in blocks[:first_needed] if b is not None]
         if released:
             self.pool.free_blocks(released)
@@ -45,7 +49,7 @@ class ChunkedLocalBlocks:
         self.pool.free_blocks(b for b in reversed(blocks) if b is not None)
 
     def block_ids(self, request: Request) -> list[int]:
-        # A released block's slot reads as block 0: it lies outside every query's chunk.
+        # A released block's slot reads as block 0: it lies outside every query's window.
         return [0 if b is None else b.block_id for b in self.req_to_blocks.get(request.request_id, [])]
 
 
@@ -57,13 +61,13 @@ class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool,
                  groups: list[KVCacheGroup] | None = None) -> None:
         groups = groups or [KVCacheGroup(None, num_blocks)]
-        if groups[0].is_chunked:
+        if groups[0].is_local:
             raise ValueError("the first KV-cache group must be the full-attention one")
         self.groups = groups
-        self.chunked = [ChunkedLocalBlocks(g, block_size) for g in groups[1:]]
+        self.local = [LocalBlocks(g, block_size) for g in groups[1:]]
         self.block_size = block_size
-        # Prefix caching would need every group to keep the prefix; chunked groups do not.
-        self.enable_caching = enable_caching and not self.chunked
+        # Prefix caching would need every group to keep the prefix; local groups do not.
+        self.enable_caching = enable_caching and not self.local
         self.pool = BlockPool(groups[0].num_blocks, self.enable_caching)
         self.req_to_blocks: dict[str, list[KVBlock]] = {}
         # Per request, how many of its leading blocks are already registered in the prefix cache.
@@ -122,13 +126,13 @@ class KVCacheManager:
         num_computed = request.num_computed_tokens + num_hit * self.block_size
         total_tokens = num_computed + num_new_tokens
         needed = -(-total_tokens // self.block_size) - len(blocks) - num_hit
-        # The common decode step: the last block still has room, no hit, no chunked group.
-        fast = needed <= 0 and not num_hit and not self.chunked
+        # The common decode step: the last block still has room, no hit, no local group.
+        fast = needed <= 0 and not num_hit and not self.local
         if not fast:
             # Hits that sit in the free queue stop being free once touched.
             evictable_hits = sum(1 for b in new_computed_blocks if b.ref_cnt == 0) if num_hit else 0
             if needed > self.pool.num_free_blocks - evictable_hits or not all(
-                    g.can_allocate(request, num_computed, total_tokens) for g in self.chunked):
+                    g.can_allocate(request, num_computed, total_tokens) for g in self.local):
                 if not blocks:
                     del self.req_to_blocks[req_id], self._num_cached_blocks[req_id]
                 return None
@@ -148,7 +152,7 @@ class KVCacheManager:
                 self._cache_full_blocks(request, blocks, num_full)
         if fast:
             return NO_NEW_BLOCKS
-        return [new_blocks] + [g.allocate(request, num_computed, total_tokens) for g in self.chunked]
+        return [new_blocks] + [g.allocate(request, num_computed, total_tokens) for g in self.local]
 
     def _cache_full_blocks(self, request: Request, blocks: list[KVBlock], num_full: int) -> None:
         self._update_block_hashes(request)
@@ -161,13 +165,13 @@ class KVCacheManager:
         blocks = self.req_to_blocks.pop(request.request_id, [])
         self._num_cached_blocks.pop(request.request_id, None)
         self.pool.free_blocks(reversed(blocks))
-        for group in self.chunked:
+        for group in self.local:
             group.free(request)
 
     def block_ids(self, request: Request) -> list[list[int]]:
         """The request's block ids, one list per group."""
         main = [b.block_id for b in self.req_to_blocks.get(request.request_id, [])]
-        return [main] + [g.block_ids(request) for g in self.chunked]
+        return [main] + [g.block_ids(request) for g in self.local]
 
     def reset_prefix_cache(self) -> None:
         self.pool.reset_prefix_cache()

@@ -23,6 +23,7 @@ from torch import nn
 
 from kernels.attention import AttentionMetadata, is_fp8_kv, paged_attention_torch, write_kv_cache
 from kernels.cpu_attention import paged_attention_cpu
+from scheduler.kv_cache_spec import SlidingWindow
 
 try:  # Triton is absent on some platforms; the torch reference then serves every device.
     from kernels.triton_attention.decode import paged_attention_decode_triton
@@ -79,6 +80,11 @@ class Attention(nn.Module):
         # An FP8 cache's per-tensor scales (stored = fp8(x / scale)); the loader sets checkpoint values.
         self.k_scale = 1.0
         self.v_scale = 1.0
+
+    @property
+    def kv_cache_key(self):
+        """This layer's KV-cache group key (scheduler/kv_cache_spec.py)."""
+        return SlidingWindow(self.sliding_window) if self.sliding_window is not None else self.chunk_size
 
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
         return (2, num_blocks, block_size, self.num_kv_heads, self.head_dim)

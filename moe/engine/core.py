@@ -29,9 +29,16 @@ from moe.worker.executor import Executor, InProcessExecutor, make_executor
 from moe.worker.model_runner import ModelRunnerOutput, PendingStep
 from routing.placement import expert_owner_ranks
 from scheduler import Request, RequestStatus, Scheduler, SchedulerConfig, SchedulerOutput, plan_groups
+from scheduler.kv_cache_spec import KVCacheGroup, SlidingWindow
 from scheduler.output import EngineCoreOutput
 
 logger = logging.getLogger("moe.engine.llm_engine")
+
+
+def _group_name(g: KVCacheGroup) -> str:
+    if g.sliding_window is not None:
+        return f"sliding window {g.sliding_window}"
+    return "full attention" if g.chunk_size is None else f"chunked-local {g.chunk_size}"
 
 
 @dataclass
@@ -84,13 +91,16 @@ class EngineCore:
         logger.info("KV cache: %d blocks of %d tokens (%d tokens); maximum concurrency for %d tokens per "
                     "request: %.2fx", num_blocks, args.block_size, tokens, self.max_model_len,
                     tokens / self.max_model_len)
-        # Chunked-local layers get a KV-cache group of their own, sized to what their chunks use.
-        groups = plan_groups(info.model_config.kv_cache_chunk_sizes(), num_blocks, args.block_size,
-                             args.max_num_seqs, info.max_num_batched_tokens)
+        # Local layers get a KV-cache group of their own, sized to what their windows use; with
+        # prefix caching on, sliding-window layers stay in the full-attention group (which keeps
+        # the prefix) rather than turning it off, as chunked-local layers do; so do they where no
+        # layer attends fully.
+        keys = info.model_config.kv_cache_keys()
+        if args.enable_prefix_caching or None not in keys:  # (group 0 is a full-attention one)
+            keys = [None if isinstance(k, SlidingWindow) else k for k in keys]
+        groups = plan_groups(keys, num_blocks, args.block_size, args.max_num_seqs, info.max_num_batched_tokens)
         if len(groups) > 1:
-            logger.info("KV cache groups: %s", ", ".join(
-                f"{'full attention' if g.chunk_size is None else f'chunked-local {g.chunk_size}'}: "
-                f"{g.num_blocks} blocks" for g in groups))
+            logger.info("KV cache groups: %s", ", ".join(f"{_group_name(g)}: {g.num_blocks} blocks" for g in groups))
             if args.enable_prefix_caching:
                 logger.info("Prefix caching is off: chunked-local layers release their blocks behind each chunk")
         # Async scheduling needs an executor that can queue a step before the last one's tokens are

@@ -211,7 +211,7 @@ class ModelRunner:
         count (an int = one full-attention group of that many blocks)."""
         if isinstance(groups, int):
             groups = [KVCacheGroup(None, groups)]
-        keys = [g.chunk_size for g in groups]
+        keys = [g.key for g in groups]
         self.kv_caches = []
         self.num_kv_groups = len(groups)
         self.requests.clear()  # their blocks belonged to the previous cache
@@ -224,7 +224,8 @@ class ModelRunner:
             else None
         extra = 1 if self.dummy_blocks else 0
         for attn in self.model.attention_layers():
-            group = keys.index(getattr(attn, "chunk_size", None))
+            key = getattr(attn, "kv_cache_key", None)
+            group = keys.index(key) if key in keys else 0  # an unplanned local group: the full one
             attn.kv_group = group
             cache = torch.zeros(attn.kv_cache_shape(groups[group].num_blocks + extra, self.block_size),
                                 dtype=self.kv_cache_dtype, device=self.device)
@@ -325,9 +326,9 @@ class ModelRunner:
         self.images.holding.clear()
         self.prompt_logprobs.active.clear()
 
-    def kv_cache_chunk_sizes(self) -> list[int | None]:
-        """Per attention layer of this rank: its chunked-local window, or None."""
-        return [getattr(attn, "chunk_size", None) for attn in self.model.attention_layers()]
+    def kv_cache_keys(self) -> list:
+        """Per attention layer of this rank: its KV-cache group key (scheduler/kv_cache_spec.py)."""
+        return [getattr(attn, "kv_cache_key", None) for attn in self.model.attention_layers()]
 
     # ---- one step ----------------------------------------------------------------------
     def _update_states(self, so: SchedulerOutput) -> None:

@@ -4,8 +4,8 @@ from __future__ import annotations
 import torch
 
 from moe.sampling_params import SamplingParams
-from scheduler import CachedRequestData, KVCacheGroup, NewRequestData, SchedulerOutput
-from scheduler.kv_cache_spec import group_keys
+from scheduler import CachedRequestData, NewRequestData, SchedulerOutput
+from scheduler.kv_cache_spec import group_for_key, group_keys
 
 
 def profile_forward(runner, num_tokens: int, max_model_len: int) -> None:
@@ -19,8 +19,8 @@ def profile_forward(runner, num_tokens: int, max_model_len: int) -> None:
         left -= lengths[-1]
     blocks_needed = sum(-(-n // bs) for n in lengths)
     # Every KV-cache group gets the same temporary blocks.
-    keys = group_keys(runner.kv_cache_chunk_sizes())
-    runner.allocate_kv_cache([KVCacheGroup(k, blocks_needed) for k in keys])
+    keys = group_keys(runner.kv_cache_keys())
+    runner.allocate_kv_cache([group_for_key(k, blocks_needed) for k in keys])
     new_reqs, scheduled, next_block = [], {}, 0
     params = SamplingParams(temperature=0.0, max_tokens=1)
     for i, n in enumerate(lengths):
@@ -34,6 +34,6 @@ def profile_forward(runner, num_tokens: int, max_model_len: int) -> None:
     runner.execute_model(so)
     finish = SchedulerOutput([], CachedRequestData(), {}, 0, finished_req_ids=set(scheduled))
     runner.execute_model(finish)
-    runner.allocate_kv_cache([KVCacheGroup(k, 0) for k in keys])
+    runner.allocate_kv_cache([group_for_key(k, 0) for k in keys])
     if torch.cuda.is_available():
         torch.cuda.synchronize()

@@ -40,6 +40,35 @@ def test_chunked_prefill_and_small_blocks_match_hf(tmp_path):
     assert_matches_hf(path, block_size=4, max_num_batched_tokens=8, max_num_seqs=3, max_tokens=12)
 
 
+def test_sliding_layers_release_blocks_without_prefix_caching(tmp_path):
+    """Prefix caching off: the sliding layers' own KV-cache group holds only the window's blocks and
+    the tokens equal transformers'; on: one group, which keeps the prefix."""
+    from moe import SamplingParams
+
+    path = make_gpt_oss_checkpoint(str(tmp_path / "ckpt"), seed=7)
+    kwargs = dict(block_size=4, enable_prefix_caching=False, max_num_batched_tokens=16)
+    llm, prompts, outs = generate_greedy(path, PROMPT_LENGTHS, 24, **kwargs)
+    assert_outputs_match_hf(load_hf_model(path), prompts, outs, 24)
+    engine, kv = llm.llm_engine, llm.llm_engine.scheduler.kv
+    full, window = kv.groups
+    assert full.chunk_size is None and full.sliding_window is None and window.sliding_window == 8
+    assert window.num_blocks < full.num_blocks
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), {"prompt_token_ids": p}, params)
+    again, max_live = {}, 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            again[out.request_id] = out.outputs[0].token_ids
+        for blocks in kv.local[0].req_to_blocks.values():
+            max_live = max(max_live, sum(b is not None for b in blocks))
+    assert [again[str(i)] for i in range(len(prompts))] == [o.outputs[0].token_ids for o in outs]
+    assert max_live <= 2 + 1 + 4 + 1  # the window, a partial block, one step's span of 16 tokens (+1 unaligned)
+    assert kv.local[0].pool.num_free_blocks == kv.local[0].pool.num_blocks
+    shared = LLM(path, device="cpu", dtype="float32", block_size=4, enable_prefix_caching=True)
+    assert len(shared.llm_engine.scheduler.kv.groups) == 1 and shared.llm_engine.scheduler.kv.enable_caching
+
+
 def test_the_clamps_and_the_window_act_in_the_fixture(tmp_path):
     """The fixture exercises what it should: some expert gates exceed swiglu_limit, and outputs
     differ from the same model with a window longer than every prompt (the window acts)."""
@@ -139,3 +168,10 @@ def test_the_hub_config_parses():
     assert cfg.mxfp4 and cfg.layer_types[:2] == ["sliding_attention", "full_attention"]
     assert cfg.rope.scaling_type == "yarn" and cfg.rope.factor == 32.0 and cfg.rope.theta == 150000
     assert cfg.rope.original_max_position_embeddings == 4096 and not cfg.rope.params["truncate"]
+
+
+def test_a_model_of_only_sliding_layers_reads_through_the_full_group(tmp_path):
+    path = make_gpt_oss_checkpoint(str(tmp_path / "ckpt"), seed=8, layer_types=["sliding_attention"] * 3)
+    llm, prompts, outs = generate_greedy(path, PROMPT_LENGTHS, 8, enable_prefix_caching=False)
+    assert len(llm.llm_engine.scheduler.kv.groups) == 1
+    assert_outputs_match_hf(load_hf_model(path), prompts, outs, 8)

@@ -47,9 +47,9 @@ def test_llama4_chunked_group_is_small_and_released(llama4_ckpt):
     while engine.has_unfinished_requests():
         for out in engine.step():
             outs[out.request_id] = out.outputs[0].token_ids
-        for blocks in kv.chunked[0].req_to_blocks.values():
+        for blocks in kv.local[0].req_to_blocks.values():
             max_live = max(max_live, sum(b is not None for b in blocks))
     assert [outs[str(i)] for i in range(len(prompts))] == ref
     assert max_live <= 2 + 1 + 4  # never more than a chunk, the block being filled, one step's span
-    for group in [kv] + kv.chunked:
+    for group in [kv] + kv.local:
         assert group.pool.num_free_blocks == group.pool.num_blocks

@@ -1,6 +1,6 @@
 """Mixtral token for token with Hugging Face transformers, through the whole engine: the hub's
 per-expert names and transformers' fused ones, sharded files, config variants, chunked prefill;
-a sliding window the engine cannot honour is refused by name."""
+a sliding window shorter than the prompts (every layer slides)."""
 from __future__ import annotations
 
 import json
@@ -39,9 +39,20 @@ def test_variants_and_chunked_prefill_match_hf(tmp_path):
     assert_matches_hf(path, block_size=4, max_num_batched_tokens=16, max_num_seqs=3)
 
 
-def test_a_sliding_window_shorter_than_the_context_is_refused(tmp_path):
-    path = make_mixtral_checkpoint(str(tmp_path / "ckpt"), sliding_window=32)
-    with pytest.raises(ValueError, match="sliding_window=32 .*not supported for Mixtral"):
+def test_a_sliding_window_shorter_than_the_prompts_matches_hf(tmp_path):
+    """Every layer slides over 8 positions; chunks of 8 tokens and blocks of 4 cut across the window."""
+    path = make_mixtral_checkpoint(str(tmp_path / "ckpt"), seed=2, sliding_window=8)
+    assert_matches_hf(path, block_size=4, max_num_batched_tokens=8, max_num_seqs=3)
+
+
+def test_a_bad_sliding_window_is_refused(tmp_path):
+    path = make_mixtral_checkpoint(str(tmp_path / "ckpt"))
+    config_file = os.path.join(path, "config.json")
+    with open(config_file) as f:
+        config = json.load(f)
+    with open(config_file, "w") as f:
+        json.dump({**config, "sliding_window": -4}, f)
+    with pytest.raises(ValueError, match="sliding_window=-4 must be a positive integer or null"):
         LLM(path, device="cpu")
 
 

@@ -1,4 +1,5 @@
-"""KV-cache groups: chunked-local layers hold only their current chunk's blocks."""
+"""KV-cache groups: chunked-local layers hold only their current chunk's blocks, sliding-window
+layers only the blocks their window still reaches."""
 from __future__ import annotations
 
 import random
@@ -6,7 +7,7 @@ import random
 import pytest
 
 from scheduler import KVCacheGroup, Request, RequestStatus, Scheduler, SchedulerConfig, plan_groups
-from scheduler.kv_cache_spec import group_keys
+from scheduler.kv_cache_spec import SlidingWindow, group_keys
 from tests.scheduler.factories import fake_tokens, make_requests
 
 
@@ -28,11 +29,40 @@ def test_plan_groups():
     assert plan_groups([None], 50, 4, 8, 32) == [KVCacheGroup(None, 50)]
 
 
+def test_plan_groups_with_sliding_windows():
+    keys = [SlidingWindow(6), None, 8, SlidingWindow(3), SlidingWindow(6)]
+    assert group_keys(keys) == [None, 8, SlidingWindow(3), SlidingWindow(6)]
+    groups = plan_groups([SlidingWindow(6), None], num_blocks=1000, block_size=4, max_num_seqs=2,
+                         max_num_batched_tokens=16)
+    # per request: the window (2 blocks) + 1; plus one step's new tokens (4 blocks) + 1
+    assert groups == [KVCacheGroup(None, 1000), KVCacheGroup(None, 2 * 3 + 4 + 1, sliding_window=6)]
+    assert groups[1].key == SlidingWindow(6) and groups[1].is_local and not groups[0].is_local
+    assert [groups[1].first_needed_position(p) for p in (0, 5, 6, 20)] == [0, 0, 1, 15]
+
+
+def test_sliding_group_releases_blocks_behind_the_window():
+    groups = plan_groups([SlidingWindow(6), None], 64, 4, 8, 32)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=32, max_model_len=64, block_size=4,
+                                      num_blocks=64, kv_cache_groups=groups))
+    sched.add_request(Request("a", list(range(1, 11)), max_tokens=30))
+    window = sched.kv.local[0]
+    while sched.has_unfinished_requests():
+        first_new = sched.requests["a"].num_computed_tokens
+        so = sched.schedule()
+        blocks = window.req_to_blocks.get("a", [])
+        # Released: every block wholly before position first_new - 5, the earliest this step reads.
+        first_live = next(i for i, b in enumerate(blocks) if b is not None)
+        assert first_live == max(0, first_new - 6 + 1) // 4
+        assert sum(b is not None for b in blocks) <= 2 + 1 + 8  # the window, a partial block, a step's span
+        sched.update_from_output(so, fake_tokens(so, sched))
+    assert window.pool.num_free_blocks == window.pool.num_blocks
+
+
 def test_chunked_group_releases_blocks_behind_the_chunk():
     sched = make_grouped(block_size=4, chunk=8)
     assert not sched.kv.enable_caching  # prefix caching is off with chunked groups
     sched.add_request(Request("a", list(range(1, 11)), max_tokens=30))  # 10 prompt tokens
-    chunked = sched.kv.chunked[0]
+    chunked = sched.kv.local[0]
     held_max = 0
     while sched.has_unfinished_requests():
         first_new = sched.requests["a"].num_computed_tokens
@@ -72,7 +102,7 @@ def test_tight_chunk_pool_preempts_without_changing_outputs(chunk_blocks):
                 got.setdefault(co.req_id, []).extend(co.new_token_ids)
             steps += 1
             assert steps < 10000
-        for g in [sched.kv] + sched.kv.chunked:
+        for g in [sched.kv] + sched.kv.local:
             assert g.pool.num_free_blocks == g.pool.num_blocks  # nothing leaked
         outputs[tight] = (got, sched.num_preemptions)
     assert outputs[True][0] == outputs[False][0]
@@ -83,7 +113,7 @@ def test_abort_frees_every_group():
     sched = make_grouped()
     sched.add_request(Request("a", list(range(1, 30)), max_tokens=5))
     sched.schedule()
-    assert sched.kv.chunked[0].pool.num_free_blocks < sched.kv.chunked[0].pool.num_blocks
+    assert sched.kv.local[0].pool.num_free_blocks < sched.kv.local[0].pool.num_blocks
     sched.finish_requests("a", RequestStatus.FINISHED_ABORTED)
-    for g in [sched.kv] + sched.kv.chunked:
+    for g in [sched.kv] + sched.kv.local:
         assert g.pool.num_free_blocks == g.pool.num_blocks
