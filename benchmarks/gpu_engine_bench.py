@@ -28,8 +28,8 @@ Stages:
            with the host), against tensor_parallel_size=2 with graphs.
   families a DeepSeek-V3 shape cut to 4 layers (1 dense + 3 MoE; bf16 experts) and a Llama-4
            Scout shape cut to 8 layers (dummy bf16 weights), and gpt-oss-20b's shape (24 layers, experts
-           in bf16): decode step at 64 and 256 running requests and an offline throughput run, each
-           against its floor. `gpt-oss`: that shape alone (--runs to choose).
+           in bf16) and GLM-4.5-Air's cut to 8 layers: decode step at 64 and 256 running requests and an
+           offline throughput run, each against its floor. `new-families`: those two alone (--runs to choose).
   profile  where a decode step's time goes at 256 and at 1 running requests: host time of each
            engine part, GPU time of one graph replay, and the top kernels of an eager step.
   replay   (--runs replay1 replay16 replay32 replay256) the decode graph's GPU time alone, replayed back to
@@ -766,12 +766,22 @@ GPT_OSS_20B = {
                         "original_max_position_embeddings": 4096, "rope_theta": 150000.0},
     "torch_dtype": "bfloat16", "eos_token_id": 200002,
 }
+# GLM-4.5-Air's shape (zai-org/GLM-4.5-Air's config.json) cut to 8 layers: 1 dense + 7 MoE.
+GLM_45_AIR_CUT = {
+    "architectures": ["Glm4MoeForCausalLM"], "model_type": "glm4_moe", "vocab_size": 151552, "hidden_size": 4096,
+    "intermediate_size": 10944, "moe_intermediate_size": 1408, "num_hidden_layers": 8, "num_attention_heads": 96,
+    "num_key_value_heads": 8, "head_dim": 128, "n_routed_experts": 128, "n_shared_experts": 1,
+    "num_experts_per_tok": 8, "n_group": 1, "topk_group": 1, "first_k_dense_replace": 1, "routed_scaling_factor": 1.0,
+    "norm_topk_prob": True, "attention_bias": True, "use_qk_norm": False, "partial_rotary_factor": 0.5,
+    "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "rope_theta": 1000000, "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16", "eos_token_id": 151329,
+}
 FAMILY_SHAPES = (("deepseek-v3-4L", DEEPSEEK_V3_CUT), ("llama4-scout-8L", LLAMA4_SCOUT_CUT),
-                 ("gpt-oss-20b", GPT_OSS_20B))
+                 ("gpt-oss-20b", GPT_OSS_20B), ("glm-4.5-air-8L", GLM_45_AIR_CUT))
 FAMILY_RUNS = ("decode64", "decode256", "tput_256x1024x128")
 
 
-def families(results: dict, runs=FAMILY_RUNS, only: str | None = None) -> None:
+def families(results: dict, runs=FAMILY_RUNS, only: str | tuple[str, ...] | None = None) -> None:
     for name, cfg in FAMILY_SHAPES:
         if only and not name.startswith(only):
             continue
@@ -955,7 +965,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("stages", nargs="+",
                         choices=["parity", "qwen3", "qwen3-tp2", "eager", "families", "families-mixed",
-                                 "deepseek-mixed", "gpt-oss", "tp2", "recording", "dp2ep", "structured"])
+                                 "deepseek-mixed", "new-families", "tp2", "recording", "dp2ep", "structured"])
     parser.add_argument("--checkpoints", nargs="*", default=[".gpu_ckpts/qwen3_moe", ".gpu_ckpts/deepseek_v3",
                                                              ".gpu_ckpts/llama4_mm"])
     parser.add_argument("--runs", nargs="*", default=["decode256", "tpot1", "tpot32", "tput_256x2048x512",
@@ -977,8 +987,8 @@ def main(argv: list[str] | None = None) -> int:
                 families(results, ["mixed_step", "mixed"])
             elif stage == "deepseek-mixed":  # the DeepSeek-V3 cut alone, --runs of mixed / mixed_step
                 families(results, args.runs, only="deepseek")
-            elif stage == "gpt-oss":  # the gpt-oss-20b shape alone: --runs given, else the family runs
-                families(results, args.runs if "--runs" in (argv or sys.argv) else FAMILY_RUNS, only="gpt-oss")
+            elif stage == "new-families":  # the gpt-oss-20b and GLM-4.5-Air shapes: --runs given, else the family runs
+                families(results, args.runs if "--runs" in (argv or sys.argv) else FAMILY_RUNS, only=("gpt-oss", "glm"))
             elif stage == "recording":  # expert-load recording on, off, on again (the spread)
                 for i, record in enumerate((True, False, True, False)):
                     qwen3(results, eager=False, runs=["decode256", "tpot1"], record=record, tag_suffix=f"-{i // 2}")

@@ -66,8 +66,9 @@
 #   gpt-oss-tests the sink / sliding-window attention and expert-bias / clamped-SwiGLU kernel tests on CUDA (with
 #                 the attention and expert kernels' own), then gpu_engine_bench.py parity on the tiny gpt-oss
 #                 checkpoints (dense and MXFP4; make_gpu_checkpoints.py --new) -> $OUT/engine_parity_gpt_oss.json
-#   gpt-oss       gpu_engine_bench.py gpt-oss: the gpt-oss-20b shape (bf16 experts, dummy weights), decode steps
-#                 at 64 / 256 and offline 256 x 1024 -> 128 against their floors (RUNS to choose) -> $OUT/engine_gpt_oss.json
+#   gpt-oss       gpu_engine_bench.py new-families: the gpt-oss-20b shape (bf16 experts) and GLM-4.5-Air's cut to 8
+#                 layers (dummy weights), decode steps at 64 / 256 and offline 256 x 1024 -> 128 against their
+#                 floors (RUNS to choose) -> $OUT/engine_gpt_oss.json
 #   eplb          (two GPUs) benchmarks/eplb_gpu_bench.py: DP2+EP on the Qwen3-30B-A3B shape, a skewed workload,
 #                 balancedness and decode-step time before/after one EPLB rebalance (EPLB_ARGS adds flags) -> $OUT/eplb.json
 set -u
@@ -191,7 +192,7 @@ json.dump(QWEN3_30B_A3B, open(os.path.join(sys.argv[1], 'config.json'), 'w'))" "
            tests/kernels/test_triton_attention.py tests/kernels/test_unified_attention.py tests/kernels/test_triton_moe.py
       step gpt-oss-parity timeout 280 python3 benchmarks/gpu_engine_bench.py parity --checkpoints .gpu_ckpts/gpt_oss \
            .gpu_ckpts/gpt_oss_mxfp4 --out "$OUT/engine_parity_gpt_oss.json" ;;
-    gpt-oss) step gpt-oss timeout 580 python3 benchmarks/gpu_engine_bench.py gpt-oss ${RUNS:+--runs $RUNS} \
+    gpt-oss) step gpt-oss timeout 580 python3 benchmarks/gpu_engine_bench.py new-families ${RUNS:+--runs $RUNS} \
            --out "$OUT/engine_gpt_oss.json" ;;
     eplb) step eplb timeout 580 python3 benchmarks/eplb_gpu_bench.py --out "$OUT/eplb.json" ${EPLB_ARGS:-} ;;
     *) echo "unknown stage $stage" | tee -a "$LOG" ;;
