@@ -26,10 +26,11 @@ Stages:
            parallelism: all2all_backend "low_latency" with CUDA graphs and eager, "auto" (the default:
            low_latency with the bytes rule's fallback), "all_to_all" (eager: its count exchange syncs
            with the host), against tensor_parallel_size=2 with graphs.
-  families a DeepSeek-V3 shape cut to 4 layers (1 dense + 3 MoE; bf16 experts) and a Llama-4
-           Scout shape cut to 8 layers (dummy bf16 weights), and gpt-oss-20b's shape (24 layers, experts
-           in bf16) and GLM-4.5-Air's cut to 8 layers: decode step at 64 and 256 running requests and an
-           offline throughput run, each against its floor. `new-families`: those two alone (--runs to choose).
+  families a DeepSeek-V3 shape cut to 4 layers (1 dense + 3 MoE; bf16 experts), a Llama-4 Scout
+           shape cut to 8 layers, gpt-oss-20b's shape (24 layers; experts in bf16, then kept MXFP4 as the
+           hub has them), gpt-oss-120b's (MXFP4) and GLM-4.5-Air's cut to 8 layers (dummy weights):
+           decode step at 64 and 256 running requests and an offline throughput run, each against its
+           floor. `new-families`: the gpt-oss and GLM shapes alone (--runs to choose).
   profile  where a decode step's time goes at 256 and at 1 running requests: host time of each
            engine part, GPU time of one graph replay, and the top kernels of an eager step.
   replay   (--runs replay1 replay16 replay32 replay256) the decode graph's GPU time alone, replayed back to
@@ -104,6 +105,13 @@ def parity(results: dict, checkpoints: list[str], tp: int = 1) -> None:
 
 
 # ---- floors -------------------------------------------------------------------------------
+def _weights_in(name: str, p: torch.Tensor) -> int:
+    """Weights a parameter holds (for FLOPs): MXFP4 packs two a byte, its scales hold none."""
+    if p.dtype != torch.uint8:
+        return p.numel()
+    return 0 if name.endswith("_scale") else 2 * p.numel()
+
+
 class Costs:
     """Bytes and FLOPs of a built model, for its floors."""
 
@@ -118,13 +126,13 @@ class Costs:
         params = dict(model.named_parameters())
         embed = sum(p.numel() * p.element_size() for n, p in params.items() if "embed_tokens" in n)
         self.expert_layers = [(m.num_experts, sum(p.numel() * p.element_size() for p in m.parameters()),
-                               sum(p.numel() for p in m.parameters()))
+                               sum(_weights_in(n, p) for n, p in m.named_parameters()))
                               for m in model.modules() if isinstance(m, FusedMoE)]
         expert_bytes = sum(b for _, b, _ in self.expert_layers)
         self.dense_bytes = sum(p.numel() * p.element_size() for p in params.values()) - expert_bytes - embed
         embed_numel = embed // next(p.element_size() for n, p in params.items() if "embed_tokens" in n)
-        self.dense_params = sum(p.numel() for p in params.values()) - sum(n for _, _, n in self.expert_layers) \
-            - embed_numel
+        self.dense_params = sum(_weights_in(n, p) for n, p in params.items()) \
+            - sum(n for _, _, n in self.expert_layers) - embed_numel
         self.active_expert_params = sum(n * self.top_k / E for E, _, n in self.expert_layers)
         self.kv_bytes_per_token = runner.kv_cache_bytes_per_block() / runner.block_size
         # sliding-window layers (gpt-oss) read at most their window: (share of the KV bytes, window)
@@ -766,6 +774,9 @@ GPT_OSS_20B = {
                         "original_max_position_embeddings": 4096, "rope_theta": 150000.0},
     "torch_dtype": "bfloat16", "eos_token_id": 200002,
 }
+MXFP4 = {"quantization_config": {"quant_method": "mxfp4"}}  # the hub's experts: kept MXFP4 on CUDA
+GPT_OSS_120B = {**GPT_OSS_20B, **MXFP4, "num_hidden_layers": 36, "num_local_experts": 128,
+                "layer_types": ["sliding_attention", "full_attention"] * 18}
 # GLM-4.5-Air's shape (zai-org/GLM-4.5-Air's config.json) cut to 8 layers: 1 dense + 7 MoE.
 GLM_45_AIR_CUT = {
     "architectures": ["Glm4MoeForCausalLM"], "model_type": "glm4_moe", "vocab_size": 151552, "hidden_size": 4096,
@@ -777,7 +788,8 @@ GLM_45_AIR_CUT = {
     "torch_dtype": "bfloat16", "eos_token_id": 151329,
 }
 FAMILY_SHAPES = (("deepseek-v3-4L", DEEPSEEK_V3_CUT), ("llama4-scout-8L", LLAMA4_SCOUT_CUT),
-                 ("gpt-oss-20b", GPT_OSS_20B), ("glm-4.5-air-8L", GLM_45_AIR_CUT))
+                 ("gpt-oss-20b", GPT_OSS_20B), ("gpt-oss-20b-mxfp4", {**GPT_OSS_20B, **MXFP4}),
+                 ("gpt-oss-120b-mxfp4", GPT_OSS_120B), ("glm-4.5-air-8L", GLM_45_AIR_CUT))
 FAMILY_RUNS = ("decode64", "decode256", "tput_256x1024x128")
 
 

@@ -69,6 +69,8 @@
 #   gpt-oss       gpu_engine_bench.py new-families: the gpt-oss-20b shape (bf16 experts) and GLM-4.5-Air's cut to 8
 #                 layers (dummy weights), decode steps at 64 / 256 and offline 256 x 1024 -> 128 against their
 #                 floors (RUNS to choose) -> $OUT/engine_gpt_oss.json
+#   mxfp4         the MXFP4 expert-kernel tests on CUDA, then benchmarks/bench_mxfp4_experts.py: the gpt-oss-20b and
+#                 -120b expert layers with MXFP4 weights against bf16 ones of the same values -> $OUT/mxfp4_experts.json
 #   eplb          (two GPUs) benchmarks/eplb_gpu_bench.py: DP2+EP on the Qwen3-30B-A3B shape, a skewed workload,
 #                 balancedness and decode-step time before/after one EPLB rebalance (EPLB_ARGS adds flags) -> $OUT/eplb.json
 set -u
@@ -194,6 +196,8 @@ json.dump(QWEN3_30B_A3B, open(os.path.join(sys.argv[1], 'config.json'), 'w'))" "
            .gpu_ckpts/gpt_oss_mxfp4 --out "$OUT/engine_parity_gpt_oss.json" ;;
     gpt-oss) step gpt-oss timeout 580 python3 benchmarks/gpu_engine_bench.py new-families ${RUNS:+--runs $RUNS} \
            --out "$OUT/engine_gpt_oss.json" ;;
+    mxfp4) step mxfp4-tests timeout 200 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_mxfp4_experts.py
+      step mxfp4-bench timeout 280 python3 benchmarks/bench_mxfp4_experts.py --out "$OUT/mxfp4_experts.json" ;;
     eplb) step eplb timeout 580 python3 benchmarks/eplb_gpu_bench.py --out "$OUT/eplb.json" ${EPLB_ARGS:-} ;;
     *) echo "unknown stage $stage" | tee -a "$LOG" ;;
   esac

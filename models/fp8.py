@@ -31,9 +31,9 @@ from models.layers.weights import ParamLoader, attach_loader, new_param
 logger = logging.getLogger("moe.fp8")
 
 FP8_E4M3_MAX = 448.0
-# EngineArgs.quantization: None = auto (from the checkpoint and the device), "fp8" = keep the
-# routed experts FP8 wherever the model runs, "none" = dequantise every FP8 weight at load.
-QUANTIZATION_CHOICES = (None, "fp8", "none")
+# EngineArgs.quantization: None = auto (from the checkpoint and the device), "fp8" / "mxfp4" = keep
+# the routed experts FP8 / MXFP4 wherever the model runs, "none" = dequantise every weight at load.
+QUANTIZATION_CHOICES = (None, "fp8", "mxfp4", "none")
 
 
 @dataclass
@@ -86,7 +86,7 @@ def resolve_fp8_experts(fp8: Fp8BlockConfig | None, quantization: str | None, de
                          "with quant_method 'fp8' and weight_block_size) of a model with FP8 experts "
                          "(DeepseekV3ForCausalLM, Glm4MoeForCausalLM, MiniMaxM2ForCausalLM); online quantisation "
                          "is not supported")
-    if fp8 is None or not supported or quantization == "none":
+    if fp8 is None or not supported or quantization in ("none", "mxfp4"):
         return False
     if load_format == "dummy":
         logger.info("FP8 checkpoint with load_format='dummy': routed experts use dequantised random weights")

@@ -8,8 +8,10 @@ Checkpoint layouts, both loaded: transformers' (`mlp.experts.gate_up_proj` [E, D
 interleaved along the last dim, `down_proj` [E, F, D], biases `gate_up_proj_bias` [E, 2F] interleaved and
 `down_proj_bias` [E, D]) and the hub's MXFP4 one (`gate_up_proj_blocks` [E, 2F, D/32, 16] +
 `gate_up_proj_scales` [E, 2F, D/32], `down_proj_blocks` [E, D, F/32, 16] + `down_proj_scales`, same
-biases; config.json `quantization_config.quant_method: mxfp4`). MXFP4 experts are dequantised at load
-to the model dtype (models/mxfp4.py). The router is `mlp.router` on disk, `mlp.gate` here.
+biases; config.json `quantization_config.quant_method: mxfp4`). MXFP4 experts stay MXFP4 where the
+engine decides so (`keep_mxfp4`, models/mxfp4.py resolve_mxfp4_experts: on CUDA with the Triton
+kernel), else they are dequantised at load to the model dtype. The router is `mlp.router` on disk,
+`mlp.gate` here.
 
 Sliding-window layers form a KV-cache group of their own that releases the blocks behind the
 window, unless prefix caching is on: they then share the full-attention group (which keeps the prefix).
@@ -51,6 +53,7 @@ class GptOssConfig(ModelConfig):
     swiglu_limit: float = 7.0
     attention_bias: bool = True
     mxfp4: bool = False  # the hub's experts: MXFP4 blocks and scales
+    keep_mxfp4: bool = False  # serve them as MXFP4 (set by the engine for the device)
 
     @classmethod
     def from_hf(cls, cfg: dict, architecture: str) -> "GptOssConfig":
@@ -110,10 +113,11 @@ class InterleavedExpertLoader(ParamLoader):
     """gpt-oss's expert tensors into FusedMoE's layout (w13 [E, 2F, D] gate rows then up rows, w2
     [E, D, F], biases [E, 2F] / [E, D]). On disk gate and up alternate (even = gate, odd = up); the
     dense weights are transposed ([E, D, 2F], [E, F, D]); MXFP4 weights come as `blocks` + `scales`
-    along the input dim, dequantised once both have arrived. One piece per parameter: "dense"."""
+    along the input dim: dequantised once both have arrived, or, into uint8 parameters (MXFP4 kept),
+    copied as they are (`what` "w13_scale" / "w2_scale" for the scales). One piece a parameter: "dense"."""
 
     def __init__(self, experts: ExpertWeightLoader, what: str) -> None:
-        self.w, self.what = experts, what  # what: "w13", "w2", "w13_bias", "w2_bias"
+        self.w, self.what = experts, what  # what: "w13", "w2", "w13_bias", "w2_bias", "w13_scale", "w2_scale"
         self.packed: dict[str, torch.Tensor] = {}
 
     def pieces(self):
@@ -124,7 +128,8 @@ class InterleavedExpertLoader(ParamLoader):
 
     def ckpt_shape(self, shard_id, expert_id):
         E, D, F = self.w.E, self.w.D, self.w.F
-        rows, cols = {"w13": (2 * F, D), "w2": (D, F), "w13_bias": (2 * F, None), "w2_bias": (D, None)}[self.what]
+        rows, cols = {"w13": (2 * F, D), "w2": (D, F), "w13_bias": (2 * F, None), "w2_bias": (D, None),
+                      "w13_scale": (2 * F, D), "w2_scale": (D, F)}[self.what]
         if shard_id == "blocks":
             return (E, rows, cols // MXFP4_BLOCK, MXFP4_BLOCK // 2)
         if shard_id == "scales":
@@ -132,20 +137,27 @@ class InterleavedExpertLoader(ParamLoader):
         return (E, rows) if cols is None else (E, cols, rows)
 
     def load(self, param, tensor, shard_id, expert_id):
-        if shard_id in ("blocks", "scales"):
+        per = 1  # input columns a stored element holds (an F slice of down's columns is f0 / per ..)
+        if param.dtype == torch.uint8 and shard_id == "dense":
+            raise ValueError("config.json says the experts are MXFP4 (quantization_config), but the checkpoint "
+                             "holds them dense (gate_up_proj / down_proj without _blocks / _scales)")
+        if param.dtype == torch.uint8:  # MXFP4 kept: blocks [E, out, in/32, 16] as [E, out, in/2], scales
+            rows, per = (tensor.flatten(2), 2) if shard_id == "blocks" else (tensor, MXFP4_BLOCK)
+        elif shard_id in ("blocks", "scales"):
             self.packed[shard_id] = tensor
             if len(self.packed) < 2:
                 return []
             rows = dequantize_mxfp4(self.packed.pop("blocks"), self.packed.pop("scales"), param.dtype)
         else:
             rows = tensor if self.what.endswith("bias") else tensor.transpose(1, 2)  # [E, out, in]
-        f0, Fl = self.w.f0, self.w.Fl
+        f0, Fl = self.w.f0 // per, self.w.Fl // per
         for g, slots in self.w.local_of.items():
             for local in slots:
                 if self.what.startswith("w13"):  # this rank's F slice of gate (even rows) and of up (odd)
+                    f0, Fl = self.w.f0, self.w.Fl  # rows: output features, never packed
                     param.data[local, :Fl].copy_(rows[g, 0::2][f0:f0 + Fl])
                     param.data[local, Fl:].copy_(rows[g, 1::2][f0:f0 + Fl])
-                elif self.what == "w2":
+                elif self.what in ("w2", "w2_scale"):
                     param.data[local].copy_(rows[g][:, f0:f0 + Fl])
                 else:
                     param.data[local].copy_(rows[g])
@@ -158,9 +170,11 @@ class GptOssDecoderLayer(PreNormDecoderLayer):
         self.self_attn = GptOssAttention(cfg, layer_idx)
         act = ExpertActivation("swigluoai", bias=True, swiglu_alpha=cfg.swiglu_alpha, swiglu_limit=cfg.swiglu_limit)
         experts = FusedMoE(cfg.num_local_experts, cfg.hidden_size, cfg.intermediate_size, moe_parallel,
-                           top_k=cfg.num_experts_per_tok, activation=act)
+                           top_k=cfg.num_experts_per_tok, activation=act, mxfp4=cfg.keep_mxfp4)
         bases = {"w13": experts.w13_weight.param_loader, "w2": experts.w2_weight.param_loader}
-        for name in ("w13_weight", "w2_weight", "w13_bias", "w2_bias"):
+        names = ("w13_weight", "w2_weight", "w13_bias", "w2_bias") + \
+            (("w13_weight_scale", "w2_weight_scale") if cfg.keep_mxfp4 else ())
+        for name in names:
             attach_loader(getattr(experts, name), InterleavedExpertLoader(bases[name.split("_")[0]],
                                                                           name.replace("_weight", "")))
         # softmax over all experts, then the top-k renormalised = softmax over the top-k logits
@@ -191,7 +205,9 @@ class GptOssForCausalLM(DecoderForCausalLM):
         return [layer.self_attn.attn for layer in m.layers[m.start_layer:m.end_layer]]
 
     def weight_name_rules(self) -> list[NameRule]:
-        experts = [NameRule(f"experts.{param}", f"experts.{ckpt}{suffix}", shard)
+        kept = self.config.keep_mxfp4  # the scales then fill parameters of their own
+        experts = [NameRule(f"experts.{param}{'_scale' if kept and shard == 'scales' else ''}",
+                            f"experts.{ckpt}{suffix}", shard)
                    for param, ckpt in (("w13_weight", "gate_up_proj"), ("w2_weight", "down_proj"))
                    for suffix, shard in (("_blocks", "blocks"), ("_scales", "scales"), ("", "dense"))]
         return tied_lm_head_rules(self.config.tie_word_embeddings) + experts + [

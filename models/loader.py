@@ -248,6 +248,9 @@ def init_dummy_weights(model: torch.nn.Module, seed: int = 0, low: float = -1e-3
     gen = torch.Generator(device="cpu").manual_seed(seed)
     for name, param in model.named_parameters():
         if not param.is_floating_point():
+            if getattr(param, "dummy_range", None) is not None:  # packed codes (MXFP4): random in range
+                lo, hi = param.dummy_range
+                param.data.random_(lo, hi + 1)
             continue
         if name.endswith("bias"):
             param.data.zero_()

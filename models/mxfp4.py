@@ -6,7 +6,13 @@ per byte: the low nibble is the even element, the high nibble the odd one) and `
 """
 from __future__ import annotations
 
+import logging
+
 import torch
+
+import kernels
+
+logger = logging.getLogger("moe.mxfp4")
 
 # The 16 E2M1 codes: sign bit, 2 exponent bits, 1 mantissa bit.
 FP4_E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
@@ -44,3 +50,25 @@ def quantize_mxfp4(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     codes = (mag | ((scaled < 0).long() << 3)).to(torch.uint8)
     blocks = codes[..., 0::2] | (codes[..., 1::2] << 4)
     return blocks, (exp + 127).to(torch.uint8)
+
+
+def resolve_mxfp4_experts(checkpoint_mxfp4: bool, quantization: str | None, device: torch.device,
+                          moe_backend: str | None) -> bool:
+    """Keep an MXFP4 checkpoint's routed experts MXFP4 (the Triton kernel dequantises in its K loop)?
+    quantization=None (auto): on CUDA with the Triton backend available and not overridden; "mxfp4":
+    wherever it runs (elsewhere the expert layer dequantises per call: slow, for tests); "none":
+    never (dequantised to the model dtype at load)."""
+    if quantization == "mxfp4" and not checkpoint_mxfp4:
+        raise ValueError("quantization='mxfp4' needs an MXFP4 checkpoint (config.json quantization_config with "
+                         "quant_method 'mxfp4', as gpt-oss's); online quantisation is not supported")
+    if not checkpoint_mxfp4 or quantization == "none":
+        return False
+    if quantization == "mxfp4":
+        return True
+    if device.type != "cuda" or "triton" not in kernels.available_backends(device) or \
+            moe_backend not in (None, "triton"):
+        logger.info("MXFP4 checkpoint: routed experts are dequantised at load (MXFP4 experts need CUDA and the "
+                    "Triton backend; device=%s, moe_backend=%s)", device, moe_backend)
+        return False
+    logger.info("MXFP4 checkpoint: routed experts stay MXFP4 (Triton kernel)")
+    return True

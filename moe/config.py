@@ -147,9 +147,10 @@ ENGINE_ARG_HELP = {
                                     "for one rank, mp for more, external_launcher under torchrun)",
     "moe_backend": "kernel of the expert layers: torch, triton or deepspeed (default: %(default)s: the best "
                    "for the device)",
-    "quantization": "FP8 block-quantised checkpoints: fp8 (the routed experts stay FP8 wherever the engine runs) "
-                    "or none (every FP8 weight dequantised at load) (default: %(default)s: the routed experts "
-                    "stay FP8 on CUDA with the Triton kernel, the rest is dequantised)",
+    "quantization": "FP8 block-quantised and MXFP4 (gpt-oss) checkpoints: fp8 / mxfp4 (the routed experts stay "
+                    "FP8 / MXFP4 wherever the engine runs) or none (every weight dequantised at load) (default: "
+                    "%(default)s: the routed experts stay FP8 / MXFP4 on CUDA with the Triton kernel, the rest is "
+                    "dequantised)",
     "trust_remote_code": "accepted for vLLM compatibility: no remote code ever runs, only the built-in "
                          "architectures (on: a warning)",
     "max_logprobs": "the largest logprobs a request may ask for (-1: the whole vocabulary)",
@@ -201,7 +202,8 @@ class EngineArgs:
     experts), and everything elsewhere, is dequantised at load on the CPU. "fp8": keep the routed
     experts FP8 wherever the engine runs (on the CPU, or with moe_backend="torch", the expert
     layer dequantises on every call: slow, for tests); an error for a checkpoint that is not
-    block-FP8. "none": dequantise every FP8 weight at load. Unquantised checkpoints ignore it.
+    block-FP8. "mxfp4": the same for an MXFP4 checkpoint (gpt-oss; its auto rule is FP8's). "none":
+    dequantise every quantised weight at load. Unquantised checkpoints ignore it.
     """
 
     model: str

@@ -6,7 +6,8 @@ File names (in kernels/configs/), vLLM-style:
 
 E local experts, N the expert intermediate size F (w2.shape[2]), device the CUDA device name
 with spaces replaced by '_' (e.g. NVIDIA_H200), dtype one of bf16, fp16, fp32, fp8_w8a8
-(the activation/weight compute dtype), block_shape only for block-quantised FP8 weights.
+(the activation/weight compute dtype) or mxfp4 (MXFP4 weights, whatever the activation dtype; its
+configs need BLOCK_SIZE_K a multiple of 32), block_shape only for block-quantised FP8 weights.
 
 Contents: {"<M>": {"BLOCK_SIZE_M": .., "BLOCK_SIZE_N": .., "BLOCK_SIZE_K": .., "GROUP_SIZE_M": ..,
 "num_warps": .., "num_stages": .., "down": {...optional overrides for the down GEMM...}}, ...}
@@ -77,7 +78,8 @@ def _warn_missing(file_name: str) -> None:
 
 def default_config(M: int, E: int, N: int, top_k: int, dtype: str,
                    block_shape: tuple[int, int] | None = None) -> dict:
-    """A config that is correct everywhere and reasonable on Hopper when nothing was tuned."""
+    """A config that is correct everywhere and reasonable on Hopper when nothing was tuned.
+    MXFP4 ("mxfp4") gets the 16-bit buckets: their BLOCK_SIZE_K (64, 128) are multiples of 32."""
     if block_shape is not None:  # FP8 block-quantised: BLOCK_K must equal the scale group
         bm = 16 if M * top_k <= 4 * E else 64
         return {"BLOCK_SIZE_M": bm, "BLOCK_SIZE_N": block_shape[0], "BLOCK_SIZE_K": block_shape[1],

@@ -4,6 +4,10 @@ Optionally (fused_experts_triton's keywords) expert biases, added in the GEMMs' 
 before the routed weight), and gpt-oss's clamped SwiGLU ("swigluoai") in place of SiLU*up; every
 path (one_row_blocks, align_tokens, plain / atomic / split-K down, moe_sum / TopKSum) takes them.
 
+MXFP4 weights (fused_experts_triton_mxfp4): the same flow, every path included, with the GEMMs'
+W_MXFP4 form: packed E2M1 weights and E8M0 scales dequantised tile by tile in registers (see
+gemm.py, mxfp4.py), activations and h in their own dtype; configs under the dtype key "mxfp4".
+
 Legend: T tokens, D hidden, E local experts, F expert intermediate, K top-k, P padded rows.
 
 No host synchronisation and no data-dependent allocation: every buffer is sized from shapes, the
@@ -22,6 +26,7 @@ from kernels.triton_fused.moe_sum import TopKSum, moe_sum
 from kernels.triton_moe.align import align_tokens
 from kernels.triton_moe.config import get_config, split_config
 from kernels.triton_moe.gemm import down_kernel, gate_up_kernel
+from kernels.triton_moe.mxfp4 import keep_subnormals
 from kernels.triton_moe.quant import FP8_DTYPE, per_token_group_quant_fp8
 
 
@@ -65,7 +70,8 @@ def _bias_args(bias: torch.Tensor | None) -> dict:
 
 def _run(x_TD, w13_EFD, w2_EDF, topk_weights_TK, topk_ids_TK, expert_map_E, cfg,
          fp8=None, block_shape=(128, 128), defer_sum=False, w13_bias=None, w2_bias=None,
-         activation="silu", swiglu_alpha=1.702, swiglu_limit=7.0):
+         activation="silu", swiglu_alpha=1.702, swiglu_limit=7.0, mxfp4=None):
+    """mxfp4: (w13_scale, w2_scale) uint8 when w13/w2 are packed MXFP4 (uint8 [E, 2F, D/2], [E, D, F/2])."""
     T, D = x_TD.shape
     E, F2, _ = w13_EFD.shape
     F = F2 // 2
@@ -85,6 +91,12 @@ def _run(x_TD, w13_EFD, w2_EDF, topk_weights_TK, topk_ids_TK, expert_map_E, cfg,
     if not topk_w.is_contiguous():
         topk_w = topk_w.contiguous()
     use_fp8 = fp8 is not None
+    use_mxfp4 = mxfp4 is not None
+    if use_fp8 and use_mxfp4:
+        raise ValueError("weights are either FP8 or MXFP4, not both")
+    if use_mxfp4 and (up["BLOCK_SIZE_K"] % 32 or down["BLOCK_SIZE_K"] % 32):
+        raise ValueError(f"MXFP4 weights need BLOCK_SIZE_K a multiple of 32 (the scale block) in both "
+                         f"GEMMs, got {cfg}")
     if use_fp8 and (w13_bias is not None or w2_bias is not None or activation != "silu"):
         raise ValueError("the FP8 expert kernel has no biases and only the 'silu' activation")
     check_activation(activation)
@@ -107,6 +119,10 @@ def _run(x_TD, w13_EFD, w2_EDF, topk_weights_TK, topk_ids_TK, expert_map_E, cfg,
         h = torch.empty(P, F, dtype=x_TD.dtype, device=dev)
         a_scale = w13_scale = w2_scale = h_scale = h  # unused placeholders
         xs_strides = ws13_strides = ws2_strides = hs_strides = (0, 0, 0)
+        if use_mxfp4:  # the E8M0 scales go where FP8's weight scales would
+            w13_scale, w2_scale = mxfp4
+            ws13_strides, ws2_strides = w13_scale.stride(), w2_scale.stride()
+    mx = {"W_MXFP4": True} if use_mxfp4 else {}  # nothing extra otherwise: the same compiled kernels
     precision = "ieee" if x_TD.dtype == torch.float32 else "tf32"
     upcast = x_TD.dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1"
     pdl = pdl_launch(x_TD)
@@ -120,7 +136,7 @@ def _run(x_TD, w13_EFD, w2_EDF, topk_weights_TK, topk_ids_TK, expert_map_E, cfg,
         BLOCK_M=BM, BLOCK_N=up["BLOCK_SIZE_N"], BLOCK_K=up["BLOCK_SIZE_K"],
         GROUP_M=up["GROUP_SIZE_M"], GN=GN, GK=GK, USE_FP8=use_fp8,
         EVEN_K=D % up["BLOCK_SIZE_K"] == 0, PRECISION=precision, UPCAST=upcast,
-        num_warps=up["num_warps"], num_stages=up["num_stages"], **pdl, **_bias_args(w13_bias), **act)
+        num_warps=up["num_warps"], num_stages=up["num_stages"], **pdl, **_bias_args(w13_bias), **act, **mx)
 
     # Plain: top-1 writes the output directly, top-k > 1 writes [T*K, D], then a sum over K.
     # Atomic (config "ATOMIC_SUM", or "SPLIT_K" > 1): fp32 atomics into a zeroed [T, D], then
@@ -141,7 +157,7 @@ def _run(x_TD, w13_EFD, w2_EDF, topk_weights_TK, topk_ids_TK, expert_map_E, cfg,
         GROUP_M=down["GROUP_SIZE_M"], GN=GN, GK=GK, USE_FP8=use_fp8,
         EVEN_K=F % down["BLOCK_SIZE_K"] == 0, SPLIT_K=split, ATOMIC=atomic,
         PRECISION=precision, UPCAST=upcast,
-        num_warps=down["num_warps"], num_stages=down["num_stages"], **pdl, **_bias_args(w2_bias))
+        num_warps=down["num_warps"], num_stages=down["num_stages"], **pdl, **_bias_args(w2_bias), **mx)
     if atomic:
         return out.to(out_dtype)  # no copy for fp32
     if K == 1:
@@ -207,3 +223,32 @@ def fused_experts_triton_fp8(hidden_states, w13_fp8, w2_fp8, w13_scale, w2_scale
                             block_shape)
     return _run(hidden_states, w13_fp8, w2_fp8, topk_weights, topk_ids, expert_map, config,
                 fp8=(w13_scale.float(), w2_scale.float()), block_shape=block_shape, defer_sum=defer_sum)
+
+
+def fused_experts_triton_mxfp4(hidden_states, w13, w2, w13_scale, w2_scale, topk_weights, topk_ids,
+                               expert_map=None, config: dict | None = None, defer_sum: bool = False, *,
+                               w13_bias: torch.Tensor | None = None, w2_bias: torch.Tensor | None = None,
+                               activation: str = "silu", swiglu_alpha: float = 1.702,
+                               swiglu_limit: float = 7.0):
+    """Expert layer with MXFP4 weights (gpt-oss's hub format), dequantised in the GEMMs' K loops.
+
+    Args:
+        hidden_states: [T, D] bf16/fp16 (fp32 works too: weights dequantised to fp32), D % 32 == 0.
+        w13: uint8 [E, 2F, D/2], the packed E2M1 codes of the gate rows then the up rows (two a
+            byte, low nibble = even column). w2: uint8 [E, D, F/2], F % 32 == 0.
+        w13_scale: uint8 [E, 2F, D/32], w2_scale: uint8 [E, D, F/32]: E8M0 scales, one per 32
+            columns (weight = e2m1 * 2^(scale - 127)).
+        topk_weights, topk_ids, expert_map, defer_sum, w13_bias, w2_bias, activation,
+        swiglu_alpha, swiglu_limit: as in :func:`fused_experts_triton`.
+        config: optional launch config (BLOCK_SIZE_K a multiple of 32); default: the tuned file
+            of dtype "mxfp4", else config.default_config.
+    Returns:
+        [T, D] in the dtype of `hidden_states` (or a TopKSum, see defer_sum).
+    """
+    if config is None:
+        E, F2, _ = w13.shape
+        config = get_config(hidden_states.shape[0], E, F2 // 2, topk_ids.shape[1], "mxfp4")
+    with keep_subnormals():  # the interpreter's numpy must not flush them (mxfp4.py); a no-op on GPUs
+        return _run(hidden_states, w13, w2, topk_weights, topk_ids, expert_map, config, defer_sum=defer_sum,
+                    w13_bias=w13_bias, w2_bias=w2_bias, activation=activation, swiglu_alpha=swiglu_alpha,
+                    swiglu_limit=swiglu_limit, mxfp4=(w13_scale, w2_scale))

@@ -1,4 +1,4 @@
-"""The two grouped expert GEMMs over aligned row blocks (see align.py), bf16/fp16/fp32 and FP8.
+"""The two grouped expert GEMMs over aligned row blocks (see align.py), bf16/fp16/fp32, FP8, MXFP4.
 
 Legend: T tokens, D hidden, F expert intermediate, K top-k, R = T*K flat rows, P padded rows.
 
@@ -22,6 +22,13 @@ so every flat row is produced exactly once.
 FP8 (USE_FP8): weights e4m3 with block scales [E, ceil(N/GN), ceil(Kd/GK)] (dequant = q * s),
 activations e4m3 with per-(row, GK-group) scales; BLOCK_K must equal GK. gate_up then quantises
 h per (row, GN-group) in its epilogue, which needs BLOCK_N == GN there.
+
+MXFP4 (W_MXFP4): weights only (activations and h stay in their dtype): w uint8 [E, N, Kd/2], two
+E2M1 codes a byte, and E8M0 scales ws uint8 [E, N, Kd/32] through the ws_* pointer and strides (the
+FP8 scales' arguments). Each K step loads the [BLOCK_N, BLOCK_K/2] bytes and [BLOCK_N, BLOCK_K/32]
+scales, dequantises them in registers to the activation dtype (mxfp4.py) and runs the same dot;
+BLOCK_K must be a multiple of 32 and Kd of 32, biases and both activations work as above. The
+scales (too narrow a load for the pipeliner's async copies) are loaded one step ahead, by hand.
 """
 from __future__ import annotations
 
@@ -29,6 +36,7 @@ import triton
 import triton.language as tl
 
 from kernels.pdl import pdl_enter
+from kernels.triton_moe.mxfp4 import load_mxfp4_scales, load_mxfp4_t
 
 
 @triton.jit
@@ -64,7 +72,7 @@ def gate_up_kernel(
     GN: tl.constexpr, GK: tl.constexpr, USE_FP8: tl.constexpr, EVEN_K: tl.constexpr,
     PRECISION: tl.constexpr, UPCAST: tl.constexpr, USE_PDL: tl.constexpr,
     b_ptr=None, stride_be=0, stride_bn=0, swiglu_alpha=1.702, swiglu_limit=7.0,
-    HAS_BIAS: tl.constexpr = False, ACTIVATION: tl.constexpr = "silu",
+    HAS_BIAS: tl.constexpr = False, ACTIVATION: tl.constexpr = "silu", W_MXFP4: tl.constexpr = False,
 ):
     pdl_enter(USE_PDL)
     pid_m, pid_n = _block_coords(num_m_blocks, N, BLOCK_N, GROUP_M)
@@ -81,7 +89,17 @@ def gate_up_kernel(
     offs_bn = offs_n % N  # in-bounds weight rows; columns >= N are never stored
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = x_ptr + tok[:, None] * stride_xm + offs_k[None, :] * stride_xk
-    g_ptrs = w_ptr + e * stride_we + offs_bn[None, :] * stride_wn + offs_k[:, None] * stride_wk
+    if W_MXFP4:  # [BLOCK_N, BLOCK_K/2] bytes and [BLOCK_N, BLOCK_K/32] scales a step
+        tl.static_assert(not USE_FP8 and BLOCK_K % 32 == 0, "MXFP4 needs BLOCK_K % 32 == 0, no FP8")
+        g_ptrs = w_ptr + e * stride_we + offs_bn[:, None] * stride_wn \
+            + tl.arange(0, BLOCK_K // 2)[None, :] * stride_wk
+        g_sc = ws_ptr + e * stride_wse + offs_bn[:, None] * stride_wsn \
+            + tl.arange(0, BLOCK_K // 32)[None, :] * stride_wsk
+        u_sc = g_sc + N * stride_wsn
+        g_e8 = load_mxfp4_scales(g_sc, Kd, BLOCK_K)
+        u_e8 = load_mxfp4_scales(u_sc, Kd, BLOCK_K)
+    else:
+        g_ptrs = w_ptr + e * stride_we + offs_bn[None, :] * stride_wn + offs_k[:, None] * stride_wk
     u_ptrs = g_ptrs + N * stride_wn
     if USE_FP8:
         xs_ptrs = xs_ptr + tok * stride_xsm
@@ -90,7 +108,15 @@ def gate_up_kernel(
     acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in range(0, tl.cdiv(Kd, BLOCK_K)):
-        if EVEN_K:
+        if W_MXFP4:
+            if EVEN_K:
+                a = tl.load(a_ptrs, mask=rmask[:, None], other=0.0)
+            else:
+                kmask = offs_k < Kd - k * BLOCK_K
+                a = tl.load(a_ptrs, mask=rmask[:, None] & kmask[None, :], other=0.0)
+            g = load_mxfp4_t(g_ptrs, g_e8, Kd - k * BLOCK_K, BLOCK_N, BLOCK_K, EVEN_K, a.dtype)
+            u = load_mxfp4_t(u_ptrs, u_e8, Kd - k * BLOCK_K, BLOCK_N, BLOCK_K, EVEN_K, a.dtype)
+        elif EVEN_K:
             a = tl.load(a_ptrs, mask=rmask[:, None], other=0.0)
             g = tl.load(g_ptrs)
             u = tl.load(u_ptrs)
@@ -110,8 +136,16 @@ def gate_up_kernel(
             acc_g = _dot(a, g, acc_g, PRECISION, UPCAST)
             acc_u = _dot(a, u, acc_u, PRECISION, UPCAST)
         a_ptrs += BLOCK_K * stride_xk
-        g_ptrs += BLOCK_K * stride_wk
-        u_ptrs += BLOCK_K * stride_wk
+        if W_MXFP4:
+            g_ptrs += (BLOCK_K // 2) * stride_wk
+            u_ptrs += (BLOCK_K // 2) * stride_wk
+            g_sc += (BLOCK_K // 32) * stride_wsk  # the next step's scales, in flight until it
+            u_sc += (BLOCK_K // 32) * stride_wsk
+            g_e8 = load_mxfp4_scales(g_sc, Kd - (k + 1) * BLOCK_K, BLOCK_K)
+            u_e8 = load_mxfp4_scales(u_sc, Kd - (k + 1) * BLOCK_K, BLOCK_K)
+        else:
+            g_ptrs += BLOCK_K * stride_wk
+            u_ptrs += BLOCK_K * stride_wk
     if HAS_BIAS:
         b_ptrs = b_ptr + e * stride_be + offs_bn * stride_bn
         acc_g += tl.load(b_ptrs).to(tl.float32)[None, :]
@@ -147,6 +181,7 @@ def down_kernel(
     SPLIT_K: tl.constexpr, ATOMIC: tl.constexpr,
     PRECISION: tl.constexpr, UPCAST: tl.constexpr, USE_PDL: tl.constexpr,
     b_ptr=None, stride_be=0, stride_bn=0, HAS_BIAS: tl.constexpr = False,
+    W_MXFP4: tl.constexpr = False,
 ):
     pdl_enter(USE_PDL)
     pid_m, pid_n = _block_coords(num_m_blocks, N, BLOCK_N, GROUP_M)
@@ -181,14 +216,28 @@ def down_kernel(
     offs_bn = offs_n % N
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = h_ptr + offs_m.to(tl.int64)[:, None] * stride_hm + (k0 + offs_k)[None, :] * stride_hk
-    b_ptrs = w_ptr + e * stride_we + offs_bn[None, :] * stride_wn \
-        + (k0 + offs_k)[:, None] * stride_wk
+    if W_MXFP4:  # [BLOCK_N, BLOCK_K/2] bytes and [BLOCK_N, BLOCK_K/32] scales a step
+        tl.static_assert(not USE_FP8 and BLOCK_K % 32 == 0, "MXFP4 needs BLOCK_K % 32 == 0, no FP8")
+        b_ptrs = w_ptr + e * stride_we + offs_bn[:, None] * stride_wn \
+            + (k0 // 2 + tl.arange(0, BLOCK_K // 2))[None, :] * stride_wk
+        b_sc = ws_ptr + e * stride_wse + offs_bn[:, None] * stride_wsn \
+            + (k0 // 32 + tl.arange(0, BLOCK_K // 32))[None, :] * stride_wsk
+        b_e8 = load_mxfp4_scales(b_sc, tl.minimum(Kd, k_last * BLOCK_K) - k0, BLOCK_K)
+    else:
+        b_ptrs = w_ptr + e * stride_we + offs_bn[None, :] * stride_wn \
+            + (k0 + offs_k)[:, None] * stride_wk
     if USE_FP8:
         hs_ptrs = hs_ptr + offs_m * stride_hsm
         bs_ptrs = ws_ptr + e * stride_wse + (offs_bn // GN) * stride_wsn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in range(k_first, k_last):
-        if EVEN_K:
+        if W_MXFP4:
+            if EVEN_K:
+                a = tl.load(a_ptrs)
+            else:
+                a = tl.load(a_ptrs, mask=(offs_k < Kd - k * BLOCK_K)[None, :], other=0.0)
+            b = load_mxfp4_t(b_ptrs, b_e8, Kd - k * BLOCK_K, BLOCK_N, BLOCK_K, EVEN_K, a.dtype)
+        elif EVEN_K:
             a = tl.load(a_ptrs)
             b = tl.load(b_ptrs)
         else:
@@ -203,7 +252,12 @@ def down_kernel(
         else:
             acc = _dot(a, b, acc, PRECISION, UPCAST)
         a_ptrs += BLOCK_K * stride_hk
-        b_ptrs += BLOCK_K * stride_wk
+        if W_MXFP4:
+            b_ptrs += (BLOCK_K // 2) * stride_wk
+            b_sc += (BLOCK_K // 32) * stride_wsk  # the next step's scales, in flight until it
+            b_e8 = load_mxfp4_scales(b_sc, tl.minimum(Kd, k_last * BLOCK_K) - (k + 1) * BLOCK_K, BLOCK_K)
+        else:
+            b_ptrs += BLOCK_K * stride_wk
     if HAS_BIAS:  # before the routed weight; once per tile, not once per split
         bias = tl.load(b_ptr + e * stride_be + offs_bn * stride_bn).to(tl.float32)
         if SPLIT_K > 1:

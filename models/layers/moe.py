@@ -255,11 +255,13 @@ class FusedMoE(nn.Module):
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int,
                  parallel: MoEParallelConfig | None = None, top_k: int | None = None,
-                 fp8_block: tuple[int, int] | None = None, activation: ExpertActivation | None = None) -> None:
+                 fp8_block: tuple[int, int] | None = None, activation: ExpertActivation | None = None,
+                 mxfp4: bool = False) -> None:
         super().__init__()
         self.activation = activation or ExpertActivation()
         if self.activation.changes_kernel and fp8_block is not None:
             raise ValueError(f"FP8 experts with the {self.activation.name!r} activation or biases are not supported")
+        self.mxfp4 = mxfp4
         pc = parallel if parallel is not None else MoEParallelConfig.from_parallel_state()
         self.parallel = pc
         self.num_experts = num_experts
@@ -301,8 +303,20 @@ class FusedMoE(nn.Module):
         wdtype = None if fp8_block is None else torch.float8_e4m3fn
         args = (num_experts, hidden_size, intermediate_size, local_ids, tp_rank, f_local)
         w13_loader, w2_loader = ExpertWeightLoader("w13", *args), ExpertWeightLoader("w2", *args)
-        self.w13_weight = attach_loader(new_param(E, 2 * f_local, hidden_size, dtype=wdtype), w13_loader)
-        self.w2_weight = attach_loader(new_param(E, hidden_size, f_local, dtype=wdtype), w2_loader)
+        if mxfp4:  # packed E2M1 codes and E8M0 scales; the model attaches loaders for its hub layout
+            if hidden_size % 32 or f_local % 32:
+                raise ValueError(f"MXFP4 experts need hidden size ({hidden_size}) and the intermediate size per "
+                                 f"rank ({f_local}) to be multiples of 32")
+            self.w13_weight = attach_loader(new_param(E, 2 * f_local, hidden_size // 2, dtype=torch.uint8), w13_loader)
+            self.w2_weight = attach_loader(new_param(E, hidden_size, f_local // 2, dtype=torch.uint8), w2_loader)
+            self.w13_weight_scale = new_param(E, 2 * f_local, hidden_size // 32, dtype=torch.uint8)
+            self.w2_weight_scale = new_param(E, hidden_size, f_local // 32, dtype=torch.uint8)
+            # load_format="dummy": random codes at about the unquantised dummies' magnitude (2^-12 * e2m1)
+            self.w13_weight.dummy_range = self.w2_weight.dummy_range = (0, 255)
+            self.w13_weight_scale.dummy_range = self.w2_weight_scale.dummy_range = (114, 116)
+        else:
+            self.w13_weight = attach_loader(new_param(E, 2 * f_local, hidden_size, dtype=wdtype), w13_loader)
+            self.w2_weight = attach_loader(new_param(E, hidden_size, f_local, dtype=wdtype), w2_loader)
         if self.activation.bias:  # gate then up rows of this rank's F slice; down's bias whole
             self.w13_bias = attach_loader(new_param(E, 2 * f_local), ExpertBiasLoader(w13_loader))
             self.w2_bias = attach_loader(new_param(E, hidden_size), ExpertBiasLoader(w2_loader))
@@ -314,19 +328,20 @@ class FusedMoE(nn.Module):
             self.w2_weight_scale_inv = attach_loader(s2, ExpertScaleLoader(w2_loader, fp8_block))
 
     def _experts(self, x_TD, topk_weights_TK, topk_ids_TK, expert_map_E, defer_sum: bool = False):
-        if self.fp8_block is None and not self.activation.changes_kernel:
+        if self.fp8_block is None and not self.activation.changes_kernel and not self.mxfp4:
             # (a dequantising model may hang its own *_scale_inv here)
             return kernels.fused_experts(x_TD, self.w13_weight, self.w2_weight, topk_weights_TK, topk_ids_TK,
                                          expert_map=expert_map_E, backend=self.kernel_backend, defer_sum=defer_sum)
         if self.fp8_block is None:
             act = self.activation
+            scales = dict(w13_scale=self.w13_weight_scale, w2_scale=self.w2_weight_scale) if self.mxfp4 else {}
             # TP-sharded experts sum partial outputs over the ranks: one of them adds down's bias.
             w2_bias = self.w2_bias if act.bias and (not self.reduce_over_tp or self.parallel.tp_rank == 0) else None
             return kernels.fused_experts(x_TD, self.w13_weight, self.w2_weight, topk_weights_TK, topk_ids_TK,
                                          expert_map=expert_map_E, backend=self.kernel_backend, defer_sum=defer_sum,
                                          w13_bias=self.w13_bias if act.bias else None, w2_bias=w2_bias,
                                          activation=act.name, swiglu_alpha=act.swiglu_alpha,
-                                         swiglu_limit=act.swiglu_limit)
+                                         swiglu_limit=act.swiglu_limit, **scales)
         return kernels.fused_experts(x_TD, self.w13_weight, self.w2_weight, topk_weights_TK, topk_ids_TK,
                                      expert_map=expert_map_E, backend=self.kernel_backend,
                                      w13_scale=self.w13_weight_scale_inv, w2_scale=self.w2_weight_scale_inv,
@@ -367,7 +382,8 @@ class FusedMoE(nn.Module):
         """Every per-slot tensor of the routed experts (weights, and FP8 scales when kept)."""
         names = ["w13_weight", "w2_weight"] + (["w13_weight_scale_inv", "w2_weight_scale_inv"]
                                                if self.fp8_block is not None else []) \
-            + (["w13_bias", "w2_bias"] if self.activation.bias else [])
+            + (["w13_bias", "w2_bias"] if self.activation.bias else []) \
+            + (["w13_weight_scale", "w2_weight_scale"] if self.mxfp4 else [])
         return [getattr(self, n).data for n in names]
 
     def fill_dummy_replicas(self, seed: int, low: float, high: float) -> None:

@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from models.config import ModelConfig
 from models.fp8 import resolve_fp8_experts
+from models.mxfp4 import resolve_mxfp4_experts
 from models.layers.moe import FusedMoE, MoEParallelConfig, attach_dispatch_step
 from models.loader import init_dummy_weights, load_weights
 from models.parallel.state import get_parallel_state
@@ -46,6 +47,7 @@ def build_model(model_cls: type, config: ModelConfig, model_path: str, args: Eng
                 device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
     """The model of this rank (the process's ParallelState decides the shard)."""
     config = _with_fp8_experts_choice(model_cls, config, args, device)
+    config = _with_mxfp4_experts_choice(config, args, device)
     eplb = args.eplb
     moe_parallel = MoEParallelConfig.from_parallel_state(
         kernel_backend=args.moe_backend, eplb_redundant_experts=eplb.num_redundant_experts if eplb else None)
@@ -69,6 +71,17 @@ def _with_fp8_experts_choice(model_cls: type, config: ModelConfig, args: EngineA
         return config
     config = copy.copy(config)  # keeps attributes set outside the fields (limit_positions)
     config.fp8 = dataclasses.replace(fp8, keep_experts=keep)
+    return config
+
+
+def _with_mxfp4_experts_choice(config: ModelConfig, args: EngineArgs, device: torch.device) -> ModelConfig:
+    """`config` with `keep_mxfp4` decided for this device and these arguments (a copy), for models
+    with MXFP4 checkpoints (gpt-oss); the quantization argument is checked for every model."""
+    keep = resolve_mxfp4_experts(getattr(config, "mxfp4", False), args.quantization, device, args.moe_backend)
+    if getattr(config, "keep_mxfp4", False) == keep:
+        return config
+    config = copy.copy(config)
+    config.keep_mxfp4 = keep
     return config
 
 

@@ -32,6 +32,28 @@ def test_mxfp4_experts_match_hf_on_their_dequantised_twin(tmp_path):
     assert_matches_hf(path, twin)
 
 
+@pytest.mark.parametrize("layout", [{}, {"tensor_parallel_size": 2}])
+def test_mxfp4_experts_kept_packed_match_hf(tmp_path, monkeypatch, layout):
+    """quantization="mxfp4": the experts stay packed (the expert layer dequantises per call here; the
+    Triton kernel in its K loop on CUDA), also sliced for TP (F 64 -> 32 a rank: one scale column)."""
+    for var, value in [("MOE_COLLECTIVE_TIMEOUT_S", "60"), ("MOE_STEP_TIMEOUT_S", "90"),
+                       ("MOE_WORKER_START_TIMEOUT_S", "120")]:
+        monkeypatch.setenv(var, value)
+    path, twin = make_gpt_oss_mxfp4_checkpoint(str(tmp_path / "mxfp4"), str(tmp_path / "twin"), seed=5)
+    llm, prompts, outs = generate_greedy(path, PROMPT_LENGTHS, 8, quantization="mxfp4", **layout)
+    if not layout:
+        params = dict(llm.llm_engine.executor.model.named_parameters())
+        assert params["model.layers.0.mlp.experts.w13_weight"].dtype == torch.uint8
+        assert params["model.layers.0.mlp.experts.w2_weight_scale"].shape == (6, 64, 2)
+    llm.llm_engine.shutdown()
+    assert_outputs_match_hf(load_hf_model(twin), prompts, outs, 8)
+
+
+def test_quantization_mxfp4_needs_an_mxfp4_checkpoint(tmp_path):
+    with pytest.raises(ValueError, match="quantization='mxfp4' needs an MXFP4 checkpoint"):
+        LLM(make_gpt_oss_checkpoint(str(tmp_path / "ckpt")), device="cpu", quantization="mxfp4")
+
+
 def test_chunked_prefill_and_small_blocks_match_hf(tmp_path):
     """Chunks of 4 tokens and blocks of 4: the window spans blocks and chunks start inside it."""
     path = make_gpt_oss_checkpoint(str(tmp_path / "ckpt"), seed=4, layer_types=["full_attention",

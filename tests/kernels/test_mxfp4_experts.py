@@ -1,0 +1,464 @@
+"""MXFP4 expert weights (gpt-oss's hub format) in the expert layer, `kernels.fused_experts`.
+
+- the dequantisations, kernels/reference_mxfp4.py's and the Triton GEMMs' tile form
+  (kernels/triton_moe/mxfp4.py, run alone through dequantize_mxfp4_triton), equal models.mxfp4's
+  bit for bit on every byte value and every scale 0..255, in bf16, fp16 and fp32; mutations of the
+  tile code (nibbles swapped, scale or subnormal code off, sign lost) fail that check;
+- every backend ("torch", "reference", "triton": TRITON_INTERPRET=1 without a GPU, tiny shapes)
+  against the reference on the dequantised weights, with biases on/off, silu / swigluoai, one token,
+  row counts not a multiple of BLOCK_M, an expert with no tokens, an expert map with experts
+  elsewhere (-1), defer_sum's TopKSum, K not a multiple of BLOCK_K, the atomic and split-K down GEMM;
+  and "triton" against its own 16-bit-weight path on the same values (bit for bit under the
+  interpreter): the MXFP4 form changes the weight loads only;
+- bad shapes / dtypes raise ValueErrors naming the tensor; the config key is "mxfp4";
+- the MXFP4 GEMMs compile for sm_90 (tests/kernels/compile_sm90_mxfp4.py, no GPU needed);
+- on a GPU, gpt-oss-20b's real shapes, and a CUDA graph capture.
+
+Legend: T tokens, D hidden, F expert intermediate, E local experts, K top-k.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import kernels
+from kernels import reference_mxfp4
+from kernels.reference import fused_experts_torch
+from models import mxfp4 as models_mxfp4
+from tests.kernels.triton_marks import CUDA, DEV, INTERPRET, needs_cuda, needs_triton_device
+
+TOL = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 2e-2}
+SMALL_LIMIT = 0.75  # swigluoai's limit here: a good share of gate and up is clamped
+SMALL_CFG = {"BLOCK_SIZE_M": 16, "BLOCK_SIZE_N": 16, "BLOCK_SIZE_K": 32, "GROUP_SIZE_M": 2,
+             "num_warps": 4, "num_stages": 1}
+WIDE_CFG = {"BLOCK_SIZE_M": 16, "BLOCK_SIZE_N": 64, "BLOCK_SIZE_K": 64, "GROUP_SIZE_M": 1,
+            "num_warps": 4, "num_stages": 1}  # D = F = 96: K not a multiple of BLOCK_K, N of BLOCK_N
+MXFP4_SRC = Path(kernels.__file__).with_name("triton_moe") / "mxfp4.py"
+COMPILE_SCRIPT = Path(__file__).with_name("compile_sm90_mxfp4.py")
+
+
+@pytest.fixture(autouse=True)
+def subnormals_kept():
+    """The references (torch on the CPU) keep fp32 subnormals here, whatever an earlier test loaded:
+    kernels/cpu_native's library, built with -ffast-math, sets FTZ/DAZ for the process when it loads."""
+    flushing = float(torch.tensor(2.0 ** -127) * 2.0 ** 127) != 1.0
+    if flushing:
+        torch.set_flush_denormal(False)
+    yield
+    if flushing:
+        torch.set_flush_denormal(True)
+
+
+def rel(out, ref):
+    out, ref = out.cpu().double(), ref.cpu().double()
+    return ((out - ref).norm() / ref.norm().clamp(min=1e-30)).item()
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """The raw bits (so -0.0 != 0.0 and every NaN / inf pattern counts)."""
+    return t.cpu().view({2: torch.int16, 4: torch.int32}[t.element_size()])
+
+
+def every_byte_and_scale():
+    """q [256, 256]: row r holds every byte value, with scale r (every E8M0 value) on its 16 blocks."""
+    q = torch.arange(256, dtype=torch.uint8).repeat(256, 1)
+    s = torch.arange(256, dtype=torch.uint8)[:, None].repeat(1, 512 // 32)
+    return q, s
+
+
+def models_dequant(q, s, dtype):
+    return models_mxfp4.dequantize_mxfp4(q.unflatten(-1, (-1, 16)), s, dtype)
+
+
+# --- the dequantisations --------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_reference_dequant_equals_models_mxfp4(dtype):
+    q, s = every_byte_and_scale()
+    assert torch.equal(bits(reference_mxfp4.dequantize_mxfp4(q, s, dtype)), bits(models_dequant(q, s, dtype)))
+    # [E, N, Kd/2] (one expert at a time), on quantised weights
+    w = torch.randn(3, 8, 64, generator=torch.Generator().manual_seed(0))
+    blocks, scales = models_mxfp4.quantize_mxfp4(w)
+    got = reference_mxfp4.dequantize_mxfp4(blocks.flatten(-2), scales, dtype)
+    assert got.shape == (3, 8, 64)
+    assert torch.equal(bits(got), bits(models_mxfp4.dequantize_mxfp4(blocks, scales, dtype)))
+    assert reference_mxfp4.FP4_E2M1_VALUES == models_mxfp4.FP4_E2M1_VALUES
+
+
+def _dequant_mismatches(dequant, dtype) -> int:
+    q, s = every_byte_and_scale()
+    got = dequant(q.to(DEV), s.to(DEV), dtype)
+    return int((bits(got) != bits(models_dequant(q, s, dtype))).sum())
+
+
+@needs_triton_device
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # the interpreter, on infinities
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_triton_tile_dequant_equals_models_mxfp4_on_every_byte_and_scale(dtype):
+    """The GEMMs' in-register dequantisation: exact, subnormals (scales 0, 1) and infinities
+    (scales 254, 255 in fp32; earlier in fp16) included."""
+    from kernels.triton_moe.mxfp4 import dequantize_mxfp4_triton
+    assert _dequant_mismatches(dequantize_mxfp4_triton, dtype) == 0
+    q, s = every_byte_and_scale()  # partial tiles: N and Kd not multiples of the blocks
+    got = dequantize_mxfp4_triton(q[:37, :48].to(DEV), s[:37, :3].to(DEV), dtype, block_n=16, block_k=64)
+    assert torch.equal(bits(got), bits(models_dequant(q[:37, :48], s[:37, :3], dtype)))
+
+
+MUTATIONS = {  # name: (original text in mxfp4.py, mutated text)
+    "nibbles_swapped": ("tl.interleave(_e2m1_times_two(q & 15), _e2m1_times_two(q >> 4))",
+                        "tl.interleave(_e2m1_times_two(q >> 4), _e2m1_times_two(q & 15))"),
+    "scale_off_by_one": ("(s - 1) << 23, 0x200000 << s", "s << 23, 0x200000 << s"),
+    "code_exponent_off_by_one": ("* 1.7014118346046923e38  # 2^127", "* 8.507059173023462e37"),
+    "mantissa_bit_dropped": ("& 0x81C00000", "& 0x81800000"),
+    "sign_dropped": ("& 0x81C00000", "& 0x01C00000"),
+    "subnormal_scales_flushed": ("0x200000 << s)", "0 * s)"),
+}
+
+
+@needs_triton_device
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning", "ignore:invalid value:RuntimeWarning")
+@pytest.mark.parametrize("mutation", list(MUTATIONS))
+def test_mutated_tile_dequant_fails(mutation, tmp_path):
+    """The exhaustive check catches each mutation of the tile code (run from a mutated copy)."""
+    old, new = MUTATIONS[mutation]
+    src = MXFP4_SRC.read_text()
+    assert src.count(old) == 1, f"mutation {mutation!r} no longer applies to {MXFP4_SRC}"
+    path = tmp_path / f"mxfp4_{mutation}.py"
+    path.write_text(src.replace(old, new))
+    spec = importlib.util.spec_from_file_location(f"mxfp4_{mutation}", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    dtype = torch.float32 if mutation == "subnormal_scales_flushed" else torch.bfloat16
+    assert _dequant_mismatches(mod.dequantize_mxfp4_triton, dtype) > 0
+
+
+@needs_triton_device
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
+def test_interpreter_keeps_subnormals_when_the_thread_flushes_them(run):
+    """With FTZ/DAZ on (as after kernels/cpu_native's library loads), the interpreted kernels still
+    dequantise exactly (the E2M1 code 1, 0.5, goes through an fp32 subnormal), and the flags are
+    set again afterwards."""
+    if not INTERPRET:
+        pytest.skip("a CPU-interpreter matter: the GPU's fp32 multiplies keep subnormals (compile test)")
+    from kernels.triton_moe.mxfp4 import dequantize_mxfp4_triton
+    q, s = every_byte_and_scale()
+    want = bits(models_dequant(q, s, torch.float32))
+    c = make_case("ragged", seed=4)
+    want_out, _ = run("triton", c)
+    flushes = lambda: float(np.float32(2.0 ** -127) * np.float32(2.0 ** 127)) == 0.0  # noqa: E731
+    if not torch.set_flush_denormal(True):
+        pytest.skip("this CPU has no FTZ/DAZ")
+    try:
+        assert flushes()
+        assert torch.equal(bits(dequantize_mxfp4_triton(q, s, torch.float32)), want)
+        out, _ = run("triton", c)
+        assert torch.equal(out, want_out)
+        assert flushes()
+    finally:
+        torch.set_flush_denormal(False)
+
+
+# --- the expert layer -----------------------------------------------------------------------
+
+CASES = {  # name: T, D, F, E, K, extras
+    "one_token": (1, 64, 32, 4, 2, {}),                                     # triton: one_row_blocks
+    "ragged": (19, 96, 96, 4, 2, {"empty_expert": 3, "cfg": WIDE_CFG}),     # 38 rows, masked K / N
+    "expert_map": (13, 64, 64, 3, 2, {"E_global": 8, "local": (1, 4, 6)}),  # token 0: only elsewhere
+    "defer": (40, 64, 32, 4, 3, {"empty_expert": 0}),                       # 120 rows: TopKSum
+}
+
+
+def make_case(name, dtype=torch.bfloat16, biases=True, seed=0):
+    T, D, F, E, K, ex = CASES[name]
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, D, generator=g).to(dtype)
+    q13, s13 = models_mxfp4.quantize_mxfp4(torch.randn(E, 2 * F, D, generator=g) * D ** -0.5)
+    q2, s2 = models_mxfp4.quantize_mxfp4(torch.randn(E, D, F, generator=g) * F ** -0.5)
+    emap, n_ids = None, E
+    if "E_global" in ex:
+        n_ids = ex["E_global"]
+        emap = torch.full((n_ids,), -1, dtype=torch.int32)
+        emap[torch.tensor(ex["local"])] = torch.arange(E, dtype=torch.int32)
+    logits = torch.randn(T, n_ids, generator=g)
+    if "empty_expert" in ex:
+        logits[:, ex["empty_expert"]] = -1e9
+    tw, ti = torch.softmax(logits, -1).topk(K, dim=-1)
+    ti = ti.to(torch.int32)
+    if emap is not None:
+        ti[0] = torch.tensor([0, 2][:K], dtype=torch.int32)
+        assert bool((emap[ti[0].long()] < 0).all())
+    return {"x": x, "q13": q13.flatten(-2), "s13": s13, "q2": q2.flatten(-2), "s2": s2, "tw": tw, "ti": ti,
+            "emap": emap, "b13": torch.randn(E, 2 * F, generator=g).to(dtype) if biases else None,
+            "b2": (torch.randn(E, D, generator=g) * 0.5).to(dtype) if biases else None,
+            "cfg": ex.get("cfg", SMALL_CFG)}
+
+
+def dequantised(c, dtype):
+    return (reference_mxfp4.dequantize_mxfp4(c["q13"], c["s13"], dtype),
+            reference_mxfp4.dequantize_mxfp4(c["q2"], c["s2"], dtype))
+
+
+def oracle(c, swap_nibbles=False, **kw):
+    """fused_experts_torch in fp32 on the dequantised weights (swap_nibbles: the wrong layout)."""
+    cc = dict(c)
+    if swap_nibbles:
+        cc["q13"], cc["q2"] = [(q >> 4) | (q << 4) for q in (c["q13"], c["q2"])]
+    w13, w2 = dequantised(cc, torch.float32)
+    f = lambda t: None if t is None else t.float()  # noqa: E731
+    return fused_experts_torch(c["x"].float(), w13, w2, c["tw"], c["ti"], c["emap"], w13_bias=f(c["b13"]),
+                               w2_bias=f(c["b2"]), **kw)
+
+
+@pytest.fixture
+def run(monkeypatch):
+    """run(backend, case, weights="mxfp4"|"16bit", config=None, **kw) -> ([T, D] on the CPU, deferred):
+    kernels.fused_experts with the case's MXFP4 weights (or their dequantised values), triton
+    with the case's small config under the interpreter (or `config`); a TopKSum is summed."""
+    from kernels.triton_fused.moe_sum import TopKSum
+
+    def _run(backend, c, weights="mxfp4", config=None, **kw):
+        dev = "cpu"
+        if backend == "triton":
+            if not (CUDA or INTERPRET):
+                pytest.skip("no GPU and TRITON_INTERPRET is not set")
+            import kernels.triton_moe.fused as fused
+            cfg = config if config is not None else (None if CUDA else c["cfg"])
+            if cfg is not None:
+                monkeypatch.setattr(fused, "get_config", lambda *a, **k: cfg)
+            dev = DEV
+        mv = {k: (v.to(dev) if isinstance(v, torch.Tensor) else v) for k, v in c.items()}
+        if weights == "mxfp4":
+            w = dict(w13=mv["q13"], w2=mv["q2"], w13_scale=mv["s13"], w2_scale=mv["s2"])
+        else:
+            w13, w2 = dequantised(mv, mv["x"].dtype)
+            w = dict(w13=w13, w2=w2)
+        out = kernels.fused_experts(mv["x"], topk_weights=mv["tw"], topk_ids=mv["ti"], expert_map=mv["emap"],
+                                    backend=backend, w13_bias=mv["b13"], w2_bias=mv["b2"], **w, **kw)
+        deferred = isinstance(out, TopKSum)
+        if deferred:
+            out = out.materialize()
+        assert out.shape == c["x"].shape and out.dtype == c["x"].dtype
+        return out.cpu(), deferred
+
+    return _run
+
+
+def _act(activation):
+    return {} if activation == "silu" else {"activation": activation, "swiglu_limit": SMALL_LIMIT}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("activation", ["silu", "swigluoai"])
+@pytest.mark.parametrize("biases", [False, True], ids=["nobias", "bias"])
+@pytest.mark.parametrize("backend", ["torch", "reference", "triton"])
+def test_backends_match_reference_on_dequantised_weights(backend, biases, activation, case, run):
+    c = make_case(case, biases=biases, seed=len(case) + 3 * biases)
+    out, deferred = run(backend, c, defer_sum=case == "defer", **_act(activation))
+    ref = oracle(c, **_act(activation))
+    assert rel(out, ref) < TOL[torch.bfloat16], rel(out, ref)
+    assert deferred == (backend == "triton" and case == "defer")
+    if c["emap"] is not None:  # token 0 routed only to experts elsewhere: exactly zero, no bias
+        assert torch.all(out[0] == 0)
+    if backend == "triton":
+        # the MXFP4 form changes the weight loads only: the 16-bit path on the same values agrees
+        same, _ = run(backend, c, weights="16bit", defer_sum=case == "defer", **_act(activation))
+        if INTERPRET:
+            assert torch.equal(out, same)
+        else:
+            assert rel(out, same) < 1e-3
+    else:  # the dequantise-then-reference path exactly
+        same, _ = run("reference", c, weights="16bit", **_act(activation))
+        assert torch.equal(out, same)
+    if case == "ragged" and activation == "silu":  # the check tells a swapped nibble order apart
+        assert rel(out, oracle(c, swap_nibbles=True)) > 0.3
+
+
+@pytest.mark.parametrize("down", [{"ATOMIC_SUM": True}, {"SPLIT_K": 2}, {"SPLIT_K": 3}],
+                         ids=["atomic", "split2", "split3"])
+@pytest.mark.parametrize("case", ["ragged", "expert_map"])
+def test_triton_atomic_and_split_k_down(case, down, run):
+    """The fp32-atomic down GEMM, its F range split over programs (each split starting at its own
+    byte and scale column): b2 once, the top-k sum fused."""
+    c = make_case(case, seed=7)
+    cfg = dict(c["cfg"], down=down)
+    out, deferred = run("triton", c, config=cfg, defer_sum=True, activation="swigluoai", swiglu_limit=SMALL_LIMIT)
+    assert not deferred
+    assert rel(out, oracle(c, activation="swigluoai", swiglu_limit=SMALL_LIMIT)) < TOL[torch.bfloat16]
+    same, _ = run("triton", c, weights="16bit", config=cfg, activation="swigluoai", swiglu_limit=SMALL_LIMIT)
+    assert rel(out, same) < 1e-6  # fp32 atomics: the order of the adds may differ
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["fp16", "fp32"])
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_fp16_and_fp32_activations(backend, dtype, run):
+    c = make_case("ragged", dtype=dtype, seed=11)
+    out, _ = run(backend, c, activation="swigluoai", swiglu_limit=SMALL_LIMIT)
+    assert rel(out, oracle(c, activation="swigluoai", swiglu_limit=SMALL_LIMIT)) < TOL[dtype]
+
+
+def test_unwritten_outputs_show(run, poisoned_empty):
+    """Every element of every buffer the call reads is written first (torch.empty gives NaNs here)."""
+    if not (CUDA or INTERPRET):
+        pytest.skip("no GPU and TRITON_INTERPRET is not set")
+    for case in ("expert_map", "ragged"):
+        c = make_case(case, seed=5)
+        out, _ = run("triton", c)
+        assert not out.isnan().any()
+        assert rel(out, oracle(c)) < TOL[torch.bfloat16]
+
+
+def test_config_key_and_block_k(monkeypatch, tmp_path):
+    """Configs are looked up under dtype "mxfp4" (tuned file, else the defaults); a BLOCK_SIZE_K not
+    a multiple of 32 is refused."""
+    if not (CUDA or INTERPRET):
+        pytest.skip("no GPU and TRITON_INTERPRET is not set")
+    from kernels.triton_moe import config as cfgmod
+    from kernels.triton_moe import fused, fused_experts_triton_mxfp4
+    c = make_case("one_token", seed=1)
+    x, q13, q2, tw, ti, s13, s2 = (c[k].to(DEV) for k in ("x", "q13", "q2", "tw", "ti", "s13", "s2"))
+    E, F = s13.shape[0], s13.shape[1] // 2
+    asked = []
+    monkeypatch.setattr(fused, "get_config", lambda *a, **k: asked.append(a) or SMALL_CFG)
+    kernels.fused_experts(x, q13, q2, tw, ti, backend="triton", w13_scale=s13, w2_scale=s2)
+    assert asked == [(1, E, F, 2, "mxfp4")]
+    for bad in (dict(SMALL_CFG, BLOCK_SIZE_K=16), dict(SMALL_CFG, down={"BLOCK_SIZE_K": 48})):
+        with pytest.raises(ValueError, match="BLOCK_SIZE_K a multiple of 32"):
+            fused_experts_triton_mxfp4(x, q13, q2, s13, s2, tw, ti, config=bad)
+    file_cfg = dict(SMALL_CFG, BLOCK_SIZE_N=32)
+    name = cfgmod.config_file_name(E, F, cfgmod.device_name(), "mxfp4")
+    (tmp_path / name).write_text(json.dumps({"1": file_cfg}))
+    monkeypatch.setenv("MOE_KERNEL_CONFIG_DIR", str(tmp_path))
+    cfgmod.load_configs.cache_clear()
+    try:
+        assert cfgmod.get_config(1, E, F, 2, "mxfp4") == file_cfg
+        assert cfgmod.get_config(1, E, F, 2, torch.bfloat16) == cfgmod.default_config(1, E, F, 2, "bf16")
+        monkeypatch.delenv("MOE_KERNEL_CONFIG_DIR")
+        cfgmod.load_configs.cache_clear()
+        assert cfgmod.get_config(1, E, F, 2, "mxfp4") == cfgmod.default_config(1, E, F, 2, "mxfp4")
+    finally:
+        cfgmod.load_configs.cache_clear()
+
+
+def test_bad_arguments_name_the_tensor():
+    c = make_case("ragged", biases=False, seed=2)  # E=4, D=F=96
+    x, q13, q2, s13, s2, tw, ti = (c[k] for k in ("x", "q13", "q2", "s13", "s2", "tw", "ti"))
+    call = kernels.fused_experts
+
+    def fails(match, *args, **kw):
+        with pytest.raises(ValueError, match=match):
+            call(*args, **kw)
+
+    full = dict(w13_scale=s13, w2_scale=s2)
+    fails(r"w13 must be \[E, 2F, 48\] \(MXFP4", x, q13[..., :40], q2, tw, ti, **full)
+    fails(r"w13 must be \[E, 2F, 48\] \(MXFP4", x, q13.unflatten(-1, (-1, 16)), q2, tw, ti, **full)
+    fails(r"w2 must be \[4, 96, 48\] \(MXFP4", x, q13, q2[:, :, :47], tw, ti, **full)
+    fails("need both w13 and w2 as uint8", x, q13, q2.to(torch.bfloat16), tw, ti, **full)
+    fails("need both w13 and w2 as uint8", x, q13.float(), q2, tw, ti, **full)
+    fails("need both w13_scale and w2_scale", x, q13, q2, tw, ti)
+    fails("need both w13_scale and w2_scale", x, q13, q2, tw, ti, w13_scale=s13)
+    fails("w13_scale must be uint8", x, q13, q2, tw, ti, w13_scale=s13.float(), w2_scale=s2)
+    fails("w2_scale must be uint8", x, q13, q2, tw, ti, w13_scale=s13, w2_scale=s2.to(torch.int8))
+    fails(r"w13_scale must be \[4, 192, 3\]", x, q13, q2, tw, ti, w13_scale=s13[:, :, :2], w2_scale=s2)
+    fails(r"w2_scale must be \[4, 96, 3\]", x, q13, q2, tw, ti, w13_scale=s13, w2_scale=s2[:2])
+    fails("block_shape is for FP8 weights", x, q13, q2, tw, ti, block_shape=(128, 128), **full)
+    fails("hidden_states must be bf16, fp16 or fp32", x.to(torch.float64), q13, q2, tw, ti, **full)
+    fails("w13_scale is on meta", x, q13, q2, tw, ti, w13_scale=s13.to("meta"), w2_scale=s2)
+    fails(r"w13_bias must be \[4, 192\]", x, q13, q2, tw, ti, w13_bias=torch.zeros(4, 96), **full)
+    fails(r"w2_bias must be \[4, 96\]", x, q13, q2, tw, ti, w2_bias=torch.zeros(4, 48), **full)
+    fails("backend 'deepspeed' has no MXFP4 path", x, q13, q2, tw, ti, backend="deepspeed", **full)
+    # D (or F) not a multiple of 32: no whole scale blocks
+    x40 = torch.randn(3, 40).to(torch.bfloat16)
+    ti3, tw3 = ti[:3], tw[:3]
+    fails("D and F multiples of 32", x40, torch.zeros(4, 64, 20, dtype=torch.uint8),
+          torch.zeros(4, 40, 16, dtype=torch.uint8), tw3, ti3,
+          w13_scale=torch.zeros(4, 64, 1, dtype=torch.uint8), w2_scale=torch.zeros(4, 40, 1, dtype=torch.uint8))
+    from kernels.triton_moe.mxfp4 import dequantize_mxfp4_triton
+    with pytest.raises(ValueError, match="do not match"):
+        reference_mxfp4.dequantize_mxfp4(q13, s13[..., :2])
+    with pytest.raises(ValueError, match="must be uint8"):
+        reference_mxfp4.dequantize_mxfp4(q13.to(torch.int8), s13)
+    with pytest.raises(ValueError, match="do not match"):
+        dequantize_mxfp4_triton(q13, s13[..., :2])
+
+
+# --- compiled for sm_90 (no GPU needed) -----------------------------------------------------
+
+def test_mxfp4_gemms_compile_for_sm90():
+    """gate_up (bias, swigluoai) and down (split-K, atomic, bias) with W_MXFP4 at gpt-oss's shape
+    (K = 2880: the masked last K step) and the decode / prefill default configs: compiled, the dot
+    a bf16 MMA (mma.sync at BLOCK_M 16, wgmma at 128), the weight bytes loaded by the pipeliner's
+    async copies, no fp32 multiply flushing subnormals (the exact dequantisation relies on that)."""
+    pytest.importorskip("triton")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, str(COMPILE_SCRIPT)], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert set(report) == {f"{g}/{c}/bf16/mxfp4" for g in ("gate_up", "down") for c in ("decode", "prefill")}
+    for name, r in report.items():
+        assert r["compiled"] and not r["ftz_f32_mul"], (name, r)
+        mma = "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" if "/decode/" in name else "wgmma.mma_async"
+        assert any(m.startswith(mma) and "bf16" in m for m in r["mma"]), (name, r["mma"])
+        # the weight bytes stay pipelined (with the activations): gate_up's a, gate, up; down's a, w2
+        assert r["async_copies_in_loop"] >= (3 if name.startswith("gate_up") else 2), (name, r)
+
+
+# --- on a GPU: real shapes ------------------------------------------------------------------
+
+def _gpt_oss_problem(E, T, K=4, D=2880, F=2880, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q13 = torch.randint(0, 256, (E, 2 * F, D // 2), device="cuda", dtype=torch.uint8, generator=g)
+    q2 = torch.randint(0, 256, (E, D, F // 2), device="cuda", dtype=torch.uint8, generator=g)
+    # random codes have rms ~2.9: scales 2^-8 .. 2^-6 give weights of the size of D^-0.5
+    s13 = torch.randint(119, 122, (E, 2 * F, D // 32), device="cuda", dtype=torch.uint8, generator=g)
+    s2 = torch.randint(119, 122, (E, D, F // 32), device="cuda", dtype=torch.uint8, generator=g)
+    x = torch.randn(T, D, device="cuda", generator=g).to(torch.bfloat16)
+    tw, ti = torch.softmax(torch.randn(T, E, device="cuda", generator=g), -1).topk(K, dim=-1)
+    b13 = torch.randn(E, 2 * F, device="cuda", generator=g)
+    b2 = torch.randn(E, D, device="cuda", generator=g) * 0.1
+    return x, q13, q2, s13, s2, tw, ti.to(torch.int32), b13, b2
+
+
+@needs_cuda
+@pytest.mark.parametrize("T", [1, 5, 64, 300, 2048])
+def test_real_shapes_gpu(T):
+    """gpt-oss-20b (E=32, D=F=2880, top-4): MXFP4 triton against the reference and the 16-bit path
+    on the dequantised weights, biases and swigluoai on (the shipped or default configs)."""
+    from kernels.triton_moe import fused_experts_triton, fused_experts_triton_mxfp4
+    from kernels.triton_moe.config import get_config
+    x, q13, q2, s13, s2, tw, ti, b13, b2 = _gpt_oss_problem(32, T)
+    w13 = reference_mxfp4.dequantize_mxfp4(q13, s13)
+    w2 = reference_mxfp4.dequantize_mxfp4(q2, s2)
+    kw = dict(w13_bias=b13, w2_bias=b2, activation="swigluoai")
+    out = fused_experts_triton_mxfp4(x, q13, q2, s13, s2, tw, ti, **kw)
+    ref = fused_experts_torch(x, w13, w2, tw, ti, **kw)
+    assert rel(out, ref) < TOL[torch.bfloat16]
+    cfg = get_config(T, 32, 2880, 4, "mxfp4")
+    same = fused_experts_triton(x, w13, w2, tw, ti, config=cfg, **kw)
+    assert rel(out, same) < 1e-3
+    assert rel(out, kernels.fused_experts(x, q13, q2, tw, ti, w13_scale=s13, w2_scale=s2, **kw)) < 1e-5
+
+
+@needs_cuda
+@pytest.mark.parametrize("down", [{}, {"SPLIT_K": 4}], ids=["plain", "split4"])
+def test_cuda_graph_capture_gpu(down):
+    from kernels.triton_moe import fused_experts_triton_mxfp4
+    from kernels.triton_moe.config import default_config
+    x, q13, q2, s13, s2, tw, ti, b13, b2 = _gpt_oss_problem(32, 1)
+    cfg = dict(default_config(1, 32, 2880, 4, "mxfp4"), down=down)
+    kw = dict(config=cfg, w13_bias=b13, w2_bias=b2, activation="swigluoai")
+    eager = fused_experts_triton_mxfp4(x, q13, q2, s13, s2, tw, ti, **kw)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fused_experts_triton_mxfp4(x, q13, q2, s13, s2, tw, ti, **kw)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert rel(out, eager) < 2e-3  # split-K: fp32 atomics in another order, then the bf16 cast
