@@ -86,16 +86,10 @@ CASES = {  # name: T, D, F, E, K, extras
 }
 
 
-def make_case(name, dtype, biases=True, seed=0, bias_dtype=None):
-    T, D, F, E, K, ex = CASES[name]
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(T, D, generator=g)
-    w13 = torch.randn(E, 2 * F, D, generator=g) * D ** -0.5
-    w2 = torch.randn(E, D, F, generator=g) * F ** -0.5
-    b13 = torch.randn(E, 2 * F, generator=g)
-    b2 = torch.randn(E, D, generator=g) * 0.5
-    emap = None
-    n_ids = E
+def make_routing(T, E, K, ex, g):
+    """(topk weights, topk ids, expert map) of a case: ex "E_global" / "local" give an expert map
+    with -1 experts (token 0 routed only to those), "empty_expert" an expert no token picks."""
+    emap, n_ids = None, E
     if "E_global" in ex:
         n_ids = ex["E_global"]
         emap = torch.full((n_ids,), -1, dtype=torch.int32)
@@ -108,6 +102,18 @@ def make_case(name, dtype, biases=True, seed=0, bias_dtype=None):
     if emap is not None:
         ti[0] = torch.tensor([0, 2][:K], dtype=torch.int32)  # token 0: only experts elsewhere
         assert bool((emap[ti[0].long()] < 0).all())
+    return tw, ti, emap
+
+
+def make_case(name, dtype, biases=True, seed=0, bias_dtype=None):
+    T, D, F, E, K, ex = CASES[name]
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, D, generator=g)
+    w13 = torch.randn(E, 2 * F, D, generator=g) * D ** -0.5
+    w2 = torch.randn(E, D, F, generator=g) * F ** -0.5
+    b13 = torch.randn(E, 2 * F, generator=g)
+    b2 = torch.randn(E, D, generator=g) * 0.5
+    tw, ti, emap = make_routing(T, E, K, ex, g)
     bias_dtype = bias_dtype or dtype
     case = {"x": x.to(dtype), "w13": w13.to(dtype), "w2": w2.to(dtype), "tw": tw, "ti": ti,
             "emap": emap, "b13": b13.to(bias_dtype) if biases else None,

@@ -33,6 +33,7 @@ import kernels
 from kernels import reference_mxfp4
 from kernels.reference import fused_experts_torch
 from models import mxfp4 as models_mxfp4
+from tests.kernels.test_expert_bias_swiglu import make_routing
 from tests.kernels.triton_marks import CUDA, DEV, INTERPRET, needs_cuda, needs_triton_device
 
 TOL = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 2e-2}
@@ -182,19 +183,7 @@ def make_case(name, dtype=torch.bfloat16, biases=True, seed=0):
     x = torch.randn(T, D, generator=g).to(dtype)
     q13, s13 = models_mxfp4.quantize_mxfp4(torch.randn(E, 2 * F, D, generator=g) * D ** -0.5)
     q2, s2 = models_mxfp4.quantize_mxfp4(torch.randn(E, D, F, generator=g) * F ** -0.5)
-    emap, n_ids = None, E
-    if "E_global" in ex:
-        n_ids = ex["E_global"]
-        emap = torch.full((n_ids,), -1, dtype=torch.int32)
-        emap[torch.tensor(ex["local"])] = torch.arange(E, dtype=torch.int32)
-    logits = torch.randn(T, n_ids, generator=g)
-    if "empty_expert" in ex:
-        logits[:, ex["empty_expert"]] = -1e9
-    tw, ti = torch.softmax(logits, -1).topk(K, dim=-1)
-    ti = ti.to(torch.int32)
-    if emap is not None:
-        ti[0] = torch.tensor([0, 2][:K], dtype=torch.int32)
-        assert bool((emap[ti[0].long()] < 0).all())
+    tw, ti, emap = make_routing(T, E, K, ex, g)
     return {"x": x, "q13": q13.flatten(-2), "s13": s13, "q2": q2.flatten(-2), "s2": s2, "tw": tw, "ti": ti,
             "emap": emap, "b13": torch.randn(E, 2 * F, generator=g).to(dtype) if biases else None,
             "b2": (torch.randn(E, D, generator=g) * 0.5).to(dtype) if biases else None,

@@ -1,4 +1,4 @@
-"""The engine features every family gets, on the families added last (Mixtral, GLM-4.5, MiniMax-M2):
+"""The engine features every family gets, on the families added last (Mixtral, GLM-4.5, MiniMax-M2, gpt-oss):
 expert-load recording counts each routed token once per MoE layer, and preemption under a tiny KV
 cache gives the same greedy tokens as a roomy one."""
 from __future__ import annotations
@@ -9,6 +9,7 @@ import pytest
 
 from moe import LLM, SamplingParams
 from tests.factories_glm4_moe import GLM4_MOE_TINY, make_glm4_moe_checkpoint
+from tests.factories_gpt_oss import GPT_OSS_TINY, make_gpt_oss_checkpoint
 from tests.factories_minimax_m2 import MINIMAX_M2_TINY, make_minimax_m2_checkpoint
 from tests.factories_mixtral import MIXTRAL_TINY, make_mixtral_checkpoint
 
@@ -21,6 +22,8 @@ FAMILIES = {
                  GLM4_MOE_TINY["num_experts_per_tok"]),
     "minimax_m2": (make_minimax_m2_checkpoint, list(range(MINIMAX_M2_TINY["num_hidden_layers"])),
                    MINIMAX_M2_TINY["num_experts_per_tok"]),
+    "gpt_oss": (make_gpt_oss_checkpoint, list(range(GPT_OSS_TINY["num_hidden_layers"])),
+                GPT_OSS_TINY["num_experts_per_tok"]),
 }
 PROMPT_LENGTHS = [3, 20, 45, 9]
 MAX_TOKENS = 12
