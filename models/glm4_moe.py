@@ -26,7 +26,7 @@ from models.layers.moe import FusedMoE, MoEBlock, MoEParallelConfig
 from models.layers.norm import RMSNorm
 from models.layers.rotary import get_rope
 from models.loader import EXPERT_RULES, GATE_UP_RULES, NameRule, QKV_RULES
-from models.parallel.pipeline import skip_other_stage_tensor, tied_lm_head_rules
+from models.parallel.pipeline import tied_lm_head_rules
 
 # transformers' Glm4MoeConfig sets this when config.json has no partial_rotary_factor.
 DEFAULT_PARTIAL_ROTARY_FACTOR = 0.5
@@ -153,9 +153,6 @@ class Glm4MoeForCausalLM(DecoderForCausalLM):
         if cfg.fp8 is not None:
             attach_fp8_scales(self, cfg.fp8, block_fp8_params)
 
-    def attention_layers(self) -> list[Attention]:
-        return [layer.self_attn.attn for layer in self.model.stage_layers()]
-
     def weight_name_rules(self) -> list[NameRule]:
         return tied_lm_head_rules(self.config.tie_word_embeddings) + EXPERT_RULES + QKV_RULES + GATE_UP_RULES
 
@@ -165,7 +162,4 @@ class Glm4MoeForCausalLM(DecoderForCausalLM):
         m = self._LAYER.search(name)
         if m and int(m.group(1)) >= self.config.num_hidden_layers:
             return True  # multi-token-prediction layers (num_nextn_predict_layers)
-        tied = self.config.tie_word_embeddings
-        if "rotary_emb.inv_freq" in name or (tied and name == "lm_head.weight"):
-            return True
-        return skip_other_stage_tensor(name, self, tied)
+        return super().ignore_checkpoint_name(name)

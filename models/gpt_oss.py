@@ -35,7 +35,7 @@ from models.layers.rotary import get_rope
 from models.layers.weights import ParamLoader, Shard, ShardedLoader, attach_loader, new_param
 from models.loader import QKV_RULES, NameRule
 from models.mxfp4 import MXFP4_BLOCK, dequantize_mxfp4
-from models.parallel.pipeline import skip_other_stage_tensor, tied_lm_head_rules
+from models.parallel.pipeline import tied_lm_head_rules
 from models.parallel.state import get_parallel_state
 from routing import softmax_topk
 from scheduler.kv_cache_spec import SlidingWindow
@@ -200,10 +200,6 @@ class GptOssForCausalLM(DecoderForCausalLM):
     def __init__(self, cfg: GptOssConfig, moe_parallel: MoEParallelConfig | None = None) -> None:
         super().__init__(cfg, GptOssModel(cfg, moe_parallel))
 
-    def attention_layers(self) -> list[Attention]:
-        m = self.model
-        return [layer.self_attn.attn for layer in m.layers[m.start_layer:m.end_layer]]
-
     def weight_name_rules(self) -> list[NameRule]:
         kept = self.config.keep_mxfp4  # the scales then fill parameters of their own
         experts = [NameRule(f"experts.{param}{'_scale' if kept and shard == 'scales' else ''}",
@@ -216,9 +212,3 @@ class GptOssForCausalLM(DecoderForCausalLM):
             NameRule("mlp.gate", "mlp.router"),
             NameRule("self_attn.attn.sinks", "self_attn.sinks"),
         ] + QKV_RULES
-
-    def ignore_checkpoint_name(self, name: str) -> bool:
-        tied = self.config.tie_word_embeddings
-        if "rotary_emb.inv_freq" in name or (tied and name == "lm_head.weight"):
-            return True
-        return skip_other_stage_tensor(name, self, tied)

@@ -36,7 +36,7 @@ from models.layers.norm import RMSNorm
 from models.layers.rotary import get_rope
 from models.layers.weights import ReplicatedLoader, Shard, ShardedLoader, attach_loader, new_param
 from models.loader import QKV_RULES, NameRule
-from models.parallel.pipeline import skip_other_stage_tensor, tied_lm_head_rules
+from models.parallel.pipeline import tied_lm_head_rules
 from models.parallel.state import get_parallel_state, tp_all_reduce
 from routing.grouped_topk import grouped_topk
 from routing.router import RouterOutput
@@ -203,9 +203,6 @@ class MiniMaxM2ForCausalLM(DecoderForCausalLM):
         if cfg.fp8 is not None:
             attach_fp8_scales(self, cfg.fp8, block_fp8_params)
 
-    def attention_layers(self) -> list[Attention]:
-        return [layer.self_attn.attn for layer in self.model.stage_layers()]
-
     def weight_name_rules(self) -> list[NameRule]:
         rules = tied_lm_head_rules(self.config.tie_word_embeddings)
         for suffix in ("_scale_inv", ""):  # scales first: their names extend the weights'
@@ -230,7 +227,4 @@ class MiniMaxM2ForCausalLM(DecoderForCausalLM):
         m = self._LAYER.search(name)
         if (m and int(m.group(1)) >= self.config.num_hidden_layers) or self._MTP.search(name):
             return True  # multi-token-prediction modules (and anything past the model's depth)
-        tied = self.config.tie_word_embeddings
-        if "rotary_emb.inv_freq" in name or (tied and name == "lm_head.weight"):
-            return True
-        return skip_other_stage_tensor(name, self, tied)
+        return super().ignore_checkpoint_name(name)

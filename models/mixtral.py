@@ -24,7 +24,7 @@ from models.layers.moe import FusedMoE, MoEBlock, MoEParallelConfig
 from models.layers.norm import RMSNorm
 from models.layers.rotary import get_rope
 from models.loader import QKV_RULES, NameRule
-from models.parallel.pipeline import skip_other_stage_tensor, tied_lm_head_rules
+from models.parallel.pipeline import tied_lm_head_rules
 from routing import softmax_topk
 
 
@@ -92,10 +92,6 @@ class MixtralForCausalLM(DecoderForCausalLM):
     def __init__(self, cfg: MixtralConfig, moe_parallel: MoEParallelConfig | None = None) -> None:
         super().__init__(cfg, MixtralModel(cfg, moe_parallel))
 
-    def attention_layers(self) -> list[Attention]:
-        m = self.model
-        return [layer.self_attn.attn for layer in m.layers[m.start_layer:m.end_layer]]
-
     def weight_name_rules(self) -> list[NameRule]:
         return tied_lm_head_rules(self.config.tie_word_embeddings) + [
             NameRule("mlp.experts.w13_weight", "block_sparse_moe.experts.{e}.w1.weight", "w1"),
@@ -105,9 +101,3 @@ class MixtralForCausalLM(DecoderForCausalLM):
             NameRule("experts.w13_weight", "experts.gate_up_proj", "w13"),
             NameRule("experts.w2_weight", "experts.down_proj", "w2"),
         ] + QKV_RULES
-
-    def ignore_checkpoint_name(self, name: str) -> bool:
-        tied = self.config.tie_word_embeddings
-        if "rotary_emb.inv_freq" in name or (tied and name == "lm_head.weight"):
-            return True
-        return skip_other_stage_tensor(name, self, tied)

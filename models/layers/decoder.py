@@ -20,6 +20,7 @@ from models.parallel.pipeline import (
     last_stage,
     make_empty_intermediate_tensors_factory,
     make_layers,
+    skip_other_stage_tensor,
 )
 
 # MOE_DEFER_TOPK_SUM=0: every MoE layer sums its top-k outputs itself (A/B runs).
@@ -119,3 +120,14 @@ class DecoderForCausalLM(nn.Module):
 
     def compute_logits(self, hidden):
         return self.lm_head.compute_logits(hidden)
+
+    def attention_layers(self) -> list[nn.Module]:
+        """This pipeline stage's attention layers (`self_attn.attn` of each decoder layer)."""
+        return [layer.self_attn.attn for layer in self.model.stage_layers()]
+
+    def ignore_checkpoint_name(self, name: str) -> bool:
+        """RoPE tables, a tied model's lm_head and other pipeline stages' tensors are not loaded."""
+        tied = self.config.tie_word_embeddings
+        if "rotary_emb.inv_freq" in name or (tied and name == "lm_head.weight"):
+            return True
+        return skip_other_stage_tensor(name, self, tied)

@@ -54,3 +54,27 @@ def paged_batch(seqs: list[tuple[int, int]], block_size: int, H: int = 4, G: int
         meta.decode_block_tables = tables[decode, :width].contiguous()
     write_kv_cache(k_new, v_new, cache, slot_mapping)
     return PagedBatch(q, k_new, v_new, cache, meta, d ** -0.5, contexts)
+
+
+def dense_attention(q_nHd, k_LGd, v_LGd, scale, chunk=None, window=None, sinks_H=None):
+    """float64 attention of n queries at the end of L keys, as transformers' eager attention: causal,
+    within a chunk (chunked-local) or a window (sliding), with a sink logit per head joining the
+    softmax (gpt-oss) -> [n, H, d]."""
+    n, H, _ = q_nHd.shape
+    L, G, _ = k_LGd.shape
+    k = k_LGd.double().repeat_interleave(H // G, dim=1)
+    v = v_LGd.double().repeat_interleave(H // G, dim=1)
+    logits = torch.einsum("nhd,lhd->hnl", q_nHd.double(), k) * scale
+    q_idx, kv_idx = torch.arange(L - n, L)[:, None], torch.arange(L)[None, :]
+    allowed = kv_idx <= q_idx
+    if chunk is not None:
+        allowed &= (kv_idx // chunk) == (q_idx // chunk)
+    if window is not None:
+        allowed &= kv_idx > q_idx - window
+    logits = logits.masked_fill(~allowed, float("-inf"))
+    if sinks_H is not None:
+        logits = torch.cat([logits, sinks_H.double().view(H, 1, 1).expand(H, n, 1)], dim=-1)
+    probs = (logits - logits.max(-1, keepdim=True).values).softmax(-1)
+    if sinks_H is not None:
+        probs = probs[..., :-1]  # the sink column has no value
+    return torch.einsum("hnl,lhd->nhd", probs, v)

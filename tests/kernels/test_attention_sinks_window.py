@@ -1,7 +1,7 @@
 """Attention sinks and sliding windows (gpt-oss) in every paged-attention path: the torch reference,
 the batched CPU path (native decode kernel on and off) and the three Triton kernels (split-KV
-decode, varlen prefill, unified), against a dense naive attention written here as transformers'
-gpt-oss eager_attention_forward computes it (mask kv_idx > q_idx - W, the sink logit as one more
+decode, varlen prefill, unified), against a dense naive attention (attention_cases.dense_attention)
+as transformers' gpt-oss eager_attention_forward computes it (mask kv_idx > q_idx - W, the sink logit as one more
 softmax column, dropped before the values).
 
 Windows smaller than a block, spanning several blocks, spanning several key tiles (so that the
@@ -23,7 +23,7 @@ from kernels.cpu_attention import paged_attention_cpu
 from kernels.triton_attention.decode import paged_attention_decode_triton
 from kernels.triton_attention.prefill import paged_attention_prefill_triton
 from kernels.triton_attention.unified import unified_attention_triton
-from tests.kernels.attention_cases import PagedBatch, paged_batch
+from tests.kernels.attention_cases import PagedBatch, dense_attention, paged_batch
 from tests.kernels.test_fp8_kv_cache import K_SCALE, V_SCALE, quantize_cache
 from tests.kernels.triton_marks import DEV, needs_cuda, needs_triton_device
 
@@ -40,34 +40,14 @@ CASE_IDS = [f"W{w}-{'sinks' if s else 'nosinks'}" for w, s in CASES]
 MIXED = [(15, 1), (0, 1), (9, 7), (16, 11), (0, 13), (2, 1), (32, 1), (5, 0), (44, 19), (0, 3), (51, 1)]
 
 
-def naive(q_nHd, k_LGd, v_LGd, scale, window, sinks_H):
-    """float64 attention of n queries at the end of L keys, as transformers' gpt-oss eager attention."""
-    n, H, _ = q_nHd.shape
-    L, G, _ = k_LGd.shape
-    k = k_LGd.double().repeat_interleave(H // G, dim=1)
-    v = v_LGd.double().repeat_interleave(H // G, dim=1)
-    logits = torch.einsum("nhd,lhd->hnl", q_nHd.double(), k) * scale
-    q_idx, kv_idx = torch.arange(L - n, L)[:, None], torch.arange(L)[None, :]
-    allowed = kv_idx <= q_idx
-    if window is not None:
-        allowed &= kv_idx > q_idx - window
-    logits = logits.masked_fill(~allowed, float("-inf"))
-    if sinks_H is not None:
-        logits = torch.cat([logits, sinks_H.double().view(H, 1, 1).expand(H, n, 1)], dim=-1)
-    probs = (logits - logits.max(-1, keepdim=True).values).softmax(-1)
-    if sinks_H is not None:
-        probs = probs[..., :-1]  # the sink column has no value
-    return torch.einsum("hnl,lhd->nhd", probs, v)
-
-
 def expected(batch: PagedBatch, window, sinks_H, kv_dtype=None):
-    """naive over every sequence's keys ([T, H, d] fp32); kv_dtype: as an FP8 cache gives them back."""
+    """dense_attention over every sequence's keys ([T, H, d] fp32); kv_dtype: as an FP8 cache gives them back."""
     outs = []
     for q, k, v in batch.contexts:
         if kv_dtype is not None:
             k, v = round_trip_kv(k, kv_dtype, K_SCALE), round_trip_kv(v, kv_dtype, V_SCALE)
         if q.shape[0]:
-            outs.append(naive(q, k, v, batch.scale, window, sinks_H))
+            outs.append(dense_attention(q, k, v, batch.scale, window=window, sinks_H=sinks_H))
     return torch.cat(outs).float()
 
 

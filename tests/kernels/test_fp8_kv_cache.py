@@ -40,7 +40,7 @@ from models.config import RopeConfig  # noqa: E402
 from models.layers.mla_attention import MLAAttention, MLAConfig  # noqa: E402
 from models.layers.rotary import get_rope  # noqa: E402
 from tests.factories_deepseek import mla_step_metadata  # noqa: E402
-from tests.kernels.attention_cases import paged_batch  # noqa: E402
+from tests.kernels.attention_cases import dense_attention, paged_batch  # noqa: E402
 from tests.kernels.triton_marks import DEV, needs_cuda, needs_triton_device  # noqa: E402
 
 FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
@@ -50,20 +50,6 @@ SMALL = {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1}  # sever
 # cached context (mid-block and on a block edge), a sequence with no query this step
 MIXED = [(15, 1), (0, 1), (9, 7), (16, 11), (0, 13), (32, 1), (5, 0), (20, 6)]
 DECODES = [(15, 1), (0, 1), (33, 1), (7, 1), (60, 1)]
-
-
-def dense(q_nHd, k_LGd, v_LGd, scale, chunk):
-    """float64 causal (chunked-local) softmax attention of n queries at the end of L keys."""
-    n, H, _ = q_nHd.shape
-    L, G, _ = k_LGd.shape
-    k = k_LGd.double().repeat_interleave(H // G, dim=1)
-    v = v_LGd.double().repeat_interleave(H // G, dim=1)
-    scores = torch.einsum("nhd,lhd->hnl", q_nHd.double(), k) * scale
-    qpos, kpos = torch.arange(L - n, L)[:, None], torch.arange(L)[None, :]
-    allowed = kpos <= qpos
-    if chunk is not None:
-        allowed &= (kpos // chunk) == (qpos // chunk)
-    return torch.einsum("hnl,lhd->nhd", scores.masked_fill(~allowed, float("-inf")).softmax(-1), v)
 
 
 def quantize_cache(cache_2NSGd, dtype):
@@ -78,7 +64,7 @@ def explicit_reference(batch, dtype, chunk, rt=True):
         if q.shape[0]:
             if rt:
                 k, v = round_trip_kv(k, dtype, K_SCALE), round_trip_kv(v, dtype, V_SCALE)
-            outs.append(dense(q, k, v, batch.scale, chunk))
+            outs.append(dense_attention(q, k, v, batch.scale, chunk=chunk))
     return torch.cat(outs).float()
 
 
