@@ -47,10 +47,11 @@ from kernels.triton_attention.common import (
 # query tokens a tile) 64 rows beat 16 and 32 both beside 256 decodes and beside a 2,048-token
 # chunk (BENCHMARKS.md §2). MOE_UNIFIED_ROWS overrides it for A/B runs.
 DEFAULT_ROWS = int(os.environ.get("MOE_UNIFIED_ROWS", "64"))
-# MOE_UNIFIED_DECODES_APART=1: sequences of one query (decode rows) go to the split-KV decode
-# kernel's 16-row tiles in a launch of their own, the rest here (see unified_attention_triton).
-# Off: on an H200 the two launches took longer than one in every measured mixed step (BENCHMARKS.md §2).
-DECODES_APART = os.environ.get("MOE_UNIFIED_DECODES_APART", "0") == "1"
+# Sequences of one query (decode rows) go to the split-KV decode kernel's 16-row tiles in a launch
+# of their own, the rest here (see unified_attention_triton): in mixed steps replayed from CUDA
+# graphs on an H200 the two launches beat one (BENCHMARKS.md §4), though eagerly, where each
+# launch costs host time, one was faster (§2). MOE_UNIFIED_DECODES_APART=0: one launch (A/B runs).
+DECODES_APART = os.environ.get("MOE_UNIFIED_DECODES_APART", "1") == "1"
 
 
 @triton.jit

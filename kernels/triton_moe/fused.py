@@ -36,6 +36,10 @@ MOE_SUM_MAX_TOKENS = 256 if os.environ.get("MOE_SUM_KERNEL", "1") != "0" else 0
 # an H200 it saved 0.07 ms a step at 256 tokens and 0.01 at 32, but cost 0.02 at one token, where
 # the norm's single program replaces moe_sum's eight (BENCHMARKS.md §1).
 DEFER_SUM_MIN_TOKENS = 32
+# Beyond MOE_SUM_MAX_TOKENS too (mixed and prefill steps, where the sum would be torch's reduction,
+# 17 us a layer beside 255 decodes + a 512-token chunk on an H200); MOE_DEFER_SUM_LARGE=0: only up
+# to it (A/B runs).
+DEFER_SUM_LARGE = os.environ.get("MOE_DEFER_SUM_LARGE", "1") != "0"
 # A step of one token skips the alignment launch (one_row_blocks); MOE_DIRECT_ALIGN=0 keeps it (A/B runs).
 DIRECT_ALIGN = os.environ.get("MOE_DIRECT_ALIGN", "1") != "0"
 _ONE_ROW_SORTED: dict[tuple[int, int, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
@@ -162,9 +166,9 @@ def _run(x_TD, w13_EFD, w2_EDF, topk_weights_TK, topk_ids_TK, expert_map_E, cfg,
         return out.to(out_dtype)  # no copy for fp32
     if K == 1:
         return out
+    if defer_sum and T >= DEFER_SUM_MIN_TOKENS and (DEFER_SUM_LARGE or T <= MOE_SUM_MAX_TOKENS):
+        return TopKSum(out.view(T, K, D))
     if T <= MOE_SUM_MAX_TOKENS:  # one Triton launch, faster than torch's reduction there (BENCHMARKS.md §1)
-        if defer_sum and T >= DEFER_SUM_MIN_TOKENS:
-            return TopKSum(out.view(T, K, D))
         return moe_sum(out.view(T, K, D))
     return out.view(T, K, D).sum(dim=1)  # accumulates in fp32 for half types
 

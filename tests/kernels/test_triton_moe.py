@@ -144,6 +144,23 @@ def test_one_token_needs_no_alignment_launch(ids_dtype, monkeypatch):
     assert rel(out, fused_experts_torch(x, w13, w2, tw, ti)) < 1e-5
 
 
+@needs_triton_device
+@pytest.mark.parametrize("large", [True, False])
+def test_deferred_sum_beyond_the_moe_sum_range(large, monkeypatch):
+    """A batch past MOE_SUM_MAX_TOKENS (a mixed or prefill step) still hands its top-k outputs
+    to the next norm unsummed, unless MOE_DEFER_SUM_LARGE is off; summed, they are the layer."""
+    import kernels.triton_moe.fused as fused
+
+    monkeypatch.setattr(fused, "MOE_SUM_MAX_TOKENS", 4)
+    monkeypatch.setattr(fused, "DEFER_SUM_MIN_TOKENS", 2)
+    monkeypatch.setattr(fused, "DEFER_SUM_LARGE", large)
+    x, w13, w2, tw, ti = make_inputs(9, 32, 16, 4, 2, torch.float32, seed=4)
+    out = fused_experts_triton(x, w13, w2, tw, ti, config=SMALL_CFG if not CUDA else None, defer_sum=True)
+    assert isinstance(out, fused.TopKSum) == large
+    summed = out.materialize() if large else out
+    assert summed.shape == (9, 32) and rel(summed, fused_experts_torch(x, w13, w2, tw, ti)) < 1e-5
+
+
 # down GEMM variants: fp32-atomic top-k sum, alone and with the F range split over programs
 DOWN_VARIANTS = [{"ATOMIC_SUM": True}, {"SPLIT_K": 2}, {"SPLIT_K": 3}]
 
