@@ -31,6 +31,9 @@ Stages:
            hub has them), gpt-oss-120b's (MXFP4) and GLM-4.5-Air's cut to 8 layers (dummy weights):
            decode step at 64 and 256 running requests and an offline throughput run, each against its
            floor. `new-families`: the gpt-oss and GLM shapes alone (--runs to choose).
+  hybrid   Qwen3-Next-80B-A3B's shape cut to 24 layers (18 Gated DeltaNet, 6 gated attention; 512 experts top-10
+           and a shared one), dummy weights: the family runs, floors counting each sequence's state read and
+           written per step.
   profile  where a decode step's time goes at 256 and at 1 running requests: host time of each
            engine part, GPU time of one graph replay, and the top kernels of an eager step.
   replay   (--runs replay1 replay16 replay32 replay256) the decode graph's GPU time alone, replayed back to
@@ -135,6 +138,8 @@ class Costs:
             - sum(n for _, _, n in self.expert_layers) - embed_numel
         self.active_expert_params = sum(n * self.top_k / E for E, _, n in self.expert_layers)
         self.kv_bytes_per_token = runner.kv_cache_bytes_per_block() / runner.block_size
+        # linear-attention layers (Qwen3-Next): each sequence of a step reads and writes its state
+        self.state_bytes_per_seq = runner.recurrent_state_bytes(1)
         # sliding-window layers (gpt-oss) read at most their window: (share of the KV bytes, window)
         layers = model.attention_layers()
         windows = [getattr(m, "sliding_window", None) for m in layers]
@@ -150,7 +155,8 @@ class Costs:
         touched = sum(b * (1 - (1 - self.top_k / E) ** batch) for E, b, _ in self.expert_layers)
         share, window = self.kv_window
         read = mean_context * (1 - share) + min(mean_context, window) * share
-        return (self.dense_bytes + touched + batch * read * self.kv_bytes_per_token) / HBM_BYTES_PER_S
+        return (self.dense_bytes + touched + batch * (read * self.kv_bytes_per_token + 2 * self.state_bytes_per_seq)) \
+            / HBM_BYTES_PER_S
 
     def prefill_s(self, num_prompts: int, input_len: int) -> float:
         per_token = 2 * (self.dense_params + self.active_expert_params)
@@ -187,11 +193,13 @@ class Costs:
         """Roofline floor of one step of any kind: its FLOPs at peak or its bytes at HBM rate,
         whichever is longer. FLOPs: every token through the dense and the active expert weights,
         attention over `attn_pairs` (query, key) pairs, one lm_head row per sampled token. Bytes:
-        the dense weights, the experts the step's tokens touch, the KV of `kv_read_tokens`."""
+        the dense weights, the experts the step's tokens touch, the KV of `kv_read_tokens`, the recurrent
+        state of each sampled sequence read and written (a chunk that samples nothing is not counted)."""
         flops = 2 * (self.dense_params + self.active_expert_params) * tokens + self.attn_flops_per_pair * attn_pairs \
             + 2 * self.lm_head_params * sampled
         touched = sum(b * (1 - (1 - self.top_k / E) ** tokens) for E, b, _ in self.expert_layers)
-        moved = self.dense_bytes + touched + kv_read_tokens * self.kv_bytes_per_token
+        moved = self.dense_bytes + touched + kv_read_tokens * self.kv_bytes_per_token \
+            + 2 * self.state_bytes_per_seq * sampled
         return max(flops / BF16_FLOP_PER_S, moved / HBM_BYTES_PER_S)
 
 
@@ -778,6 +786,19 @@ MXFP4 = {"quantization_config": {"quant_method": "mxfp4"}}  # the hub's experts:
 GPT_OSS_120B = {**GPT_OSS_20B, **MXFP4, "num_hidden_layers": 36, "num_local_experts": 128,
                 "layer_types": ["sliding_attention", "full_attention"] * 18}
 # GLM-4.5-Air's shape (zai-org/GLM-4.5-Air's config.json) cut to 8 layers: 1 dense + 7 MoE.
+# Qwen3-Next-80B-A3B's shape (Qwen/Qwen3-Next-80B-A3B-Instruct's config.json) cut to half its depth (24 layers:
+# 3 Gated DeltaNet layers to 1 gated attention layer, as the whole model): 160 GB of bf16 do not fit one H200.
+QWEN3_NEXT_CUT = {
+    "architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next", "vocab_size": 151936, "hidden_size": 2048,
+    "intermediate_size": 5120, "num_hidden_layers": 24, "num_attention_heads": 16, "num_key_value_heads": 2,
+    "head_dim": 256, "linear_num_key_heads": 16, "linear_num_value_heads": 32, "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4, "num_experts": 512, "num_experts_per_tok": 10,
+    "moe_intermediate_size": 512, "shared_expert_intermediate_size": 512, "norm_topk_prob": True,
+    "decoder_sparse_step": 1, "mlp_only_layers": [], "full_attention_interval": 4,
+    "layer_types": ["linear_attention", "linear_attention", "linear_attention", "full_attention"] * 6,
+    "partial_rotary_factor": 0.25, "rope_theta": 10000000, "max_position_embeddings": 4096, "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": False, "torch_dtype": "bfloat16", "eos_token_id": 151645,
+}
 GLM_45_AIR_CUT = {
     "architectures": ["Glm4MoeForCausalLM"], "model_type": "glm4_moe", "vocab_size": 151552, "hidden_size": 4096,
     "intermediate_size": 10944, "moe_intermediate_size": 1408, "num_hidden_layers": 8, "num_attention_heads": 96,
@@ -789,7 +810,8 @@ GLM_45_AIR_CUT = {
 }
 FAMILY_SHAPES = (("deepseek-v3-4L", DEEPSEEK_V3_CUT), ("llama4-scout-8L", LLAMA4_SCOUT_CUT),
                  ("gpt-oss-20b", GPT_OSS_20B), ("gpt-oss-20b-mxfp4", {**GPT_OSS_20B, **MXFP4}),
-                 ("gpt-oss-120b-mxfp4", GPT_OSS_120B), ("glm-4.5-air-8L", GLM_45_AIR_CUT))
+                 ("gpt-oss-120b-mxfp4", GPT_OSS_120B), ("glm-4.5-air-8L", GLM_45_AIR_CUT),
+                 ("qwen3-next-24L", QWEN3_NEXT_CUT))
 FAMILY_RUNS = ("decode64", "decode256", "tput_256x1024x128")
 
 
@@ -977,7 +999,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("stages", nargs="+",
                         choices=["parity", "qwen3", "qwen3-tp2", "eager", "families", "families-mixed",
-                                 "deepseek-mixed", "new-families", "tp2", "recording", "dp2ep", "structured"])
+                                 "deepseek-mixed", "new-families", "hybrid", "tp2", "recording", "dp2ep",
+                                 "structured"])
     parser.add_argument("--checkpoints", nargs="*", default=[".gpu_ckpts/qwen3_moe", ".gpu_ckpts/deepseek_v3",
                                                              ".gpu_ckpts/llama4_mm"])
     parser.add_argument("--runs", nargs="*", default=["decode256", "tpot1", "tpot32", "tput_256x2048x512",
@@ -1001,6 +1024,8 @@ def main(argv: list[str] | None = None) -> int:
                 families(results, args.runs, only="deepseek")
             elif stage == "new-families":  # the gpt-oss-20b and GLM-4.5-Air shapes: --runs given, else the family runs
                 families(results, args.runs if "--runs" in (argv or sys.argv) else FAMILY_RUNS, only=("gpt-oss", "glm"))
+            elif stage == "hybrid":  # the Qwen3-Next cut: --runs given, else the family runs
+                families(results, args.runs if "--runs" in (argv or sys.argv) else FAMILY_RUNS, only="qwen3-next")
             elif stage == "recording":  # expert-load recording on, off, on again (the spread)
                 for i, record in enumerate((True, False, True, False)):
                     qwen3(results, eager=False, runs=["decode256", "tpot1"], record=record, tag_suffix=f"-{i // 2}")

@@ -71,6 +71,11 @@
 #                 floors (RUNS to choose) -> $OUT/engine_gpt_oss.json
 #   mxfp4         the MXFP4 expert-kernel tests on CUDA, then benchmarks/bench_mxfp4_experts.py: the gpt-oss-20b and
 #                 -120b expert layers with MXFP4 weights against bf16 ones of the same values -> $OUT/mxfp4_experts.json
+#   hybrid        (carry .gpu_ckpts from make_gpu_checkpoints.py --hybrid, and .whl with fla-core + einops for
+#                 the field's kernel beside ours) the Gated DeltaNet kernel tests on CUDA, greedy tokens of the tiny
+#                 Qwen3-Next / Qwen3.5-MoE checkpoints on the GPU against the CPU's, bench_gated_delta.py, then
+#                 gpu_engine_bench.py hybrid (the Qwen3-Next-80B-A3B shape cut to 24 layers) -> $OUT/gated_delta.json,
+#                 $OUT/engine_parity_hybrid.json, $OUT/engine_hybrid.json
 #   eplb          (two GPUs) benchmarks/eplb_gpu_bench.py: DP2+EP on the Qwen3-30B-A3B shape, a skewed workload,
 #                 balancedness and decode-step time before/after one EPLB rebalance (EPLB_ARGS adds flags) -> $OUT/eplb.json
 set -u
@@ -162,6 +167,15 @@ json.dump(QWEN3_30B_A3B, open(os.path.join(sys.argv[1], 'config.json'), 'w'))" "
       step serve-poisson timeout 480 python3 benchmarks/serve_gpu_bench.py "$CKPT" --out-dir "$OUT/serve_poisson${POISSON_TAG:-}" \
            --request-rates 4,8,16,inf --num-prompts 400 --input-len 512 --output-len 128 --random-range-ratio 0.75 \
            --deadline-s 465 ${POISSON_ARGS:-} ;;
+    hybrid) extra_wheels
+      # (not tests/kernels/test_gated_delta.py: with fla installed, transformers sends its torch reference to fla,
+      # which refuses that test's CPU tensors)
+      step hybrid-tests timeout 200 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_triton_gated_delta.py
+      step hybrid-parity timeout 200 python3 benchmarks/gpu_engine_bench.py parity --checkpoints .gpu_ckpts/qwen3_next \
+           .gpu_ckpts/qwen3_5_moe --out "$OUT/engine_parity_hybrid.json"
+      step gated-delta timeout 150 python3 benchmarks/bench_gated_delta.py --out "$OUT/gated_delta.json"
+      step hybrid-engine timeout 400 python3 benchmarks/gpu_engine_bench.py hybrid ${RUNS:+--runs $RUNS} \
+           --out "$OUT/engine_hybrid.json" ;;
     mm-fixtures) mkdir -p "$OUT/fixtures"
       step mm-fixtures env PYTHONPATH="$(hf_path)" timeout 200 \
         python3 tests/fixtures/llama4_processor/make_fixtures.py "$OUT/fixtures" ;;

@@ -61,6 +61,11 @@ class AttentionMetadata:
     seq_lens_t: torch.Tensor | None = None
     max_query_len: int = 0
     decode_only: bool = False
+    # Recurrent (linear-attention) layers: each sequence's slot in their state pools [B] int64 and
+    # whether its state carries over from earlier steps [B] bool (False: the step starts at position
+    # 0, the state reads as zeros); None without such layers (scheduler/kv_cache_spec.py).
+    state_slots_B: torch.Tensor | None = None
+    has_initial_state_B: torch.Tensor | None = None
     # What a layer derives from this layout once per forward for every later layer to reuse
     # (e.g. MLA's context-gather indices), keyed by the deriving layer kind.
     derived: dict = field(default_factory=dict)

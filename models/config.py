@@ -10,6 +10,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from scheduler.kv_cache_spec import RECURRENT_STATE
+
 _MISSING = object()
 
 # Integer fields of the supported families' config.json (top level or text_config): checked before
@@ -138,12 +140,12 @@ class ModelConfig:
 
     def kv_cache_keys(self) -> list:
         """Per layer, its KV-cache group key: None for full attention, the chunk size of a
-        chunked-local layer (a group of its own: scheduler/kv_cache_spec.py); families with
-        sliding-window layers override it."""
-        types = getattr(self, "layer_types", None)
+        chunked-local layer, RECURRENT_STATE for a linear-attention one (groups of their own:
+        scheduler/kv_cache_spec.py); families with sliding-window layers override it."""
+        types = getattr(self, "layer_types", None) or [None] * self.num_hidden_layers
         chunk = getattr(self, "attention_chunk_size", None)
-        return [chunk if chunk and types and types[i] == "chunked_attention" else None
-                for i in range(self.num_hidden_layers)]
+        return [RECURRENT_STATE if types[i] == "linear_attention" else
+                chunk if chunk and types[i] == "chunked_attention" else None for i in range(self.num_hidden_layers)]
 
     @classmethod
     def common_fields(cls, cfg: dict, architecture: str) -> dict:

@@ -299,6 +299,9 @@ class Llama4ForCausalLM(nn.Module):
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn.attn for layer in self._lm.model.stage_layers()]
 
+    def recurrent_layers(self) -> list[nn.Module]:
+        return []  # no linear-attention layers (models/layers/decoder.py)
+
     def weight_name_rules(self) -> list[NameRule]:
         # First match wins: the shared-expert rules must precede the generic gate/up/down ones.
         p = self._prefix

@@ -15,6 +15,8 @@ _ARCHITECTURES = {
     "Glm4MoeForCausalLM": ("models.glm4_moe", "Glm4MoeForCausalLM"),
     "MiniMaxM2ForCausalLM": ("models.minimax_m2", "MiniMaxM2ForCausalLM"),
     "GptOssForCausalLM": ("models.gpt_oss", "GptOssForCausalLM"),
+    "Qwen3NextForCausalLM": ("models.qwen3_next", "Qwen3NextForCausalLM"),
+    "Qwen3_5MoeForCausalLM": ("models.qwen3_next", "Qwen3NextForCausalLM"),
 }
 
 

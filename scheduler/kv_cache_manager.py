@@ -2,7 +2,7 @@
 
 The main group (full attention) keeps every block of a request and serves prefix caching.
 Local groups (chunked-local and sliding-window layers, see kv_cache_spec.py) hold only the blocks
-their window still reaches.
+their window still reaches; a recurrent group one state slot per request.
 """
 from __future__ import annotations
 
@@ -53,6 +53,33 @@ class LocalBlocks:
         return [0 if b is None else b.block_id for b in self.req_to_blocks.get(request.request_id, [])]
 
 
+class StateSlots:
+    """The recurrent group: one slot (a block id of its own pool) per request, taken with its first
+    tokens and kept, whatever its length, until it is freed."""
+
+    def __init__(self, group: KVCacheGroup) -> None:
+        self.pool = BlockPool(group.num_blocks, enable_caching=False)
+        self.req_to_slot: dict[str, KVBlock] = {}
+
+    def can_allocate(self, request: Request, num_computed: int, total_tokens: int) -> bool:
+        return request.request_id in self.req_to_slot or self.pool.num_free_blocks > 0
+
+    def allocate(self, request: Request, num_computed: int, total_tokens: int) -> list[KVBlock]:
+        if request.request_id in self.req_to_slot:
+            return []
+        slot = self.req_to_slot[request.request_id] = self.pool.get_new_blocks(1)[0]
+        return [slot]
+
+    def free(self, request: Request) -> None:
+        slot = self.req_to_slot.pop(request.request_id, None)
+        if slot is not None:
+            self.pool.free_blocks([slot])
+
+    def block_ids(self, request: Request) -> list[int]:
+        slot = self.req_to_slot.get(request.request_id)
+        return [] if slot is None else [slot.block_id]
+
+
 # allocate_slots' answer when no group needs a block (shared, never mutated).
 NO_NEW_BLOCKS: tuple = ()
 
@@ -64,9 +91,10 @@ class KVCacheManager:
         if groups[0].is_local:
             raise ValueError("the first KV-cache group must be the full-attention one")
         self.groups = groups
-        self.local = [LocalBlocks(g, block_size) for g in groups[1:]]
+        self.local = [StateSlots(g) if g.recurrent else LocalBlocks(g, block_size) for g in groups[1:]]
         self.block_size = block_size
-        # Prefix caching would need every group to keep the prefix; local groups do not.
+        # Prefix caching would need every group to keep the prefix; local groups do not (nor
+        # does a recurrent one keep the state at a prefix's end).
         self.enable_caching = enable_caching and not self.local
         self.pool = BlockPool(groups[0].num_blocks, self.enable_caching)
         self.req_to_blocks: dict[str, list[KVBlock]] = {}

@@ -125,6 +125,12 @@ class DecoderForCausalLM(nn.Module):
         """This pipeline stage's attention layers (`self_attn.attn` of each decoder layer)."""
         return [layer.self_attn.attn for layer in self.model.stage_layers()]
 
+    def recurrent_layers(self) -> list[nn.Module]:
+        """This pipeline stage's recurrent (linear-attention) layers, whose per-request state the model
+        runner keeps in slot pools: each has state_shapes(num_slots) -> {attribute: (shape, dtype)} and
+        gets those attributes set to zeroed tensors. None in a model of attention layers only."""
+        return []
+
     def ignore_checkpoint_name(self, name: str) -> bool:
         """RoPE tables, a tied model's lm_head and other pipeline stages' tensors are not loaded."""
         tied = self.config.tie_word_embeddings

@@ -36,6 +36,8 @@ logger = logging.getLogger("moe.engine.llm_engine")
 
 
 def _group_name(g: KVCacheGroup) -> str:
+    if g.recurrent:
+        return "recurrent state (slots)"
     if g.sliding_window is not None:
         return f"sliding window {g.sliding_window}"
     return "full attention" if g.chunk_size is None else f"chunked-local {g.chunk_size}"
@@ -101,7 +103,10 @@ class EngineCore:
         groups = plan_groups(keys, num_blocks, args.block_size, args.max_num_seqs, info.max_num_batched_tokens)
         if len(groups) > 1:
             logger.info("KV cache groups: %s", ", ".join(f"{_group_name(g)}: {g.num_blocks} blocks" for g in groups))
-            if args.enable_prefix_caching:
+            if args.enable_prefix_caching and any(g.recurrent for g in groups):
+                logger.info("Prefix caching is off: recurrent (linear-attention) layers keep one state per request, "
+                            "not the state at each cached prefix's end")
+            elif args.enable_prefix_caching:
                 logger.info("Prefix caching is off: chunked-local layers release their blocks behind each chunk")
         # Async scheduling needs an executor that can queue a step before the last one's tokens are
         # back (in this process: the runner keeps them on the device; worker processes of one TP

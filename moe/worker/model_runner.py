@@ -44,6 +44,7 @@ from moe.worker.sampler import SamplingBatch, sample
 from moe.worker.step_buffers import StepBuffers
 from moe.worker.step_inputs import RequestState, StepBatch, buffer_metadata, host_metadata, upload
 from scheduler import KVCacheGroup, SchedulerOutput
+from scheduler.kv_cache_spec import RECURRENT_STATE
 
 logger = logging.getLogger("moe.runner")
 
@@ -169,6 +170,12 @@ class ModelRunner:
             logger.info("CUDA graphs are off for pipeline parallelism, and for expert parallelism with "
                         "all2all_backend 'all_to_all' or 'allgather_reducescatter' (their count exchange "
                         "syncs with the host): steps run eagerly")
+        # Recurrent (linear-attention) layers' state slots are not graph inputs yet: a graph's
+        # padding rows would write some request's state.
+        self.state_group: int | None = None  # the recurrent KV-cache group's index (set with the cache)
+        if model.recurrent_layers() and graphs_ok and not enforce_eager:
+            logger.info("CUDA graphs are off for models with recurrent (linear-attention) layers: steps run eagerly")
+            graphs_ok = False
         self.use_cuda_graphs = graphs_ok and not enforce_eager and device.type == "cuda"
         # Mixed steps replay graphs where attention reads its whole layout from device tensors (the
         # unified kernel; MLA's prefill reads host lengths) and no token dispatcher sizes its work
@@ -201,6 +208,11 @@ class ModelRunner:
             total += int(np.prod(shape)) * self.kv_cache_dtype.itemsize
         return total
 
+    def recurrent_state_bytes(self, num_slots: int) -> int:
+        """Bytes of the recurrent layers' state pools with num_slots slots (0 without such layers)."""
+        return sum(int(np.prod(shape)) * dtype.itemsize for layer in self.model.recurrent_layers()
+                   for shape, dtype in layer.state_shapes(num_slots).values())
+
     @property
     def kv_dtype(self) -> torch.dtype:
         """The model's dtype, that of the K/V it computes (the cache stores them as kv_cache_dtype)."""
@@ -218,7 +230,9 @@ class ModelRunner:
         self.images.holding.clear()
         self.block_tables = BlockTables(len(groups))
         self.graphs = self.mixed_graphs = None  # captured over the previous cache tensors
-        self.num_kv_blocks = min((g.num_blocks for g in groups), default=0)  # the scheduler's, in every group
+        # the scheduler's, in every group of blocks
+        self.num_kv_blocks = min((g.num_blocks for g in groups if not g.recurrent), default=0)
+        self.state_group = next((i for i, g in enumerate(groups) if g.recurrent), None)
         # The dummy batch writes to one extra block per group, never handed out by the scheduler.
         self.dummy_blocks = [g.num_blocks for g in groups] if self.reserve_dummy_block and groups[0].num_blocks \
             else None
@@ -231,6 +245,14 @@ class ModelRunner:
                                 dtype=self.kv_cache_dtype, device=self.device)
             attn.kv_cache = cache
             self.kv_caches.append(cache)
+        recurrent = self.model.recurrent_layers()
+        if recurrent and self.state_group is None:
+            raise ValueError("the model has recurrent (linear-attention) layers but no KV-cache group of state slots "
+                             "was planned for them")
+        for layer in recurrent:  # zeroed state pools: a slot of the dummy batch's beyond the scheduler's
+            slots = groups[self.state_group].num_blocks + extra
+            for name, (shape, dtype) in layer.state_shapes(slots).items():
+                setattr(layer, name, torch.zeros(shape, dtype=dtype, device=self.device))
         if self.gpu_inputs and self.limits is not None:
             max_num_seqs, max_model_len, max_tokens = self.limits
             sizes = self._capture_sizes()
@@ -321,14 +343,19 @@ class ModelRunner:
         """Drop the KV cache, the CUDA graphs (their memory pool) and the step buffers."""
         for attn in self.model.attention_layers():
             attn.kv_cache = None
+        for layer in self.model.recurrent_layers():
+            for name in layer.state_shapes(0):
+                setattr(layer, name, None)
         self.kv_caches, self.graphs, self.buffers = [], None, None
         self.requests.clear()
         self.images.holding.clear()
         self.prompt_logprobs.active.clear()
 
     def kv_cache_keys(self) -> list:
-        """Per attention layer of this rank: its KV-cache group key (scheduler/kv_cache_spec.py)."""
-        return [getattr(attn, "kv_cache_key", None) for attn in self.model.attention_layers()]
+        """Per attention layer of this rank its KV-cache group key, then per recurrent layer
+        RECURRENT_STATE (scheduler/kv_cache_spec.py)."""
+        return ([getattr(attn, "kv_cache_key", None) for attn in self.model.attention_layers()]
+                + [RECURRENT_STATE] * len(self.model.recurrent_layers()))
 
     # ---- one step ----------------------------------------------------------------------
     def _update_states(self, so: SchedulerOutput) -> None:
@@ -479,6 +506,7 @@ class ModelRunner:
             self._fill_pending(input_ids, batch, prev)
             embeds = self.images.inputs_embeds(batch, input_ids) if with_images else None
             self._sample_idx = host_to_device(batch.sample_token_rows(), self.device)
+            self._attach_state(meta, batch)
             return self._forward(input_ids, host_to_device(batch.positions_T, self.device), meta, embeds)
         graphs, padded = None, None
         if batch.decode_only and self.graphs is not None and not with_images and (
@@ -495,7 +523,16 @@ class ModelRunner:
             return graphs.replay(padded[0])[:T]
         input_ids = self.buffers.dev_view("input_ids", T)
         embeds = self.images.inputs_embeds(batch, input_ids) if with_images else None
+        self._attach_state(meta, batch)
         return self._forward(input_ids, self.buffers.dev_view("positions", T), meta, embeds)
+
+    def _attach_state(self, meta: AttentionMetadata, batch: StepBatch) -> None:
+        """The recurrent layers' inputs: each sequence's state slot (its one block of the recurrent
+        group) and whether its state carries over (the step does not start at position 0)."""
+        if self.state_group is None:
+            return
+        meta.state_slots_B = meta.for_group(self.state_group).block_tables_BM[:, 0].contiguous().long()
+        meta.has_initial_state_B = host_to_device(batch.seq_lens_B > batch.num_tokens_B, self.device)
 
     def _fill_pending(self, input_ids_T: torch.Tensor, batch: StepBatch, prev: PendingStep | None) -> None:
         """Async scheduling: copy the in-flight step's sampled tokens into this step's inputs, on
@@ -541,7 +578,7 @@ class ModelRunner:
             if dummy:
                 self.execute_dummy()
             return None
-        batch = StepBatch.build(so, self.requests, self.block_tables)
+        batch = StepBatch.build(so, self.requests, self.block_tables, self.state_group)
         with_images = False
         if self.is_first_stage:  # images are embedded where the token embeddings are
             if so.scheduled_encoder_inputs:

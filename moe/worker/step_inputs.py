@@ -52,13 +52,16 @@ class StepBatch:
     # Async scheduling: (token index, request id) of input tokens not known yet on the host (the
     # previous step samples them); their input_ids_T entries are 0 until filled on the device.
     pending_T: list[tuple[int, str]] = field(default_factory=list)
+    # The recurrent group's index: its tables hold one state slot per sequence, no per-token slots.
+    state_group: int | None = None
 
     @property
     def decode_only(self) -> bool:
         return len(self.input_ids_T) == len(self.req_ids)
 
     @classmethod
-    def build(cls, so: SchedulerOutput, requests: dict[str, RequestState], tables: BlockTables) -> "StepBatch":
+    def build(cls, so: SchedulerOutput, requests: dict[str, RequestState], tables: BlockTables,
+              state_group: int | None = None) -> "StepBatch":
         req_ids = list(so.num_scheduled_tokens)
         states = [requests[r] for r in req_ids]
         n = np.fromiter(so.num_scheduled_tokens.values(), dtype=np.int64, count=len(req_ids))
@@ -94,7 +97,7 @@ class StepBatch:
         # Rows that reach the end of their known tokens (async: past it) produce a next token.
         sample_rows = np.nonzero(seq_lens >= known)[0].tolist()
         return cls(req_ids, states, n, qsl, seq_lens, input_ids, positions, row, block_tables, sample_rows,
-                   pending)
+                   pending, state_group)
 
     @classmethod
     def one_token(cls, blocks: list[int]) -> "StepBatch":
@@ -139,8 +142,11 @@ class StepBatch:
         """The token row (its last of the step) of each sequence in sample_rows."""
         return self.query_start_loc[np.asarray(self.sample_rows, dtype=np.int64) + 1] - 1
 
-    def slots(self, table: np.ndarray, block_size: int) -> np.ndarray:
-        """Cache slot of each token through one group's block table."""
+    def slots(self, group: int, block_size: int) -> np.ndarray:
+        """Cache slot of each token through one group's block table (-1, none, in the recurrent group)."""
+        if group == self.state_group:
+            return np.full(len(self.positions_T), -1, dtype=np.int64)
+        table = self.tables[group]
         return table[self.row_T, self.positions_T // block_size] * block_size + self.positions_T % block_size
 
 
@@ -152,8 +158,8 @@ def host_metadata(batch: StepBatch, device: torch.device, block_size: int, devic
     layout = dict(query_start_loc=qsl.tolist(), seq_lens=seq_lens.tolist(), decode_seqs=decode.tolist(),
                   prefill_seqs=np.nonzero(batch.num_tokens_B != 1)[0].tolist())
     metas = [AttentionMetadata(block_tables_BM=host_to_device(table, device),
-                               slot_mapping_T=host_to_device(batch.slots(table, block_size), device), **layout)
-             for table in batch.tables]
+                               slot_mapping_T=host_to_device(batch.slots(g, block_size), device), **layout)
+             for g, table in enumerate(batch.tables)]
     _add_decode_rows(metas, batch, device, block_size)
     if device_fields:
         for meta in metas:
@@ -189,7 +195,7 @@ def upload(buf: StepBuffers, batch: StepBatch, block_size: int,
     buf.host_view("sample_idx", len(sample_idx))[:] = sample_idx
     sizes["sample_idx"] = len(sample_idx)
     for g, table in enumerate(batch.tables):
-        _fill(buf.host_view(f"slots{g}", t), batch.slots(table, block_size), -1)
+        _fill(buf.host_view(f"slots{g}", t), batch.slots(g, block_size), -1)
         sizes[f"slots{g}"] = t
         buf.upload_tables(g, table)
     buf.upload(sizes)

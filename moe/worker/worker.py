@@ -126,20 +126,24 @@ class Worker:
         """KV blocks this rank can hold (the executor takes the minimum over ranks)."""
         self.runner.configure(max_num_seqs, max_model_len, max_num_batched_tokens)
         per_block = max(self.runner.kv_cache_bytes_per_block(), 1)
+        # Recurrent layers' state pools (a slot per running request and the dummy batch's) come out
+        # of the same budget first.
+        state = self.runner.recurrent_state_bytes(max_num_seqs + 1)
         args = self.args
         if args.num_gpu_blocks_override is not None:
             return args.num_gpu_blocks_override
         if self.device.type == "cpu":
             if args.kv_cache_memory_bytes is not None:
-                return args.kv_cache_memory_bytes // per_block
+                return max(args.kv_cache_memory_bytes - state, 0) // per_block
             # Never more than every sequence at full length could use (plus one block each).
             useful = max_num_seqs * (-(-max_model_len // args.block_size) + 1)
-            return min(DEFAULT_CPU_KV_CACHE_BYTES // per_block, useful)
+            return min(max(DEFAULT_CPU_KV_CACHE_BYTES - state, 0) // per_block, useful)
         if args.kv_cache_memory_bytes is not None:
-            return args.kv_cache_memory_bytes // per_block
-        return self._profile_gpu_blocks(per_block, max_model_len, max_num_batched_tokens)
+            return max(args.kv_cache_memory_bytes - state, 0) // per_block
+        return self._profile_gpu_blocks(per_block, max_model_len, max_num_batched_tokens, state)
 
-    def _profile_gpu_blocks(self, per_block: int, max_model_len: int, max_num_batched_tokens: int) -> int:
+    def _profile_gpu_blocks(self, per_block: int, max_model_len: int, max_num_batched_tokens: int,
+                            state_bytes: int = 0) -> int:
         """Run one forward at the token budget, then give the KV cache what is left of
         total x gpu_memory_utilization after the weights, the peak activations and whatever
         else (other processes, the CUDA context) already holds. Collective: in a parallel
@@ -153,10 +157,10 @@ class Worker:
         peak_extra = torch.cuda.max_memory_allocated(self.device) - before
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(self.device)
-        available = total * self.args.gpu_memory_utilization - (total - free) - peak_extra
+        available = total * self.args.gpu_memory_utilization - (total - free) - peak_extra - state_bytes
         logger.info("Memory profiling: total %.2f GiB, in use %.2f GiB, activation peak %.2f GiB, "
-                    "KV cache budget %.2f GiB", total / 2**30, (total - free) / 2**30, peak_extra / 2**30,
-                    max(available, 0) / 2**30)
+                    "recurrent state %.2f GiB, KV cache budget %.2f GiB", total / 2**30, (total - free) / 2**30,
+                    peak_extra / 2**30, state_bytes / 2**30, max(available, 0) / 2**30)
         return max(int(available // per_block), 0)
 
     def initialize_cache(self, groups: list[KVCacheGroup]) -> None:

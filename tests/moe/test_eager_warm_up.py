@@ -21,7 +21,7 @@ def test_warm_up_batch_layout():
     assert b.positions_T[7:22].tolist() == list(range(15)) and b.positions_T[37:].tolist() == [0, 1, 2]
     # every position a sequence writes lies inside its table (blocks 0..3 of 4 slots)
     assert len(b.tables) == 2 and b.tables[0].shape == (10, 4)
-    slots = b.slots(b.tables[0], 4)
+    slots = b.slots(0, 4)
     assert slots.min() == 0 and slots.max() == 15
     assert b.sample_rows == [] and b.states == []
 
