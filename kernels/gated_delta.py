@@ -9,7 +9,8 @@ Each sequence has a slot slots_B[b] (int64 [B], distinct) in the layer's state p
 its state from one engine step (prefill chunk or decode step) to the next; has_initial_B[b] (bool
 [B]) says whether it continues from that state (True) or starts at position 0 (False: the slot's
 contents are ignored, as if zeros). Both kernels write every sequence's new state back to its slot
-in place and leave the other slots alone.
+in place and leave the other slots alone. A negative slot (a CUDA graph's padding sequence) reads
+zeros and is written nowhere.
 
 Legend: T tokens, B sequences, N pool slots. Conv: C channels, K kernel width, S = K - 1 state
 columns. Delta rule: K key heads (q, k) of dim d, V value heads of dim e, V a multiple of K (value
@@ -23,6 +24,21 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+
+def _live_slots(slots_B: torch.Tensor, dev: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(slots to gather from, negative ones as slot 0; which are real slots)."""
+    slots = slots_B.to(dev, torch.int64)
+    live = slots >= 0
+    return slots.clamp(min=0), live
+
+
+def _write_back(pool: torch.Tensor, slots: torch.Tensor, live: torch.Tensor, new: torch.Tensor) -> None:
+    """pool[slots[b]] = new[b] for the real slots (a padding sequence's state goes nowhere)."""
+    if bool(live.all()):
+        pool.index_copy_(0, slots, new)
+    else:
+        pool.index_copy_(0, slots[live], new[live])
 
 
 def _check_batch(T: int, query_start_loc, slots_B: torch.Tensor, has_initial_B: torch.Tensor) -> list[int]:
@@ -77,7 +93,8 @@ def causal_conv1d_varlen(x_TC: torch.Tensor, weight_CK: torch.Tensor, bias_C: to
         raise ValueError(f"activation must be 'silu' or None, got {activation!r}")
     lens = _check_batch(T, query_start_loc, slots_B, has_initial_B)
     B, dev = len(lens), x_TC.device
-    slots = slots_B.to(dev, torch.int64)
+    slots, live = _live_slots(slots_B, dev)
+    has_initial_B = has_initial_B.to(dev) & live
 
     # Every sequence's segment is its S history rows then its tokens, the segments back to back in
     # one fp32 buffer xx [B * S + T, C]; every token's window is then the K rows ending at its own,
@@ -104,7 +121,7 @@ def causal_conv1d_varlen(x_TC: torch.Tensor, weight_CK: torch.Tensor, bias_C: to
     # The last S rows of each segment (it ends where the next sequence's history starts)
     tail_rows = _ranges([query_start_loc[b + 1] + b * S for b in range(B)], [S] * B, dev)
     new_BCS = xx[tail_rows].view(B, S, C).transpose(1, 2)
-    conv_state_NCS.index_copy_(0, slots, new_BCS.to(conv_state_NCS.dtype))
+    _write_back(conv_state_NCS, slots, live, new_BCS.to(conv_state_NCS.dtype))
     return y_TC.to(x_TC.dtype)
 
 
@@ -212,7 +229,8 @@ def gated_delta_rule_varlen(q_TKd: torch.Tensor, k_TKd: torch.Tensor, v_TVe: tor
         raise ValueError(f"chunk_size must be positive, got {chunk_size}")
     lens = _check_batch(T, query_start_loc, slots_B, has_initial_B)
     dev = q_TKd.device
-    slots = slots_B.to(dev, torch.int64)
+    slots, live = _live_slots(slots_B, dev)
+    has_initial_B = has_initial_B.to(dev) & live
 
     q, k = q_TKd.float(), k_TKd.float()
     if use_qk_l2norm:
@@ -234,7 +252,7 @@ def gated_delta_rule_varlen(q_TKd: torch.Tensor, k_TKd: torch.Tensor, v_TVe: tor
         state_BVde[seq] = _chunked(q, k, v, g, beta, [query_start_loc[b] for b in prefill], [lens[b] for b in prefill],
                                    state_BVde[seq], chunk_size, o_TVe)
     # Zero-token sequences write back their initial state (zeros when not has_initial)
-    ssm_state_NVde.index_copy_(0, slots, state_BVde)
+    _write_back(ssm_state_NVde, slots, live, state_BVde)
     return o_TVe.to(q_TKd.dtype)
 
 

@@ -14,7 +14,8 @@ query_start_loc[B] (a padded graph's spare rows) come out as zeros: one more pro
 grid (sequence index B) writes them. has_initial_B[b] False: the prior state reads as zeros
 (masked loads: the slot is not read, NaN there is harmless). Every sequence's new state is written
 back to its slot in place, also for zero-token sequences (their prior state, or zeros); other
-slots are not touched. Slots must be distinct.
+slots are not touched. Slots must be distinct; a negative one (a CUDA graph's padding sequence) reads
+zeros and is written nowhere.
 
 Conv (causal_conv1d_varlen_triton): program (b, channel block) walks b's tokens a tile of BLOCK_T
 at a time; tap j of row r reads the input at position r - S + j, from x or, before the sequence's
@@ -79,9 +80,10 @@ def _causal_conv1d_kernel(x_ptr, w_ptr, bias_ptr, qsl_ptr, state_ptr, slots_ptr,
     start = tl.load(qsl_ptr + b).to(tl.int64)
     n = tl.load(qsl_ptr + b + 1).to(tl.int64) - start
     slot = tl.load(slots_ptr + b).to(tl.int64)
+    live = (slot >= 0).to(tl.int32)  # a negative slot (graph padding): no history, nothing written
     # Positions from hist_lo on (-S with has_initial, else 0) read the history: no `& init` on the
     # masks (the interpreter of triton 3.9 makes a non-bool mask of a scalar bool & a tensor)
-    hist_lo = -S * tl.load(init_ptr + b).to(tl.int32)
+    hist_lo = -S * tl.load(init_ptr + b).to(tl.int32) * live
     hist_ptr = state_ptr + slot * stride_sn + c * stride_sc  # [BLOCK_C]: column 0 of each channel's history
     x_seq = x_ptr + start * stride_xt
     if HAS_BIAS:
@@ -120,7 +122,7 @@ def _causal_conv1d_kernel(x_ptr, w_ptr, bias_ptr, qsl_ptr, state_ptr, slots_ptr,
                        mask=c_ok[:, None] & (s_ok & (p < 0) & (p >= hist_lo))[None, :], other=0.0).to(tl.float32)
         tl.debug_barrier()
         tl.store(hist_ptr[:, None] + s[None, :] * stride_ss, new.to(state_ptr.dtype.element_ty),
-                 mask=c_ok[:, None] & s_ok[None, :])
+                 mask=c_ok[:, None] & (s < S * live)[None, :])
 
 
 def conv_blocks(T: int, B: int, C: int, block_c: int | None = None) -> tuple[int, int]:
@@ -268,12 +270,11 @@ def _gated_delta_recurrent_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, qsl_ptr,
     start = tl.load(qsl_ptr + b).to(tl.int64)
     end = tl.load(qsl_ptr + b + 1).to(tl.int64)
     slot = tl.load(slots_ptr + b).to(tl.int64)
-    init_rows = DK * tl.load(init_ptr + b).to(tl.int32)  # rows of the prior state read: DK or 0 (zeros)
+    live = (slot >= 0).to(tl.int32)  # a negative slot (graph padding): zeros read, nothing written
+    init_rows = DK * tl.load(init_ptr + b).to(tl.int32) * live  # rows of the prior state read: DK or 0 (zeros)
     kh = h // GROUP
     dk = tl.arange(0, DK_PAD)
-    dk_ok = dk < DK
     s_ptrs = state_ptr + slot * stride_sn + h * stride_sh + dk[:, None] * DV + dv[None, :]
-    s_mask = dk_ok[:, None] & dv_ok[None, :]
     state = tl.load(s_ptrs, mask=(dk < init_rows)[:, None] & dv_ok[None, :], other=0.0)  # [DK_PAD, BLOCK_V] fp32
     q, k, v, g, beta = _load_token(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, start, start < end, kh, h,
                                    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
@@ -291,7 +292,7 @@ def _gated_delta_recurrent_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, qsl_ptr,
         tl.store(o_head + t * stride_ot, o.to(o_ptr.dtype.element_ty), mask=dv_ok)
         q, k, v, g, beta = qn, kn, vn, gn, betan
     tl.debug_barrier()  # every thread's read of the old state before any write
-    tl.store(s_ptrs, state, mask=s_mask)
+    tl.store(s_ptrs, state, mask=(dk < DK * live)[:, None] & dv_ok[None, :])
 
 
 def gated_delta_rule_recurrent_triton(q_TKd: torch.Tensor, k_TKd: torch.Tensor, v_TVe: torch.Tensor,

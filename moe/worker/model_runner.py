@@ -170,12 +170,7 @@ class ModelRunner:
             logger.info("CUDA graphs are off for pipeline parallelism, and for expert parallelism with "
                         "all2all_backend 'all_to_all' or 'allgather_reducescatter' (their count exchange "
                         "syncs with the host): steps run eagerly")
-        # Recurrent (linear-attention) layers' state slots are not graph inputs yet: a graph's
-        # padding rows would write some request's state.
         self.state_group: int | None = None  # the recurrent KV-cache group's index (set with the cache)
-        if model.recurrent_layers() and graphs_ok and not enforce_eager:
-            logger.info("CUDA graphs are off for models with recurrent (linear-attention) layers: steps run eagerly")
-            graphs_ok = False
         self.use_cuda_graphs = graphs_ok and not enforce_eager and device.type == "cuda"
         # Mixed steps replay graphs where attention reads its whole layout from device tensors (the
         # unified kernel; MLA's prefill reads host lengths) and no token dispatcher sizes its work
@@ -329,6 +324,7 @@ class ModelRunner:
         buf = self.buffers
         self.dispatch_step.max_tokens = b  # every rank captures the same sizes in the same order
         meta = buffer_metadata(buf, self.num_kv_groups, b, b, 1, list(range(b + 1)), [1] * b, decode_only=True)
+        self._attach_state(meta)
         return self._forward(buf.dev_view("input_ids", b), buf.dev_view("positions", b), meta)
 
     @torch.inference_mode()
@@ -337,6 +333,7 @@ class ModelRunner:
         the attention kernels read only the device layout, not the host lists given here)."""
         buf, b = self.buffers, self.mixed_graph_seqs
         meta = buffer_metadata(buf, self.num_kv_groups, t, b, t, [0] * (b + 1), [0] * b, decode_only=False)
+        self._attach_state(meta)
         return self._forward(buf.dev_view("input_ids", t), buf.dev_view("positions", t), meta)
 
     def release(self) -> None:
@@ -526,13 +523,21 @@ class ModelRunner:
         self._attach_state(meta, batch)
         return self._forward(input_ids, self.buffers.dev_view("positions", T), meta, embeds)
 
-    def _attach_state(self, meta: AttentionMetadata, batch: StepBatch) -> None:
+    def _attach_state(self, meta: AttentionMetadata, batch: StepBatch | None = None) -> None:
         """The recurrent layers' inputs: each sequence's state slot (its one block of the recurrent
-        group) and whether its state carries over (the step does not start at position 0)."""
+        group) and whether its state carries over (the step does not start at position 0). With the
+        layout on the device (step buffers, CUDA graphs) both are computed there, and a padding
+        sequence (context 0) gets slot -1: its state is read as zeros and written nowhere."""
         if self.state_group is None:
             return
-        meta.state_slots_B = meta.for_group(self.state_group).block_tables_BM[:, 0].contiguous().long()
-        meta.has_initial_state_B = host_to_device(batch.seq_lens_B > batch.num_tokens_B, self.device)
+        slots = meta.for_group(self.state_group).block_tables_BM[:, 0].long()
+        if meta.seq_lens_t is not None:
+            lens, qsl = meta.seq_lens_t, meta.query_start_loc_t
+            meta.state_slots_B = torch.where(lens > 0, slots, -1)
+            meta.has_initial_state_B = lens > qsl[1:] - qsl[:-1]
+        else:
+            meta.state_slots_B = slots.contiguous()
+            meta.has_initial_state_B = host_to_device(batch.seq_lens_B > batch.num_tokens_B, self.device)
 
     def _fill_pending(self, input_ids_T: torch.Tensor, batch: StepBatch, prev: PendingStep | None) -> None:
         """Async scheduling: copy the in-flight step's sampled tokens into this step's inputs, on

@@ -325,6 +325,36 @@ def test_delta_device_offsets_strided_views_and_spare_rows(poisoned_empty):
     torch.testing.assert_close(pool.cpu().double()[SLOTS], want_pool[SLOTS], atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("impl", ["triton", "reference"])
+def test_negative_slots_are_padding_read_as_zeros_and_written_nowhere(impl):
+    """A CUDA graph's padding sequences (slot -1, one token each, has_initial whatever) leave every
+    slot as it was, and the real sequences beside them get what they get alone."""
+    if impl == "reference" and gated_delta_rule_varlen is None:
+        pytest.skip("kernels/gated_delta.py absent")
+    conv = causal_conv1d_varlen_triton if impl == "triton" else causal_conv1d_varlen
+    delta = gated_delta_rule_recurrent_triton if impl == "triton" else gated_delta_rule_varlen
+    lens, slots, initial = [3, 1, 1, 1], [4, -1, 2, -1], [True, True, False, False]
+    qsl = qsl_of(lens)
+    x, w, _ = conv_inputs(lens, 4, seed=11)
+    conv0 = make_pool((C, 3), [4, 2], [True, False], seed=12)
+    pool = dev_copy(conv0)
+    y = conv(x.to(DEV), w.to(DEV), None, qsl, pool, *batch_args(slots, initial))
+    alone_pool = dev_copy(conv0)
+    rows = [0, 1, 2, 4]  # the real sequences' tokens
+    y_alone = conv(x[rows].to(DEV), w.to(DEV), None, qsl_of([3, 1]), alone_pool, *batch_args([4, 2], [True, False]))
+    torch.testing.assert_close(y[rows], y_alone, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(pool, alone_pool, atol=0, rtol=0, equal_nan=True)
+
+    inputs = delta_inputs(lens, seed=13)
+    ssm0 = make_pool((HV, DK, DV), [4, 2], [True, False], seed=14)
+    ssm = dev_copy(ssm0)
+    o = delta(*(t.to(DEV) for t in inputs), qsl, ssm, *batch_args(slots, initial))
+    ssm_alone = dev_copy(ssm0)
+    o_alone = delta(*(t[rows].to(DEV) for t in inputs), qsl_of([3, 1]), ssm_alone, *batch_args([4, 2], [True, False]))
+    torch.testing.assert_close(o[rows], o_alone, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(ssm, ssm_alone, atol=0, rtol=0, equal_nan=True)
+
+
 # --- argument checks --------------------------------------------------------------------------------
 
 def test_rejects_bad_inputs():
