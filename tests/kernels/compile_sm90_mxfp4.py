@@ -49,9 +49,11 @@ def _launch_ints(which: str, mxfp4: bool) -> dict:
                 stride_wsk=1 if mxfp4 else 0, stride_be=D, stride_bn=1)
 
 
-def _specialise(kernel, constexprs: dict, pointers: dict, ints: dict):
+def specialise(kernel, constexprs: dict, pointers: dict, ints: dict, floats=lambda name: name.startswith("swiglu"),
+               plain_ints=DO_NOT_SPECIALIZE):
     """(signature, constexprs, attrs) as the JIT launcher would build them: pointers 16-byte aligned,
-    ints == 1 as constexprs, ints divisible by 16 marked so (num_valid, num_m_blocks: plain i32)."""
+    ints == 1 as constexprs, ints divisible by 16 marked so (`plain_ints`, the kernel's
+    do_not_specialize ones: plain i32); `floats(name)`: the fp32 arguments."""
     from triton.backends.compiler import BaseBackend
     from triton.runtime.jit import native_specialize_impl
     constexprs, signature, attrs = dict(constexprs), {}, {}
@@ -61,9 +63,9 @@ def _specialise(kernel, constexprs: dict, pointers: dict, ints: dict):
         elif name in pointers:
             signature[name] = "*" + pointers[name]
             attrs[(i,)] = BaseBackend.parse_attr("D")
-        elif name.startswith("swiglu"):
+        elif floats(name):
             signature[name] = "fp32"
-        elif name in DO_NOT_SPECIALIZE:
+        elif name in plain_ints:
             signature[name] = "i32"
         else:
             ty, key = native_specialize_impl(BaseBackend, ints[name], False, True, True)
@@ -98,17 +100,9 @@ def compile_variant(which: str, config: str, act: str = "bf16", bias: bool = Tru
         pointers.update(h_ptr=act, out_ptr="fp32" if atomic else act)
     if not bias:
         constexprs["b_ptr"] = None
-    signature, constexprs, attrs = _specialise(kernel, constexprs, pointers, _launch_ints(which, mxfp4))
-    src = ASTSource(kernel, signature, constexprs, attrs)
-    log = io.StringIO()
-    knobs = triton.knobs
-    # Triton prints ptxas's -v log (its flags, not ours), compiling afresh (no cache hit)
-    with knobs.nvidia.scope(), knobs.compilation.scope():
-        knobs.nvidia.dump_ptxas_log = True
-        knobs.compilation.always_compile = True
-        with contextlib.redirect_stdout(log):
-            compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                                      options={"num_warps": warps, "num_stages": stages})
+    signature, constexprs, attrs = specialise(kernel, constexprs, pointers, _launch_ints(which, mxfp4))
+    compiled, log = compile_sm90(ASTSource(kernel, signature, constexprs, attrs),
+                                 {"num_warps": warps, "num_stages": stages})
     ptx, ttgir = compiled.asm["ptx"], compiled.asm["ttgir"]
     loop = ttgir[ttgir.index("scf.for"):]
     loop = loop[:loop.index("scf.yield")]
@@ -116,8 +110,21 @@ def compile_variant(which: str, config: str, act: str = "bf16", bias: bool = Tru
     report = {"compiled": True, "mma": sorted(set(mma)), "ftz_f32_mul": bool(re.search(r"mul(\.rn)?\.ftz\.f32", ptx)),
               "shared_bytes": compiled.metadata.shared,
               "async_copies_in_loop": loop.count("ttg.async_copy_global_to_local")}
-    report.update(ptxas_usage(log.getvalue()))
+    report.update(ptxas_usage(log))
     return report
+
+
+def compile_sm90(src, options: dict):
+    """(the compiled kernel, ptxas's -v log): compiled afresh (no cache hit) for sm_90, Triton printing
+    its own ptxas run's log (its flags, not ours)."""
+    log = io.StringIO()
+    knobs = triton.knobs
+    with knobs.nvidia.scope(), knobs.compilation.scope():
+        knobs.nvidia.dump_ptxas_log = True
+        knobs.compilation.always_compile = True
+        with contextlib.redirect_stdout(log):
+            compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+    return compiled, log.getvalue()
 
 
 def ptxas_usage(log: str) -> dict:

@@ -412,46 +412,19 @@ def sm90_report() -> dict:
     """Both kernels compiled for sm_90 at Qwen3-Next's shapes (bf16 activations, fp32 ssm state,
     bf16 conv state) as the launcher specialises them: ptxas registers and spills, vector loads.
     Run in a process without TRITON_INTERPRET (test_kernels_compile_for_sm90)."""
-    import contextlib
-    import io
     import re
 
-    import triton
-    from triton.backends.compiler import BaseBackend, GPUTarget
     from triton.compiler import ASTSource
-    from triton.runtime.jit import native_specialize_impl
 
     from kernels import triton_gated_delta as tgd
+    from tests.kernels.compile_sm90_mxfp4 import compile_sm90, ptxas_usage, specialise
 
     def compile_one(kernel, constexprs, pointers, ints, num_warps):
-        constexprs, signature, attrs = dict(constexprs), {}, {}
-        for i, name in enumerate(kernel.arg_names):
-            if name in constexprs:
-                signature[name] = "constexpr"
-            elif name in pointers:
-                signature[name] = "*" + pointers[name]
-                attrs[(i,)] = BaseBackend.parse_attr("D")
-            elif name == "scale":
-                signature[name] = "fp32"
-            elif name == "T":  # do_not_specialize
-                signature[name] = "i32"
-            else:
-                ty, key = native_specialize_impl(BaseBackend, ints[name], False, True, True)
-                signature[name] = ty
-                if ty == "constexpr":
-                    constexprs[name] = key
-                else:
-                    attrs[(i,)] = BaseBackend.parse_attr(key)
-        log = io.StringIO()
-        with triton.knobs.nvidia.scope(), triton.knobs.compilation.scope():
-            triton.knobs.nvidia.dump_ptxas_log = True
-            triton.knobs.compilation.always_compile = True
-            with contextlib.redirect_stdout(log):
-                compiled = triton.compile(ASTSource(kernel, signature, constexprs, attrs),
-                                          target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
-        ptx, text = compiled.asm["ptx"], log.getvalue()
-        return {"registers": int(re.search(r"Used (\d+) registers", text).group(1)),
-                "spill_bytes": int(re.search(r"(\d+) bytes spill stores", text).group(1)),
+        src = ASTSource(kernel, *specialise(kernel, constexprs, pointers, ints, floats=lambda name: name == "scale",
+                                            plain_ints={"T"}))
+        compiled, log = compile_sm90(src, {"num_warps": num_warps})
+        ptx, usage = compiled.asm["ptx"], ptxas_usage(log)
+        return {"registers": usage["registers"], "spill_bytes": usage["spill_store_bytes"],
                 "vector_loads": len(re.findall(r"ld\.global(?:\.\w+)*\.v[24]\.", ptx)),
                 "vector_stores": len(re.findall(r"st\.global(?:\.\w+)*\.v[24]\.", ptx))}
 
