@@ -27,8 +27,11 @@ from pathlib import Path
 logger = logging.getLogger("moe.cpu_native")
 
 SOURCES = ["paged_decode.c", "norm_rope.c", "experts.c"]
-FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-ffast-math", "-fopenmp", "-fPIC", "-shared",
-         "-std=c11"]
+COMPILE_FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-ffast-math", "-fopenmp", "-fPIC", "-std=c11"]
+# Linked without -ffast-math: with it the driver links crtfastmath.o, whose constructor turns on
+# flush-to-zero / denormals-are-zero for the whole process when the library loads (every later
+# fp32 subnormal in torch or numpy would read as zero).
+LINK_FLAGS = ["-fopenmp", "-shared"]
 
 
 def enabled() -> bool:
@@ -59,13 +62,18 @@ def _build(cc: str, out: Path) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
-    try:
-        cmd = [cc, *FLAGS, "-o", tmp, *(str(src_dir / s) for s in SOURCES), "-lm"]
-        subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=120)
-        os.replace(tmp, out)  # atomic: another process may be building the same file
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    with tempfile.TemporaryDirectory(dir=out.parent) as objs:
+        try:
+            obj_files = [os.path.join(objs, Path(s).with_suffix(".o").name) for s in SOURCES]
+            for src, obj in zip(SOURCES, obj_files):
+                subprocess.run([cc, *COMPILE_FLAGS, "-c", "-o", obj, str(src_dir / src)], check=True,
+                               capture_output=True, text=True, timeout=120)
+            subprocess.run([cc, *LINK_FLAGS, "-o", tmp, *obj_files, "-lm"], check=True, capture_output=True, text=True,
+                           timeout=120)
+            os.replace(tmp, out)  # atomic: another process may be building the same file
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
 
 
 @functools.lru_cache(maxsize=1)
@@ -84,7 +92,7 @@ def library() -> ctypes.CDLL | None:
         key = hashlib.sha256()
         for s in SOURCES:
             key.update((Path(__file__).parent / s).read_bytes())
-        key.update("\0".join([version, *FLAGS, _cpu_flags()]).encode())
+        key.update("\0".join([version, *COMPILE_FLAGS, "|", *LINK_FLAGS, _cpu_flags()]).encode())
         cache = Path(os.environ.get("MOE_CPU_NATIVE_CACHE", Path.home() / ".cache" / "moe-runtime"))
         path = cache / f"cpu_native-{key.hexdigest()[:16]}.so"
         if not path.exists():

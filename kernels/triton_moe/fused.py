@@ -26,7 +26,6 @@ from kernels.triton_fused.moe_sum import TopKSum, moe_sum
 from kernels.triton_moe.align import align_tokens
 from kernels.triton_moe.config import get_config, split_config
 from kernels.triton_moe.gemm import down_kernel, gate_up_kernel
-from kernels.triton_moe.mxfp4 import keep_subnormals
 from kernels.triton_moe.quant import FP8_DTYPE, per_token_group_quant_fp8
 
 
@@ -252,7 +251,6 @@ def fused_experts_triton_mxfp4(hidden_states, w13, w2, w13_scale, w2_scale, topk
     if config is None:
         E, F2, _ = w13.shape
         config = get_config(hidden_states.shape[0], E, F2 // 2, topk_ids.shape[1], "mxfp4")
-    with keep_subnormals():  # the interpreter's numpy must not flush them (mxfp4.py); a no-op on GPUs
-        return _run(hidden_states, w13, w2, topk_weights, topk_ids, expert_map, config, defer_sum=defer_sum,
-                    w13_bias=w13_bias, w2_bias=w2_bias, activation=activation, swiglu_alpha=swiglu_alpha,
-                    swiglu_limit=swiglu_limit, mxfp4=(w13_scale, w2_scale))
+    return _run(hidden_states, w13, w2, topk_weights, topk_ids, expert_map, config, defer_sum=defer_sum,
+                w13_bias=w13_bias, w2_bias=w2_bias, activation=activation, swiglu_alpha=swiglu_alpha,
+                swiglu_limit=swiglu_limit, mxfp4=(w13_scale, w2_scale))

@@ -17,35 +17,16 @@ every byte and every scale 0..255, subnormal and infinite results included:
 - bf16 is then the top half of the fp32 bits (exact, no rounding: 2 significant bits), fp16 a cast.
 This needs fp32 multiplies that keep subnormals: on the GPU Triton emits mul.f32 without .ftz
 (tests/kernels/compile_sm90_mxfp4.py checks); under TRITON_INTERPRET the kernels run in numpy on the
-calling thread, whose x86 FTZ/DAZ flags a library built with -ffast-math may have set for the whole
-process (kernels/cpu_native does), so the launchers run them inside keep_subnormals().
+calling thread, which keeps them unless something turned on FTZ/DAZ for the process (kernels/cpu_native
+is linked so as not to).
 """
 from __future__ import annotations
 
-import contextlib
-import os
-
-import numpy as np
 import torch
 import triton
 import triton.language as tl
 
 MXFP4_BLOCK = 32
-
-
-@contextlib.contextmanager
-def keep_subnormals():
-    """Under TRITON_INTERPRET, with this thread flushing fp32 subnormals (FTZ/DAZ set), clear the
-    flags for the block and set them again after; otherwise (on the GPU) nothing."""
-    flushing = (os.environ.get("TRITON_INTERPRET") == "1"
-                and float(np.float32(2.0 ** -127) * np.float32(2.0 ** 127)) != 1.0)
-    if flushing:
-        torch.set_flush_denormal(False)
-    try:
-        yield
-    finally:
-        if flushing:
-            torch.set_flush_denormal(True)
 
 
 @triton.jit
@@ -123,7 +104,6 @@ def dequantize_mxfp4_triton(q: torch.Tensor, s: torch.Tensor, dtype: torch.dtype
     out = torch.empty(N, Kd, dtype=dtype, device=q.device)
     if N and Kd:
         grid = (triton.cdiv(N, block_n), triton.cdiv(Kd, block_k))
-        with keep_subnormals():
-            _dequant_kernel[grid](q2, s2, out, N, Kd, q2.stride(0), s2.stride(0), out.stride(0),
-                                  BLOCK_N=block_n, BLOCK_K=block_k)
+        _dequant_kernel[grid](q2, s2, out, N, Kd, q2.stride(0), s2.stride(0), out.stride(0),
+                              BLOCK_N=block_n, BLOCK_K=block_k)
     return out.view(*lead, Kd)

@@ -3,6 +3,9 @@ and CPU, cached, and None (the torch path) when it cannot be built or is switche
 from __future__ import annotations
 
 import logging
+import os
+import subprocess
+import sys
 
 import pytest
 
@@ -64,3 +67,15 @@ def _failing_run(cmd, **kwargs):
     if "--version" in cmd:
         return subprocess.CompletedProcess(cmd, 0, stdout="cc 1.0", stderr="")
     raise subprocess.CalledProcessError(1, cmd, stderr="error: no such compiler")
+
+
+def test_loading_keeps_subnormals(fresh_loader):
+    """The library is linked without -ffast-math's crtfastmath.o, whose constructor would turn on
+    flush-to-zero / denormals-are-zero for the whole process: an fp32 subnormal still reads as one
+    after it loads (checked in a fresh process, the flags being per thread and inherited)."""
+    code = ("import numpy as np; from kernels import cpu_native; assert cpu_native.library() is not None; "
+            "print(float(np.float32(2.0 ** -127) * np.float32(2.0 ** 127)))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "MOE_CPU_NATIVE_CACHE": str(fresh_loader)})
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split()[-1] == "1.0", "loading the native kernels flushed fp32 subnormals"

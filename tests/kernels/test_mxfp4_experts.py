@@ -25,7 +25,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
@@ -44,18 +43,6 @@ WIDE_CFG = {"BLOCK_SIZE_M": 16, "BLOCK_SIZE_N": 64, "BLOCK_SIZE_K": 64, "GROUP_S
             "num_warps": 4, "num_stages": 1}  # D = F = 96: K not a multiple of BLOCK_K, N of BLOCK_N
 MXFP4_SRC = Path(kernels.__file__).with_name("triton_moe") / "mxfp4.py"
 COMPILE_SCRIPT = Path(__file__).with_name("compile_sm90_mxfp4.py")
-
-
-@pytest.fixture(autouse=True)
-def subnormals_kept():
-    """The references (torch on the CPU) keep fp32 subnormals here, whatever an earlier test loaded:
-    kernels/cpu_native's library, built with -ffast-math, sets FTZ/DAZ for the process when it loads."""
-    flushing = float(torch.tensor(2.0 ** -127) * 2.0 ** 127) != 1.0
-    if flushing:
-        torch.set_flush_denormal(False)
-    yield
-    if flushing:
-        torch.set_flush_denormal(True)
 
 
 def rel(out, ref):
@@ -139,32 +126,6 @@ def test_mutated_tile_dequant_fails(mutation, tmp_path):
     spec.loader.exec_module(mod)
     dtype = torch.float32 if mutation == "subnormal_scales_flushed" else torch.bfloat16
     assert _dequant_mismatches(mod.dequantize_mxfp4_triton, dtype) > 0
-
-
-@needs_triton_device
-@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
-def test_interpreter_keeps_subnormals_when_the_thread_flushes_them(run):
-    """With FTZ/DAZ on (as after kernels/cpu_native's library loads), the interpreted kernels still
-    dequantise exactly (the E2M1 code 1, 0.5, goes through an fp32 subnormal), and the flags are
-    set again afterwards."""
-    if not INTERPRET:
-        pytest.skip("a CPU-interpreter matter: the GPU's fp32 multiplies keep subnormals (compile test)")
-    from kernels.triton_moe.mxfp4 import dequantize_mxfp4_triton
-    q, s = every_byte_and_scale()
-    want = bits(models_dequant(q, s, torch.float32))
-    c = make_case("ragged", seed=4)
-    want_out, _ = run("triton", c)
-    flushes = lambda: float(np.float32(2.0 ** -127) * np.float32(2.0 ** 127)) == 0.0  # noqa: E731
-    if not torch.set_flush_denormal(True):
-        pytest.skip("this CPU has no FTZ/DAZ")
-    try:
-        assert flushes()
-        assert torch.equal(bits(dequantize_mxfp4_triton(q, s, torch.float32)), want)
-        out, _ = run("triton", c)
-        assert torch.equal(out, want_out)
-        assert flushes()
-    finally:
-        torch.set_flush_denormal(False)
 
 
 # --- the expert layer -----------------------------------------------------------------------
