@@ -1,6 +1,6 @@
-"""The engine features every family gets, on the families added last (Mixtral, GLM-4.5, MiniMax-M2, gpt-oss):
-expert-load recording counts each routed token once per MoE layer, and preemption under a tiny KV
-cache gives the same greedy tokens as a roomy one."""
+"""The engine features every family gets, on the families added last (Mixtral, GLM-4.5, MiniMax-M2, gpt-oss,
+Qwen3-Next): expert-load recording counts each routed token once per MoE layer, and preemption under a
+tiny KV cache gives the same greedy tokens as a roomy one."""
 from __future__ import annotations
 
 import random
@@ -12,6 +12,7 @@ from tests.factories_glm4_moe import GLM4_MOE_TINY, make_glm4_moe_checkpoint
 from tests.factories_gpt_oss import GPT_OSS_TINY, make_gpt_oss_checkpoint
 from tests.factories_minimax_m2 import MINIMAX_M2_TINY, make_minimax_m2_checkpoint
 from tests.factories_mixtral import MIXTRAL_TINY, make_mixtral_checkpoint
+from tests.factories_qwen3_next import QWEN3_NEXT_TINY, make_qwen3_next_checkpoint
 
 # family: (builder, MoE layer indices, top-k)
 FAMILIES = {
@@ -24,6 +25,8 @@ FAMILIES = {
                    MINIMAX_M2_TINY["num_experts_per_tok"]),
     "gpt_oss": (make_gpt_oss_checkpoint, list(range(GPT_OSS_TINY["num_hidden_layers"])),
                 GPT_OSS_TINY["num_experts_per_tok"]),
+    "qwen3_next": (make_qwen3_next_checkpoint, list(range(QWEN3_NEXT_TINY["num_hidden_layers"])),
+                   QWEN3_NEXT_TINY["num_experts_per_tok"]),
 }
 PROMPT_LENGTHS = [3, 20, 45, 9]
 MAX_TOKENS = 12

@@ -2,7 +2,7 @@
 token for token with Hugging Face transformers through the whole engine: both checkpoint layouts,
 prompts across the delta rule's 64-token chunks, prefill chunks of a few tokens (the recurrent
 state carried across steps), preemption under a tiny cache (the state rebuilt from position 0),
-aborts, TP=2 on gloo; state slots never leak."""
+aborts, TP=2 and TP=2 x EP=2 on gloo; state slots never leak."""
 from __future__ import annotations
 
 import multiprocessing
@@ -115,10 +115,13 @@ def test_an_aborted_request_frees_its_slot_and_leaves_the_others_exact(ckpt):
     assert list(done) == ["kept"] and done["kept"] == alone[0]
 
 
-def test_tensor_parallel_matches_hf(ckpt):
+@pytest.mark.parametrize("layout", [dict(tensor_parallel_size=2),
+                                    dict(tensor_parallel_size=2, enable_expert_parallel=True)],
+                         ids=["tp2", "tp2_ep2"])
+def test_parallel_layouts_match_hf(ckpt, layout):
     """Attention heads, key / value heads of the linear layers, their conv channels and states split
-    over 2 ranks (spawned gloo workers)."""
-    llm, prompts, outs = generate_greedy(ckpt, [5, 33], 6, tensor_parallel_size=2)
+    over 2 ranks (spawned gloo workers); the routed experts TP-sliced, or 4 whole experts a rank."""
+    llm, prompts, outs = generate_greedy(ckpt, [5, 33], 6, **layout)
     try:
         assert len(llm.llm_engine.executor.worker_pids) == 2
         assert_outputs_match_hf(load_hf_model(ckpt), prompts, outs, 6)
