@@ -717,7 +717,8 @@ def qwen3(results: dict, eager: bool, runs: list[str], tp: int = 1, record: bool
     llm = LLM(_dummy_model(max_model_len), device="cuda", load_format="dummy", max_model_len=max_model_len,
               max_num_seqs=256, max_num_batched_tokens=8192, enable_prefix_caching=False, enforce_eager=eager,
               tensor_parallel_size=tp, record_expert_load=record, kv_cache_dtype=kv_cache_dtype,
-              async_scheduling={"1": True, "0": False}.get(os.environ.get("BENCH_ASYNC_SCHEDULING", "")))  # A/B: `ab`
+              async_scheduling={"1": True, "0": False}.get(os.environ.get("BENCH_ASYNC_SCHEDULING", "")),  # A/B: `ab`
+              enable_return_routed_experts=os.environ.get("BENCH_ROUTED_EXPERTS") == "1")  # its cost: `ab`
     tag = ("eager" if eager else "graphs") + ("" if tp == 1 else f"-tp{tp}") + ("" if record else "-norecord") \
         + ("" if kv_cache_dtype == "auto" else f"-kv-{kv_cache_dtype}") + tag_suffix
     results[f"qwen3/{tag}/start_s"] = time.perf_counter() - t0

@@ -75,7 +75,11 @@
 #                 the field's kernel beside ours) the Gated DeltaNet kernel tests on CUDA, greedy tokens of the tiny
 #                 Qwen3-Next / Qwen3.5-MoE checkpoints on the GPU against the CPU's, bench_gated_delta.py, then
 #                 gpu_engine_bench.py hybrid (the Qwen3-Next-80B-A3B shape cut to 24 layers) -> $OUT/gated_delta.json,
-#                 $OUT/engine_parity_hybrid.json, $OUT/engine_hybrid.json
+#                 $OUT/engine_parity_hybrid.json, $OUT/engine_hybrid.json (RUNS to choose); HYBRID_AB=1: the engine
+#                 runs again with MOE_FLA_PREFILL=1 (prefill through fla-core's chunked kernel) -> $OUT/engine_hybrid_fla.json
+#   routed-experts  the CUDA-graph test of returned routed experts, then gpu_engine_bench.py qwen3 --runs $AB_RUNS
+#                 (default decode256 mixed) with enable_return_routed_experts on / off / on / off, a fresh process
+#                 each -> $OUT/ab/{1..4}_routed_{1,0}.json
 #   eplb          (two GPUs) benchmarks/eplb_gpu_bench.py: DP2+EP on the Qwen3-30B-A3B shape, a skewed workload,
 #                 balancedness and decode-step time before/after one EPLB rebalance (EPLB_ARGS adds flags) -> $OUT/eplb.json
 set -u
@@ -100,7 +104,7 @@ hf_path() {
 # The runtime's packages the GPU machine lacks (llguidance, xgrammar, the server's): carry .whl with their
 # cp312 wheels (pip download --only-binary=:all: --python-version 3.12 ...); installed once into
 # /tmp/site-extra, after the machine's own packages on PYTHONPATH.
-EXTRA_IMPORTS="import llguidance, xgrammar, fastapi, uvicorn, zmq, msgpack, httpx, prometheus_client, plotly"
+EXTRA_IMPORTS="import llguidance, xgrammar, fastapi, uvicorn, zmq, msgpack, httpx, prometheus_client, plotly, fla"
 extra_wheels() {
   export PYTHONPATH="$PYTHONPATH:/tmp/site-extra"
   python3 -c "$EXTRA_IMPORTS" 2>/dev/null && return
@@ -170,12 +174,23 @@ json.dump(QWEN3_30B_A3B, open(os.path.join(sys.argv[1], 'config.json'), 'w'))" "
     hybrid) extra_wheels
       # (not tests/kernels/test_gated_delta.py: with fla installed, transformers sends its torch reference to fla,
       # which refuses that test's CPU tensors)
-      step hybrid-tests timeout 200 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_triton_gated_delta.py
+      step hybrid-tests timeout 200 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_triton_gated_delta.py \
+           tests/kernels/test_fla_gated_delta.py
       step hybrid-parity timeout 200 python3 benchmarks/gpu_engine_bench.py parity --checkpoints .gpu_ckpts/qwen3_next \
            .gpu_ckpts/qwen3_5_moe --out "$OUT/engine_parity_hybrid.json"
       step gated-delta timeout 150 python3 benchmarks/bench_gated_delta.py --out "$OUT/gated_delta.json"
       step hybrid-engine timeout 400 python3 benchmarks/gpu_engine_bench.py hybrid ${RUNS:+--runs $RUNS} \
-           --out "$OUT/engine_hybrid.json" ;;
+           --out "$OUT/engine_hybrid.json"
+      # prefill through fla-core's chunked kernel (opt-in; mixed steps then eager) instead of the recurrent one
+      [ -n "${HYBRID_AB:-}" ] && step hybrid-engine-fla env MOE_FLA_PREFILL=1 timeout 400 python3 \
+           benchmarks/gpu_engine_bench.py hybrid ${RUNS:+--runs $RUNS} --out "$OUT/engine_hybrid_fla.json" ;;
+    routed-experts)  # returned routed experts: the CUDA-graph test, then their cost on / off / on / off
+      step routed-tests timeout 200 python3 -m pytest -q -p no:cacheprovider tests/moe/test_routed_experts.py -k cuda
+      mkdir -p "$OUT/ab"
+      for i in 1 2 3 4; do v=$(( i % 2 ))
+        step "routed $i BENCH_ROUTED_EXPERTS=$v" env BENCH_ROUTED_EXPERTS=$v timeout 290 python3 \
+             benchmarks/gpu_engine_bench.py qwen3 --runs ${AB_RUNS:-decode256 mixed} --out "$OUT/ab/${i}_routed_$v.json"
+      done ;;
     mm-fixtures) mkdir -p "$OUT/fixtures"
       step mm-fixtures env PYTHONPATH="$(hf_path)" timeout 200 \
         python3 tests/fixtures/llama4_processor/make_fixtures.py "$OUT/fixtures" ;;

@@ -52,6 +52,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels.attention import AttentionMetadata
+from kernels.fla_gated_delta import PrefillSplit, fla_prefill_available, gated_delta_rule_prefill_split
 from kernels.gated_delta import causal_conv1d_varlen, gated_delta_rule_varlen, rms_norm_gated
 
 try:  # Triton is absent on some platforms; the torch reference then serves every device (use_triton_attention).
@@ -363,10 +364,14 @@ class Qwen3NextGatedDeltaNet(nn.Module):
                                "and has_initial_state_B)")
         T, qsl = x.shape[0], meta.query_start_loc
         Kl, Vl, dk, dv = self.num_k_heads, self.num_v_heads, self.head_k_dim, self.head_v_dim
+        chunked = False
         if use_triton_attention(x):  # the Triton kernels, reading the layout on the device where it is there
             conv, delta = causal_conv1d_varlen_triton, gated_delta_rule_recurrent_triton
             if meta.query_start_loc_t is not None:
                 qsl = meta.query_start_loc_t
+                # a step with prefill tokens, eagerly: fla-core's chunked kernel where installed
+                chunked = not meta.decode_only and fla_prefill_available() \
+                    and not torch.cuda.is_current_stream_capturing()
         else:
             conv, delta = causal_conv1d_varlen, gated_delta_rule_varlen
         mixed, z, b, a = self.in_proj(x).split(self.split_sizes, -1)
@@ -374,8 +379,15 @@ class Qwen3NextGatedDeltaNet(nn.Module):
         q, k, v = mixed.split([Kl * dk, Kl * dk, Vl * dv], -1)
         beta = torch.sigmoid(b)
         g = -torch.exp(self.A_log.float()) * F.softplus(a.float() + self.dt_bias.float())
-        o = delta(q.view(T, Kl, dk), k.view(T, Kl, dk), v.view(T, Vl, dv), g, beta, qsl, self.ssm_state, slots,
-                  has_initial, scale=dk ** -0.5, use_qk_l2norm=True)
+        if chunked:  # the step's split into decode and prefill rows, made by its first linear layer
+            split = meta.derived.get("gated_delta_split")
+            if split is None:
+                split = meta.derived["gated_delta_split"] = PrefillSplit(meta.query_start_loc, slots, has_initial)
+            o = gated_delta_rule_prefill_split(q.view(T, Kl, dk), k.view(T, Kl, dk), v.view(T, Vl, dv), g, beta,
+                                               split, self.ssm_state, delta, scale=dk ** -0.5, use_qk_l2norm=True)
+        else:
+            o = delta(q.view(T, Kl, dk), k.view(T, Kl, dk), v.view(T, Vl, dv), g, beta, qsl, self.ssm_state, slots,
+                      has_initial, scale=dk ** -0.5, use_qk_l2norm=True)
         o = self.norm(o, z.view(T, Vl, dv))
         return self.out_proj(o.reshape(T, Vl * dv))
 

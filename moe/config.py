@@ -162,6 +162,9 @@ ENGINE_ARG_HELP = {
                         "%(default)s: on for a single-process engine of a text model on CUDA, else off)",
     "record_expert_load": "count the tokens routed to each expert, on the device (LLM.get_expert_load, "
                           "/metrics, /dashboard)",
+    "enable_return_routed_experts": "return the experts each MoE layer's router chose for every forwarded token "
+                                    "(CompletionOutput.routed_experts, [tokens, MoE layers, top_k] int16; the "
+                                    "server adds it to each choice as base64 of the .npy)",
     "expert_load_window_steps": "engine steps per expert-load window (the recording, the dashboard, the metrics)",
     "enable_eplb": "expert-parallel load balancing: experts re-placed, and the hottest replicated, from their "
                    "measured load (needs --enable-expert-parallel and TP x DP >= 2)",
@@ -245,6 +248,9 @@ class EngineArgs:
     # expert_load_window_steps engine steps (LLM.get_expert_load, the recording, /metrics).
     record_expert_load: bool = True
     expert_load_window_steps: int = 100
+    # Router replay: the logical experts each MoE layer chose for every token that went through a
+    # forward (prompt and generated, all but the last sampled), returned with the finished output.
+    enable_return_routed_experts: bool = False
     # EPLB (expert parallelism only): a dict/JSON with EPLBConfig's keys.
     enable_eplb: bool = False
     eplb_config: dict | str | None = None

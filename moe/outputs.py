@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -24,6 +25,10 @@ class CompletionOutput:
     logprobs: SampleLogprobs | None = None
     finish_reason: str | None = None  # "stop", "length", "abort" or "error" (a failed step)
     stop_reason: int | str | None = None
+    # enable_return_routed_experts, on a finished sequence: the logical experts each MoE layer's router
+    # chose for every forwarded token (the prompt and all generated tokens but the last), int16
+    # numpy [num_forwarded_tokens, num_moe_layers, top_k]; None otherwise.
+    routed_experts: Any = None
 
     def finished(self) -> bool:
         return self.finish_reason is not None

@@ -73,6 +73,10 @@ class EngineCoreOutput:
     # Finished ("stop") because its structured-output grammar is complete: the last token is text,
     # not a stop token (EOS / stop_token_ids) whose text the output leaves out.
     stopped_by_grammar: bool = False
+    # enable_return_routed_experts: the request's routed expert ids [n, L, K] int16 of positions
+    # [routed_experts_start, routed_experts_start + n) written since its last output (moe/engine/routed_experts.py).
+    routed_experts: Any = None
+    routed_experts_start: int = 0
 
     @property
     def finished(self) -> bool:

@@ -498,6 +498,10 @@ class MoEBlock(nn.Module):
         # Set by a decoder layer whose next op is an RMSNorm with the residual add
         # (models/layers/decoder.py): the output may then be a TopKSum for that norm to sum.
         self.defer_topk_sum = False
+        # enable_return_routed_experts: the step buffer this block writes its routed ids into
+        # (moe/worker/routed_experts.py), and its row there.
+        self.routed_capture = None
+        self.routed_row = 0
 
     def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
         logits = self.gate(x_TD)
@@ -505,6 +509,8 @@ class MoEBlock(nn.Module):
         # the counting is then one launch for all layers after the forward, not one per layer.
         out_ids = self.experts.routed_ids_out(x_TD.shape[0], self.top_k) if self._router_writes_ids else None
         routing = self.router_fn(logits) if out_ids is None else self.router_fn(logits, out_ids=out_ids)
+        if self.routed_capture is not None:  # the logical ids, before any EPLB replica mapping
+            self.routed_capture.write(self.routed_row, routing.topk_ids_TK)
         if self.apply_router_weight_on_input:
             y_TD = self._experts_on_scaled_input(x_TD, routing)
         else:

@@ -20,6 +20,7 @@ import numpy as np
 from moe.engine.data_parallel import DataParallelScheduler
 from moe.engine.eplb_driver import EplbDriver
 from moe.engine.model_info import ModelInfo
+from moe.engine.routed_experts import RoutedExpertsTracker
 from moe.engine.step_recovery import StepRecovery
 from moe.expert_load.recording import ExpertLoadMeta
 from moe.expert_load.tracker import ExpertLoadTracker, physical_slot_ranks
@@ -142,6 +143,7 @@ class EngineCore:
         self._arrival: dict[str, float] = {}  # requests not scheduled yet -> arrival time
         self.structured: StructuredOutputManager | None = None  # made at the first structured request
         self.expert_load, self.eplb = self._start_expert_load(info)
+        self.routed = RoutedExpertsTracker(self.schedulers) if args.enable_return_routed_experts else None
 
     @staticmethod
     def _encoder_cache_size(info: ModelInfo) -> int:
@@ -198,6 +200,8 @@ class EngineCore:
         self.eplb.rebalance(self.num_steps)
 
     def _after_step(self, result: CoreStepResult) -> None:
+        if self.routed is not None:
+            self.routed.forget_finished()
         tracker = self.expert_load
         if tracker is None:
             return
@@ -300,8 +304,14 @@ class EngineCore:
         elif isinstance(self.scheduler, DataParallelScheduler):
             sos = self._schedule()
             self._note_scheduled(sos, result)
-            result.outputs.extend(self._advance_grammars(
-                self.scheduler.update_from_output(sos, self.executor.execute_models(sos)), result))
+            outs = self.executor.execute_models(sos)
+            if self.routed is not None:
+                for replica, (so, out) in enumerate(zip(sos, outs)):
+                    self.routed.record(replica, so, out.routed_experts)
+            outputs = self.scheduler.update_from_output(sos, outs)
+            if self.routed is not None:
+                self.routed.attach(outputs)
+            result.outputs.extend(self._advance_grammars(outputs, result))
         else:
             so = self._schedule()
             self._note_scheduled([so], result)
@@ -313,8 +323,7 @@ class EngineCore:
                 return result
             if self.recovery is not None:
                 self.recovery.on_success(so)
-            result.outputs.extend(self._advance_grammars(runner_out.attach_prompt_logprobs(
-                self.scheduler.update_from_output(so, runner_out.sampled, runner_out.logprobs)), result))
+            result.outputs.extend(self._advance_grammars(self._apply_output(so, runner_out), result))
         if self.recovery is not None:
             finished = [co.req_id for co in result.outputs if co.finish_reason is not None]
             if finished:
@@ -376,8 +385,17 @@ class EngineCore:
         if self.recovery is not None:
             self.recovery.on_success(so)
         if out is not None:
-            result.outputs.extend(self._advance_grammars(out.attach_prompt_logprobs(
-                self.scheduler.update_from_output(so, out.sampled, out.logprobs)), result))
+            result.outputs.extend(self._advance_grammars(self._apply_output(so, out), result))
+
+    def _apply_output(self, so: SchedulerOutput, out: ModelRunnerOutput) -> list[EngineCoreOutput]:
+        """One replica's step output applied: the scheduler's outputs, with prompt logprobs and the
+        routed experts (filed before the scheduler frees the finished requests' blocks)."""
+        if self.routed is not None:
+            self.routed.record(0, so, out.routed_experts)
+        outputs = out.attach_prompt_logprobs(self.scheduler.update_from_output(so, out.sampled, out.logprobs))
+        if self.routed is not None:
+            self.routed.attach(outputs)
+        return outputs
 
     # ---- structured outputs ------------------------------------------------------------
     def _schedule(self):

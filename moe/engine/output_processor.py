@@ -13,11 +13,13 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from moe.engine.core import CoreRequest, CoreStepResult, SchedulerStats
 from moe.engine.detokenizer import IncrementalDetokenizer
 from moe.engine.input_processor import ProcessedPrompt
 from moe.engine.metrics import EngineMetrics, FinishedRequestStats
+from moe.engine.routed_experts import RoutedRows
 from moe.engine.tokenizer import Tokenizer
 from moe.outputs import CompletionOutput, Logprob, RequestOutput
 from moe.sampling_params import SamplingParams
@@ -50,6 +52,9 @@ class _Child:
     sent_chars: int = 0
     sent_tokens: int = 0
     sent_finish: bool = False
+    # enable_return_routed_experts: the rows the core sent so far, and the finished sequence's array.
+    routed: RoutedRows | None = None
+    routed_experts: Any = None
 
     def delta(self) -> CompletionOutput | None:
         """What is new since the last delta (None if nothing). Unfinished, the last characters a
@@ -63,7 +68,7 @@ class _Child:
             return None
         out = CompletionOutput(self.index, text[self.sent_chars:end], tokens, self.cumulative_logprob,
                                None if self.logprobs is None else self.logprobs[self.sent_tokens:],
-                               self.finish_reason, self.stop_reason)
+                               self.finish_reason, self.stop_reason, self.routed_experts if finished else None)
         self.sent_chars, self.sent_tokens, self.sent_finish = end, len(self.token_ids), finished
         return out
 
@@ -89,7 +94,7 @@ class _Parent:
 
     def to_output(self) -> RequestOutput:
         outs = [CompletionOutput(c.index, c.detokenizer.output_text, list(c.token_ids), c.cumulative_logprob,
-                                 c.logprobs, c.finish_reason, c.stop_reason)
+                                 c.logprobs, c.finish_reason, c.stop_reason, c.routed_experts)
                 for c in sorted(self.children.values(), key=lambda c: c.index)]
         return RequestOutput(self.request_id, self.prompt.prompt, self.prompt.prompt_token_ids, outs,
                              self.finished, self.prompt_logprobs, num_cached_tokens=self.num_cached_tokens,
@@ -196,6 +201,14 @@ class OutputProcessor:
                     parent.prompt_logprobs = self._prompt_logprob_list(parent.prompt.prompt_token_ids,
                                                                        co.prompt_logprobs)
                 step_tokens += self._process_tokens(co, child, len(parent.prompt.prompt_token_ids), out)
+                if co.routed_experts is not None:
+                    if child.routed is None:
+                        child.routed = RoutedRows()
+                    child.routed.write(co.routed_experts_start, co.routed_experts)
+                if child.finish_reason is not None and child.routed is not None:
+                    # every prompt token and every generated one but the last went through a forward
+                    child.routed_experts = child.routed.view(len(parent.prompt.prompt_token_ids)
+                                                             + len(child.token_ids) - 1)
                 if child.finish_reason is not None:
                     self.child_to_parent.pop(co.req_id, None)
                     self._observe_finished(parent, child, now)

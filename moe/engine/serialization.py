@@ -20,9 +20,10 @@ pixels] per image of the prompt, pixels = [dtype name, shape, raw bytes], null w
 of the IPC cache holds that image (mm_processor_cache_type "lru"), or {"shm": [store, handle]} in a
 shared-memory store ("shm"); an output is [id, new
 token ids, logprobs, finish_reason, stop_reason, num_cached_tokens, prompt logprobs,
-stopped_by_grammar] with logprobs null or one [token, logprob, rank, top ids, top logprobs] per new
+stopped_by_grammar, routed experts] with logprobs null or one [token, logprob, rank, top ids, top logprobs] per new
 token, and prompt logprobs null or [start, logprobs, ranks, top ids, top logprobs]
-(moe/worker/prompt_logprobs.py's PromptLogprobs); stats is SchedulerStats' fields in order.
+(moe/worker/prompt_logprobs.py's PromptLogprobs), routed experts null or [start position, shape,
+int16 little-endian bytes] (moe/engine/routed_experts.py); stats is SchedulerStats' fields in order.
 """
 from __future__ import annotations
 
@@ -141,16 +142,22 @@ def pack_output(co: EngineCoreOutput) -> list:
         [e.token_id, e.logprob, e.rank, e.top_ids, e.top_logprobs] for e in co.new_logprobs]
     plp = co.prompt_logprobs
     plp = None if plp is None else [plp.start, plp.logprobs, plp.ranks, plp.top_ids, plp.top_logprobs]
+    routed = None if co.routed_experts is None else [co.routed_experts_start, list(co.routed_experts.shape),
+                                                     co.routed_experts.astype("<i2").tobytes()]
     return [co.req_id, co.new_token_ids, lps, co.finish_reason, co.stop_reason, co.num_cached_tokens, plp,
-            co.stopped_by_grammar]
+            co.stopped_by_grammar, routed]
 
 
 def unpack_output(item: list) -> EngineCoreOutput:
-    req_id, tokens, lps, finish_reason, stop_reason, num_cached, plp, by_grammar = item
+    req_id, tokens, lps, finish_reason, stop_reason, num_cached, plp, by_grammar, routed = item
     if lps is not None:
         lps = [TokenLogprobs(*e) for e in lps]
-    return EngineCoreOutput(req_id, tokens, lps, finish_reason, stop_reason, num_cached,
-                            None if plp is None else PromptLogprobs(*plp), by_grammar)
+    co = EngineCoreOutput(req_id, tokens, lps, finish_reason, stop_reason, num_cached,
+                          None if plp is None else PromptLogprobs(*plp), by_grammar)
+    if routed is not None:
+        start, shape, data = routed
+        co.routed_experts_start, co.routed_experts = start, np.frombuffer(data, dtype="<i2").reshape(shape)
+    return co
 
 
 def pack_step(result: CoreStepResult) -> bytes:

@@ -29,6 +29,7 @@ import torch
 
 from all2all import low_latency_for_auto
 from kernels.attention import AttentionMetadata
+from kernels.fla_gated_delta import fla_prefill_available
 from kernels.host_to_device import host_to_device
 from models.layers.attention import mixed_steps_graph_safe, use_triton_attention
 from models.layers.moe import DispatchStep
@@ -40,6 +41,7 @@ from moe.worker.cuda_graphs import MIXED_GRAPHS, StepGraphs, default_capture_siz
 from moe.worker.grammar_mask import grammar_mask_inputs
 from moe.worker.prompt_logprobs import (PromptLogprobs, PromptLogprobsTracker, assemble_prompt_logprobs,
                                         stage_prompt_logprobs)
+from moe.worker.routed_experts import RoutedExpertsCapture
 from moe.worker.sampler import SamplingBatch, sample
 from moe.worker.step_buffers import StepBuffers
 from moe.worker.step_inputs import RequestState, StepBatch, buffer_metadata, host_metadata, upload
@@ -65,6 +67,10 @@ class ModelRunnerOutput:
     logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
     # With the first sampled token of a request that asked for them (moe/worker/prompt_logprobs.py).
     prompt_logprobs: dict[str, PromptLogprobs] = field(default_factory=dict)
+    # enable_return_routed_experts: the step's routed expert ids [T, L, K] int16 in the batch's token
+    # order (SchedulerOutput.num_scheduled_tokens), L = the MoE layers named by routed_layers.
+    routed_experts: np.ndarray | None = None
+    routed_layers: list[int] | None = None
 
     def attach_prompt_logprobs(self, outputs: list) -> list:
         """The scheduler's outputs of this step, with their requests' prompt logprobs set. They ride
@@ -82,19 +88,27 @@ class PendingStep:
     (ModelRunner.launch). On CUDA they are copied to pinned memory right after sampling, so waiting
     for them does not wait for a later step queued behind."""
 
-    def __init__(self, batch: StepBatch, result, prompt_finals: dict | None = None) -> None:
+    def __init__(self, batch: StepBatch, result, prompt_finals: dict | None = None,
+                 routed: tuple[torch.Tensor, list[int]] | None = None) -> None:
+        """result None: a step that samples nothing here and only reports its routing (routed: the
+        step's [T, L, K] routed ids and their layers)."""
         self.batch = batch
-        self.sampled_B = result.sampled_B
-        self.sample_index = {batch.req_ids[i]: j for j, i in enumerate(batch.sample_rows)}
-        outputs = {"sampled": result.sampled_B, "logprob": result.sampled_logprob_B, "rank": result.sampled_rank_B,
-                   "top_ids": result.logprob_ids_BK, "top_vals": result.logprob_vals_BK}
+        self.sampled_B = result.sampled_B if result is not None else None
+        self.sample_index = {batch.req_ids[i]: j for j, i in enumerate(batch.sample_rows)} if result is not None \
+            else {}
+        outputs = {} if result is None else {
+            "sampled": result.sampled_B, "logprob": result.sampled_logprob_B, "rank": result.sampled_rank_B,
+            "top_ids": result.logprob_ids_BK, "top_vals": result.logprob_vals_BK}
+        self.routed_layers = None
+        if routed is not None:
+            outputs["routed"], self.routed_layers = routed
         self.prompt_starts: dict[str, int] = {}  # requests whose prompt logprobs come with this step
         if prompt_finals:
             prompt, self.prompt_starts = stage_prompt_logprobs(prompt_finals)
             outputs.update(prompt)
         self._outputs = {k: t for k, t in outputs.items() if t is not None}
         self._ready = None
-        if self.sampled_B.is_cuda:
+        if any(t.is_cuda for t in self._outputs.values()):
             staged = {}
             for k, t in self._outputs.items():
                 staged[k] = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
@@ -102,23 +116,26 @@ class PendingStep:
             self._outputs = staged
             self._ready = torch.cuda.Event()
             self._ready.record()
+        elif "routed" in self._outputs:  # the step buffer is reused by the next forward
+            self._outputs["routed"] = self._outputs["routed"].clone()
 
     def lists(self) -> dict[str, list]:
-        """The step's outputs as lists: sampled, and logprob / rank / top_ids / top_vals when asked."""
+        """The step's outputs as lists: sampled, and logprob / rank / top_ids / top_vals when asked;
+        routed (the routed expert ids) as a numpy array."""
         if self._ready is not None:
             self._ready.synchronize()
-        return {k: t.tolist() for k, t in self._outputs.items()}
+        return {k: t.numpy() if k == "routed" else t.tolist() for k, t in self._outputs.items()}
 
 
 class DeferredSampling:
     """A launched step's logits and sampling inputs, not yet sampled (ModelRunner.launch with
     so.deferred_grammar_ids): ModelRunner.sample_deferred makes it a PendingStep."""
-    __slots__ = ("batch", "logits", "sampling", "sample_ids", "prompt_finals")
+    __slots__ = ("batch", "logits", "sampling", "sample_ids", "prompt_finals", "routed")
 
     def __init__(self, batch: StepBatch, logits: torch.Tensor, sampling, sample_ids: list[str],
-                 prompt_finals: dict | None) -> None:
+                 prompt_finals: dict | None, routed: tuple[torch.Tensor, list[int]] | None = None) -> None:
         self.batch, self.logits, self.sampling, self.sample_ids = batch, logits, sampling, sample_ids
-        self.prompt_finals = prompt_finals
+        self.prompt_finals, self.routed = prompt_finals, routed
 
 
 def _derived_seed(seed: int, output_index: int) -> int:
@@ -177,12 +194,21 @@ class ModelRunner:
         # on the host.
         self.use_mixed_graphs = self.use_cuda_graphs and MIXED_GRAPHS and not ep and mixed_steps_graph_safe(
             model.attention_layers())
+        if self.use_mixed_graphs and model.recurrent_layers() and fla_prefill_available():
+            # fla-core's chunked prefill sizes its grid on the host (kernels/fla_gated_delta.py)
+            self.use_mixed_graphs = False
+            logger.info("Mixed steps run eagerly: linear-attention prefill uses fla-core's chunked kernel "
+                        "(MOE_FLA_PREFILL=1)")
         self.cudagraph_capture_sizes = cudagraph_capture_sizes
         self.limits: tuple[int, int, int] | None = None  # max_num_seqs, max_model_len, max_num_batched_tokens
         self.buffers: StepBuffers | None = None
         self.graphs: StepGraphs | None = None  # decode-only steps, by batch size
         self.mixed_graphs: StepGraphs | None = None  # the others, by token count
         self.counters: ExpertLoadCounters | None = None  # set by the worker when expert load is recorded
+        # enable_return_routed_experts: the step buffer of routed ids (set by the worker); TP rank 0 of
+        # each pipeline stage reports its stage's layers (moe/worker/routed_experts.py).
+        self.routed: RoutedExpertsCapture | None = None
+        self.reports_routing = ps.tp_rank == 0
         self.dispatch_step = DispatchStep()  # sized by configure
         self.prompt_logprobs = PromptLogprobsTracker(self.is_last_stage, vocab_size)  # requests scoring their prompt
 
@@ -192,6 +218,8 @@ class ModelRunner:
         self.dispatch_step.capacity = max(max_num_seqs, max(self.cudagraph_capture_sizes or [1]))
         if self.counters is not None:
             self.counters.reserve(max(max_num_batched_tokens, max_num_seqs))
+        if self.routed is not None:
+            self.routed.reserve(max(max_num_batched_tokens, max_num_seqs + 1, max(self.cudagraph_capture_sizes or [1])))
 
     # ---- KV cache ----------------------------------------------------------------------
     def kv_cache_bytes_per_block(self) -> int:
@@ -590,24 +618,28 @@ class ModelRunner:
                 self.images.encode(so, self.requests, self.kv_dtype)
             with_images = bool(self.images.holding)
         hidden = self._run_batch(batch, with_images=with_images, prev=prev)
+        routed = None
+        if self.routed is not None and self.reports_routing:
+            rows = self.routed.step_rows(len(batch.input_ids_T))
+            routed = None if rows is None else (rows, self.routed.layers)
         # Prompt logprobs: the rows of this step that score prompt tokens (eager, after any graph replay).
         prompt_finals = self.prompt_logprobs.step(batch, hidden, self.model, self.is_driver) \
             if self.prompt_logprobs.active and hidden is not None else None
         sample_rows = batch.sample_rows
         if not sample_rows or hidden is None:
-            return None
+            return PendingStep(batch, None, routed=routed) if routed is not None else None
         if len(sample_rows) == hidden.shape[0]:  # every token samples (decode-only)
             last = hidden
         else:
             last = hidden.index_select(0, self._sample_idx)  # uploaded with the step's inputs: no sync
         logits = self.model.compute_logits(last)  # a TP collective: every TP rank of the stage
         if not self.is_driver:
-            return None
+            return PendingStep(batch, None, routed=routed) if routed is not None else None
         states = batch.states
         sample_states = [states[i] for i in sample_rows]
         sample_ids = [batch.req_ids[i] for i in sample_rows]
         sampling = self._sampling_batch(sample_states, batch.seq_lens_B[sample_rows].tolist(), sample_ids, prev)
-        deferred = DeferredSampling(batch, logits, sampling, sample_ids, prompt_finals)
+        deferred = DeferredSampling(batch, logits, sampling, sample_ids, prompt_finals, routed)
         return deferred if so.deferred_grammar_ids else self.sample_deferred(deferred, so)
 
     @torch.inference_mode()
@@ -619,17 +651,21 @@ class ModelRunner:
         if so.grammar_bitmask is not None:
             sampling.grammar_rows_R, sampling.grammar_bitmask_RW = grammar_mask_inputs(so, step.sample_ids,
                                                                                       self.device)
-        return PendingStep(step.batch, sample(step.logits, sampling), step.prompt_finals)
+        return PendingStep(step.batch, sample(step.logits, sampling), step.prompt_finals, step.routed)
 
     def collect(self, pending: PendingStep) -> ModelRunnerOutput:
         """Wait for a launched step's tokens, append them to the request states, and return them."""
         batch, got = pending.batch, pending.lists()
+        out = ModelRunnerOutput()
+        if "routed" in got:
+            out.routed_experts, out.routed_layers = got["routed"], pending.routed_layers
+        if pending.sampled_B is None:  # a step that reports only its routing
+            return out
         sampled = got["sampled"]
         want_logprobs = "logprob" in got
         if want_logprobs:
             lp, ranks = got["logprob"], got["rank"]
             top_ids, top_vals = got.get("top_ids"), got.get("top_vals")
-        out = ModelRunnerOutput()
         if pending.prompt_starts:
             out.prompt_logprobs = assemble_prompt_logprobs(got, pending.prompt_starts)
         req_ids, states = batch.req_ids, batch.states

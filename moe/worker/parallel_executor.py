@@ -56,6 +56,7 @@ from moe.config import EngineArgs
 from moe.expert_load.counters import sum_snapshots
 from moe.worker.executor import Executor
 from moe.worker.model_runner import ModelRunnerOutput
+from moe.worker.routed_experts import merge_stage_routing
 from moe.worker.worker import Worker, WorkerSpec, worker_main
 from scheduler import KVCacheGroup, SchedulerOutput
 
@@ -134,6 +135,17 @@ def _dummy_flags(layout: ParallelLayout, enable_ep: bool, sos: list[SchedulerOut
     if not (enable_ep and layout.dp > 1) or all(so.is_empty for so in sos):
         return [False] * len(sos)
     return [so.is_empty for so in sos]
+
+
+def replica_output(layout: ParallelLayout, d: int, replies: dict[int, object]) -> ModelRunnerOutput:
+    """Replica d's step output: its driver's, with the routed experts of every pipeline stage
+    (each stage's TP rank 0 reports its layers') joined into one [T, L, K] array."""
+    out = replies[layout.driver_rank(d)]
+    parts = [(o.routed_experts, o.routed_layers) for r in layout.replica_ranks(d)
+             if (o := replies.get(r)) is not None and o.routed_experts is not None]
+    if parts:
+        out.routed_experts, out.routed_layers = merge_stage_routing(parts)
+    return out
 
 
 class WorkerFailure(RuntimeError):
@@ -300,7 +312,7 @@ class MultiprocExecutor(Executor):
                                    protocol=pickle.HIGHEST_PROTOCOL)
             self._send(layout.replica_ranks(d), payload)
         replies = self._gather(range(layout.world_size), self.step_timeout_s, "running")
-        outs = [replies[layout.driver_rank(d)] for d in range(layout.dp)]
+        outs = [replica_output(layout, d, replies) for d in range(layout.dp)]
         self._last_sampled = [o.sampled for o in outs]
         return outs
 
@@ -400,7 +412,7 @@ class TorchrunExecutor(Executor):
             bad = [r for r, g in enumerate(gathered) if g[0] != digest]
             raise RuntimeError(f"ranks {bad} scheduled a different batch than rank {s.rank}: under torchrun every "
                                "rank must call generate() with the same prompts and sampling parameters")
-        outs = [gathered[layout.driver_rank(d)][1] for d in range(layout.dp)]
+        outs = [replica_output(layout, d, {r: g[1] for r, g in enumerate(gathered)}) for d in range(layout.dp)]
         if not self.worker.runner.is_driver:
             self.worker.runner.apply_sampled(outs[s.dp_rank].sampled)
         return outs

@@ -28,6 +28,7 @@ from moe.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineArgs
 from moe.expert_load.counters import attach_expert_counters, moe_layer_index
 from moe.worker.cpu_memory import keep_freed_memory
 from moe.worker.model_runner import ModelRunner, ModelRunnerOutput
+from moe.worker.routed_experts import attach_routed_capture
 from scheduler import KVCacheGroup, SchedulerOutput
 
 logger = logging.getLogger("moe.worker.worker")
@@ -120,6 +121,8 @@ class Worker:
         if spec.args.record_expert_load or spec.args.enable_eplb:
             self.runner.counters = attach_expert_counters(self.model, device,
                                                           counts_here=get_parallel_state().tp_rank == 0)
+        if spec.args.enable_return_routed_experts:
+            self.runner.routed = attach_routed_capture(self.model, device)
 
     # ---- KV cache ----------------------------------------------------------------------
     def determine_num_blocks(self, max_num_seqs: int, max_model_len: int, max_num_batched_tokens: int) -> int:
@@ -196,7 +199,7 @@ class Worker:
         scheduling under TP: the driver sends the next step before it has this one's tokens):
         the driver rank broadcasts its sampled tokens to the other ranks right after the step
         (one replica, one stage: the control group is the TP group). Returns the sampled tokens
-        on the driver rank, None elsewhere."""
+        on the driver rank (and a stage's routed experts on its TP rank 0), None elsewhere."""
         if prev_sampled and not self.runner.is_driver:
             self.runner.apply_sampled(prev_sampled)
         if max_tokens is not None:
@@ -208,7 +211,8 @@ class Worker:
             dist.broadcast_object_list(shared, src=state.layout.driver_rank(0), group=state.cpu_group)
             if not self.runner.is_driver:
                 self.runner.apply_sampled(shared[0])
-        return out if self.runner.is_driver else None
+        # the driver's tokens; TP rank 0 of another pipeline stage: its layers' routed experts
+        return out if self.runner.is_driver or out.routed_experts is not None else None
 
 
 # ---- the spawned worker process -------------------------------------------------------------

@@ -46,13 +46,18 @@ def parallel_ckpt(tmp_path_factory) -> str:
     return make_qwen3_moe_checkpoint(str(tmp_path_factory.mktemp("qwen3_pp")), seed=5, **CKPT_OVERRIDES)
 
 
+def routed_experts(outs) -> list:
+    """Each prompt's returned routed experts [forwarded tokens, MoE layers, top_k]."""
+    return [o.outputs[0].routed_experts for o in outs]
+
+
 @pytest.fixture(scope="session")
 def single_process_run(parallel_ckpt):
-    """Greedy tokens and logprobs of one process (fp32), and its expert load (the counts the
-    single-process tests check against the router's choices)."""
-    llm = LLM(parallel_ckpt, dtype="float32", device="cpu")
-    outs = summarize(llm.generate(prompts(), sampling_params(), use_tqdm=False))
-    return outs, llm.get_expert_load()
+    """Greedy tokens and logprobs of one process (fp32), its expert load (the counts the
+    single-process tests check against the router's choices) and its routed experts."""
+    llm = LLM(parallel_ckpt, dtype="float32", device="cpu", enable_return_routed_experts=True)
+    raw = llm.generate(prompts(), sampling_params(), use_tqdm=False)
+    return summarize(raw), llm.get_expert_load(), routed_experts(raw)
 
 
 @pytest.fixture(scope="session")
@@ -63,6 +68,11 @@ def reference(single_process_run):
 @pytest.fixture(scope="session")
 def reference_load(single_process_run):
     return single_process_run[1]
+
+
+@pytest.fixture(scope="session")
+def reference_routed(single_process_run):
+    return single_process_run[2]
 
 
 def assert_same_as_reference(got, reference) -> None:

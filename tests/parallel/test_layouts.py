@@ -1,5 +1,6 @@
 """Each parallel layout, in spawned gloo workers on the CPU, gives the single process's greedy
-tokens (and logprobs to 1e-4) on a tiny Qwen3-MoE checkpoint."""
+tokens (and logprobs to 1e-4), expert load and returned routed experts on a tiny Qwen3-MoE
+checkpoint."""
 from __future__ import annotations
 
 import multiprocessing
@@ -7,7 +8,7 @@ import multiprocessing
 import pytest
 
 from moe import LLM
-from tests.parallel.conftest import assert_same_as_reference, prompts, sampling_params, summarize
+from tests.parallel.conftest import assert_same_as_reference, prompts, routed_experts, sampling_params, summarize
 
 LAYOUTS = {
     "tp2": dict(tensor_parallel_size=2),
@@ -25,16 +26,20 @@ LAYOUTS = {
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_layout_matches_single_process(parallel_ckpt, reference, reference_load, layout):
+def test_layout_matches_single_process(parallel_ckpt, reference, reference_load, reference_routed, layout):
     kwargs = LAYOUTS[layout]
-    llm = LLM(parallel_ckpt, dtype="float32", device="cpu", **kwargs)
+    llm = LLM(parallel_ckpt, dtype="float32", device="cpu", enable_return_routed_experts=True, **kwargs)
     try:
         engine = llm.llm_engine
         assert len(engine.executor.worker_pids) == (kwargs.get("tensor_parallel_size", 1)
                                                     * kwargs.get("pipeline_parallel_size", 1)
                                                     * kwargs.get("data_parallel_size", 1))
-        got = summarize(llm.generate(prompts(), sampling_params(), use_tqdm=False))
-        assert_same_as_reference(got, reference)
+        raw = llm.generate(prompts(), sampling_params(), use_tqdm=False)
+        assert_same_as_reference(summarize(raw), reference)
+        # Every stage's MoE layers (pipeline), from TP rank 0 of each, per replica (data parallel).
+        for got_routed, want in zip(routed_experts(raw), reference_routed, strict=True):
+            assert want.shape[1] == 3 and got_routed.shape == want.shape
+            assert (got_routed == want).all()
         # Each token counts once over the ranks: not per TP rank, not for the dummy batches.
         load = llm.get_expert_load()
         assert load.layers == reference_load.layers

@@ -21,10 +21,14 @@ decoded text. Chat logprobs are lists ({"token", "logprob", "bytes"}): nothing c
 from __future__ import annotations
 
 import asyncio
+import base64
+import io
 import time
 import uuid
 from dataclasses import dataclass, field
 from typing import AsyncIterator
+
+import numpy as np
 
 from moe.engine.core_client import EngineDeadError
 from moe.engine.input_processor import ProcessedPrompt
@@ -106,6 +110,16 @@ class _Choice:
     logprobs: list = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    routed_experts: object = None
+
+
+def routed_experts_json(routed) -> str:
+    """A finished choice's routed experts (enable_return_routed_experts) as the server returns them:
+    base64 of the int16 array in .npy form, which carries its shape
+    (np.load(io.BytesIO(base64.b64decode(s))) reads it back)."""
+    buf = io.BytesIO()
+    np.save(buf, routed, allow_pickle=False)
+    return base64.b64encode(buf.getvalue()).decode("ascii")
 
 
 async def _merge(gens: list) -> AsyncIterator[tuple[int, RequestOutput]]:
@@ -201,10 +215,17 @@ class _Handler:
                 c.token_ids += o.token_ids
                 c.logprobs += o.logprobs or []
                 c.finish_reason, c.stop_reason = o.finish_reason, o.stop_reason
+                if o.routed_experts is not None:
+                    c.routed_experts = o.routed_experts
+        out_choices = []
+        for k in sorted(choices):
+            choice = self._choice(body, k, choices[k], prompts[k // params.n], prompt_logprobs.get(k // params.n),
+                                  state)
+            if choices[k].routed_experts is not None:
+                choice["routed_experts"] = routed_experts_json(choices[k].routed_experts)
+            out_choices.append(choice)
         return {"id": request_id, "object": self.object_name, "created": created, "model": self.model_name,
-                "choices": [self._choice(body, k, choices[k], prompts[k // params.n],
-                                         prompt_logprobs.get(k // params.n), state) for k in sorted(choices)],
-                "usage": _usage(prompts, sum(len(c.token_ids) for c in choices.values()))}
+                "choices": out_choices, "usage": _usage(prompts, sum(len(c.token_ids) for c in choices.values()))}
 
     async def _stream(self, body, request_id, created, prompts, n, merged, state=None):
         from moe.entrypoints.serve.api_server import sse
@@ -224,7 +245,10 @@ class _Handler:
                 for o in out.outputs:
                     k = i * n + o.index
                     num_generated += len(o.token_ids)
-                    for chunk in self._chunks(body, k, o, prompts[i], k not in started, prompt_logprobs.get(i), state):
+                    chunks = self._chunks(body, k, o, prompts[i], k not in started, prompt_logprobs.get(i), state)
+                    if o.routed_experts is not None and chunks:  # on the choice's last chunk, with its finish
+                        chunks[-1]["routed_experts"] = routed_experts_json(o.routed_experts)
+                    for chunk in chunks:
                         started.add(k)
                         sent_any = True
                         yield sse({"id": request_id, "object": self.chunk_object, "created": created,
