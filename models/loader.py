@@ -162,18 +162,18 @@ def _attention_layers_by_index(model: torch.nn.Module) -> dict[int, torch.nn.Mod
     return out
 
 
-def _load_kv_scale(attn_by_layer: dict, path: str, f, name: str, target) -> None:
+def _load_kv_scale(attn_by_layer: dict, where: str, read, name: str, target) -> None:
     layer, attrs = target
     attn = attn_by_layer.get(layer)
     if attn is None or not attrs:  # another pipeline stage's layer, or a scale not used here
         return
-    tensor = read_tensor(path, f, name)
+    tensor = read()
     if tensor.numel() != 1 or not tensor.is_floating_point():
-        raise ValueError(f"tensor {name!r} in {os.path.basename(path)} has shape {_fmt(tensor.shape)} "
+        raise ValueError(f"tensor {name!r} in {where} has shape {_fmt(tensor.shape)} "
                          f"({tensor.dtype}): only one floating-point KV-cache scale per tensor is supported")
-    value = float(tensor.float().item())  # a CPU tensor: no device sync
+    value = float(tensor.float().item())
     if not value > 0:
-        raise ValueError(f"KV-cache scale {name!r} in {os.path.basename(path)} is {value}: it must be positive")
+        raise ValueError(f"KV-cache scale {name!r} in {where} is {value}: it must be positive")
     for attr in attrs:
         setattr(attn, attr, value)
 
@@ -184,57 +184,89 @@ def _fmt(shape) -> str:
 
 def load_weights(model: torch.nn.Module, model_dir: str, progress: bool = True) -> None:
     """Fill every parameter of `model` from the checkpoint, or raise naming what is wrong."""
+    def tensors():
+        for path, name, f in iterate_checkpoint(model_dir, progress):
+            # the header's shape first: no data read for a tensor of the wrong shape or of another rank
+            yield (os.path.basename(path), name, lambda f=f, name=name: tuple(f.get_slice(name).get_shape()),
+                   lambda path=path, f=f, name=name: read_tensor(path, f, name))
+
+    loaded = _load_tensors(model, tensors())
+    _check_complete(model, loaded, f"checkpoint in {model_dir!r}")
+
+
+@torch.no_grad()
+def update_weights(model: torch.nn.Module, named_tensors) -> int:
+    """Copy (Hugging Face name, tensor) pairs into `model`'s parameters in place, through the same
+    name rules, shape checks and tensor-/expert-parallel slicing as a checkpoint load (any subset of
+    the checkpoint's tensors). Returns how many pieces this rank took."""
+    def tensors():
+        for name, tensor in named_tensors:
+            if not isinstance(tensor, torch.Tensor):
+                raise ValueError(f"update_weights: {name!r} is a {type(tensor).__name__}, not a torch.Tensor")
+            t = tensor.detach().cpu()
+            yield "update_weights", name, lambda t=t: tuple(t.shape), lambda t=t: t
+
+    return sum(len(pieces) for pieces in _load_tensors(model, tensors()).values())
+
+
+def _load_tensors(model: torch.nn.Module, tensors) -> dict[str, set]:
+    """Load (where, name, shape(), read()) items; returns the (shard, expert) pieces loaded per parameter."""
     rules: list[NameRule] = model.weight_name_rules()
     params = dict(model.named_parameters())
     loaded: dict[str, set] = defaultdict(set)
     attn_by_layer = None
-    for path, name, f in iterate_checkpoint(model_dir, progress):
+    for where, name, shape_of, read in tensors:
         if model.ignore_checkpoint_name(name):
             continue
         target = kv_scale_target(name)
         if target is not None and name not in params:
             if attn_by_layer is None:
                 attn_by_layer = _attention_layers_by_index(model)
-            _load_kv_scale(attn_by_layer, path, f, name, target)
+            _load_kv_scale(attn_by_layer, where, read, name, target)
             continue
         pname, shard, expert = map_checkpoint_name(name, rules)
         param = params.get(pname)
         if param is None:
-            raise ValueError(f"unexpected tensor {name!r} in {os.path.basename(path)}: the "
+            raise ValueError(f"unexpected tensor {name!r} in {where}: the "
                              f"{type(model).__name__} model has no parameter for it")
         num_experts = getattr(param.param_loader, "E", None)  # expert loaders know the global count
         if expert is not None and num_experts is not None and expert >= num_experts:
-            raise ValueError(f"unexpected tensor {name!r} in {os.path.basename(path)}: expert {expert} is beyond "
+            raise ValueError(f"unexpected tensor {name!r} in {where}: expert {expert} is beyond "
                              f"the model's {num_experts} experts (config.json says {num_experts})")
         want = param.param_loader.ckpt_shape(shard, expert)
-        shape = tuple(f.get_slice(name).get_shape())  # the header only: no data read yet
+        shape = shape_of()
         if shape != tuple(want):
-            raise ValueError(f"tensor {name!r} in {os.path.basename(path)} has shape {_fmt(shape)}, "
+            raise ValueError(f"tensor {name!r} in {where} has shape {_fmt(shape)}, "
                              f"but the model expects {_fmt(want)}")
         if not param.param_loader.wants(shard, expert):
             continue
-        tensor = read_tensor(path, f, name)
+        tensor = read()
         stored = param.param_loader.stored_dtype(shard)
         if stored is not None:
             if tensor.dtype != stored:
-                raise ValueError(f"tensor {name!r} in {os.path.basename(path)} has dtype {tensor.dtype}, but the "
+                raise ValueError(f"tensor {name!r} in {where} has dtype {tensor.dtype}, but the "
                                  f"model expects {stored}")
         elif param.is_floating_point() and not tensor.is_floating_point():
-            raise ValueError(f"tensor {name!r} in {os.path.basename(path)} has dtype {tensor.dtype}, but the "
+            raise ValueError(f"tensor {name!r} in {where} has dtype {tensor.dtype}, but the "
                              f"model expects floating-point weights ({param.dtype}); integer-quantised "
                              "checkpoints are not supported")
         else:
             tensor = tensor.to(param.dtype)
         loaded[pname].update(param.param_loader.load(param, tensor, shard, expert))
+    return loaded
+
+
+def _check_complete(model: torch.nn.Module, loaded: dict[str, set], what: str) -> None:
+    rules: list[NameRule] = model.weight_name_rules()
     missing = []
-    for pname, param in params.items():
+    for pname, param in model.named_parameters():
         for shard, expert in param.param_loader.pieces():
             if (shard, expert) not in loaded[pname]:
                 missing.append(checkpoint_name_for(pname, shard, expert, rules))
     if missing:
         shown = ", ".join(repr(m) for m in missing[:8])
         more = f" and {len(missing) - 8} more" if len(missing) > 8 else ""
-        raise ValueError(f"checkpoint in {model_dir!r} is missing tensor(s) {shown}{more}")
+        raise ValueError(f"{what} is missing tensor(s) {shown}{more}")
 
 
 @torch.no_grad()

@@ -165,6 +165,8 @@ ENGINE_ARG_HELP = {
     "enable_return_routed_experts": "return the experts each MoE layer's router chose for every forwarded token "
                                     "(CompletionOutput.routed_experts, [tokens, MoE layers, top_k] int16; the "
                                     "server adds it to each choice as base64 of the .npy)",
+    "enable_sleep_mode": "accepted for vLLM compatibility: LLM.sleep / wake_up (and the server's /sleep, /wake_up "
+                         "with VLLM_SERVER_DEV_MODE=1) work with or without it",
     "expert_load_window_steps": "engine steps per expert-load window (the recording, the dashboard, the metrics)",
     "enable_eplb": "expert-parallel load balancing: experts re-placed, and the hottest replicated, from their "
                    "measured load (needs --enable-expert-parallel and TP x DP >= 2)",
@@ -251,6 +253,8 @@ class EngineArgs:
     # Router replay: the logical experts each MoE layer chose for every token that went through a
     # forward (prompt and generated, all but the last sampled), returned with the finished output.
     enable_return_routed_experts: bool = False
+    # vLLM needs it for LLM.sleep / wake_up; here they always work (the flag is accepted).
+    enable_sleep_mode: bool = False
     # EPLB (expert parallelism only): a dict/JSON with EPLBConfig's keys.
     enable_eplb: bool = False
     eplb_config: dict | str | None = None

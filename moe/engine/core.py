@@ -144,6 +144,7 @@ class EngineCore:
         self.structured: StructuredOutputManager | None = None  # made at the first structured request
         self.expert_load, self.eplb = self._start_expert_load(info)
         self.routed = RoutedExpertsTracker(self.schedulers) if args.enable_return_routed_experts else None
+        self.sleeping = 0  # sleep mode: the level (0 awake)
 
     @staticmethod
     def _encoder_cache_size(info: ModelInfo) -> int:
@@ -237,6 +238,8 @@ class EngineCore:
 
     # ---- requests ----------------------------------------------------------------------
     def add_request(self, req: CoreRequest) -> None:
+        if self.sleeping:
+            raise RuntimeError(f"the engine is asleep (level {self.sleeping}): call wake_up() before adding requests")
         p = req.params
         request = Request(
             req.request_id, req.prompt_token_ids, req.max_tokens, req.eos_token_ids, tuple(p.stop_token_ids),
@@ -479,6 +482,43 @@ class EngineCore:
 
     def reset_prefix_cache(self) -> bool:
         return self.scheduler.kv.reset_prefix_cache() is not False
+
+    # ---- weight updates and sleep mode (RL rollouts) ----------------------------------------
+    def _require_idle(self, what: str) -> None:
+        if self.has_unfinished_requests():
+            n = sum(s.num_running + s.num_waiting for s in self.schedulers)
+            raise RuntimeError(f"{what} needs an idle engine, and {n} request(s) are unfinished: let them finish "
+                               "or abort them first")
+
+    def update_weights(self, named_tensors) -> int:
+        """New weights in place (Hugging Face names), on every rank; the prefix cache is dropped, its
+        blocks having been computed with the old ones. Returns the tensor pieces taken over all ranks."""
+        if self.sleeping:
+            raise RuntimeError("update_weights while the engine sleeps: call wake_up() first")
+        self._require_idle("update_weights")
+        taken = self.executor.update_weights(list(named_tensors))
+        for s in self.schedulers:
+            s.kv.reset_prefix_cache()
+        return taken
+
+    def sleep(self, level: int = 1) -> None:
+        """Free the KV cache (and CUDA graphs); level 1 keeps the weights in host memory, level 2 drops
+        them (after wake_up, load them with update_weights)."""
+        if level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 or 2, got {level!r}")
+        if self.sleeping:
+            raise RuntimeError(f"the engine is already asleep (level {self.sleeping})")
+        self._require_idle("sleep")
+        for s in self.schedulers:
+            s.kv.reset_prefix_cache()
+        self.executor.sleep(level)
+        self.sleeping = level
+
+    def wake_up(self) -> None:
+        if not self.sleeping:
+            raise RuntimeError("wake_up: the engine is not asleep")
+        self.executor.wake_up()
+        self.sleeping = 0
 
     def shutdown(self) -> None:
         """Stop the workers and release the model and the KV cache (GPU memory included)."""

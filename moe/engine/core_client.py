@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import collections
 import dataclasses
 import json
 import logging
@@ -151,6 +152,7 @@ class CoreProcessClient:
         # The API side of the IPC cache of processed images (keys only; the core keeps the pixels).
         self.ipc_cache = ipc_sender_cache(args)
         self.shm = None  # the shared-memory store of pixels to this core (made at start)
+        self._controls: collections.deque[asyncio.Future] = collections.deque()  # control replies awaited, in order
 
     def _exit_status(self) -> str | None:
         """None while the core runs, else how it ended."""
@@ -203,6 +205,8 @@ class CoreProcessClient:
                     self.on_result(unpack_step(message))
                 elif kind == "stats":
                     self.on_stats(unpack_stats(message[1]))
+                elif kind == "control":
+                    self._controls.popleft().set_result(message[1])
                 elif kind == "dead":
                     self._die(f"the engine core failed: {message[1]}")
                     return
@@ -217,6 +221,8 @@ class CoreProcessClient:
             self.dead = why
             logger.error("%s", why)
             self.on_dead(why)
+            while self._controls:  # no reply will come
+                self._controls.popleft().set_exception(EngineDeadError(why))
 
     def _send(self, message: list) -> None:
         if self.dead is not None:
@@ -232,6 +238,13 @@ class CoreProcessClient:
     def abort(self, ids: list[str]) -> None:
         if ids and self.dead is None:
             self._send(["abort", ids])
+
+    async def control(self, op: str, *args) -> dict:
+        """A sleep-mode operation on the core (sleep, wake_up, is_sleeping): its reply, answered in order."""
+        future = asyncio.get_running_loop().create_future()
+        self._controls.append(future)
+        self._send(["control", op, list(args)])
+        return await future
 
     def stop(self, ids: list[str]) -> None:
         if ids and self.dead is None:

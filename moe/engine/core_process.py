@@ -27,6 +27,7 @@ from moe.multimodal.ipc import ipc_receiver_cache
 from moe.multimodal.processor_cache import ReceiverCache
 from moe.multimodal.shm_transport import ShmPins, ShmPixels
 from scheduler import RequestStatus
+from scheduler.output import EngineCoreOutput
 
 logger = logging.getLogger("moe.core")
 
@@ -50,6 +51,12 @@ class CoreServer:
                 self.ipc_caches[identity] = ipc_receiver_cache(self.core.info.args)
             for item in message[1]:
                 req = unpack_request(item, self.ipc_caches[identity])
+                if self.core.sleeping:  # sent by another API process before it knew: fails, the core goes on
+                    why = f"the engine is asleep (level {self.core.sleeping}): POST /wake_up first"
+                    self.socket.send_multipart([identity, pack_step(CoreStepResult(
+                        outputs=[EngineCoreOutput(req.request_id, [], finish_reason="error")],
+                        stats=self.core.stats(), errors={req.request_id: why}))])
+                    continue
                 for m in req.mm_items:
                     if isinstance(m.pixel_values, ShmPixels):
                         self.pins.hold(req.request_id, m.pixel_values)
@@ -65,6 +72,9 @@ class CoreServer:
                 self.pins.release(rid)
             self.core.abort_requests(ids, RequestStatus.FINISHED_ABORTED if kind == "abort"
                                      else RequestStatus.FINISHED_STOPPED)
+        elif kind == "control":  # sleep mode (the server's development endpoints): ["control", op, args]
+            self._control(identity, message[1], message[2])
+            return
         elif kind == "hello":
             if identity not in self.clients:
                 self.clients.append(identity)
@@ -77,6 +87,21 @@ class CoreServer:
             logger.warning("unknown message %r from a client: ignored", kind)
             return
         self.stats_dirty = True
+
+    def _control(self, identity: bytes, op: str, args: list) -> None:
+        """sleep [level] / wake_up / is_sleeping; the reply ["control", {"sleeping": level, "error": ...}]."""
+        reply: dict = {"error": None}
+        try:
+            if op == "sleep":
+                self.core.sleep(*args)
+            elif op == "wake_up":
+                self.core.wake_up()
+            elif op != "is_sleeping":
+                raise ValueError(f"unknown control operation {op!r}")
+        except (RuntimeError, ValueError, TypeError) as e:
+            reply["error"] = str(e)
+        reply["sleeping"] = self.core.sleeping
+        self.socket.send_multipart([identity, encode(["control", reply])])
 
     def step(self) -> None:
         result = self.core.step()

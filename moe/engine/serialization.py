@@ -7,6 +7,9 @@ Every message is one msgpack array whose first item names it:
                                                         images]
                      ["abort", [id, ...]]               finish sequences as aborted (blocks freed)
                      ["stop", [id, ...]]                finish sequences a stop string ended
+                     ["control", op, [arg, ...]]        sleep mode: "sleep" [level], "wake_up", "is_sleeping";
+                                                        answered ["control", {"sleeping": level, "error": null
+                                                        or why}], in order
     core -> client   ["ready", {"pid", "num_blocks"}]
                      ["step", outputs, stats, queue_times, errors, expert_load_windows]
                                                         the client's sequences of one step (and the

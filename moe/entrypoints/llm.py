@@ -184,6 +184,33 @@ class LLM:
         with self._lock:
             engine.scheduler.kv.reset_prefix_cache()
 
+    # ---- RL rollouts: weight updates and sleep mode ------------------------------------------
+    def update_weights(self, named_tensors) -> int:
+        """Load (Hugging Face name, tensor) pairs, any subset of the checkpoint's tensors, into the
+        model in place on every rank (the loader's name rules, tensor- and expert-parallel slicing and
+        checks, as at load); the prefix cache is reset. Needs an idle, awake engine. Returns the
+        pieces loaded over all ranks."""
+        engine = self._engine()
+        with self._lock:
+            return engine.core.update_weights(named_tensors)
+
+    def sleep(self, level: int = 1) -> None:
+        """Free the GPU for something else between rollouts: the KV cache and CUDA graphs go; level 1
+        moves the weights to host memory, level 2 drops them (load new ones with update_weights after
+        wake_up). Needs an idle engine; requests are refused until wake_up."""
+        engine = self._engine()
+        with self._lock:
+            engine.core.sleep(level)
+
+    def wake_up(self) -> None:
+        """Restore what sleep freed: the weights (level 1), the KV cache and the CUDA graphs."""
+        engine = self._engine()
+        with self._lock:
+            engine.core.wake_up()
+
+    def is_sleeping(self) -> bool:
+        return bool(self._engine().core.sleeping)
+
     # ---- expert load ---------------------------------------------------------------------
     def get_expert_load(self) -> ExpertLoad:
         """Tokens routed to each expert of each MoE layer since start-up or the last reset

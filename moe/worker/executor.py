@@ -63,6 +63,18 @@ class Executor(ABC):
     def apply_expert_placement(self, phys_to_log_by_layer: dict[int, list[int]]) -> int:
         """EPLB: install a placement on every rank (moves expert weights); slots received in all."""
 
+    @abstractmethod
+    def update_weights(self, named_tensors: list) -> int:
+        """(Hugging Face name, tensor) pairs loaded into every rank's shards in place; pieces taken in all."""
+
+    @abstractmethod
+    def sleep(self, level: int) -> None:
+        """Every rank frees its KV cache and graphs (and moves (1) or drops (2) its weights)."""
+
+    @abstractmethod
+    def wake_up(self) -> None:
+        """Every rank restores what sleep freed."""
+
     def shutdown(self) -> None:
         pass
 
@@ -114,6 +126,15 @@ class InProcessExecutor(Executor):
 
     def apply_expert_placement(self, phys_to_log_by_layer: dict[int, list[int]]) -> int:
         return self.worker.apply_expert_placement(phys_to_log_by_layer)
+
+    def update_weights(self, named_tensors: list) -> int:
+        return self.worker.update_weights(named_tensors)
+
+    def sleep(self, level: int) -> None:
+        self.worker.sleep(level)
+
+    def wake_up(self) -> None:
+        self.worker.wake_up()
 
     def shutdown(self) -> None:
         # Drop the model and the KV cache now, not when the LLM is collected: a second LLM in

@@ -352,6 +352,15 @@ class MultiprocExecutor(Executor):
     def apply_expert_placement(self, phys_to_log_by_layer: dict[int, list[int]]) -> int:
         return sum(self._call_all("apply_expert_placement", phys_to_log_by_layer).values())
 
+    def update_weights(self, named_tensors: list) -> int:
+        return sum(self._call_all("update_weights", list(named_tensors)).values())
+
+    def sleep(self, level: int) -> None:
+        self._call_all("sleep", level)
+
+    def wake_up(self) -> None:
+        self._call_all("wake_up")
+
     def shutdown(self) -> None:
         self._finalizer()
 
@@ -427,6 +436,18 @@ class TorchrunExecutor(Executor):
         moved = torch.tensor([self.worker.apply_expert_placement(phys_to_log_by_layer)], dtype=torch.int64)
         dist.all_reduce(moved, group=self.state.cpu_group)
         return int(moved.item())
+
+    def update_weights(self, named_tensors: list) -> int:
+        """Every rank's script gives the same tensors (torchrun: each rank calls the same methods)."""
+        taken = torch.tensor([self.worker.update_weights(named_tensors)], dtype=torch.int64)
+        dist.all_reduce(taken, group=self.state.cpu_group)
+        return int(taken.item())
+
+    def sleep(self, level: int) -> None:
+        self.worker.sleep(level)
+
+    def wake_up(self) -> None:
+        self.worker.wake_up()
 
     def shutdown(self) -> None:
         if self._closed:

@@ -22,7 +22,7 @@ from models.config import ModelConfig
 from models.fp8 import resolve_fp8_experts
 from models.mxfp4 import resolve_mxfp4_experts
 from models.layers.moe import FusedMoE, MoEParallelConfig, attach_dispatch_step
-from models.loader import init_dummy_weights, load_weights
+from models.loader import init_dummy_weights, load_weights, update_weights
 from models.parallel.state import get_parallel_state
 from moe.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineArgs
 from moe.expert_load.counters import attach_expert_counters, moe_layer_index
@@ -108,6 +108,7 @@ class Worker:
         if device.type == "cpu":
             keep_freed_memory()  # activations' pages reused, not faulted in per op (moe/worker/cpu_memory.py)
         torch.manual_seed(spec.args.seed)
+        self.sleeping, self._asleep_weights = 0, {}  # sleep mode (sleep / wake_up): the level, the weights kept
         self.model = build_model(spec.model_cls, spec.config, spec.model_path, spec.args, device, spec.dtype)
         self.runner = ModelRunner(self.model, device, spec.args.block_size, spec.eos_token_ids,
                                   spec.config.vocab_size, enforce_eager=spec.args.enforce_eager,
@@ -169,8 +170,46 @@ class Worker:
     def initialize_cache(self, groups: list[KVCacheGroup]) -> None:
         """Allocate the KV cache, then capture the decode CUDA graphs over it (collective under
         tensor parallelism: every rank captures the same sizes)."""
+        self._groups = groups  # for wake_up
         self.runner.allocate_kv_cache(groups)
         self.runner.capture_cuda_graphs()
+
+    # ---- weight updates and sleep mode ------------------------------------------------------
+    def update_weights(self, named_tensors: list) -> int:
+        """(Hugging Face name, tensor) pairs copied into this rank's parameters in place (its shards),
+        so captured CUDA graphs stay valid. Returns the pieces this rank took."""
+        if self.sleeping:
+            raise RuntimeError("update_weights while the engine sleeps: call wake_up() first")
+        return update_weights(self.model, named_tensors)
+
+    def sleep(self, level: int) -> None:
+        """Free the KV cache, the CUDA graphs and the step buffers; level 1 also moves the weights to
+        host memory, level 2 drops them (wake_up then gives uninitialised ones for update_weights)."""
+        self.runner.release()
+        params = list(self.model.named_parameters())
+        self._asleep_weights = {}
+        for name, p in params:
+            if level == 1 and self.device.type != "cpu":
+                self._asleep_weights[name] = p.data.to("cpu")
+            elif level == 2:
+                self._asleep_weights[name] = (tuple(p.shape), p.dtype)
+            else:  # level 1 on the CPU: the weights are in host memory already
+                continue
+            p.data = torch.empty(0, dtype=p.dtype, device=self.device)
+        self.sleeping = level
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def wake_up(self) -> None:
+        """Weights back (level 1) or allocated afresh (level 2), then the KV cache and the graphs."""
+        for name, p in self.model.named_parameters():
+            saved = self._asleep_weights.get(name)
+            if isinstance(saved, torch.Tensor):
+                p.data = saved.to(self.device)
+            elif saved is not None:
+                p.data = torch.empty(saved[0], dtype=saved[1], device=self.device)
+        self._asleep_weights, self.sleeping = {}, 0
+        self.initialize_cache(self._groups)
 
     # ---- expert load and EPLB -------------------------------------------------------------
     def expert_load_snapshot(self) -> dict | None:

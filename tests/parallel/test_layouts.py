@@ -77,3 +77,33 @@ def test_replicated_kv_heads_and_tied_embeddings_over_stages(tmp_path):
         assert_same_as_reference(summarize(llm.generate(prompts(), sampling_params(), use_tqdm=False)), reference)
     finally:
         llm.llm_engine.shutdown()
+
+
+def test_weight_update_and_sleep_on_every_rank(parallel_ckpt, reference, tmp_path):
+    """TP=2 x EP=2 workers: update_weights to another checkpoint's tensors gives its single-process
+    outputs (each rank slices its shard), and sleep / wake_up at level 2 plus an update gives them back."""
+    from models.loader import checkpoint_files
+    from safetensors.torch import load_file
+    from tests.factories import make_qwen3_moe_checkpoint
+    from tests.parallel.conftest import CKPT_OVERRIDES
+
+    other = make_qwen3_moe_checkpoint(str(tmp_path / "other"), seed=6, **CKPT_OVERRIDES)
+    other_ref = summarize(LLM(other, dtype="float32", device="cpu").generate(prompts(), sampling_params(),
+                                                                             use_tqdm=False))
+
+    def tensors(path):
+        out = {}
+        for f in checkpoint_files(path):
+            out.update(load_file(f))
+        return out
+
+    llm = LLM(parallel_ckpt, dtype="float32", device="cpu", tensor_parallel_size=2, enable_expert_parallel=True)
+    try:
+        llm.update_weights(tensors(other).items())
+        assert_same_as_reference(summarize(llm.generate(prompts(), sampling_params(), use_tqdm=False)), other_ref)
+        llm.sleep(level=2)
+        llm.wake_up()
+        llm.update_weights(tensors(parallel_ckpt).items())
+        assert_same_as_reference(summarize(llm.generate(prompts(), sampling_params(), use_tqdm=False)), reference)
+    finally:
+        llm.llm_engine.shutdown()

@@ -223,6 +223,19 @@ def build_app(args: EngineArgs, served_model_name: str | None = None, api_key: s
             multiprocess.MultiProcessCollector(registry)
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
+    if os.environ.get("VLLM_SERVER_DEV_MODE") == "1":  # vLLM's development endpoints of sleep mode
+        @app.post("/sleep")
+        async def sleep(level: int = 1):
+            return {"is_sleeping": bool(await engine.control("sleep", level)), "level": level}
+
+        @app.post("/wake_up")
+        async def wake_up():
+            return {"is_sleeping": bool(await engine.control("wake_up"))}
+
+        @app.get("/is_sleeping")
+        async def is_sleeping():
+            return {"is_sleeping": bool(await engine.control("is_sleeping"))}
+
     add_tokenize_routes(app, engine, check_model)
 
     # The live expert-load dashboard (/dashboard) over the windows the engine cores send.

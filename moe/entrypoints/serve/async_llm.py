@@ -123,6 +123,7 @@ class AsyncLLM:
         self._input_pool = ThreadPoolExecutor(threads, thread_name_prefix="moe-input")
         use_renderer_processes(threads)
         self._closed = False
+        self.sleeping = 0  # sleep mode, as the cores last answered (control)
 
     async def run_input(self, fn: Callable[..., T], *args) -> T:
         """fn(*args) in the input thread pool (a request's input processing), off the event loop."""
@@ -177,6 +178,8 @@ class AsyncLLM:
         """Deltas of the request until it finishes (the last one has finished=True)."""
         if self.dead is not None:
             raise EngineDeadError(self.dead)
+        if self.sleeping:
+            raise HTTPException(503, f"the engine is asleep (level {self.sleeping}): POST /wake_up first")
         self.input.check_params(params)
         core_requests = self.input.make_core_requests(request_id, prompt, params)
         queue: asyncio.Queue = asyncio.Queue()
@@ -249,6 +252,16 @@ class AsyncLLM:
     def _on_dead(self, why: str) -> None:
         for queue in self._queues.values():
             queue.put_nowait(EngineDeadError(why))
+
+    async def control(self, op: str, *args) -> int:
+        """Sleep mode on every core (sleep [level], wake_up, is_sleeping): the level they sleep at (0
+        awake), or a 400 naming why one refused."""
+        replies = await asyncio.gather(*(c.control(op, *args) for c in self.clients))
+        self.sleeping = max(r["sleeping"] for r in replies)
+        errors = [r["error"] for r in replies if r["error"]]
+        if errors:
+            raise HTTPException(400, errors[0])
+        return self.sleeping
 
     async def shutdown(self) -> None:
         if not self._closed:
