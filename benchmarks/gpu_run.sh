@@ -80,6 +80,12 @@
 #   routed-experts  the CUDA-graph test of returned routed experts, then gpu_engine_bench.py qwen3 --runs $AB_RUNS
 #                 (default decode256 mixed) with enable_return_routed_experts on / off / on / off, a fresh process
 #                 each -> $OUT/ab/{1..4}_routed_{1,0}.json
+#   batch-invariant  the batch-invariant mode's CUDA tests (kernels, tiny checkpoints under CUDA graphs), then
+#                 benchmarks/batch_invariance_gpu.py (the Qwen3-30B-A3B shape: one prompt among 0 / 63 / 255 others,
+#                 chunked, prefix-cached; the mode on and off) -> $OUT/invariance.json
+#   invariant-cost  the batch-invariant mode's cost:
+#                 gpu_engine_bench.py qwen3 --runs $AB_RUNS (default decode256 mixed) with MOE_BATCH_INVARIANT
+#                 on / off / on / off, a fresh process each -> $OUT/ab/{1..4}_invariant_{1,0}.json
 #   eplb          (two GPUs) benchmarks/eplb_gpu_bench.py: DP2+EP on the Qwen3-30B-A3B shape, a skewed workload,
 #                 balancedness and decode-step time before/after one EPLB rebalance (EPLB_ARGS adds flags) -> $OUT/eplb.json
 set -u
@@ -190,6 +196,15 @@ json.dump(QWEN3_30B_A3B, open(os.path.join(sys.argv[1], 'config.json'), 'w'))" "
       for i in 1 2 3 4; do v=$(( i % 2 ))
         step "routed $i BENCH_ROUTED_EXPERTS=$v" env BENCH_ROUTED_EXPERTS=$v timeout 290 python3 \
              benchmarks/gpu_engine_bench.py qwen3 --runs ${AB_RUNS:-decode256 mixed} --out "$OUT/ab/${i}_routed_$v.json"
+      done ;;
+    batch-invariant)
+      step invariant-tests env PYTHONPATH="$(hf_path)" timeout 300 python3 -m pytest -q -p no:cacheprovider \
+           tests/kernels/test_batch_invariant_kernels.py tests/moe/test_batch_invariant.py
+      step invariance timeout 300 python3 benchmarks/batch_invariance_gpu.py --out "$OUT/invariance.json" ;;
+    invariant-cost) mkdir -p "$OUT/ab"
+      for i in 1 2 3 4; do v=$(( i % 2 ))
+        step "invariant $i MOE_BATCH_INVARIANT=$v" env MOE_BATCH_INVARIANT=$v timeout 290 python3 \
+             benchmarks/gpu_engine_bench.py qwen3 --runs ${AB_RUNS:-decode256 mixed} --out "$OUT/ab/${i}_invariant_$v.json"
       done ;;
     mm-fixtures) mkdir -p "$OUT/fixtures"
       step mm-fixtures env PYTHONPATH="$(hf_path)" timeout 200 \

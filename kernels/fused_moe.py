@@ -13,6 +13,7 @@ import math
 
 import torch
 
+from kernels import batch_invariant
 from kernels.cpu_experts import fused_experts_cpu
 from kernels.reference import check_activation, fused_experts_torch
 
@@ -240,7 +241,7 @@ def fused_experts(
             from kernels.reference_fp8 import fused_experts_fp8_torch
             return fused_experts_fp8_torch(hidden_states, w13, w2, w13_scale, w2_scale, topk_weights,
                                            topk_ids, expert_map, block)
-        if backend == "torch" and not hidden_states.is_cuda:
+        if backend == "torch" and not hidden_states.is_cuda and not batch_invariant.enabled():
             return fused_experts_cpu(hidden_states, w13, w2, topk_weights, topk_ids, expert_map, **extra)
         return fused_experts_torch(hidden_states, w13, w2, topk_weights, topk_ids, expert_map, **extra)
     if backend == "triton":

@@ -12,6 +12,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kernels import batch_invariant
+
 ACTIVATIONS = ("silu", "swigluoai")
 
 
@@ -26,11 +28,11 @@ def gated_activation(gate_up: torch.Tensor, activation: str = "silu", alpha: flo
     f = gate_up.shape[-1] // 2
     gate, up = gate_up[..., :f], gate_up[..., f:]
     if activation == "silu":
-        return F.silu(gate) * up
+        return batch_invariant.pointwise(F.silu, gate) * up
     check_activation(activation)
     gate = gate.clamp(max=limit)
     up = up.clamp(min=-limit, max=limit)
-    return gate * torch.sigmoid(gate * alpha) * (up + 1)
+    return gate * batch_invariant.pointwise(torch.sigmoid, gate * alpha) * (up + 1)
 
 
 def fused_experts_torch(
@@ -77,7 +79,7 @@ def fused_experts_torch(
             continue
         rows = slice(start, start + n)
         xe = x_TD[token_of_row[rows]]
-        gate_up = xe @ w13_EFD[e].t()
+        gate_up = _mm(xe, w13_EFD[e].t())
         if plain:
             h = gated_activation(gate_up)
         else:
@@ -85,12 +87,25 @@ def fused_experts_torch(
             if w13_bias is not None:
                 gate_up = gate_up + w13_bias[e].float()
             h = gated_activation(gate_up, activation, swiglu_alpha, swiglu_limit).to(x_TD.dtype)
-        out_RD[rows] = (h @ w2_EDF[e].t()).float()
+        out_RD[rows] = _mm(h, w2_EDF[e].t()).float()
         if w2_bias is not None:
             out_RD[rows] += w2_bias[e].float()  # before the routed weight, as in gpt-oss
         start += n
     weights_R = topk_weights_TK.reshape(-1)[order].float()
     out_RD *= weights_R[:, None]
+    if batch_invariant.enabled():  # each token's K outputs summed in slot order, no atomics
+        out_TKD = torch.empty_like(out_RD)
+        out_TKD[order] = out_RD
+        out_TKD = out_TKD.view(T, K, D)
+        out_TD = out_TKD[:, 0].clone()
+        for k in range(1, K):
+            out_TD += out_TKD[:, k]
+        return out_TD.to(x_TD.dtype)
     out_TD = torch.zeros(T, D, dtype=torch.float32, device=x_TD.device)
     out_TD.index_add_(0, token_of_row, out_RD)
     return out_TD.to(x_TD.dtype)
+
+
+def _mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b; in batch-invariant mode on fixed row tiles (kernels/batch_invariant.py)."""
+    return batch_invariant.matmul(a, b) if batch_invariant.enabled() else a @ b

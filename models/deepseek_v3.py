@@ -11,9 +11,9 @@ import re
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from kernels import batch_invariant
 from models.config import ModelConfig, check_moe_fields, hf_get
 from models.fp8 import Fp8BlockConfig, attach_fp8_scales, block_fp8_params, experts_fp8_block
 from models.layers.decoder import DecoderForCausalLM, DecoderStack, PreNormDecoderLayer
@@ -113,7 +113,7 @@ class DeepseekV3Gate(nn.Module):
             routed_scaling_factor=cfg.routed_scaling_factor, scoring_func=cfg.scoring_func)
 
     def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
-        return F.linear(x_TD.float(), self.weight)
+        return batch_invariant.dense(x_TD.float(), self.weight)
 
     def route(self, logits_TE: torch.Tensor) -> RouterOutput:
         return self._route(logits_TE, e_score_correction_bias_E=self.e_score_correction_bias)

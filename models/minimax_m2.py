@@ -22,9 +22,9 @@ import re
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from kernels import batch_invariant
 from kernels.attention import AttentionMetadata
 from models.config import ModelConfig, check_moe_fields, hf_get
 from models.fp8 import Fp8BlockConfig, attach_fp8_scales, block_fp8_params, experts_fp8_block
@@ -169,7 +169,7 @@ class MiniMaxM2Gate(nn.Module):
                                         scoring_func="sigmoid")  # one group: plain top-k
 
     def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
-        return F.linear(x_TD.float(), self.weight)
+        return batch_invariant.dense(x_TD.float(), self.weight)
 
     def route(self, logits_TE: torch.Tensor) -> RouterOutput:
         return self._route(logits_TE, e_score_correction_bias_E=self.e_score_correction_bias)

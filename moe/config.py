@@ -5,6 +5,7 @@ import argparse
 import dataclasses
 import json
 import logging
+import os
 from dataclasses import dataclass
 
 import torch
@@ -165,6 +166,9 @@ ENGINE_ARG_HELP = {
     "enable_return_routed_experts": "return the experts each MoE layer's router chose for every forwarded token "
                                     "(CompletionOutput.routed_experts, [tokens, MoE layers, top_k] int16; the "
                                     "server adds it to each choice as base64 of the .npy)",
+    "batch_invariant": "bit-identical tokens and logprobs for a request whatever it is batched with and however its "
+                       "prefill is chunked: fixed-tile GEMMs, expert kernel and attention (slower; one rank; "
+                       "MOE_BATCH_INVARIANT=1 turns it on too)",
     "enable_sleep_mode": "accepted for vLLM compatibility: LLM.sleep / wake_up (and the server's /sleep, /wake_up "
                          "with VLLM_SERVER_DEV_MODE=1) work with or without it",
     "expert_load_window_steps": "engine steps per expert-load window (the recording, the dashboard, the metrics)",
@@ -253,6 +257,9 @@ class EngineArgs:
     # Router replay: the logical experts each MoE layer chose for every token that went through a
     # forward (prompt and generated, all but the last sampled), returned with the finished output.
     enable_return_routed_experts: bool = False
+    # A request's results independent of its batch, its chunking and its place in the batch
+    # (kernels/batch_invariant.py); MOE_BATCH_INVARIANT=1 turns it on too.
+    batch_invariant: bool = False
     # vLLM needs it for LLM.sleep / wake_up; here they always work (the flag is accepted).
     enable_sleep_mode: bool = False
     # EPLB (expert parallelism only): a dict/JSON with EPLBConfig's keys.
@@ -285,6 +292,11 @@ class EngineArgs:
         """Images allowed per prompt (limit_mm_per_prompt["image"], else the model's default)."""
         limits = parse_mm_limits(self.limit_mm_per_prompt)
         return limits.get("image", default)
+
+    @property
+    def batch_invariant_on(self) -> bool:
+        """batch_invariant, or MOE_BATCH_INVARIANT=1 in the environment."""
+        return self.batch_invariant or os.environ.get("MOE_BATCH_INVARIANT") == "1"
 
     @property
     def eplb(self) -> EPLBConfig | None:
@@ -401,6 +413,9 @@ class EngineArgs:
                 raise ValueError("enable_eplb places experts itself: leave expert_placement_strategy 'linear'")
         elif self.eplb_config is not None and eplb.num_redundant_experts:
             logger.warning("eplb_config is given but enable_eplb is False: no rebalancing, no redundant experts")
+        if self.batch_invariant_on and world > 1:
+            raise ValueError(f"batch_invariant runs on one rank (tensor_parallel_size x pipeline_parallel_size x "
+                             f"data_parallel_size = {world}): the collectives' summation order is not fixed")
         self._validate_vllm_args()
         if self.trust_remote_code:
             logger.warning("trust_remote_code=True is accepted for vLLM compatibility, but no remote code runs: "

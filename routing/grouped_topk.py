@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 
+from kernels import batch_invariant
 from routing.router import RouterOutput
 
 
@@ -35,7 +36,7 @@ def grouped_topk(router_logits_TE: torch.Tensor, top_k: int, num_expert_group: i
                          "that remain eligible")
     logits = router_logits_TE.float()
     if scoring_func == "sigmoid":
-        scores_TE = logits.sigmoid()
+        scores_TE = batch_invariant.pointwise(torch.sigmoid, logits)
     elif scoring_func == "softmax":
         scores_TE = logits.softmax(dim=-1)
     else:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from kernels import batch_invariant
 from routing.router import RouterOutput
 
 
@@ -18,4 +19,4 @@ def llama4_topk(router_logits_TE: torch.Tensor, top_k: int = 1) -> RouterOutput:
     """router_logits_TE [T, E] -> RouterOutput with topk_weights_TK = sigmoid of the top-k
     logits (float32, in (0, 1), to scale the expert INPUT) and topk_ids_TK (int32 global ids)."""
     logits, ids = torch.topk(router_logits_TE, top_k, dim=-1)
-    return RouterOutput(torch.sigmoid(logits.float()), ids.to(torch.int32))
+    return RouterOutput(batch_invariant.pointwise(torch.sigmoid, logits.float()), ids.to(torch.int32))

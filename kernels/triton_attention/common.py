@@ -95,7 +95,7 @@ def attend_context(q, qpos, q_first, num_queries, L, chunk_size, window, kv_ptr,
                    v_offset, stride_blk, stride_tok, scale_log2, dd, sinks_ptr, head, BLOCK_M: tl.constexpr,
                    S: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
                    USE_CHUNK: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SINKS: tl.constexpr,
-                   PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+                   PRECISION: tl.constexpr, UPCAST: tl.constexpr, INVARIANT: tl.constexpr):
     """Causal (optionally chunked-local or sliding-window) attention of a tile's rows q
     [BLOCK_M, D_PAD] at positions qpos (the tile's queries q_first .. q_first + num_queries - 1)
     over the keys 0 .. L - 1 of one sequence through its block-table row; returns the normalised
@@ -103,7 +103,10 @@ def attend_context(q, qpos, q_first, num_queries, L, chunk_size, window, kv_ptr,
     positions) gets zeros: no key tile below 0 or past L - 1 is read.
     USE_WINDOW: row r sees keys max(0, qpos[r] - window + 1) .. qpos[r]. USE_SINKS: row r's softmax
     has head[r]'s sink logit (sinks_ptr, natural-log units) as one more column of value zero;
-    head[r] must be a valid head for every row, padding rows included."""
+    head[r] must be a valid head for every row, padding rows included.
+    INVARIANT (batch-invariant mode): key tiles on the grid of BLOCK_N from key 0 and every tile
+    masked, so a row's arithmetic does not depend on the tile's other rows (which tiles the
+    unmasked fast path would take does); a tile a row cannot see adds exactly nothing to it."""
     q_last = tl.minimum(q_first + num_queries - 1, L - 1)
     if USE_CHUNK:
         row_lo = (qpos // chunk_size) * chunk_size
@@ -131,6 +134,10 @@ def attend_context(q, qpos, q_first, num_queries, L, chunk_size, window, kv_ptr,
     if same_chunk:
         k_free = tl.maximum(k_mask_end + ((q_first + 1 - k_mask_end) // BLOCK_N) * BLOCK_N, k_mask_end)
     else:
+        k_free = k_lo
+    if INVARIANT:
+        k_lo = (k_lo // BLOCK_N) * BLOCK_N
+        k_mask_end = k_lo
         k_free = k_lo
     acc = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], NEG_BIG, dtype=tl.float32)

@@ -68,7 +68,7 @@ def _prefill_kernel(q_ptr, kv_ptr, bt_ptr, qsl_ptr, seq_lens_ptr, o_ptr, sinks_p
     # head: h0 + r % HPP, a valid head in every row (attend_context's sinks load needs no mask)
     out = attend_context(q, qpos, L - n + m0, QPT, L, chunk_size, window, kv_ptr, bt_row_ptr, stride_btm, kv_head,
                          v_offset, stride_blk, stride_tok, scale_log2, dd, sinks_ptr, head, BLOCK_M, S, BLOCK_N,
-                         HEAD_DIM, D_PAD, USE_CHUNK, USE_WINDOW, USE_SINKS, PRECISION, UPCAST)
+                         HEAD_DIM, D_PAD, USE_CHUNK, USE_WINDOW, USE_SINKS, PRECISION, UPCAST, False)
     if SCALE_V:  # an FP8 cache's v_scale (k_scale is in scale_log2)
         out = out * v_scale
     o_off = (q_begin + qi).to(tl.int64) * stride_ot + head * stride_oh

@@ -79,7 +79,7 @@ def _unified_kernel(q_ptr, kv_ptr, bt_ptr, qsl_ptr, seq_lens_ptr, o_ptr, sinks_p
                     D_PAD: tl.constexpr, BLOCK_N: tl.constexpr, S: tl.constexpr, USE_CHUNK: tl.constexpr,
                     USE_WINDOW: tl.constexpr, USE_SINKS: tl.constexpr,
                     PRECISION: tl.constexpr, UPCAST: tl.constexpr, USE_PDL: tl.constexpr,
-                    SKIP_DECODES: tl.constexpr, SCALE_V: tl.constexpr):
+                    SKIP_DECODES: tl.constexpr, SCALE_V: tl.constexpr, INVARIANT: tl.constexpr):
     pdl_enter(USE_PDL)
     # Slots in reverse: a sequence's last tiles see the most keys, so they start first and the
     # grid's tail is short tiles (the order changes nothing else).
@@ -109,7 +109,7 @@ def _unified_kernel(q_ptr, kv_ptr, bt_ptr, qsl_ptr, seq_lens_ptr, o_ptr, sinks_p
     # head: kv_head * HG + r % HG, a valid head in every row (attend_context's sinks load needs no mask)
     out = attend_context(q, qpos, L - n + m0, BQ, L, chunk_size, window, kv_ptr, bt_row_ptr, stride_btm, kv_head,
                          v_offset, stride_blk, stride_tok, scale_log2, dd, sinks_ptr, head, BLOCK_M, S, BLOCK_N,
-                         HEAD_DIM, D_PAD, USE_CHUNK, USE_WINDOW, USE_SINKS, PRECISION, UPCAST)
+                         HEAD_DIM, D_PAD, USE_CHUNK, USE_WINDOW, USE_SINKS, PRECISION, UPCAST, INVARIANT)
     if SCALE_V:  # an FP8 cache's v_scale (k_scale is in scale_log2)
         out = out * v_scale
     o_off = (q_begin + qi).to(tl.int64) * stride_ot + head * stride_oh
@@ -138,7 +138,7 @@ def unified_attention_triton(q_THd: torch.Tensor, kv_cache_2NSGd: torch.Tensor, 
                              block_q: int | None = None, config: dict | None = None,
                              decodes_apart: bool | None = None, k_scale: float = 1.0,
                              v_scale: float = 1.0, *, sliding_window: int | None = None,
-                             sinks: torch.Tensor | None = None) -> torch.Tensor:
+                             sinks: torch.Tensor | None = None, invariant: bool = False) -> torch.Tensor:
     """Causal (optionally chunked-local or sliding-window) GQA attention of each sequence's queries
     over its cached context, any mix of prefill and decode rows; returns out_THd [T, H, d] in q's dtype.
 
@@ -155,6 +155,9 @@ def unified_attention_triton(q_THd: torch.Tensor, kv_cache_2NSGd: torch.Tensor, 
     heads; None = DECODES_APART.
     sliding_window: a query at p sees keys max(0, p - sliding_window + 1) .. p (not with chunk_size).
     sinks: fp32 [H] on the device, each head's sink logit (kernels/attention.py); None = none.
+    invariant: batch-invariant mode (kernels/batch_invariant.py): a row's result is the same
+    whatever else the batch holds and wherever the row sits in its tile (with decodes_apart False
+    and block_q, config left at their defaults).
     """
     if q_THd.dim() != 3 or q_THd.stride(2) != 1:
         raise ValueError(f"q_THd must be [T, H, d] with unit stride along d, got {tuple(q_THd.shape)}")
@@ -184,8 +187,8 @@ def unified_attention_triton(q_THd: torch.Tensor, kv_cache_2NSGd: torch.Tensor, 
     precision, upcast = dot_flags(q_THd.dtype)
     N = kv_cache_2NSGd.shape[1]
     fp8 = is_fp8_kv(kv_cache_2NSGd.dtype)
-    if decodes_apart is None:
-        decodes_apart = DECODES_APART
+    if decodes_apart is None or invariant:  # invariant: the decode rows' tiles are the prefill rows'
+        decodes_apart = DECODES_APART and not invariant
     if decodes_apart:
         paged_attention_decode_triton(q_THd, kv_cache_2NSGd, block_tables_BM, seq_lens_B, scale, chunk_size,
                                       out_BHd=out_THd, query_start_loc_B1=query_start_loc_B1,
@@ -201,6 +204,6 @@ def unified_attention_triton(q_THd: torch.Tensor, kv_cache_2NSGd: torch.Tensor, 
         sliding_window or 1, float(v_scale), HG=hg, BQ=block_q, BLOCK_M=tile_rows(block_q, hg), HEAD_DIM=d,
         D_PAD=d_pad, BLOCK_N=cfg["BLOCK_N"], S=S, USE_CHUNK=chunk_size is not None,
         USE_WINDOW=sliding_window is not None, USE_SINKS=sinks is not None, PRECISION=precision, UPCAST=upcast,
-        SKIP_DECODES=decodes_apart, SCALE_V=fp8,
+        SKIP_DECODES=decodes_apart, SCALE_V=fp8, INVARIANT=invariant,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_launch(q_THd))
     return out_THd

@@ -26,6 +26,8 @@ from pathlib import Path
 
 import torch
 
+from kernels import batch_invariant
+
 log = logging.getLogger(__name__)
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
@@ -98,9 +100,22 @@ def nearest_bucket(configs: dict[int, dict], M: int) -> dict:
     return configs[min(configs, key=lambda m: (abs(m - M), m))]
 
 
+def invariant_config(block_shape: tuple[int, int] | None = None) -> dict:
+    """The one config of the batch-invariant mode, whatever the token count: no split-K, no atomics
+    (FP8: BLOCK_SIZE_K and gate_up's BLOCK_SIZE_N the scale block, as the kernel needs)."""
+    if block_shape is not None:
+        return {"BLOCK_SIZE_M": 64, "BLOCK_SIZE_N": block_shape[0], "BLOCK_SIZE_K": block_shape[1],
+                "GROUP_SIZE_M": 1, "num_warps": 4, "num_stages": 3}
+    return {"BLOCK_SIZE_M": 64, "BLOCK_SIZE_N": 64, "BLOCK_SIZE_K": 64, "GROUP_SIZE_M": 1,
+            "num_warps": 4, "num_stages": 3}
+
+
 def get_config(M: int, E: int, N: int, top_k: int, dtype: torch.dtype | str,
                block_shape: tuple[int, int] | None = None, device: str | None = None) -> dict:
-    """Config for T=M tokens: the nearest tuned bucket, else `default_config` (logged once)."""
+    """Config for T=M tokens: the nearest tuned bucket, else `default_config` (logged once); in
+    batch-invariant mode `invariant_config`."""
+    if batch_invariant.enabled():
+        return invariant_config(block_shape)
     dev = device if device is not None else device_name()
     name = config_file_name(E, N, dev, dtype_name(dtype), block_shape)
     configs = load_configs(name)

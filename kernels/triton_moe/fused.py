@@ -20,6 +20,7 @@ import os
 import torch
 import triton
 
+from kernels import batch_invariant
 from kernels.pdl import pdl_launch
 from kernels.reference import check_activation
 from kernels.triton_fused.moe_sum import TopKSum, moe_sum
@@ -165,9 +166,10 @@ def _run(x_TD, w13_EFD, w2_EDF, topk_weights_TK, topk_ids_TK, expert_map_E, cfg,
         return out.to(out_dtype)  # no copy for fp32
     if K == 1:
         return out
-    if defer_sum and T >= DEFER_SUM_MIN_TOKENS and (DEFER_SUM_LARGE or T <= MOE_SUM_MAX_TOKENS):
+    invariant = batch_invariant.enabled()  # one sum whatever T: moe_sum (slot order, per token)
+    if defer_sum and not invariant and T >= DEFER_SUM_MIN_TOKENS and (DEFER_SUM_LARGE or T <= MOE_SUM_MAX_TOKENS):
         return TopKSum(out.view(T, K, D))
-    if T <= MOE_SUM_MAX_TOKENS:  # one Triton launch, faster than torch's reduction there (BENCHMARKS.md §1)
+    if T <= MOE_SUM_MAX_TOKENS or invariant:  # one Triton launch, faster than torch's there (BENCHMARKS.md §1)
         return moe_sum(out.view(T, K, D))
     return out.view(T, K, D).sum(dim=1)  # accumulates in fp32 for half types
 

@@ -21,6 +21,7 @@ import os
 import torch
 from torch import nn
 
+from kernels import batch_invariant
 from kernels.attention import AttentionMetadata, is_fp8_kv, paged_attention_torch, write_kv_cache
 from kernels.cpu_attention import paged_attention_cpu
 from scheduler.kv_cache_spec import SlidingWindow
@@ -128,7 +129,10 @@ class Attention(nn.Module):
             if kv_written:
                 raise ValueError("kv_written is only for the Triton path (kv_write_args)")
             write_kv_cache(k, v, self.kv_cache, meta.slot_mapping_T, **self._fp8_scales())
-            attend = paged_attention_torch if q.is_cuda else paged_attention_cpu
+            if batch_invariant.enabled():
+                attend = batch_invariant.paged_attention_invariant
+            else:
+                attend = paged_attention_torch if q.is_cuda else paged_attention_cpu
             out = attend(q, k, v, self.kv_cache, meta, self.scale, self.chunk_size, **self._attend_args())
         return out.reshape(T, self.num_heads * self.head_dim)
 
@@ -136,6 +140,10 @@ class Attention(nn.Module):
         if not kv_written:
             write_kv_cache_triton(k, v, self.kv_cache, meta.slot_mapping_T, **self._fp8_scales())
         args = self._attend_args()
+        if batch_invariant.enabled():  # every row through one tiling: no split-KV decode launch
+            return unified_attention_triton(q, self.kv_cache, meta.block_tables_BM, meta.query_start_loc_t,
+                                            meta.seq_lens_t, self.scale, self.chunk_size, decodes_apart=False,
+                                            invariant=True, **args)
         if meta.decode_only:
             return paged_attention_decode_triton(q, self.kv_cache, meta.block_tables_BM, meta.seq_lens_t,
                                                  self.scale, self.chunk_size, **args)

@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels import batch_invariant
 from models.layers.weights import Shard, ShardedLoader, attach_loader, new_param
 from models.parallel.state import get_parallel_state, tp_all_gather_last_dim, tp_all_reduce
 
@@ -47,5 +48,5 @@ class ParallelLMHead(VocabParallelEmbedding):
     """Logits = hidden @ weight.T, gathered over the TP group and trimmed to the vocabulary."""
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden, self.weight)
+        logits = batch_invariant.dense(hidden, self.weight)
         return tp_all_gather_last_dim(logits)[..., :self.vocab_size]

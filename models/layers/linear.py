@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels import batch_invariant
 from kernels.triton_fused import fused_kernels_serve
 from models.layers.weights import ReplicatedLoader, Shard, ShardedLoader, attach_loader, new_param
 from models.parallel.state import get_parallel_state, tp_all_gather_last_dim, tp_all_reduce
@@ -26,7 +27,10 @@ def skinny_wins(M: int, N: int) -> bool:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear; on CUDA with Triton, the skinny GEMM for the decode batch sizes where it wins."""
+    """F.linear; on CUDA with Triton, the skinny GEMM for the decode batch sizes where it wins;
+    in batch-invariant mode the fixed-tile GEMM (kernels/batch_invariant.py)."""
+    if batch_invariant.enabled():
+        return batch_invariant.linear(x, weight, bias)
     if _SKINNY and x.is_cuda and x.dim() == 2 and skinny_wins(x.shape[0], weight.shape[0]) and fused_kernels_serve(x):
         from kernels.triton_fused.skinny_gemm import skinny_linear
         return skinny_linear(x, weight, bias)

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels import batch_invariant
 from models.layers.linear import ColumnParallelLinear, RowParallelLinear
 
 
@@ -34,4 +35,4 @@ class SwiGLUMLP(nn.Module):
 
     def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
         gate_TF, up_TF = self.gate_up_proj(x_TD).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate_TF) * up_TF)
+        return self.down_proj(batch_invariant.pointwise(F.silu, gate_TF) * up_TF)

@@ -18,9 +18,11 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from kernels import batch_invariant
 from models.config import ModelConfig
 from models.fp8 import resolve_fp8_experts
 from models.mxfp4 import resolve_mxfp4_experts
+from models.layers.mla_attention import MLAAttention
 from models.layers.moe import FusedMoE, MoEParallelConfig, attach_dispatch_step
 from models.loader import init_dummy_weights, load_weights, update_weights
 from models.parallel.state import get_parallel_state
@@ -102,6 +104,15 @@ class WorkerSpec:
     eos_token_ids: tuple[int, ...]
 
 
+def refuse_batch_invariant(model: torch.nn.Module, config: ModelConfig) -> None:
+    """batch_invariant has no invariant path for MLA attention or linear-attention layers yet."""
+    what = ("MLA attention" if any(isinstance(a, MLAAttention) for a in model.attention_layers())
+            else "linear-attention (recurrent) layers" if model.recurrent_layers() else None)
+    if what:
+        raise ValueError(f"batch_invariant is not supported for {config.architecture} ({what}): "
+                         "it covers the GQA attention families")
+
+
 class Worker:
     def __init__(self, spec: WorkerSpec, device: torch.device) -> None:
         self.spec, self.args, self.device = spec, spec.args, device
@@ -109,7 +120,10 @@ class Worker:
             keep_freed_memory()  # activations' pages reused, not faulted in per op (moe/worker/cpu_memory.py)
         torch.manual_seed(spec.args.seed)
         self.sleeping, self._asleep_weights = 0, {}  # sleep mode (sleep / wake_up): the level, the weights kept
+        batch_invariant.set_enabled(spec.args.batch_invariant_on)  # process-wide: this rank's kernels
         self.model = build_model(spec.model_cls, spec.config, spec.model_path, spec.args, device, spec.dtype)
+        if spec.args.batch_invariant_on:
+            refuse_batch_invariant(self.model, spec.config)
         self.runner = ModelRunner(self.model, device, spec.args.block_size, spec.eos_token_ids,
                                   spec.config.vocab_size, enforce_eager=spec.args.enforce_eager,
                                   cudagraph_capture_sizes=spec.args.cudagraph_capture_sizes,
