@@ -6,14 +6,23 @@ one chunk (budget 8192) and in 256-token chunks with its first 512 tokens from t
 then the same compositions with the mode off. Each result is compared with the first one of its
 mode: tokens equal, logprobs bit-equal, and the largest logprob difference.
 
+The weights: load_format="dummy"'s are uniform in +-1e-3 (norms too), so every layer adds next to
+nothing and all logits are nearly equal: differences in the last bits vanish when rounded and even
+the default mode looks invariant. Here they are redrawn at a trained model's scale before any
+request (matrices uniform with unit variance over their fan-in, norms 1, biases 0), so rounding
+differences reach the logprobs.
+
     python3 benchmarks/batch_invariance_gpu.py --out invariance.json
 """
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import random
 import time
+
+import torch
 
 from benchmarks.gpu_engine_bench import _dummy_model
 from moe import LLM, SamplingParams
@@ -24,6 +33,19 @@ COMPOSITIONS = (("alone", 0, 0), ("among 63, middle", 63, 30), ("among 255, last
 
 def _prompt(rng: random.Random, n: int) -> list[int]:
     return [rng.randrange(1, 129000) for _ in range(n)]
+
+
+def _trained_scale(llm: LLM, seed: int = 0) -> None:
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for name, p in llm.llm_engine.executor.runner.model.named_parameters():
+            if not p.is_floating_point():
+                continue
+            if p.dim() == 1:
+                p.fill_(0.0 if name.endswith("bias") else 1.0)
+            else:
+                bound = math.sqrt(3.0 / p.shape[-1])
+                p.uniform_(-bound, bound)
 
 
 def _target_result(llm: LLM, target: list[int], n_others: int, at: int, prompt_logprobs: bool, seed: int):
@@ -67,6 +89,7 @@ def main() -> int:
             t0 = time.perf_counter()
             with LLM(path, device="cuda", load_format="dummy", max_model_len=4096, max_num_seqs=256,
                      max_num_batched_tokens=budget, enable_prefix_caching=caching, batch_invariant=mode) as llm:
+                _trained_scale(llm)
                 if caching:  # the target's first 512 tokens left in the prefix cache
                     llm.generate([{"prompt_token_ids": target[:CACHED + 1]}], SamplingParams(max_tokens=1),
                                  use_tqdm=False)

@@ -1,6 +1,6 @@
-"""Batch-invariant mode (engine argument `batch_invariant`, `MOE_BATCH_INVARIANT=1`): a request's
-tokens and logprobs are bit-identical whatever it is batched with, however its prefill is chunked
-and wherever it sits in the batch.
+"""Batch-invariant mode (engine argument `batch_invariant`, `MOE_BATCH_INVARIANT=1` or vLLM's
+`VLLM_BATCH_INVARIANT=1`): a request's tokens and logprobs are bit-identical whatever it is batched
+with, however its prefill is chunked and wherever it sits in the batch.
 
 What makes results depend on the batch, and what this mode does instead:
 - GEMMs: a library GEMM picks its algorithm (tile shapes, split-K, GEMV for one row) from M, so a
@@ -41,7 +41,14 @@ QUERY_CHUNK = 256
 POINTWISE_PIECE = 16384
 _NEG_BIG = -1.0e30  # the running max before any key: exp(-inf - _NEG_BIG) = 0, never NaN
 
-_enabled = os.environ.get("MOE_BATCH_INVARIANT") == "1"
+
+
+def requested_by_environment() -> bool:
+    """MOE_BATCH_INVARIANT=1, else vLLM's VLLM_BATCH_INVARIANT=1."""
+    return os.environ.get("MOE_BATCH_INVARIANT", os.environ.get("VLLM_BATCH_INVARIANT")) == "1"
+
+
+_enabled = requested_by_environment()
 
 
 def enabled() -> bool:

@@ -5,7 +5,6 @@ import argparse
 import dataclasses
 import json
 import logging
-import os
 from dataclasses import dataclass
 
 import torch
@@ -295,8 +294,10 @@ class EngineArgs:
 
     @property
     def batch_invariant_on(self) -> bool:
-        """batch_invariant, or MOE_BATCH_INVARIANT=1 in the environment."""
-        return self.batch_invariant or os.environ.get("MOE_BATCH_INVARIANT") == "1"
+        """batch_invariant, or MOE_BATCH_INVARIANT=1 (else VLLM_BATCH_INVARIANT=1) in the environment."""
+        from kernels.batch_invariant import requested_by_environment
+
+        return self.batch_invariant or requested_by_environment()
 
     @property
     def eplb(self) -> EPLBConfig | None:
