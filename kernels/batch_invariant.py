@@ -42,7 +42,6 @@ POINTWISE_PIECE = 16384
 _NEG_BIG = -1.0e30  # the running max before any key: exp(-inf - _NEG_BIG) = 0, never NaN
 
 
-
 def requested_by_environment() -> bool:
     """MOE_BATCH_INVARIANT=1, else vLLM's VLLM_BATCH_INVARIANT=1."""
     return os.environ.get("MOE_BATCH_INVARIANT", os.environ.get("VLLM_BATCH_INVARIANT")) == "1"
@@ -114,10 +113,10 @@ def paged_attention_invariant(q_THd: torch.Tensor, k_TGd: torch.Tensor, v_TGd: t
                               v_scale: float = 1.0, *, sliding_window: int | None = None,
                               sinks: torch.Tensor | None = None) -> torch.Tensor:
     """kernels.attention.paged_attention_torch's contract (the new K/V, k_TGd / v_TGd, already in the
-    cache, which is all that is read), each
-    query computed alone: online softmax over key tiles of KEY_TILE keys from key 0 (a tile past a
-    query's position, or before its chunk / window, is fully masked and changes nothing, bit for
-    bit), each tile's scores and values a fixed-shape product per query. Returns [T, H, d]."""
+    cache, which is all that is read), each query computed alone: online softmax over key tiles of
+    KEY_TILE keys from key 0 (a tile past a query's position, or before its chunk / window, is fully
+    masked and changes nothing, bit for bit), each tile's scores and values a fixed-shape product
+    per query. Returns [T, H, d]."""
     T, H, d = q_THd.shape
     _, _, S, G, _ = kv_cache_2NSGd.shape
     out = torch.empty_like(q_THd)

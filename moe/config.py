@@ -167,7 +167,7 @@ ENGINE_ARG_HELP = {
                                     "server adds it to each choice as base64 of the .npy)",
     "batch_invariant": "bit-identical tokens and logprobs for a request whatever it is batched with and however its "
                        "prefill is chunked: fixed-tile GEMMs, expert kernel and attention (slower; one rank; "
-                       "MOE_BATCH_INVARIANT=1 turns it on too)",
+                       "MOE_BATCH_INVARIANT=1 or VLLM_BATCH_INVARIANT=1 turns it on too)",
     "enable_sleep_mode": "accepted for vLLM compatibility: LLM.sleep / wake_up (and the server's /sleep, /wake_up "
                          "with VLLM_SERVER_DEV_MODE=1) work with or without it",
     "expert_load_window_steps": "engine steps per expert-load window (the recording, the dashboard, the metrics)",
@@ -257,7 +257,7 @@ class EngineArgs:
     # forward (prompt and generated, all but the last sampled), returned with the finished output.
     enable_return_routed_experts: bool = False
     # A request's results independent of its batch, its chunking and its place in the batch
-    # (kernels/batch_invariant.py); MOE_BATCH_INVARIANT=1 turns it on too.
+    # (kernels/batch_invariant.py); MOE_BATCH_INVARIANT=1 (else VLLM_BATCH_INVARIANT=1) turns it on too.
     batch_invariant: bool = False
     # vLLM needs it for LLM.sleep / wake_up; here they always work (the flag is accepted).
     enable_sleep_mode: bool = False
