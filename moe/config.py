@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels.batch_invariant import requested_by_environment as batch_invariant_requested_by_environment
 from models.fp8 import QUANTIZATION_CHOICES as QUANTIZATIONS  # None (auto) | "fp8" | "none"
 from moe.structured_output.config import StructuredOutputsConfig
 
@@ -295,9 +296,7 @@ class EngineArgs:
     @property
     def batch_invariant_on(self) -> bool:
         """batch_invariant, or MOE_BATCH_INVARIANT=1 (else VLLM_BATCH_INVARIANT=1) in the environment."""
-        from kernels.batch_invariant import requested_by_environment
-
-        return self.batch_invariant or requested_by_environment()
+        return self.batch_invariant or batch_invariant_requested_by_environment()
 
     @property
     def eplb(self) -> EPLBConfig | None:

@@ -156,8 +156,8 @@ def unified_attention_triton(q_THd: torch.Tensor, kv_cache_2NSGd: torch.Tensor, 
     sliding_window: a query at p sees keys max(0, p - sliding_window + 1) .. p (not with chunk_size).
     sinks: fp32 [H] on the device, each head's sink logit (kernels/attention.py); None = none.
     invariant: batch-invariant mode (kernels/batch_invariant.py): a row's result is the same
-    whatever else the batch holds and wherever the row sits in its tile (with decodes_apart False
-    and block_q, config left at their defaults).
+    whatever else the batch holds and wherever the row sits in its tile (decode rows then share the
+    prefill rows' launch whatever decodes_apart says; block_q and config left at their defaults).
     """
     if q_THd.dim() != 3 or q_THd.stride(2) != 1:
         raise ValueError(f"q_THd must be [T, H, d] with unit stride along d, got {tuple(q_THd.shape)}")
@@ -187,8 +187,10 @@ def unified_attention_triton(q_THd: torch.Tensor, kv_cache_2NSGd: torch.Tensor, 
     precision, upcast = dot_flags(q_THd.dtype)
     N = kv_cache_2NSGd.shape[1]
     fp8 = is_fp8_kv(kv_cache_2NSGd.dtype)
-    if decodes_apart is None or invariant:  # invariant: the decode rows' tiles are the prefill rows'
-        decodes_apart = DECODES_APART and not invariant
+    if invariant:  # the decode rows' tiles are the prefill rows'
+        decodes_apart = False
+    elif decodes_apart is None:
+        decodes_apart = DECODES_APART
     if decodes_apart:
         paged_attention_decode_triton(q_THd, kv_cache_2NSGd, block_tables_BM, seq_lens_B, scale, chunk_size,
                                       out_BHd=out_THd, query_start_loc_B1=query_start_loc_B1,

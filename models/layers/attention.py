@@ -142,8 +142,7 @@ class Attention(nn.Module):
         args = self._attend_args()
         if batch_invariant.enabled():  # every row through one tiling: no split-KV decode launch
             return unified_attention_triton(q, self.kv_cache, meta.block_tables_BM, meta.query_start_loc_t,
-                                            meta.seq_lens_t, self.scale, self.chunk_size, decodes_apart=False,
-                                            invariant=True, **args)
+                                            meta.seq_lens_t, self.scale, self.chunk_size, invariant=True, **args)
         if meta.decode_only:
             return paged_attention_decode_triton(q, self.kv_cache, meta.block_tables_BM, meta.seq_lens_t,
                                                  self.scale, self.chunk_size, **args)
