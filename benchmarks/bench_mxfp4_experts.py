@@ -112,8 +112,18 @@ def bench_shape(name, shape, Ms, args, rows, device):
     if smoke:  # the interpreter: a config of small blocks; on the GPU the shipped / default ones
         kw["config"] = SMOKE_CONFIG
 
-    def mxfp4(x, tw, ti):
+    import kernels.triton_moe.fused as fused
+
+    def mxfp4(x, tw, ti, scaled):
+        """scaled: through tl.dot_scaled (MOE_MXFP4_DOT_SCALED), else the kernels' own dequantisation."""
+        fused.MXFP4_DOT_SCALED = scaled
         return fused_experts_triton_mxfp4(x, w["q13"], w["q2"], w["s13"], w["s2"], tw, ti, **kw)
+
+    def mxfp4_scaled(x, tw, ti):
+        return mxfp4(x, tw, ti, scaled=True)
+
+    def mxfp4_dequant(x, tw, ti):
+        return mxfp4(x, tw, ti, scaled=False)
 
     def bf16(x, tw, ti):
         return fused_experts_triton(x, w["w13"], w["w2"], tw, ti, **kw)
@@ -129,14 +139,18 @@ def bench_shape(name, shape, Ms, args, rows, device):
                 row["config_mxfp4"] = get_config(M, E, F, K, "mxfp4")
                 row["config_bf16"] = get_config(M, E, F, K, torch.bfloat16)
             tw, ti = rts[0]
-            out_mx, out_bf = mxfp4(x, tw, ti), bf16(x, tw, ti)
+            out_mx, out_bf = mxfp4_dequant(x, tw, ti), bf16(x, tw, ti)
             row["rel_err_mxfp4_vs_bf16"] = rel_err(out_mx, out_bf)
+            out_sc = mxfp4_scaled(x, tw, ti)
+            row["rel_err_scaled_vs_dequant"] = rel_err(out_sc, out_mx)
             if M <= args.check_max_m:
                 ref = fused_experts_torch(x, w["w13"], w["w2"], tw, ti, w13_bias=w["b13"], w2_bias=w["b2"],
                                           activation="swigluoai")
                 row["rel_err_mxfp4"] = rel_err(out_mx, ref)
+                row["rel_err_mxfp4_scaled"] = rel_err(out_sc, ref)
                 row["rel_err_bf16"] = rel_err(out_bf, ref)
-            for fmt, fn, wb in (("mxfp4", mxfp4, MXFP4_BYTES), ("bf16", bf16, 2)):
+            for fmt, fn, wb in (("mxfp4", mxfp4_dequant, MXFP4_BYTES), ("mxfp4_scaled", mxfp4_scaled, MXFP4_BYTES),
+                                ("bf16", bf16, 2)):
                 us = 1e3 * time_ms([lambda tw=tw, ti=ti, fn=fn: fn(x, tw, ti) for tw, ti in rts], M,
                                    reps=args.reps)
                 floor, flop_floor = floors_us(E, D, F, K, M, touched, wb)
@@ -145,6 +159,7 @@ def bench_shape(name, shape, Ms, args, rows, device):
                 row[f"{fmt}_bytes_floor_over_time"] = floor / us
                 row["flop_floor_us"] = flop_floor
             row["mxfp4_speedup"] = row["bf16_us"] / row["mxfp4_us"]
+            row["scaled_speedup"] = row["mxfp4_us"] / row["mxfp4_scaled_us"]
         except Exception as e:  # report, do not stop the bench
             row["error"] = f"{type(e).__name__}: {e}"[:300]
         rows.append(row)
@@ -161,13 +176,14 @@ def _fmt(v, f="{:.1f}"):
 
 
 def table(rows) -> str:
-    lines = ["| shape | M | touched | MXFP4 µs | floor | floor/time | bf16 µs | floor | floor/time | "
-             "speed-up | err MXFP4 | err vs bf16 |", "|" + "---|" * 12]
+    lines = ["| shape | M | touched | MXFP4 µs | floor | floor/time | dot_scaled µs | floor/time | bf16 µs | floor | "
+             "floor/time | speed-up | err MXFP4 | err vs bf16 |", "|" + "---|" * 14]
     for r in rows:
         lines.append("| " + " | ".join([
             r["shape"], str(r["M"]), _fmt(r.get("experts_touched"), "{:.1f}"),
             _fmt(r.get("mxfp4_us")), _fmt(r.get("mxfp4_bytes_floor_us")),
             _fmt(r.get("mxfp4_bytes_floor_over_time"), "{:.2f}"),
+            _fmt(r.get("mxfp4_scaled_us")), _fmt(r.get("mxfp4_scaled_bytes_floor_over_time"), "{:.2f}"),
             _fmt(r.get("bf16_us")), _fmt(r.get("bf16_bytes_floor_us")),
             _fmt(r.get("bf16_bytes_floor_over_time"), "{:.2f}"), _fmt(r.get("mxfp4_speedup"), "{:.2f}"),
             _fmt(r.get("rel_err_mxfp4"), "{:.1e}"), _fmt(r.get("rel_err_mxfp4_vs_bf16"), "{:.1e}")]) + " |"

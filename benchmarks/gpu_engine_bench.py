@@ -40,6 +40,9 @@ Stages:
            back: the steady measure for A/B runs of changes inside the forward.
   timeline (--runs timeline1 timeline256) a few decode steps under the profiler: the device's busy
            and idle time per step against the wall time, and the kernels outside the layers.
+  host     (--runs host256) host ms per step of each part (schedule, batch build, upload, replay,
+           sampling inputs, output side, ...) over decode-only steps of 256 and mixed steps of 255
+           decodes beside a 512-token prompt.
 
 Floors (one H200), read off the built model: prefill FLOPs / 700 TFLOP/s + per decode step (bytes
 of the weights the step touches + KV bytes it reads) / 4.8 TB/s. A step of B tokens touches each
@@ -611,6 +614,77 @@ def profile_decode(llm: LLM, num_requests: int, prompt_len: int = 512, steps: in
     return {k: round(v, 3) if isinstance(v, float) else v for k, v in out.items()}
 
 
+def host_parts(llm: LLM, num_decodes: int = 256, chunk: int = 512, prompt_len: int = 512, steps: int = 24) -> dict:
+    """Host time of each part of an engine step (median ms per step, perf_counter around each
+    part; a part run twice in a step counts both), over `steps` decode-only steps of num_decodes
+    running requests and over as many mixed steps (num_decodes - 1 decodes beside a new `chunk`-token
+    prompt each), async scheduling as configured. The parts nest: `engine_step` holds the core step
+    and the output side; `launch` holds build, upload, pending-token fill, replay or forward,
+    logits and sampling inputs; `collect` waits for the tokens of the step before."""
+    import moe.worker.model_runner as mr
+    engine = llm.llm_engine
+    core = engine.core
+    runner = engine.executor.runner
+    timers: dict[str, list[float]] = {}
+    originals = []
+
+    def wrap(obj, name, key):
+        originals.append((obj, name, obj.__dict__.get(name, _MISSING) if isinstance(obj, type) else getattr(obj, name)))
+        fn = getattr(obj, name)
+
+        def timed(*args, **kwargs):
+            t = time.perf_counter()
+            out = fn(*args, **kwargs)
+            timers.setdefault(key, []).append(time.perf_counter() - t)
+            return out
+        setattr(obj, name, staticmethod(timed) if isinstance(obj, type) else timed)
+
+    for obj, name, key in ((engine, "step", "engine_step"), (core, "step", "core_step"),
+                           (engine.output, "process", "output_side"), (engine.scheduler, "schedule", "schedule"),
+                           (engine.scheduler, "update_from_output", "update_from_output"),
+                           (runner, "_update_states", "runner_states"), (runner, "launch", "launch"),
+                           (runner, "collect", "collect"), (mr.StepBatch, "build", "batch_build"),
+                           (mr, "upload", "upload"), (runner, "_fill_pending", "fill_pending"),
+                           (runner, "_sampling_batch", "sampling_inputs"), (mr, "sample", "sample_launch"),
+                           (runner.model, "compute_logits", "logits_launch")):
+        wrap(obj, name, key)
+    for graphs, key in ((runner.graphs, "decode_graph_replay"), (runner.mixed_graphs, "mixed_graph_replay")):
+        if graphs is not None:
+            wrap(graphs, "replay", key)
+
+    def per_step(run_steps) -> dict:
+        timers.clear()
+        run_steps()
+        n = len(timers.get("engine_step", [])) or 1
+        return {k: round(1e3 * sum(v) / n, 4) for k, v in sorted(timers.items())}
+
+    try:
+        _start_decoding(llm, num_decodes, prompt_len, max_tokens=4 * steps + 40)
+        for _ in range(4):
+            engine.step()
+        out = {"decode": per_step(lambda: [engine.step() for _ in range(steps)])}
+        one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+        prompts = _prompts(steps, chunk, seed=9)
+
+        def mixed():
+            for i in range(steps):
+                engine.add_request(f"host-chunk{i}", prompts[i], one)
+                engine.step()
+        mixed()  # warm-up (new prompts, their sizes)
+        prompts = _prompts(steps, chunk, seed=10)
+        out["mixed"] = per_step(mixed)
+        out["steps_each"] = steps
+    finally:
+        for obj, name, orig in reversed(originals):
+            if orig is _MISSING:
+                delattr(obj, name)
+            else:
+                setattr(obj, name, orig)
+    while engine.has_unfinished_requests():
+        engine.step()
+    return out
+
+
 def step_timeline(llm: LLM, num_requests: int, prompt_len: int = 512, steps: int = 10) -> dict:
     """Where a decode step's wall time goes on the GPU (async scheduling as configured): over
     `steps` steps under the profiler, the union of the device's busy intervals (kernels and
@@ -736,6 +810,7 @@ def qwen3(results: dict, eager: bool, runs: list[str], tp: int = 1, record: bool
         "profile256": lambda: profile_decode(llm, 256),
         "profile1": lambda: profile_decode(llm, 1),
         "timeline256": lambda: step_timeline(llm, 256),
+        "host256": lambda: host_parts(llm),  # host ms per step by part, decode-only and mixed
         "timeline1": lambda: step_timeline(llm, 1, steps=30),
         "replay1": lambda: graph_replay(llm, 1),
         "replay16": lambda: graph_replay(llm, 16),

@@ -71,6 +71,9 @@
 #                 floors (RUNS to choose) -> $OUT/engine_gpt_oss.json
 #   mxfp4         the MXFP4 expert-kernel tests on CUDA, then benchmarks/bench_mxfp4_experts.py: the gpt-oss-20b and
 #                 -120b expert layers with MXFP4 weights against bf16 ones of the same values -> $OUT/mxfp4_experts.json
+#   mxfp4-tune    the MXFP4 expert-kernel tests under MXFP4_TUNE_ENV (e.g. MOE_MXFP4_DOT_SCALED=1: tl.dot_scaled),
+#                 bench_mxfp4_experts.py (both forms beside bf16), then `moe tune-moe --dtype mxfp4` at the gpt-oss-20b
+#                 and -120b shapes under MXFP4_TUNE_ENV -> $OUT/mxfp4_experts.json, $OUT/configs, $OUT/tune_mxfp4_E*.json
 #   hybrid        (carry .gpu_ckpts from make_gpu_checkpoints.py --hybrid, and .whl with fla-core + einops for
 #                 the field's kernel beside ours) the Gated DeltaNet kernel tests on CUDA, greedy tokens of the tiny
 #                 Qwen3-Next / Qwen3.5-MoE checkpoints on the GPU against the CPU's, bench_gated_delta.py, then
@@ -242,6 +245,15 @@ json.dump(QWEN3_30B_A3B, open(os.path.join(sys.argv[1], 'config.json'), 'w'))" "
            --out "$OUT/engine_gpt_oss.json" ;;
     mxfp4) step mxfp4-tests timeout 200 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_mxfp4_experts.py
       step mxfp4-bench timeout 280 python3 benchmarks/bench_mxfp4_experts.py --out "$OUT/mxfp4_experts.json" ;;
+    mxfp4-tune) mkdir -p "$CFG"  # MXFP4_TUNE_ENV (e.g. MOE_MXFP4_DOT_SCALED=1) sets the kernels' form
+      step mxfp4-tests-env env ${MXFP4_TUNE_ENV:-} timeout 200 python3 -m pytest -q -p no:cacheprovider \
+           tests/kernels/test_mxfp4_experts.py
+      step mxfp4-bench timeout 280 python3 benchmarks/bench_mxfp4_experts.py --out "$OUT/mxfp4_experts.json"
+      for E in 32 128; do
+        step "mxfp4-tune E=$E" env ${MXFP4_TUNE_ENV:-} timeout 150 python3 -m kernels.triton_moe.tune --E $E \
+             --D 2880 --F 2880 --topk 4 --dtype mxfp4 --M ${MXFP4_TUNE_M:-1 8 64 256 1024 4096} \
+             --budget-s ${MXFP4_TUNE_S:-110} --out-dir "$CFG" --report "$OUT/tune_mxfp4_E$E.json"
+      done ;;
     eplb) step eplb timeout 580 python3 benchmarks/eplb_gpu_bench.py --out "$OUT/eplb.json" ${EPLB_ARGS:-} ;;
     *) echo "unknown stage $stage" | tee -a "$LOG" ;;
   esac

@@ -40,6 +40,9 @@ DEFER_SUM_MIN_TOKENS = 32
 # 17 us a layer beside 255 decodes + a 512-token chunk on an H200); MOE_DEFER_SUM_LARGE=0: only up
 # to it (A/B runs).
 DEFER_SUM_LARGE = os.environ.get("MOE_DEFER_SUM_LARGE", "1") != "0"
+# MXFP4 weights through tl.dot_scaled (the compiler's E2M1 upcast) instead of the kernels' own
+# dequantisation (mxfp4.py), for 16-bit activations; MOE_MXFP4_DOT_SCALED=1 turns it on (A/B runs).
+MXFP4_DOT_SCALED = os.environ.get("MOE_MXFP4_DOT_SCALED", "0") == "1"
 # A step of one token skips the alignment launch (one_row_blocks); MOE_DIRECT_ALIGN=0 keeps it (A/B runs).
 DIRECT_ALIGN = os.environ.get("MOE_DIRECT_ALIGN", "1") != "0"
 _ONE_ROW_SORTED: dict[tuple[int, int, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
@@ -127,6 +130,8 @@ def _run(x_TD, w13_EFD, w2_EDF, topk_weights_TK, topk_ids_TK, expert_map_E, cfg,
             w13_scale, w2_scale = mxfp4
             ws13_strides, ws2_strides = w13_scale.stride(), w2_scale.stride()
     mx = {"W_MXFP4": True} if use_mxfp4 else {}  # nothing extra otherwise: the same compiled kernels
+    if use_mxfp4 and MXFP4_DOT_SCALED and x_TD.dtype in (torch.bfloat16, torch.float16):
+        mx["MXFP4_SCALED"] = "bf16" if x_TD.dtype == torch.bfloat16 else "fp16"
     precision = "ieee" if x_TD.dtype == torch.float32 else "tf32"
     upcast = x_TD.dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1"
     pdl = pdl_launch(x_TD)

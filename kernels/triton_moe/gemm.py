@@ -36,7 +36,7 @@ import triton
 import triton.language as tl
 
 from kernels.pdl import pdl_enter
-from kernels.triton_moe.mxfp4 import load_mxfp4_scales, load_mxfp4_t
+from kernels.triton_moe.mxfp4 import dot_mxfp4_scaled, load_mxfp4_codes, load_mxfp4_scales, load_mxfp4_t
 
 
 @triton.jit
@@ -73,6 +73,7 @@ def gate_up_kernel(
     PRECISION: tl.constexpr, UPCAST: tl.constexpr, USE_PDL: tl.constexpr,
     b_ptr=None, stride_be=0, stride_bn=0, swiglu_alpha=1.702, swiglu_limit=7.0,
     HAS_BIAS: tl.constexpr = False, ACTIVATION: tl.constexpr = "silu", W_MXFP4: tl.constexpr = False,
+    MXFP4_SCALED: tl.constexpr = "",
 ):
     pdl_enter(USE_PDL)
     pid_m, pid_n = _block_coords(num_m_blocks, N, BLOCK_N, GROUP_M)
@@ -114,8 +115,12 @@ def gate_up_kernel(
             else:
                 kmask = offs_k < Kd - k * BLOCK_K
                 a = tl.load(a_ptrs, mask=rmask[:, None] & kmask[None, :], other=0.0)
-            g = load_mxfp4_t(g_ptrs, g_e8, Kd - k * BLOCK_K, BLOCK_N, BLOCK_K, EVEN_K, a.dtype)
-            u = load_mxfp4_t(u_ptrs, u_e8, Kd - k * BLOCK_K, BLOCK_N, BLOCK_K, EVEN_K, a.dtype)
+            if MXFP4_SCALED != "":
+                g = load_mxfp4_codes(g_ptrs, Kd - k * BLOCK_K, BLOCK_K, EVEN_K)
+                u = load_mxfp4_codes(u_ptrs, Kd - k * BLOCK_K, BLOCK_K, EVEN_K)
+            else:
+                g = load_mxfp4_t(g_ptrs, g_e8, Kd - k * BLOCK_K, BLOCK_N, BLOCK_K, EVEN_K, a.dtype)
+                u = load_mxfp4_t(u_ptrs, u_e8, Kd - k * BLOCK_K, BLOCK_N, BLOCK_K, EVEN_K, a.dtype)
         elif EVEN_K:
             a = tl.load(a_ptrs, mask=rmask[:, None], other=0.0)
             g = tl.load(g_ptrs)
@@ -132,6 +137,9 @@ def gate_up_kernel(
             u_s = tl.load(us_ptrs + kg * stride_wsk)
             acc_g += tl.dot(a, g) * a_s[:, None] * g_s[None, :]
             acc_u += tl.dot(a, u) * a_s[:, None] * u_s[None, :]
+        elif W_MXFP4 and MXFP4_SCALED != "":
+            acc_g = dot_mxfp4_scaled(a, g, g_e8, acc_g, MXFP4_SCALED)
+            acc_u = dot_mxfp4_scaled(a, u, u_e8, acc_u, MXFP4_SCALED)
         else:
             acc_g = _dot(a, g, acc_g, PRECISION, UPCAST)
             acc_u = _dot(a, u, acc_u, PRECISION, UPCAST)
@@ -181,7 +189,7 @@ def down_kernel(
     SPLIT_K: tl.constexpr, ATOMIC: tl.constexpr,
     PRECISION: tl.constexpr, UPCAST: tl.constexpr, USE_PDL: tl.constexpr,
     b_ptr=None, stride_be=0, stride_bn=0, HAS_BIAS: tl.constexpr = False,
-    W_MXFP4: tl.constexpr = False,
+    W_MXFP4: tl.constexpr = False, MXFP4_SCALED: tl.constexpr = "",
 ):
     pdl_enter(USE_PDL)
     pid_m, pid_n = _block_coords(num_m_blocks, N, BLOCK_N, GROUP_M)
@@ -236,7 +244,10 @@ def down_kernel(
                 a = tl.load(a_ptrs)
             else:
                 a = tl.load(a_ptrs, mask=(offs_k < Kd - k * BLOCK_K)[None, :], other=0.0)
-            b = load_mxfp4_t(b_ptrs, b_e8, Kd - k * BLOCK_K, BLOCK_N, BLOCK_K, EVEN_K, a.dtype)
+            if MXFP4_SCALED != "":
+                b = load_mxfp4_codes(b_ptrs, Kd - k * BLOCK_K, BLOCK_K, EVEN_K)
+            else:
+                b = load_mxfp4_t(b_ptrs, b_e8, Kd - k * BLOCK_K, BLOCK_N, BLOCK_K, EVEN_K, a.dtype)
         elif EVEN_K:
             a = tl.load(a_ptrs)
             b = tl.load(b_ptrs)
@@ -249,6 +260,8 @@ def down_kernel(
             a_s = tl.load(hs_ptrs + kg * stride_hsk)
             b_s = tl.load(bs_ptrs + kg * stride_wsk)
             acc += tl.dot(a, b) * a_s[:, None] * b_s[None, :]
+        elif W_MXFP4 and MXFP4_SCALED != "":
+            acc = dot_mxfp4_scaled(a, b, b_e8, acc, MXFP4_SCALED)
         else:
             acc = _dot(a, b, acc, PRECISION, UPCAST)
         a_ptrs += BLOCK_K * stride_hk

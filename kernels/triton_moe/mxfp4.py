@@ -72,6 +72,22 @@ def load_mxfp4_t(q_ptrs, s, k_left, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr
 
 
 @triton.jit
+def load_mxfp4_codes(q_ptrs, k_left, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+    """The raw [BLOCK_N, BLOCK_K/2] code bytes of one K step (MXFP4_SCALED); k_left as in load_mxfp4_t."""
+    if EVEN_K:
+        return tl.load(q_ptrs)
+    return tl.load(q_ptrs, mask=(tl.arange(0, BLOCK_K // 2) < k_left // 2)[None, :], other=0)
+
+
+@triton.jit
+def dot_mxfp4_scaled(a, q, s, acc, A_FORMAT: tl.constexpr):
+    """acc + a @ W^T for W's code bytes q [BLOCK_N, BLOCK_K/2] and scales s [BLOCK_N, BLOCK_K/32]
+    through tl.dot_scaled: the compiler's own E2M1 upcast instead of mxfp4_to's, to the same
+    values. A_FORMAT: a's dtype as dot_scaled names it, "bf16" or "fp16" (the upcast's target)."""
+    return tl.dot_scaled(a, None, A_FORMAT, tl.trans(q), s, "e2m1", acc)
+
+
+@triton.jit
 def _dequant_kernel(q_ptr, s_ptr, o_ptr, N, Kd, stride_qn, stride_sn, stride_on,
                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)

@@ -137,24 +137,26 @@ def time_calls(fns, M: int, reps: int = 20) -> float:
     return time_graph(fns, reps) if M <= 1024 else time_events(fns, max(5, reps // 2))
 
 
-def _time_split(cfg_up, cfg_down, problems, fp8_w, M):
+def _time_split(cfg_up, cfg_down, problems, quant_w, M):
+    """quant_w: None (16-bit weights in the problems) or (kind, (q13, q2), (s13, s2)), kind "fp8"
+    or "mxfp4"."""
     cfg = dict(cfg_up)
     cfg["down"] = {k: v for k, v in cfg_down.items() if k != "BLOCK_SIZE_M"}
 
     def mk(x, w13, w2, tw, ti):
-        if fp8_w is not None:
-            (q13, q2), (s13, s2) = fp8_w
-            return lambda: _run(x, q13, q2, tw, ti, None, cfg, fp8=(s13, s2))
+        if quant_w is not None:
+            kind, (q13, q2), scales = quant_w
+            return lambda: _run(x, q13, q2, tw, ti, None, cfg, **{kind: scales})
         return lambda: _run(x, w13, w2, tw, ti, None, cfg)
     return time_calls([mk(*p) for p in problems], M, reps=14)
 
 
-def tune_one(E, D, F, K, M, dtype, budget_s, fp8_w=None, prior=None, wide=False, default=None):
+def tune_one(E, D, F, K, M, dtype, budget_s, quant_w=None, prior=None, wide=False, default=None):
     """(best config, its ms, ms of `default` or None) for T=M; `prior` (e.g. the shipped config)
     is tried first; `default` (the untuned fallback) is timed on the same problems and kept when
     nothing searched beats it."""
-    fp8 = fp8_w is not None
-    x, w13, w2, tw, ti = make_problem(E, D, F, K, M, dtype, with_weights=not fp8)
+    fp8 = quant_w is not None and quant_w[0] == "fp8"
+    x, w13, w2, tw, ti = make_problem(E, D, F, K, M, dtype, with_weights=quant_w is None)
     # a few routings, so that consecutive timed calls touch different experts
     n_prob = 4 if M <= 256 else 1
     problems = [(x, w13, w2, tw, ti)]
@@ -179,7 +181,7 @@ def tune_one(E, D, F, K, M, dtype, budget_s, fp8_w=None, prior=None, wide=False,
             if time.monotonic() > t_end and best is not None:
                 break
             try:
-                t = _time_split(c, downs[0], problems, fp8_w, M)
+                t = _time_split(c, downs[0], problems, quant_w, M)
             except Exception as e:  # out of resources etc.
                 print(f"  skip {c}: {type(e).__name__}")
                 continue
@@ -190,7 +192,7 @@ def tune_one(E, D, F, K, M, dtype, budget_s, fp8_w=None, prior=None, wide=False,
             if time.monotonic() > t_end and best is not None:
                 break
             try:
-                t = _time_split(up_best, c, problems, fp8_w, M)
+                t = _time_split(up_best, c, problems, quant_w, M)
             except Exception as e:
                 print(f"  skip {c}: {type(e).__name__}")
                 continue
@@ -203,7 +205,7 @@ def tune_one(E, D, F, K, M, dtype, budget_s, fp8_w=None, prior=None, wide=False,
     t_default = None
     if default is not None:  # the untuned fallback competes too: a short search can miss its tile
         up, down = split_config(default)
-        t_default = _time_split(up, down, problems, fp8_w, M)
+        t_default = _time_split(up, down, problems, quant_w, M)
         if t_default < best[1]:
             best = (dict(default), t_default)
     shown = "" if t_default is None else f" (default config {t_default * 1e3:.1f} us)"
@@ -214,8 +216,8 @@ def tune_one(E, D, F, K, M, dtype, budget_s, fp8_w=None, prior=None, wide=False,
 def tune(E, D, F, K, Ms, dtype_name="bf16", budget_s=120.0, out_dir=CONFIG_DIR,
          block_shape=None, wide=False, report=None):
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32,
-             "fp8_w8a8": torch.bfloat16}[dtype_name]
-    fp8_w = None
+             "fp8_w8a8": torch.bfloat16, "mxfp4": torch.bfloat16}[dtype_name]
+    quant_w = None
     if dtype_name == "fp8_w8a8":
         block_shape = tuple(block_shape or (128, 128))
         from kernels.reference_fp8 import quantize_block_fp8
@@ -223,8 +225,15 @@ def tune(E, D, F, K, Ms, dtype_name="bf16", budget_s=120.0, out_dir=CONFIG_DIR,
         q13 = [quantize_block_fp8(w, block_shape) for w in w13]
         q2 = [quantize_block_fp8(w, block_shape) for w in w2]
         del w13, w2
-        fp8_w = ((torch.stack([q for q, _ in q13]), torch.stack([q for q, _ in q2])),
-                 (torch.stack([s for _, s in q13]), torch.stack([s for _, s in q2])))
+        quant_w = ("fp8", (torch.stack([q for q, _ in q13]), torch.stack([q for q, _ in q2])),
+                   (torch.stack([s for _, s in q13]), torch.stack([s for _, s in q2])))
+    elif dtype_name == "mxfp4":  # random codes; scales 2^-8 .. 2^-6 give weights of the size of D^-0.5
+        g = torch.Generator(device="cuda").manual_seed(0)
+        codes = [torch.randint(0, 256, shape, device="cuda", dtype=torch.uint8, generator=g)
+                 for shape in ((E, 2 * F, D // 2), (E, D, F // 2))]
+        scales = [torch.randint(119, 122, shape, device="cuda", dtype=torch.uint8, generator=g)
+                  for shape in ((E, 2 * F, D // 32), (E, D, F // 32))]
+        quant_w = ("mxfp4", tuple(codes), tuple(scales))
     results, rows = {}, []
     name = config_file_name(E, F, device_name(), dtype_name, block_shape)
     priors = load_configs(name)
@@ -236,7 +245,7 @@ def tune(E, D, F, K, Ms, dtype_name="bf16", budget_s=120.0, out_dir=CONFIG_DIR,
             break
         prior = nearest_bucket(priors, M) if priors else None
         default = default_config(M, E, F, K, dtype_name, block_shape)
-        cfg, t, t_default = tune_one(E, D, F, K, M, dtype, max(share, 1.0), fp8_w, prior, wide, default)
+        cfg, t, t_default = tune_one(E, D, F, K, M, dtype, max(share, 1.0), quant_w, prior, wide, default)
         results[M] = cfg
         rows.append({"M": M, "tuned_us": t * 1e3, "config": cfg,
                      **({} if t_default is None else {"default_us": t_default * 1e3,
@@ -263,7 +272,8 @@ def main(argv=None) -> int:
     p.add_argument("--D", type=int, required=True, help="hidden size")
     p.add_argument("--F", type=int, required=True, help="expert intermediate size (N)")
     p.add_argument("--topk", type=int, required=True)
-    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32", "fp8_w8a8"])
+    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32", "fp8_w8a8", "mxfp4"],
+                   help="the weights' form (mxfp4: gpt-oss's E2M1 codes and E8M0 scales, bf16 activations)")
     p.add_argument("--block-shape", type=int, nargs=2, default=None,
                    help="FP8 weight block (bn bk); default 128 128 for fp8_w8a8")
     p.add_argument("--M", type=int, nargs="+", default=[1, 8, 64, 256, 1024, 4096, 16384])

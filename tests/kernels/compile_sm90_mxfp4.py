@@ -79,13 +79,15 @@ def specialise(kernel, constexprs: dict, pointers: dict, ints: dict, floats=lamb
 
 
 def compile_variant(which: str, config: str, act: str = "bf16", bias: bool = True,
-                    activation: str = "swigluoai", split_k: int = 1, mxfp4: bool = True) -> dict:
-    """One GEMM compiled for sm_90 (mxfp4=False: the same launch with `act` weights, to compare)."""
+                    activation: str = "swigluoai", split_k: int = 1, mxfp4: bool = True,
+                    scaled: bool = False) -> dict:
+    """One GEMM compiled for sm_90 (mxfp4=False: the same launch with `act` weights, to compare;
+    scaled: the MXFP4 tiles through tl.dot_scaled, MOE_MXFP4_DOT_SCALED)."""
     bm, bn, bk, gm, warps, stages = CONFIGS[config]
     kd = D if which == "gate_up" else F
     constexprs = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm, GN=1, GK=1, USE_FP8=False,
                       EVEN_K=kd % bk == 0, PRECISION="tf32", UPCAST=False, USE_PDL=True, HAS_BIAS=bias,
-                      W_MXFP4=mxfp4)
+                      W_MXFP4=mxfp4, MXFP4_SCALED=act if mxfp4 and scaled else "")
     pointers = {"w_ptr": "u8" if mxfp4 else act, "ws_ptr": "u8" if mxfp4 else act, "sorted_ptr": "i32",
                 "expert_ids_ptr": "i32", "npp_ptr": "i32", "b_ptr": "fp32", "topk_w_ptr": "fp32",
                 "xs_ptr": act, "hs_ptr": act}
@@ -139,16 +141,20 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--configs", nargs="+", default=["decode", "prefill"], choices=list(CONFIGS))
     p.add_argument("--activations", nargs="+", default=["bf16"], choices=["bf16", "fp16"])
+    p.add_argument("--scaled", action="store_true",
+                   help="also compile each MXFP4 launch through tl.dot_scaled (MOE_MXFP4_DOT_SCALED)")
     p.add_argument("--with-16bit-weights", action="store_true",
                    help="also compile each launch with 16-bit weights (W_MXFP4 off), to compare")
     a = p.parse_args(argv)
     report = {}
     for act in a.activations:
         for cfg in a.configs:
-            for mx in (True, False) if a.with_16bit_weights else (True,):
-                tag = "mxfp4" if mx else act
-                report[f"gate_up/{cfg}/{act}/{tag}"] = compile_variant("gate_up", cfg, act, mxfp4=mx)
-                report[f"down/{cfg}/{act}/{tag}"] = compile_variant("down", cfg, act, mxfp4=mx,
+            forms = [(True, False)] + ([(True, True)] if a.scaled else []) + ([(False, False)] if a.with_16bit_weights
+                                                                              else [])
+            for mx, scaled in forms:
+                tag = ("mxfp4_scaled" if scaled else "mxfp4") if mx else act
+                report[f"gate_up/{cfg}/{act}/{tag}"] = compile_variant("gate_up", cfg, act, mxfp4=mx, scaled=scaled)
+                report[f"down/{cfg}/{act}/{tag}"] = compile_variant("down", cfg, act, mxfp4=mx, scaled=scaled,
                                                                    split_k=2 if cfg == "decode" else 1)
     print(json.dumps(report))
 

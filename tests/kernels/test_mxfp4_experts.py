@@ -246,6 +246,28 @@ def test_triton_atomic_and_split_k_down(case, down, run):
     assert rel(out, same) < 1e-6  # fp32 atomics: the order of the adds may differ
 
 
+@pytest.mark.parametrize("down", [{}, {"SPLIT_K": 2}], ids=["plain", "split2"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_dot_scaled_form_equals_the_kernels_dequantisation(case, dtype, down, run, monkeypatch):
+    """MOE_MXFP4_DOT_SCALED: the tiles through tl.dot_scaled give what the kernels' own
+    dequantisation gives (the same weight values; exactly under the interpreter), and both the
+    reference, with masked K / N, an expert map, split-K and the deferred sum."""
+    import kernels.triton_moe.fused as fused
+    c = make_case(case, dtype=dtype, seed=5)
+    kw = dict(defer_sum=case == "defer", activation="swigluoai", swiglu_limit=SMALL_LIMIT,
+              config=dict(c["cfg"], down=down) if down else None)
+    outs = {}
+    for scaled in (False, True):
+        monkeypatch.setattr(fused, "MXFP4_DOT_SCALED", scaled)
+        outs[scaled], _ = run("triton", c, **kw)
+    assert rel(outs[True], oracle(c, activation="swigluoai", swiglu_limit=SMALL_LIMIT)) < TOL[dtype]
+    if INTERPRET and not down:
+        assert torch.equal(outs[True], outs[False])
+    else:  # split-K: fp32 atomics in another order; on the GPU another MMA shape
+        assert rel(outs[True], outs[False]) < 1e-3
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["fp16", "fp32"])
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_fp16_and_fp32_activations(backend, dtype, run):
@@ -343,19 +365,24 @@ def test_bad_arguments_name_the_tensor():
 
 def test_mxfp4_gemms_compile_for_sm90():
     """gate_up (bias, swigluoai) and down (split-K, atomic, bias) with W_MXFP4 at gpt-oss's shape
-    (K = 2880: the masked last K step) and the decode / prefill default configs: compiled, the dot
+    (K = 2880: the masked last K step) and the decode / prefill default configs, with the kernels'
+    own dequantisation and through tl.dot_scaled (MXFP4_SCALED): compiled, the dot
     a bf16 MMA (mma.sync at BLOCK_M 16, wgmma at 128), the weight bytes loaded by the pipeliner's
     async copies, no fp32 multiply flushing subnormals (the exact dequantisation relies on that)."""
     pytest.importorskip("triton")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, str(COMPILE_SCRIPT)], env=env, capture_output=True, text=True,
-                          timeout=300)
+    done = subprocess.run([sys.executable, str(COMPILE_SCRIPT), "--scaled"], env=env, capture_output=True,
+                          text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(done.stdout.strip().splitlines()[-1])
-    assert set(report) == {f"{g}/{c}/bf16/mxfp4" for g in ("gate_up", "down") for c in ("decode", "prefill")}
+    assert set(report) == {f"{g}/{c}/bf16/{form}" for g in ("gate_up", "down") for c in ("decode", "prefill")
+                           for form in ("mxfp4", "mxfp4_scaled")}
     for name, r in report.items():
         assert r["compiled"] and not r["ftz_f32_mul"], (name, r)
-        mma = "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" if "/decode/" in name else "wgmma.mma_async"
+        if name.endswith("_scaled"):  # tl.dot_scaled: the compiler's upcast picks its own MMA (bf16 operands)
+            mma = "wgmma.mma_async" if "/prefill/" in name else ""
+        else:
+            mma = "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" if "/decode/" in name else "wgmma.mma_async"
         assert any(m.startswith(mma) and "bf16" in m for m in r["mma"]), (name, r["mma"])
         # the weight bytes stay pipelined (with the activations): gate_up's a, gate, up; down's a, w2
         assert r["async_copies_in_loop"] >= (3 if name.startswith("gate_up") else 2), (name, r)

@@ -335,6 +335,33 @@ def test_tuner_writes_merged_file(tmp_path, monkeypatch):
     cfgmod.load_configs.cache_clear()
 
 
+def test_tuner_times_quantised_weights_in_their_form(monkeypatch):
+    """The tuner's timed calls pass FP8 / MXFP4 weights with their scales under the right keyword
+    (an MXFP4 problem timed as 16-bit weights would tune the wrong kernels)."""
+    import kernels.triton_moe.tune as tune
+    calls = []
+    monkeypatch.setattr(tune, "_run", lambda *a, **kw: calls.append((a, kw)))
+    monkeypatch.setattr(tune, "time_calls", lambda fns, M, reps: [f() for f in fns] and 1.0)
+    x, tw, ti = torch.zeros(2, 64), torch.ones(2, 1), torch.zeros(2, 1, dtype=torch.int32)
+    q13, q2, s13, s2 = (torch.zeros(1, dtype=torch.uint8) for _ in range(4))
+    cfg = {"BLOCK_SIZE_M": 16, "BLOCK_SIZE_N": 32}
+    for kind in ("mxfp4", "fp8"):
+        calls.clear()
+        assert tune._time_split(cfg, cfg, [(x, None, None, tw, ti)], (kind, (q13, q2), (s13, s2)), 2) == 1.0
+        (args, kw), = calls
+        assert args[1] is q13 and args[2] is q2 and kw == {kind: (s13, s2)}
+        assert args[6]["down"] == {"BLOCK_SIZE_N": 32}
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+def test_tuner_mxfp4_file(tmp_path):
+    from kernels.triton_moe.tune import tune
+    tune(4, 64, 64, 2, [8], "mxfp4", budget_s=5, out_dir=tmp_path, report=tmp_path / "report.json")
+    got = json.loads((tmp_path / cfgmod.config_file_name(4, 64, cfgmod.device_name(), "mxfp4")).read_text())
+    assert set(got) == {"8"} and got["8"]["BLOCK_SIZE_K"] % 32 == 0
+    cfgmod.load_configs.cache_clear()
+
+
 def test_shipped_configs_are_valid():
     files = sorted(cfgmod.CONFIG_DIR.glob("*.json"))
     for f in files:
