@@ -664,15 +664,14 @@ def host_parts(llm: LLM, num_decodes: int = 256, chunk: int = 512, prompt_len: i
             engine.step()
         out = {"decode": per_step(lambda: [engine.step() for _ in range(steps)])}
         one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
-        prompts = _prompts(steps, chunk, seed=9)
 
-        def mixed():
+        def mixed(tag: str, seed: int):
+            prompts = _prompts(steps, chunk, seed=seed)
             for i in range(steps):
-                engine.add_request(f"host-chunk{i}", prompts[i], one)
+                engine.add_request(f"host-{tag}{i}", prompts[i], one)
                 engine.step()
-        mixed()  # warm-up (new prompts, their sizes)
-        prompts = _prompts(steps, chunk, seed=10)
-        out["mixed"] = per_step(mixed)
+        mixed("warm-up", 9)  # new prompts, their sizes
+        out["mixed"] = per_step(lambda: mixed("timed", 10))
         out["steps_each"] = steps
     finally:
         for obj, name, orig in reversed(originals):

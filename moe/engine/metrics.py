@@ -3,6 +3,7 @@ and buckets (vllm/v1/metrics/loggers.py) under the `moe:` namespace instead of `
 reader that returns them as plain objects for `LLM.get_metrics()`. docs/metrics.md lists them."""
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -43,6 +44,22 @@ _REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30
 _ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 _N_BUCKETS = (1, 2, 5, 10, 20)
 _DEFAULT_MAX_MODEL_LEN = 1_000_000  # token-count buckets when the context length is not known
+
+
+def observe_repeated(histogram, value: float, count: int) -> None:
+    """histogram.observe(value) `count` times, as one update of its sum and bucket. A step's
+    inter-token gaps are mostly one value (every request decoding in consecutive steps has the
+    same gap), and prometheus-client's observe costs microseconds a call: at 256 running requests
+    the per-token loop was a third of the output side's host time. Uses the labelled child's
+    value fields (prometheus-client >= 0.17); where they are missing, observes one by one."""
+    try:
+        total, bounds, buckets = histogram._sum, histogram._upper_bounds, histogram._buckets
+    except AttributeError:
+        for _ in range(count):
+            histogram.observe(value)
+        return
+    total.inc(value * count)
+    buckets[bisect.bisect_left(bounds, value)].inc(count)  # the first bound >= value, as observe picks
 
 
 def build_1_2_5_buckets(max_value: int) -> list[int]:

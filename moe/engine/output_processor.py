@@ -18,7 +18,7 @@ from typing import Any
 from moe.engine.core import CoreRequest, CoreStepResult, SchedulerStats
 from moe.engine.detokenizer import IncrementalDetokenizer
 from moe.engine.input_processor import ProcessedPrompt
-from moe.engine.metrics import EngineMetrics, FinishedRequestStats
+from moe.engine.metrics import EngineMetrics, FinishedRequestStats, observe_repeated
 from moe.engine.routed_experts import RoutedRows
 from moe.engine.tokenizer import Tokenizer
 from moe.outputs import CompletionOutput, Logprob, RequestOutput
@@ -183,6 +183,7 @@ class OutputProcessor:
         now = time.monotonic()
         out = ProcessResult()
         updated: dict[str, _Parent] = {}  # insertion-ordered, one entry per request
+        gaps: dict[float, int] = {}  # the step's inter-token latencies: value -> tokens
         for co in result.outputs:
             parent_id = self.child_to_parent.get(co.req_id)
             if parent_id is None:
@@ -192,7 +193,7 @@ class OutputProcessor:
             if child.params.n == 1 or co.num_cached_tokens:
                 parent.num_cached_tokens = max(parent.num_cached_tokens, co.num_cached_tokens)
             if co.new_token_ids and self.record_latencies:
-                self._observe_token_times(child, now, len(co.new_token_ids), parent.arrival_time)
+                self._observe_token_times(child, now, len(co.new_token_ids), parent.arrival_time, gaps)
             if co.finish_reason == "error":
                 self._fail(parent, co.req_id, result.errors.get(co.req_id, "the engine failed this request"), out, now)
             else:
@@ -218,6 +219,8 @@ class OutputProcessor:
                 self.metrics.observe_finished_parent(
                     len(parent.children), max(len(c.token_ids) for c in parent.children.values()))
                 out.finished.append(parent)
+        for gap, count in gaps.items():
+            observe_repeated(self.metrics.inter_token_latency, gap, count)
         if result.outputs:
             self.metrics.iteration_tokens.observe(step_tokens)
         out.updated = list(updated.values())
@@ -236,15 +239,16 @@ class OutputProcessor:
                         out.aborted.append(cid)
         parent.error = error
 
-    def _observe_token_times(self, child: _Child, now: float, num_tokens: int, arrival_time: float) -> None:
-        m = self.metrics
+    def _observe_token_times(self, child: _Child, now: float, num_tokens: int, arrival_time: float,
+                             gaps: dict[float, int]) -> None:
+        """TTFT at a sequence's first token; later tokens add their gap to `gaps` (value -> count),
+        observed once per distinct value at the end of the step."""
         if child.first_token_time is None:
             child.first_token_time = now
-            m.time_to_first_token.observe(now - arrival_time)
+            self.metrics.time_to_first_token.observe(now - arrival_time)
         elif child.last_token_time is not None:
             gap = (now - child.last_token_time) / num_tokens
-            for _ in range(num_tokens):
-                m.inter_token_latency.observe(gap)
+            gaps[gap] = gaps.get(gap, 0) + num_tokens
         child.last_token_time = now
 
     def _observe_finished(self, parent: _Parent, child: _Child, now: float) -> None:

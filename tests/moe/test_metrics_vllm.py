@@ -149,3 +149,41 @@ def test_grafana_dashboard_queries_exported_metrics(llm):
                  "moe:generation_tokens_total", "moe:num_preemptions_total", "moe:prefix_cache_hits_total",
                  "moe:expert_load_balancedness"):
         assert name in used, name
+
+
+@pytest.mark.parametrize("value", [0.0, 0.001, 0.0125, 0.05, 80.0, 1e4], ids=str)
+def test_observe_repeated_equals_repeated_observe(value):
+    """A step's inter-token gaps go into the histogram as (value, count): the same exposition as
+    `count` observe calls, on a bucket bound, between bounds and past the last one."""
+    from prometheus_client import CollectorRegistry, Histogram
+
+    from moe.engine.metrics import _ITL_BUCKETS, observe_repeated
+
+    def exposed(record) -> dict:
+        registry = CollectorRegistry()
+        h = Histogram("itl", "doc", ["model_name"], buckets=_ITL_BUCKETS, registry=registry).labels("m")
+        h.observe(0.02)
+        record(h)
+        text = generate_latest(registry).decode()
+        return {(smp.name, smp.labels.get("le")): smp.value for fam in text_string_to_metric_families(text)
+                for smp in fam.samples if not smp.name.endswith("_created")}
+
+    batched = exposed(lambda h: observe_repeated(h, value, 7))
+    one_by_one = exposed(lambda h: [h.observe(value) for _ in range(7)])
+    assert batched.pop(("itl_sum", None)) == pytest.approx(one_by_one.pop(("itl_sum", None)), rel=1e-12)
+    assert batched == one_by_one and len(batched) == len(_ITL_BUCKETS) + 2  # buckets, +Inf, count
+    assert batched != exposed(lambda h: observe_repeated(h, value, 6))
+
+
+def test_observe_repeated_without_the_value_fields_observes_one_by_one():
+    from moe.engine.metrics import observe_repeated
+
+    class Plain:
+        def __init__(self):
+            self.seen = []
+
+        def observe(self, v):
+            self.seen.append(v)
+    h = Plain()
+    observe_repeated(h, 0.5, 3)
+    assert h.seen == [0.5, 0.5, 0.5]
