@@ -1,0 +1,34 @@
+"""benchmarks/gpu_engine_bench.py's host_parts run on the CPU (the tiny model): every part is
+timed in both kinds of step, the parts nest as documented, and the timers are gone afterwards
+(a second run sees the engine as the first did)."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+import gpu_engine_bench as bench  # noqa: E402
+
+from moe import LLM  # noqa: E402
+import moe.worker.model_runner as mr  # noqa: E402
+
+
+def test_host_parts_times_each_part_and_unwraps(monkeypatch):
+    prompts = bench._prompts
+    monkeypatch.setattr(bench, "_prompts", lambda n, length, seed=0, vocab=0: prompts(n, length, seed, vocab=500))
+    llm = LLM("tiny-qwen3-moe", device="cpu", enable_prefix_caching=False, max_num_seqs=8, max_model_len=256)
+    engine = llm.llm_engine
+    build, upload, step = mr.StepBatch.__dict__["build"], mr.upload, type(engine).step
+    for _ in range(2):  # the same request ids' prefixes twice: nothing left over from the first run
+        out = bench.host_parts(llm, num_decodes=4, chunk=8, prompt_len=8, steps=3)
+        assert out["steps_each"] == 3
+        for kind in ("decode", "mixed"):
+            parts = out[kind]
+            for name in ("engine_step", "core_step", "output_side", "schedule", "update_from_output", "launch",
+                         "batch_build", "sampling_inputs", "sample_launch", "logits_launch"):
+                assert parts[name] > 0, (kind, name)
+            assert parts["engine_step"] >= parts["core_step"] >= parts["launch"] >= parts["batch_build"]
+        assert mr.StepBatch.__dict__["build"] is build and mr.upload is upload
+        assert "step" not in engine.__dict__ or engine.__dict__["step"].__func__ is step
+    assert not engine.has_unfinished_requests()
