@@ -287,7 +287,11 @@ def throughput(llm: LLM, num_prompts: int, input_len: int, output_len: int, max_
             "floor_s": floor, "floor_over_time": floor and floor / elapsed}
 
 
-def _wrap_timer(obj, name: str, key: str, timers: dict) -> None:
+def _wrap_timer(obj, name: str, key: str, timers: dict) -> tuple:
+    """Time each call of obj.name into timers[key] (obj may be an instance, a module or a class,
+    whose method then becomes a static wrapper of the bound one). Returns (obj, name, the attribute
+    as it was, or _MISSING) for putting it back."""
+    before = obj.__dict__.get(name, _MISSING) if isinstance(obj, type) else getattr(obj, name)
     fn = getattr(obj, name)
 
     def timed(*args, **kwargs):
@@ -295,7 +299,8 @@ def _wrap_timer(obj, name: str, key: str, timers: dict) -> None:
         out = fn(*args, **kwargs)
         timers.setdefault(key, []).append(time.perf_counter() - t)
         return out
-    setattr(obj, name, timed)
+    setattr(obj, name, staticmethod(timed) if isinstance(obj, type) else timed)
+    return obj, name, before
 
 
 # ---- real traffic: varied lengths, steps by kind ---------------------------------------------
@@ -629,15 +634,7 @@ def host_parts(llm: LLM, num_decodes: int = 256, chunk: int = 512, prompt_len: i
     originals = []
 
     def wrap(obj, name, key):
-        originals.append((obj, name, obj.__dict__.get(name, _MISSING) if isinstance(obj, type) else getattr(obj, name)))
-        fn = getattr(obj, name)
-
-        def timed(*args, **kwargs):
-            t = time.perf_counter()
-            out = fn(*args, **kwargs)
-            timers.setdefault(key, []).append(time.perf_counter() - t)
-            return out
-        setattr(obj, name, staticmethod(timed) if isinstance(obj, type) else timed)
+        originals.append(_wrap_timer(obj, name, key, timers))
 
     for obj, name, key in ((engine, "step", "engine_step"), (core, "step", "core_step"),
                            (engine.output, "process", "output_side"), (engine.scheduler, "schedule", "schedule"),
