@@ -89,6 +89,10 @@
 #   invariant-cost  the batch-invariant mode's cost:
 #                 gpu_engine_bench.py qwen3 --runs $AB_RUNS (default decode256 mixed) with MOE_BATCH_INVARIANT
 #                 on / off / on / off, a fresh process each -> $OUT/ab/{1..4}_invariant_{1,0}.json
+#   expert-tiles  benchmarks/bench_expert_tiles.py (the Qwen3-30B-A3B expert layer at mixed-step sizes over a grid of
+#                 tiles, each with and without HALF_TILES, against the shipped configs; the winners into $OUT/configs),
+#                 then gpu_engine_bench.py qwen3 --runs ${TILES_RUNS:-mixed mixed_step} with the shipped configs and with
+#                 $OUT/configs -> $OUT/expert_tiles.json, $OUT/engine_{shipped,tiles}.json
 #   eplb          (two GPUs) benchmarks/eplb_gpu_bench.py: DP2+EP on the Qwen3-30B-A3B shape, a skewed workload,
 #                 balancedness and decode-step time before/after one EPLB rebalance (EPLB_ARGS adds flags) -> $OUT/eplb.json
 set -u
@@ -254,6 +258,13 @@ json.dump(QWEN3_30B_A3B, open(os.path.join(sys.argv[1], 'config.json'), 'w'))" "
              --D 2880 --F 2880 --topk 4 --dtype mxfp4 --M ${MXFP4_TUNE_M:-1 8 64 256 1024 4096} \
              --budget-s ${MXFP4_TUNE_S:-110} --out-dir "$CFG" --report "$OUT/tune_mxfp4_E$E.json"
       done ;;
+    expert-tiles) mkdir -p "$CFG"
+      step expert-tiles timeout 240 python3 benchmarks/bench_expert_tiles.py --out "$OUT/expert_tiles.json" \
+           --write-configs "$CFG"
+      step engine-shipped timeout 200 python3 benchmarks/gpu_engine_bench.py qwen3 --runs ${TILES_RUNS:-mixed mixed_step} \
+           --out "$OUT/engine_shipped.json"
+      step engine-tiles env MOE_KERNEL_CONFIG_DIR="$CFG" timeout 200 python3 benchmarks/gpu_engine_bench.py qwen3 \
+           --runs ${TILES_RUNS:-mixed mixed_step} --out "$OUT/engine_tiles.json" ;;
     eplb) step eplb timeout 580 python3 benchmarks/eplb_gpu_bench.py --out "$OUT/eplb.json" ${EPLB_ARGS:-} ;;
     *) echo "unknown stage $stage" | tee -a "$LOG" ;;
   esac

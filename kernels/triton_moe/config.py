@@ -15,6 +15,8 @@ where M is the number of tokens T of the tuned batch; the nearest bucket is used
 Optional keys under "down": "ATOMIC_SUM": true (the down GEMM adds its rows into a zeroed fp32
 [T, D] with atomics, fusing the top-k sum) and "SPLIT_K": n > 1 (n programs share one down
 tile's F range; implies ATOMIC_SUM), for decode shapes with too few down tiles to fill the GPU.
+Optional "HALF_TILES": true (top level: both GEMMs; under "down": the down GEMM alone), BLOCK_SIZE_M >= 32:
+an expert's last block with no rows in its upper half runs a tile of BLOCK_SIZE_M / 2 rows (gemm.py).
 """
 from __future__ import annotations
 
@@ -129,6 +131,8 @@ def get_config(M: int, E: int, N: int, top_k: int, dtype: torch.dtype | str,
 def split_config(cfg: dict) -> tuple[dict, dict]:
     """(gate_up, down) launch parameters; the down GEMM may override all but BLOCK_SIZE_M."""
     up = {k: cfg[k] for k in CONFIG_KEYS}
+    if cfg.get("HALF_TILES"):
+        up["HALF_TILES"] = True
     down = dict(up)
     down.update({k: v for k, v in cfg.get("down", {}).items() if k != "BLOCK_SIZE_M"})
     return up, down

@@ -130,6 +130,11 @@ def _run(x_TD, w13_EFD, w2_EDF, topk_weights_TK, topk_ids_TK, expert_map_E, cfg,
             w13_scale, w2_scale = mxfp4
             ws13_strides, ws2_strides = w13_scale.stride(), w2_scale.stride()
     mx = {"W_MXFP4": True} if use_mxfp4 else {}  # nothing extra otherwise: the same compiled kernels
+    for c in (up, down):
+        if c.get("HALF_TILES") and BM < 32:
+            raise ValueError(f"HALF_TILES needs BLOCK_SIZE_M >= 32 (tiles of BLOCK_SIZE_M / 2 >= 16 rows), got {cfg}")
+    half_up = {"HALF_TILES": True} if up.get("HALF_TILES") else {}
+    half_down = {"HALF_TILES": True} if down.get("HALF_TILES") else {}
     if use_mxfp4 and MXFP4_DOT_SCALED and x_TD.dtype in (torch.bfloat16, torch.float16):
         mx["MXFP4_SCALED"] = "bf16" if x_TD.dtype == torch.bfloat16 else "fp16"
     precision = "ieee" if x_TD.dtype == torch.float32 else "tf32"
@@ -145,7 +150,8 @@ def _run(x_TD, w13_EFD, w2_EDF, topk_weights_TK, topk_ids_TK, expert_map_E, cfg,
         BLOCK_M=BM, BLOCK_N=up["BLOCK_SIZE_N"], BLOCK_K=up["BLOCK_SIZE_K"],
         GROUP_M=up["GROUP_SIZE_M"], GN=GN, GK=GK, USE_FP8=use_fp8,
         EVEN_K=D % up["BLOCK_SIZE_K"] == 0, PRECISION=precision, UPCAST=upcast,
-        num_warps=up["num_warps"], num_stages=up["num_stages"], **pdl, **_bias_args(w13_bias), **act, **mx)
+        num_warps=up["num_warps"], num_stages=up["num_stages"], **pdl, **_bias_args(w13_bias), **act, **mx,
+        **half_up)
 
     # Plain: top-1 writes the output directly, top-k > 1 writes [T*K, D], then a sum over K.
     # Atomic (config "ATOMIC_SUM", or "SPLIT_K" > 1): fp32 atomics into a zeroed [T, D], then
@@ -166,7 +172,8 @@ def _run(x_TD, w13_EFD, w2_EDF, topk_weights_TK, topk_ids_TK, expert_map_E, cfg,
         GROUP_M=down["GROUP_SIZE_M"], GN=GN, GK=GK, USE_FP8=use_fp8,
         EVEN_K=F % down["BLOCK_SIZE_K"] == 0, SPLIT_K=split, ATOMIC=atomic,
         PRECISION=precision, UPCAST=upcast,
-        num_warps=down["num_warps"], num_stages=down["num_stages"], **pdl, **_bias_args(w2_bias), **mx)
+        num_warps=down["num_warps"], num_stages=down["num_stages"], **pdl, **_bias_args(w2_bias), **mx,
+        **half_down)
     if atomic:
         return out.to(out_dtype)  # no copy for fp32
     if K == 1:

@@ -59,30 +59,29 @@ def _dot(a, b, acc, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     return tl.dot(a, b, acc, input_precision=PRECISION)
 
 
-# Token counts (num_valid, num_m_blocks) are not specialised: an eager step of any length
-# reuses the variant compiled for its config bucket.
-@triton.jit(do_not_specialize=["num_valid", "num_m_blocks"])
-def gate_up_kernel(
-    x_ptr, w_ptr, h_ptr, sorted_ptr, expert_ids_ptr, npp_ptr,
-    xs_ptr, ws_ptr, hs_ptr,
-    N, Kd, num_valid, top_k, num_m_blocks,
+@triton.jit
+def half_tile(sorted_ptr, m0, num_valid, BLOCK_M: tl.constexpr, HALF_TILES: tl.constexpr):
+    """HALF_TILES: whether the block at sorted row m0 has only padding in its upper half (its
+    expert's last block, fewer than BLOCK_M / 2 rows left), so that a tile of BLOCK_M / 2 rows does
+    its work: the wide tiles' operand reuse at the padding of tiles half as tall."""
+    if HALF_TILES:
+        return tl.load(sorted_ptr + m0 + BLOCK_M // 2) >= num_valid
+    return False
+
+
+@triton.jit
+def _gate_up_rows(
+    m0, ROWS: tl.constexpr, e, pid_n,
+    x_ptr, w_ptr, h_ptr, sorted_ptr, xs_ptr, ws_ptr, hs_ptr, N, Kd, num_valid, top_k,
     stride_xm, stride_xk, stride_we, stride_wn, stride_wk, stride_hm, stride_hn,
     stride_xsm, stride_xsk, stride_wse, stride_wsn, stride_wsk, stride_hsm, stride_hsk,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    GN: tl.constexpr, GK: tl.constexpr, USE_FP8: tl.constexpr, EVEN_K: tl.constexpr,
-    PRECISION: tl.constexpr, UPCAST: tl.constexpr, USE_PDL: tl.constexpr,
-    b_ptr=None, stride_be=0, stride_bn=0, swiglu_alpha=1.702, swiglu_limit=7.0,
-    HAS_BIAS: tl.constexpr = False, ACTIVATION: tl.constexpr = "silu", W_MXFP4: tl.constexpr = False,
-    MXFP4_SCALED: tl.constexpr = "",
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GN: tl.constexpr, GK: tl.constexpr,
+    USE_FP8: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    b_ptr, stride_be, stride_bn, swiglu_alpha, swiglu_limit,
+    HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, W_MXFP4: tl.constexpr, MXFP4_SCALED: tl.constexpr,
 ):
-    pdl_enter(USE_PDL)
-    pid_m, pid_n = _block_coords(num_m_blocks, N, BLOCK_N, GROUP_M)
-    if pid_m * BLOCK_M >= tl.load(npp_ptr):
-        return
-    e = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
-    if e < 0:
-        return
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    """h for sorted rows m0 .. m0 + ROWS - 1 (all of expert e) and weight-column tile pid_n."""
+    offs_m = m0 + tl.arange(0, ROWS)
     rows = tl.load(sorted_ptr + offs_m)
     rmask = rows < num_valid
     tok = (rows // top_k).to(tl.int64)
@@ -106,8 +105,8 @@ def gate_up_kernel(
         xs_ptrs = xs_ptr + tok * stride_xsm
         gs_ptrs = ws_ptr + e * stride_wse + (offs_bn // GN) * stride_wsn
         us_ptrs = ws_ptr + e * stride_wse + ((offs_bn + N) // GN) * stride_wsn
-    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_g = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
+    acc_u = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
     for k in range(0, tl.cdiv(Kd, BLOCK_K)):
         if W_MXFP4:
             if EVEN_K:
@@ -177,41 +176,79 @@ def gate_up_kernel(
         tl.store(h_ptrs, h.to(h_ptr.dtype.element_ty), mask=nmask[None, :])
 
 
+# Token counts (num_valid, num_m_blocks) are not specialised: an eager step of any length
+# reuses the variant compiled for its config bucket.
 @triton.jit(do_not_specialize=["num_valid", "num_m_blocks"])
-def down_kernel(
-    h_ptr, w_ptr, out_ptr, sorted_ptr, expert_ids_ptr, npp_ptr, topk_w_ptr,
-    hs_ptr, ws_ptr,
+def gate_up_kernel(
+    x_ptr, w_ptr, h_ptr, sorted_ptr, expert_ids_ptr, npp_ptr,
+    xs_ptr, ws_ptr, hs_ptr,
     N, Kd, num_valid, top_k, num_m_blocks,
-    stride_hm, stride_hk, stride_we, stride_wn, stride_wk, stride_om, stride_on,
-    stride_hsm, stride_hsk, stride_wse, stride_wsn, stride_wsk,
+    stride_xm, stride_xk, stride_we, stride_wn, stride_wk, stride_hm, stride_hn,
+    stride_xsm, stride_xsk, stride_wse, stride_wsn, stride_wsk, stride_hsm, stride_hsk,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     GN: tl.constexpr, GK: tl.constexpr, USE_FP8: tl.constexpr, EVEN_K: tl.constexpr,
-    SPLIT_K: tl.constexpr, ATOMIC: tl.constexpr,
     PRECISION: tl.constexpr, UPCAST: tl.constexpr, USE_PDL: tl.constexpr,
-    b_ptr=None, stride_be=0, stride_bn=0, HAS_BIAS: tl.constexpr = False,
-    W_MXFP4: tl.constexpr = False, MXFP4_SCALED: tl.constexpr = "",
+    b_ptr=None, stride_be=0, stride_bn=0, swiglu_alpha=1.702, swiglu_limit=7.0,
+    HAS_BIAS: tl.constexpr = False, ACTIVATION: tl.constexpr = "silu", W_MXFP4: tl.constexpr = False,
+    MXFP4_SCALED: tl.constexpr = "", HALF_TILES: tl.constexpr = False,
 ):
     pdl_enter(USE_PDL)
     pid_m, pid_n = _block_coords(num_m_blocks, N, BLOCK_N, GROUP_M)
-    if pid_m * BLOCK_M >= tl.load(npp_ptr):
+    m0 = pid_m * BLOCK_M
+    if m0 >= tl.load(npp_ptr):
         return
     e = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    rows = tl.load(sorted_ptr + offs_m)
-    rmask = rows < num_valid
+    if e < 0:
+        return
+    if half_tile(sorted_ptr, m0, num_valid, BLOCK_M, HALF_TILES):
+        _gate_up_rows(
+            m0, BLOCK_M // 2, e, pid_n,
+            x_ptr, w_ptr, h_ptr, sorted_ptr, xs_ptr, ws_ptr, hs_ptr, N, Kd, num_valid, top_k,
+            stride_xm, stride_xk, stride_we, stride_wn, stride_wk, stride_hm, stride_hn, stride_xsm, stride_xsk,
+            stride_wse, stride_wsn, stride_wsk, stride_hsm, stride_hsk, BLOCK_N, BLOCK_K, GN, GK, USE_FP8, EVEN_K,
+            PRECISION, UPCAST, b_ptr, stride_be, stride_bn, swiglu_alpha, swiglu_limit, HAS_BIAS, ACTIVATION,
+            W_MXFP4, MXFP4_SCALED)
+    else:
+        _gate_up_rows(
+            m0, BLOCK_M, e, pid_n,
+            x_ptr, w_ptr, h_ptr, sorted_ptr, xs_ptr, ws_ptr, hs_ptr, N, Kd, num_valid, top_k,
+            stride_xm, stride_xk, stride_we, stride_wn, stride_wk, stride_hm, stride_hn, stride_xsm, stride_xsk,
+            stride_wse, stride_wsn, stride_wsk, stride_hsm, stride_hsk, BLOCK_N, BLOCK_K, GN, GK, USE_FP8, EVEN_K,
+            PRECISION, UPCAST, b_ptr, stride_be, stride_bn, swiglu_alpha, swiglu_limit, HAS_BIAS, ACTIVATION,
+            W_MXFP4, MXFP4_SCALED)
+
+
+@triton.jit
+def _down_out(out_ptr, m0, pid_n, sorted_ptr, num_valid, N, top_k, stride_om, stride_on,
+              ROWS: tl.constexpr, BLOCK_N: tl.constexpr, ATOMIC: tl.constexpr):
+    """(rows, o_ptrs, o_mask) of the output tile of sorted rows m0 .. m0 + ROWS - 1."""
+    rows = tl.load(sorted_ptr + m0 + tl.arange(0, ROWS))
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    o_mask = rmask[:, None] & (offs_n < N)[None, :]
+    o_mask = (rows < num_valid)[:, None] & (offs_n < N)[None, :]
     if ATOMIC:  # out is the zeroed fp32 [T, N]: row r = (t, k) adds into token t
-        o_ptrs = out_ptr + (rows // top_k).to(tl.int64)[:, None] * stride_om \
-            + offs_n[None, :] * stride_on
+        o_ptrs = out_ptr + (rows // top_k).to(tl.int64)[:, None] * stride_om + offs_n[None, :] * stride_on
     else:
         o_ptrs = out_ptr + rows.to(tl.int64)[:, None] * stride_om + offs_n[None, :] * stride_on
-    if e < 0:
-        # rows routed to experts on other ranks contribute zero
-        if not ATOMIC:
-            tl.store(o_ptrs, tl.zeros((BLOCK_M, BLOCK_N), dtype=out_ptr.dtype.element_ty),
-                     mask=o_mask)
-        return
+    return rows, o_ptrs, o_mask
+
+
+@triton.jit
+def _down_rows(
+    m0, ROWS: tl.constexpr, e, pid_n,
+    h_ptr, w_ptr, out_ptr, sorted_ptr, topk_w_ptr, hs_ptr, ws_ptr, N, Kd, num_valid, top_k,
+    stride_hm, stride_hk, stride_we, stride_wn, stride_wk, stride_om, stride_on,
+    stride_hsm, stride_hsk, stride_wse, stride_wsn, stride_wsk,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GN: tl.constexpr, GK: tl.constexpr,
+    USE_FP8: tl.constexpr, EVEN_K: tl.constexpr, SPLIT_K: tl.constexpr, ATOMIC: tl.constexpr,
+    PRECISION: tl.constexpr, UPCAST: tl.constexpr, b_ptr, stride_be, stride_bn, HAS_BIAS: tl.constexpr,
+    W_MXFP4: tl.constexpr, MXFP4_SCALED: tl.constexpr,
+):
+    """out for sorted rows m0 .. m0 + ROWS - 1 (all of expert e >= 0) and output-column tile pid_n."""
+    rows, o_ptrs, o_mask = _down_out(out_ptr, m0, pid_n, sorted_ptr, num_valid, N, top_k, stride_om, stride_on,
+                                     ROWS, BLOCK_N, ATOMIC)
+    rmask = rows < num_valid
+    offs_m = m0 + tl.arange(0, ROWS)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     # SPLIT_K programs (grid axis 1) share this tile, each over its own run of k tiles
     k_tiles = tl.cdiv(Kd, BLOCK_K)
     k_first = 0
@@ -237,7 +274,7 @@ def down_kernel(
     if USE_FP8:
         hs_ptrs = hs_ptr + offs_m * stride_hsm
         bs_ptrs = ws_ptr + e * stride_wse + (offs_bn // GN) * stride_wsn
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
     for k in range(k_first, k_last):
         if W_MXFP4:
             if EVEN_K:
@@ -282,3 +319,45 @@ def down_kernel(
         tl.atomic_add(o_ptrs, acc, mask=o_mask, sem="relaxed")
     else:
         tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=o_mask)
+
+
+@triton.jit(do_not_specialize=["num_valid", "num_m_blocks"])
+def down_kernel(
+    h_ptr, w_ptr, out_ptr, sorted_ptr, expert_ids_ptr, npp_ptr, topk_w_ptr,
+    hs_ptr, ws_ptr,
+    N, Kd, num_valid, top_k, num_m_blocks,
+    stride_hm, stride_hk, stride_we, stride_wn, stride_wk, stride_om, stride_on,
+    stride_hsm, stride_hsk, stride_wse, stride_wsn, stride_wsk,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    GN: tl.constexpr, GK: tl.constexpr, USE_FP8: tl.constexpr, EVEN_K: tl.constexpr,
+    SPLIT_K: tl.constexpr, ATOMIC: tl.constexpr,
+    PRECISION: tl.constexpr, UPCAST: tl.constexpr, USE_PDL: tl.constexpr,
+    b_ptr=None, stride_be=0, stride_bn=0, HAS_BIAS: tl.constexpr = False,
+    W_MXFP4: tl.constexpr = False, MXFP4_SCALED: tl.constexpr = "", HALF_TILES: tl.constexpr = False,
+):
+    pdl_enter(USE_PDL)
+    pid_m, pid_n = _block_coords(num_m_blocks, N, BLOCK_N, GROUP_M)
+    m0 = pid_m * BLOCK_M
+    if m0 >= tl.load(npp_ptr):
+        return
+    e = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+    if e < 0:  # rows routed to experts on other ranks contribute zero
+        if not ATOMIC:
+            _, o_ptrs, o_mask = _down_out(out_ptr, m0, pid_n, sorted_ptr, num_valid, N, top_k, stride_om, stride_on,
+                                          BLOCK_M, BLOCK_N, ATOMIC)
+            tl.store(o_ptrs, tl.zeros((BLOCK_M, BLOCK_N), dtype=out_ptr.dtype.element_ty), mask=o_mask)
+        return
+    if half_tile(sorted_ptr, m0, num_valid, BLOCK_M, HALF_TILES):
+        _down_rows(
+            m0, BLOCK_M // 2, e, pid_n,
+            h_ptr, w_ptr, out_ptr, sorted_ptr, topk_w_ptr, hs_ptr, ws_ptr, N, Kd, num_valid, top_k,
+            stride_hm, stride_hk, stride_we, stride_wn, stride_wk, stride_om, stride_on,
+            stride_hsm, stride_hsk, stride_wse, stride_wsn, stride_wsk, BLOCK_N, BLOCK_K, GN, GK, USE_FP8, EVEN_K,
+            SPLIT_K, ATOMIC, PRECISION, UPCAST, b_ptr, stride_be, stride_bn, HAS_BIAS, W_MXFP4, MXFP4_SCALED)
+    else:
+        _down_rows(
+            m0, BLOCK_M, e, pid_n,
+            h_ptr, w_ptr, out_ptr, sorted_ptr, topk_w_ptr, hs_ptr, ws_ptr, N, Kd, num_valid, top_k,
+            stride_hm, stride_hk, stride_we, stride_wn, stride_wk, stride_om, stride_on,
+            stride_hsm, stride_hsk, stride_wse, stride_wsn, stride_wsk, BLOCK_N, BLOCK_K, GN, GK, USE_FP8, EVEN_K,
+            SPLIT_K, ATOMIC, PRECISION, UPCAST, b_ptr, stride_be, stride_bn, HAS_BIAS, W_MXFP4, MXFP4_SCALED)

@@ -39,15 +39,20 @@ _SMALL_WIDE = [(64, 128, 4, 6), (32, 128, 4, 6), (32, 256, 4, 4), (128, 128, 8, 
                (64, 256, 8, 3), (32, 64, 2, 8), (64, 128, 8, 4), (16, 256, 4, 4)]
 # and, for the down GEMM, (SPLIT_K, ATOMIC_SUM) variants of the first few tiles
 _DOWN_SPLITS = [(1, True), (2, True), (4, True)]
+# --wide at BLOCK_M 64 and 128 (mixed and prefill steps): wider and deeper tiles, and HALF_TILES
+# variants of the first few (an expert's last block of at most BLOCK_M / 2 rows runs a half-height tile)
+_MID_WIDE = [(128, 64, 8, 3), (128, 128, 8, 3), (64, 128, 4, 4), (128, 64, 8, 5), (64, 64, 4, 5)]
+_LARGE_WIDE = [(128, 128, 8, 3), (64, 128, 4, 3), (128, 64, 8, 5), (128, 128, 8, 4)]
+_HALF_TILE_VARIANTS = 4
 
 
-def _block_ms(rows_per_expert: float) -> list[int]:
+def _block_ms(rows_per_expert: float, wide: bool = False) -> list[int]:
     if rows_per_expert <= 8:
         return [16]
     if rows_per_expert <= 32:
         return [16, 32]
     if rows_per_expert <= 96:
-        return [32, 64]
+        return [32, 64] + ([128] if wide and rows_per_expert > 48 else [])  # 128: with half tiles
     if rows_per_expert <= 512:
         return [64, 128]
     return [128, 64]
@@ -55,8 +60,8 @@ def _block_ms(rows_per_expert: float) -> list[int]:
 
 def _candidates(bm: int, gate_up: bool, fp8: bool, wide: bool = False):
     base = _SMALL if bm <= 16 else _MID if bm <= 64 else _LARGE
-    if wide and bm <= 16:
-        base = base + _SMALL_WIDE
+    if wide:
+        base = base + (_SMALL_WIDE if bm <= 16 else _MID_WIDE if bm <= 64 else _LARGE_WIDE)
     out = []
     for bn, bk, w, s in base:
         if fp8:
@@ -69,9 +74,12 @@ def _candidates(bm: int, gate_up: bool, fp8: bool, wide: bool = False):
                "GROUP_SIZE_M": 1 if bm <= 16 else 8, "num_warps": w, "num_stages": s}
         if cfg not in out:
             out.append(cfg)
+    tiles = list(out)
+    if wide and bm >= 64:
+        out += [dict(c, HALF_TILES=True) for c in tiles[:_HALF_TILE_VARIANTS]]
     if wide and not gate_up:  # larger BLOCK_M: the atomic sum only, on the first two tiles
         splits, n = (_DOWN_SPLITS, 4) if bm <= 16 else (_DOWN_SPLITS[:1], 2)
-        out += [dict(c, SPLIT_K=k, ATOMIC_SUM=a) for c in out[:n] for k, a in splits]
+        out += [dict(c, SPLIT_K=k, ATOMIC_SUM=a) for c in tiles[:n] for k, a in splits]
     return out
 
 
@@ -137,11 +145,20 @@ def time_calls(fns, M: int, reps: int = 20) -> float:
     return time_graph(fns, reps) if M <= 1024 else time_events(fns, max(5, reps // 2))
 
 
+def compose(cfg_up: dict, cfg_down: dict) -> dict:
+    """The config file entry of a gate_up and a down launch config (split_config's inverse): the
+    down GEMM's keys under "down", HALF_TILES there too where only gate_up has it."""
+    cfg = dict(cfg_up)
+    cfg["down"] = {k: v for k, v in cfg_down.items() if k != "BLOCK_SIZE_M"}
+    if cfg_up.get("HALF_TILES") and not cfg_down.get("HALF_TILES"):
+        cfg["down"]["HALF_TILES"] = False
+    return cfg
+
+
 def _time_split(cfg_up, cfg_down, problems, quant_w, M):
     """quant_w: None (16-bit weights in the problems) or (kind, (q13, q2), (s13, s2)), kind "fp8"
     or "mxfp4"."""
-    cfg = dict(cfg_up)
-    cfg["down"] = {k: v for k, v in cfg_down.items() if k != "BLOCK_SIZE_M"}
+    cfg = compose(cfg_up, cfg_down)
 
     def mk(x, w13, w2, tw, ti):
         if quant_w is not None:
@@ -164,21 +181,25 @@ def tune_one(E, D, F, K, M, dtype, budget_s, quant_w=None, prior=None, wide=Fals
         logits = torch.randn(M, E, device=x.device)
         tw_s, ti_s = torch.softmax(logits, -1).topk(K, dim=-1)
         problems.append((x, w13, w2, tw_s, ti_s.to(torch.int32)))
-    t_end = time.monotonic() + budget_s
-    best = None
-    bms = _block_ms(M * K / E)
+    t_start, best = time.monotonic(), None
+    bms = _block_ms(M * K / E, wide)
     if prior is not None and prior["BLOCK_SIZE_M"] not in bms:
         bms = [prior["BLOCK_SIZE_M"]] + bms
-    for bm in bms:
+    for i, bm in enumerate(bms):  # each BLOCK_M its share of what is left, at least one candidate each
+        t_end = time.monotonic() + (budget_s - (time.monotonic() - t_start)) / (len(bms) - i)
         ups, downs = _candidates(bm, True, fp8, wide), _candidates(bm, False, fp8, wide)
         if prior is not None and prior["BLOCK_SIZE_M"] == bm:
             p_up, p_down = split_config(prior)
-            ups = [p_up] + [c for c in ups if c != p_up]
-            downs = [p_down] + [c for c in downs if c != p_down]
+            p_ups, p_downs = [p_up], [p_down]
+            if wide and bm >= 64:  # the shipped tile with half tiles next
+                p_ups.append(dict(p_up, HALF_TILES=not p_up.get("HALF_TILES")))
+                p_downs.append(dict(p_down, HALF_TILES=not p_down.get("HALF_TILES")))
+            ups = p_ups + [c for c in ups if c not in p_ups]
+            downs = p_downs + [c for c in downs if c not in p_downs]
         # coordinate search: gate_up candidates with the first down, then downs with the best up
         up_best, t_up = ups[0], float("inf")
         for c in ups:
-            if time.monotonic() > t_end and best is not None:
+            if time.monotonic() > t_end and t_up < float("inf"):
                 break
             try:
                 t = _time_split(c, downs[0], problems, quant_w, M)
@@ -189,7 +210,7 @@ def tune_one(E, D, F, K, M, dtype, budget_s, quant_w=None, prior=None, wide=Fals
                 up_best, t_up = c, t
         down_best, t_tot = downs[0], t_up
         for c in downs[1:]:
-            if time.monotonic() > t_end and best is not None:
+            if time.monotonic() > t_end:
                 break
             try:
                 t = _time_split(up_best, c, problems, quant_w, M)
@@ -198,8 +219,7 @@ def tune_one(E, D, F, K, M, dtype, budget_s, quant_w=None, prior=None, wide=Fals
                 continue
             if t < t_tot:
                 down_best, t_tot = c, t
-        cfg = dict(up_best)
-        cfg["down"] = {k: v for k, v in down_best.items() if k != "BLOCK_SIZE_M"}
+        cfg = compose(up_best, down_best)
         if best is None or t_tot < best[1]:
             best = (cfg, t_tot)
     t_default = None
@@ -282,7 +302,8 @@ def main(argv=None) -> int:
                    help="where to write the file; buckets not in --M keep the configs of the "
                         "file in use now (MOE_KERNEL_CONFIG_DIR or the shipped one)")
     p.add_argument("--wide", action="store_true",
-                   help="search more decode (BLOCK_M 16) tiles, and split-K / atomic-sum downs")
+                   help="search more tiles (decode: BLOCK_M 16; mixed and prefill steps: BLOCK_M 64 / 128 with "
+                        "half tiles, and BLOCK_M 128 from 48 rows an expert), and split-K / atomic-sum downs")
     p.add_argument("--report", default=None,
                    help="write a JSON of the tuned and the default (untuned) config's time per M here")
     a = p.parse_args(argv)

@@ -80,14 +80,14 @@ def specialise(kernel, constexprs: dict, pointers: dict, ints: dict, floats=lamb
 
 def compile_variant(which: str, config: str, act: str = "bf16", bias: bool = True,
                     activation: str = "swigluoai", split_k: int = 1, mxfp4: bool = True,
-                    scaled: bool = False) -> dict:
+                    scaled: bool = False, half_tiles: bool = False) -> dict:
     """One GEMM compiled for sm_90 (mxfp4=False: the same launch with `act` weights, to compare;
-    scaled: the MXFP4 tiles through tl.dot_scaled, MOE_MXFP4_DOT_SCALED)."""
+    scaled: the MXFP4 tiles through tl.dot_scaled, MOE_MXFP4_DOT_SCALED; half_tiles: HALF_TILES)."""
     bm, bn, bk, gm, warps, stages = CONFIGS[config]
     kd = D if which == "gate_up" else F
     constexprs = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm, GN=1, GK=1, USE_FP8=False,
                       EVEN_K=kd % bk == 0, PRECISION="tf32", UPCAST=False, USE_PDL=True, HAS_BIAS=bias,
-                      W_MXFP4=mxfp4, MXFP4_SCALED=act if mxfp4 and scaled else "")
+                      W_MXFP4=mxfp4, MXFP4_SCALED=act if mxfp4 and scaled else "", HALF_TILES=half_tiles)
     pointers = {"w_ptr": "u8" if mxfp4 else act, "ws_ptr": "u8" if mxfp4 else act, "sorted_ptr": "i32",
                 "expert_ids_ptr": "i32", "npp_ptr": "i32", "b_ptr": "fp32", "topk_w_ptr": "fp32",
                 "xs_ptr": act, "hs_ptr": act}
@@ -145,6 +145,7 @@ def main(argv=None) -> None:
                    help="also compile each MXFP4 launch through tl.dot_scaled (MOE_MXFP4_DOT_SCALED)")
     p.add_argument("--with-16bit-weights", action="store_true",
                    help="also compile each launch with 16-bit weights (W_MXFP4 off), to compare")
+    p.add_argument("--half-tiles", action="store_true", help="compile the launches with HALF_TILES")
     a = p.parse_args(argv)
     report = {}
     for act in a.activations:
@@ -153,9 +154,11 @@ def main(argv=None) -> None:
                                                                               else [])
             for mx, scaled in forms:
                 tag = ("mxfp4_scaled" if scaled else "mxfp4") if mx else act
-                report[f"gate_up/{cfg}/{act}/{tag}"] = compile_variant("gate_up", cfg, act, mxfp4=mx, scaled=scaled)
+                half = {"half_tiles": a.half_tiles}
+                report[f"gate_up/{cfg}/{act}/{tag}"] = compile_variant("gate_up", cfg, act, mxfp4=mx, scaled=scaled,
+                                                                      **half)
                 report[f"down/{cfg}/{act}/{tag}"] = compile_variant("down", cfg, act, mxfp4=mx, scaled=scaled,
-                                                                   split_k=2 if cfg == "decode" else 1)
+                                                                   split_k=2 if cfg == "decode" else 1, **half)
     print(json.dumps(report))
 
 

@@ -317,6 +317,21 @@ def test_tuner_candidates():
         "gate_up has no split-K (SiLU needs whole sums)"
     fp8 = _candidates(16, True, True, wide=True)
     assert all(c["BLOCK_SIZE_K"] == 128 and c["BLOCK_SIZE_N"] == 128 for c in fp8)
+    for bm in (16, 32, 64, 128):  # half tiles from BLOCK_M 64, in the wide search only
+        for gate_up in (True, False):
+            halves = [c for c in _candidates(bm, gate_up, False, wide=True) if c.get("HALF_TILES")]
+            assert bool(halves) == (bm >= 64) and not any("HALF_TILES" in c for c in _candidates(bm, gate_up, False))
+            tiles = [{k: v for k, v in c.items() if k != "HALF_TILES"} for c in halves]
+            assert all(t in _candidates(bm, gate_up, False, wide=True) for t in tiles), "a variant of a searched tile"
+
+
+def test_tuner_composes_what_split_config_splits():
+    from kernels.triton_moe.tune import compose
+    up = dict(SMALL_CFG, BLOCK_SIZE_M=64, HALF_TILES=True)
+    for down in (dict(SMALL_CFG, BLOCK_SIZE_M=64, BLOCK_SIZE_N=32), dict(up, SPLIT_K=2)):
+        assert cfgmod.split_config(compose(up, down)) == (up, dict(down, HALF_TILES=down.get("HALF_TILES", False)))
+    plain = dict(SMALL_CFG, BLOCK_SIZE_M=64)
+    assert cfgmod.split_config(compose(plain, dict(plain, HALF_TILES=True))) == (plain, dict(plain, HALF_TILES=True))
 
 
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")

@@ -1,0 +1,109 @@
+"""The expert layer at mixed- and prefill-step sizes over a grid of tiles, each with and without
+HALF_TILES (an expert's last block of at most BLOCK_M / 2 rows runs a half-height tile), on a CUDA
+GPU: the whole layer (alignment, gate_up, down, top-k sum) per call, each config's output checked
+against the shipped config's, beside cuBLAS bmm on the same rows spread evenly over the experts
+(a dense batched GEMM: no alignment, no padding) and the weight-read / FLOP floors.
+
+    python benchmarks/bench_expert_tiles.py --out gpu_out/expert_tiles.json [--M 1024 2048 4096] \
+        [--write-configs gpu_out/configs]
+
+--write-configs writes the config file of this shape into that folder: the shipped configs, with each
+bucket of --M whose best grid config beat the shipped one by more than 3% replaced by it.
+
+Qwen3-30B-A3B's expert shape by default (E=128, D=2048, F=768, top-8, bf16). Times: CUDA-graph
+replay for M <= 1024, CUDA events above (kernels/triton_moe/tune.py's time_calls).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+HBM_BYTES_PER_S = 4.8e12
+BF16_FLOP_PER_S = 700e12  # the floor's rate (BENCHMARKS.md)
+# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) for both GEMMs, GROUP_M 8; each also with HALF_TILES
+TILES = [(64, 64, 64, 4, 3), (64, 128, 64, 8, 3), (128, 64, 64, 4, 4), (128, 64, 64, 8, 3),
+         (128, 128, 64, 8, 3), (128, 128, 64, 8, 4)]
+
+
+def tile_config(tile, half: bool) -> dict:
+    bm, bn, bk, w, s = tile
+    cfg = {"BLOCK_SIZE_M": bm, "BLOCK_SIZE_N": bn, "BLOCK_SIZE_K": bk, "GROUP_SIZE_M": 8, "num_warps": w,
+           "num_stages": s}
+    return dict(cfg, HALF_TILES=True) if half else cfg
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--M", type=int, nargs="+", default=[768, 1024, 1536, 2048, 3072, 4096, 8192])
+    p.add_argument("--E", type=int, default=128)
+    p.add_argument("--D", type=int, default=2048)
+    p.add_argument("--F", type=int, default=768)
+    p.add_argument("--topk", type=int, default=8)
+    p.add_argument("--out", default=None)
+    p.add_argument("--write-configs", default=None, help="folder for the config file (see above)")
+    args = p.parse_args()
+
+    import torch
+
+    from kernels.triton_moe.config import config_file_name, device_name, get_config, load_configs
+    from kernels.triton_moe.fused import _run
+    from kernels.triton_moe.tune import make_problem, time_calls, time_events
+
+    E, D, F, K = args.E, args.D, args.F, args.topk
+    res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "E": E, "D": D, "F": F, "topk": K,
+           "rows": []}
+    name = config_file_name(E, F, device_name(), "bf16")
+    configs = dict(load_configs(name) or {})
+    for M in args.M:
+        x, w13, w2, tw, ti = make_problem(E, D, F, K, M, torch.bfloat16)
+        flops = 2 * M * K * 3 * D * F
+        floor_us = max((w13.numel() + w2.numel()) * 2 / HBM_BYTES_PER_S, flops / BF16_FLOP_PER_S) * 1e6
+        shipped = get_config(M, E, F, K, torch.bfloat16)
+        want = _run(x, w13, w2, tw, ti, None, shipped).float()
+
+        def timed(cfg) -> dict:
+            try:
+                out = _run(x, w13, w2, tw, ti, None, cfg).float()
+                err = ((out - want).norm() / want.norm()).item()
+                us = time_calls([lambda: _run(x, w13, w2, tw, ti, None, cfg)], M) * 1e3
+                return {"config": cfg, "us": round(us, 1), "rel_err": err, "ok": err < 1e-2}
+            except Exception as e:  # out of shared memory etc.
+                return {"config": cfg, "error": f"{type(e).__name__}: {str(e)[:200]}"}
+
+        rows = [dict(timed(shipped), name="shipped")]
+        if shipped["BLOCK_SIZE_M"] >= 32:
+            rows.append(dict(timed(dict(shipped, HALF_TILES=True)), name="shipped half"))
+        for tile in TILES:
+            for half in (False, True):
+                rows.append(dict(timed(tile_config(tile, half)), name=f"{tile}{' half' if half else ''}"))
+        m_e = max(1, M * K // E)  # cuBLAS: the same rows, evenly spread
+        a = torch.randn(E, m_e, D, dtype=x.dtype, device=x.device)
+        hh = torch.randn(E, m_e, F, dtype=x.dtype, device=x.device)
+        bmm_us = time_events([lambda: (torch.bmm(a, w13.transpose(1, 2)), torch.bmm(hh, w2.transpose(1, 2)))],
+                             20) * 1e3
+        ok = [r for r in rows if r.get("ok")]
+        best = min(ok, key=lambda r: r["us"])
+        row = {"M": M, "floor_us": round(floor_us, 1), "bmm_balanced_us": round(bmm_us, 1), "best": best["name"],
+               "best_us": best["us"], "shipped_us": rows[0].get("us"), "configs": rows}
+        res["rows"].append(row)
+        if best["us"] < 0.97 * rows[0].get("us", float("inf")):
+            configs[M] = best["config"]
+        print(json.dumps({k: v for k, v in row.items() if k != "configs"}), flush=True)
+        print("  " + "  ".join(f"{r['name']}: {r.get('us', 'ERR')}" for r in rows), flush=True)
+        x = w13 = w2 = a = hh = None
+        torch.cuda.empty_cache()
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(res, indent=1))
+    if args.write_configs:
+        Path(args.write_configs).mkdir(parents=True, exist_ok=True)
+        (Path(args.write_configs) / name).write_text(json.dumps({str(m): c for m, c in sorted(configs.items())},
+                                                                indent=2))
+
+
+if __name__ == "__main__":
+    main()
