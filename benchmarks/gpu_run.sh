@@ -91,8 +91,9 @@
 #                 on / off / on / off, a fresh process each -> $OUT/ab/{1..4}_invariant_{1,0}.json
 #   expert-tiles  benchmarks/bench_expert_tiles.py (the Qwen3-30B-A3B expert layer at mixed-step sizes over a grid of
 #                 tiles, each with and without HALF_TILES, against the shipped configs; the winners into $OUT/configs),
-#                 then gpu_engine_bench.py qwen3 --runs ${TILES_RUNS:-mixed mixed_step} with the shipped configs and with
-#                 $OUT/configs -> $OUT/expert_tiles.json, $OUT/engine_{shipped,tiles}.json
+#                 then gpu_engine_bench.py qwen3 --runs ${TILES_RUNS:-mixed mixed_step} with the coarser mixed-graph sizes
+#                 (MOE_FINE_MIXED_SIZES=0), with the shipped configs and with $OUT/configs
+#                 -> $OUT/expert_tiles.json, $OUT/engine_{coarse,shipped,tiles}.json
 #   eplb          (two GPUs) benchmarks/eplb_gpu_bench.py: DP2+EP on the Qwen3-30B-A3B shape, a skewed workload,
 #                 balancedness and decode-step time before/after one EPLB rebalance (EPLB_ARGS adds flags) -> $OUT/eplb.json
 set -u
@@ -261,6 +262,8 @@ json.dump(QWEN3_30B_A3B, open(os.path.join(sys.argv[1], 'config.json'), 'w'))" "
     expert-tiles) mkdir -p "$CFG"
       step expert-tiles timeout 240 python3 benchmarks/bench_expert_tiles.py --out "$OUT/expert_tiles.json" \
            --write-configs "$CFG"
+      step engine-coarse env MOE_FINE_MIXED_SIZES=0 timeout 200 python3 benchmarks/gpu_engine_bench.py qwen3 \
+           --runs ${TILES_RUNS:-mixed mixed_step} --out "$OUT/engine_coarse.json"
       step engine-shipped timeout 200 python3 benchmarks/gpu_engine_bench.py qwen3 --runs ${TILES_RUNS:-mixed mixed_step} \
            --out "$OUT/engine_shipped.json"
       step engine-tiles env MOE_KERNEL_CONFIG_DIR="$CFG" timeout 200 python3 benchmarks/gpu_engine_bench.py qwen3 \

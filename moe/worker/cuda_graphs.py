@@ -26,6 +26,8 @@ logger = logging.getLogger("moe.worker.cuda_graphs")
 
 
 MIXED_GRAPHS = os.environ.get("MOE_MIXED_GRAPHS", "1") != "0"  # 0: mixed steps run eagerly (A/B runs)
+# 0: the coarser mixed-step token counts (default_mixed_sizes(fine=False); A/B runs)
+FINE_MIXED_SIZES = os.environ.get("MOE_FINE_MIXED_SIZES", "1") != "0"
 
 
 def default_capture_sizes(max_num_seqs: int) -> list[int]:
@@ -36,12 +38,16 @@ def default_capture_sizes(max_num_seqs: int) -> list[int]:
     return sizes
 
 
-def default_mixed_sizes(max_num_batched_tokens: int) -> list[int]:
-    """Token counts of the mixed-step graphs: powers of two from 64 to 512, then every 512 up to
-    the step budget (which is added): padding at most doubles a step of up to 1024 tokens and
-    adds at most 511 tokens to a larger one."""
-    sizes = [s for s in [64, 128, 256, 512] + list(range(1024, max_num_batched_tokens + 1, 512))
-             if s <= max_num_batched_tokens]
+def default_mixed_sizes(max_num_batched_tokens: int, fine: bool | None = None) -> list[int]:
+    """Token counts of the mixed-step graphs, up to the step budget (which is added): 64, 128, 256,
+    512, then every 256 up to 4096 and every 512 above, so that padding adds at most 255 tokens to a
+    step of up to 4096, where the expert GEMMs turn compute-bound and every padding token costs.
+    fine=False: powers of two to 512, then every 512 (the eager steps' warm-up needs no more);
+    None: FINE_MIXED_SIZES."""
+    fine = FINE_MIXED_SIZES if fine is None else fine
+    steps = list(range(768, 4097, 256)) + list(range(4608, max_num_batched_tokens + 1, 512)) if fine \
+        else list(range(1024, max_num_batched_tokens + 1, 512))
+    sizes = [s for s in [64, 128, 256, 512] + steps if s <= max_num_batched_tokens]
     if max_num_batched_tokens not in sizes:
         sizes.append(max_num_batched_tokens)
     return sizes

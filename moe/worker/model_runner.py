@@ -320,7 +320,7 @@ class ModelRunner:
         blocks = self.num_kv_blocks
         # every sequence reads blocks 0 .. cdiv(chunk + 1, S) - 1; a decode row sits at position chunk
         max_chunk = min(max_model_len - 1, blocks * self.block_size - 1)
-        sizes = {t - 3 if t > 64 else t for t in default_mixed_sizes(max_tokens)} | {max_tokens}
+        sizes = {t - 3 if t > 64 else t for t in default_mixed_sizes(max_tokens, fine=False)} | {max_tokens}
         # chunks of 16 and 32 tokens: the varlen prefill kernel's smaller tiles (MLA)
         sizes = sorted(sizes | {t for t in (7 + 16, 7 + 32) if t < max_tokens})
         start = time.perf_counter()

@@ -77,11 +77,16 @@ def test_async_scheduling_gives_the_synchronous_tokens_with_graphs():
 
 def test_default_mixed_sizes():
     from moe.worker.cuda_graphs import default_mixed_sizes
-    assert default_mixed_sizes(100) == [64, 100]
-    sizes = default_mixed_sizes(8192)
-    assert sizes[:5] == [64, 128, 256, 512, 1024] and sizes[-1] == 8192
-    assert all(b - a == 512 for a, b in zip(sizes[4:], sizes[5:]))
-    assert default_mixed_sizes(2000)[-2:] == [1536, 2000]
+    for fine in (True, False):
+        assert default_mixed_sizes(100, fine) == [64, 100]
+    sizes = default_mixed_sizes(8192, fine=True)
+    assert sizes[:5] == [64, 128, 256, 512, 768] and sizes[-1] == 8192 and 4096 in sizes
+    gaps = [b - a for a, b in zip(sizes[3:], sizes[4:])]
+    assert set(gaps[:sizes.index(4096) - 3]) == {256} and set(gaps[sizes.index(4096) - 3:]) == {512}
+    assert default_mixed_sizes(2000, fine=True)[-2:] == [1792, 2000]
+    coarse = default_mixed_sizes(8192, fine=False)
+    assert coarse[:5] == [64, 128, 256, 512, 1024] and all(b - a == 512 for a, b in zip(coarse[4:], coarse[5:]))
+    assert default_mixed_sizes(2000, fine=False)[-2:] == [1536, 2000]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
