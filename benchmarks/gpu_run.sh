@@ -260,12 +260,19 @@ json.dump(QWEN3_30B_A3B, open(os.path.join(sys.argv[1], 'config.json'), 'w'))" "
              --budget-s ${MXFP4_TUNE_S:-110} --out-dir "$CFG" --report "$OUT/tune_mxfp4_E$E.json"
       done ;;
     expert-tiles) mkdir -p "$CFG"
-      step expert-tiles timeout 240 python3 benchmarks/bench_expert_tiles.py --out "$OUT/expert_tiles.json" \
-           --write-configs "$CFG"
-      step engine-coarse env MOE_FINE_MIXED_SIZES=0 timeout 200 python3 benchmarks/gpu_engine_bench.py qwen3 \
-           --runs ${TILES_RUNS:-mixed mixed_step} --out "$OUT/engine_coarse.json"
-      step engine-shipped timeout 200 python3 benchmarks/gpu_engine_bench.py qwen3 --runs ${TILES_RUNS:-mixed mixed_step} \
-           --out "$OUT/engine_shipped.json"
+      # A GPU without tuned configs of the Qwen3 shape (an H100) takes the H200's as the shipped ones.
+      SHIPPED=(); dev=$(python3 -c "from kernels.triton_moe.config import device_name; print(device_name())")
+      if [ ! -f "kernels/configs/E=128,N=768,device_name=$dev,dtype=bf16.json" ]; then
+        mkdir -p /tmp/shipped_cfg; SHIPPED=(MOE_KERNEL_CONFIG_DIR=/tmp/shipped_cfg)
+        cp "kernels/configs/E=128,N=768,device_name=NVIDIA_H200,dtype=bf16.json" \
+           "/tmp/shipped_cfg/E=128,N=768,device_name=$dev,dtype=bf16.json"
+      fi
+      step expert-tiles env "${SHIPPED[@]}" timeout 240 python3 benchmarks/bench_expert_tiles.py \
+           --out "$OUT/expert_tiles.json" --write-configs "$CFG"
+      step engine-coarse env "${SHIPPED[@]}" MOE_FINE_MIXED_SIZES=0 timeout 200 python3 benchmarks/gpu_engine_bench.py \
+           qwen3 --runs ${TILES_RUNS:-mixed mixed_step} --out "$OUT/engine_coarse.json"
+      step engine-shipped env "${SHIPPED[@]}" timeout 200 python3 benchmarks/gpu_engine_bench.py qwen3 \
+           --runs ${TILES_RUNS:-mixed mixed_step} --out "$OUT/engine_shipped.json"
       step engine-tiles env MOE_KERNEL_CONFIG_DIR="$CFG" timeout 200 python3 benchmarks/gpu_engine_bench.py qwen3 \
            --runs ${TILES_RUNS:-mixed mixed_step} --out "$OUT/engine_tiles.json" ;;
     eplb) step eplb timeout 580 python3 benchmarks/eplb_gpu_bench.py --out "$OUT/eplb.json" ${EPLB_ARGS:-} ;;

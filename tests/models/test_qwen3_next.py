@@ -116,11 +116,16 @@ def test_an_aborted_request_frees_its_slot_and_leaves_the_others_exact(ckpt):
 
 
 @pytest.mark.parametrize("layout", [dict(tensor_parallel_size=2),
-                                    dict(tensor_parallel_size=2, enable_expert_parallel=True)],
-                         ids=["tp2", "tp2_ep2"])
+                                    dict(tensor_parallel_size=2, enable_expert_parallel=True),
+                                    dict(pipeline_parallel_size=2),
+                                    dict(data_parallel_size=2, enable_expert_parallel=True)],
+                         ids=["tp2", "tp2_ep2", "pp2", "dp2_ep2"])
 def test_parallel_layouts_match_hf(ckpt, layout):
     """Attention heads, key / value heads of the linear layers, their conv channels and states split
-    over 2 ranks (spawned gloo workers); the routed experts TP-sliced, or 4 whole experts a rank."""
+    over 2 ranks (spawned gloo workers); the routed experts TP-sliced, or 4 whole experts a rank;
+    the layers (linear and full attention) in two pipeline stages, each holding its layers' state
+    slots; two data-parallel replicas with their own schedulers and state slots, experts split
+    over both."""
     llm, prompts, outs = generate_greedy(ckpt, [5, 33], 6, **layout)
     try:
         assert len(llm.llm_engine.executor.worker_pids) == 2
