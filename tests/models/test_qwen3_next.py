@@ -2,7 +2,7 @@
 token for token with Hugging Face transformers through the whole engine: both checkpoint layouts,
 prompts across the delta rule's 64-token chunks, prefill chunks of a few tokens (the recurrent
 state carried across steps), preemption under a tiny cache (the state rebuilt from position 0),
-aborts, TP=2 and TP=2 x EP=2 on gloo; state slots never leak."""
+aborts, TP=2, TP=2 x EP=2, PP=2 and DP=2 x EP=2 with EPLB on gloo; state slots never leak."""
 from __future__ import annotations
 
 import multiprocessing
@@ -21,6 +21,7 @@ os.environ.setdefault("MOE_STEP_TIMEOUT_S", "90")
 os.environ.setdefault("MOE_WORKER_START_TIMEOUT_S", "120")
 
 PROMPT_LENGTHS = [1, 5, 17, 64, 70]  # one token; across the 16-token blocks and the 64-token chunk
+EPLB = {"window_size": 8, "step_interval": 3, "num_redundant_experts": 2}
 
 
 def state_slots(llm: LLM):
@@ -118,17 +119,20 @@ def test_an_aborted_request_frees_its_slot_and_leaves_the_others_exact(ckpt):
 @pytest.mark.parametrize("layout", [dict(tensor_parallel_size=2),
                                     dict(tensor_parallel_size=2, enable_expert_parallel=True),
                                     dict(pipeline_parallel_size=2),
-                                    dict(data_parallel_size=2, enable_expert_parallel=True)],
-                         ids=["tp2", "tp2_ep2", "pp2", "dp2_ep2"])
+                                    dict(data_parallel_size=2, enable_expert_parallel=True, enable_eplb=True,
+                                         expert_load_window_steps=1, eplb_config=EPLB)],
+                         ids=["tp2", "tp2_ep2", "pp2", "dp2_ep2_eplb"])
 def test_parallel_layouts_match_hf(ckpt, layout):
     """Attention heads, key / value heads of the linear layers, their conv channels and states split
     over 2 ranks (spawned gloo workers); the routed experts TP-sliced, or 4 whole experts a rank;
     the layers (linear and full attention) in two pipeline stages, each holding its layers' state
-    slots; two data-parallel replicas with their own schedulers and state slots, experts split
-    over both."""
+    slots; two data-parallel replicas with their own schedulers and state slots, the experts and 2
+    redundant replicas spread over both by EPLB, rebalanced every 3 steps."""
     llm, prompts, outs = generate_greedy(ckpt, [5, 33], 6, **layout)
     try:
         assert len(llm.llm_engine.executor.worker_pids) == 2
+        if layout.get("enable_eplb"):
+            assert llm.llm_engine.core.eplb.num_rebalances >= 1
         assert_outputs_match_hf(load_hf_model(ckpt), prompts, outs, 6)
     finally:
         llm.llm_engine.shutdown()
