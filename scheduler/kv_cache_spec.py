@@ -4,7 +4,8 @@ Full-attention layers (standard, and MLA whose page is the compressed latent) ke
 token's KV, so they form one group. Local layers read only a window of their past: chunked-local
 attention layers (Llama-4's RoPE layers) their own chunk, sliding-window layers (gpt-oss) their last
 W positions. Each local kind and size forms a group of its own whose blocks behind the window are
-released as a request moves on, so its pool can be much smaller.
+released as a request moves on, so its pool can be much smaller (prefix caching still spans the
+groups: kv_cache_manager.py).
 
 Recurrent layers (Gated DeltaNet's linear attention) keep no per-token past at all but a fixed-size
 state per request (a conv state and an SSM state per layer): their group's "blocks" are state slots,

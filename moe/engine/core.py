@@ -94,12 +94,11 @@ class EngineCore:
         logger.info("KV cache: %d blocks of %d tokens (%d tokens); maximum concurrency for %d tokens per "
                     "request: %.2fx", num_blocks, args.block_size, tokens, self.max_model_len,
                     tokens / self.max_model_len)
-        # Local layers get a KV-cache group of their own, sized to what their windows use; with
-        # prefix caching on, sliding-window layers stay in the full-attention group (which keeps
-        # the prefix) rather than turning it off, as chunked-local layers do; so do they where no
-        # layer attends fully.
+        # Local layers get a KV-cache group of their own, sized to what their windows use (prefix
+        # caching spans the groups: scheduler/kv_cache_manager.py); where no layer attends fully,
+        # sliding-window layers read through a full-attention group 0.
         keys = info.model_config.kv_cache_keys()
-        if args.enable_prefix_caching or None not in keys:  # (group 0 is a full-attention one)
+        if None not in keys:
             keys = [None if isinstance(k, SlidingWindow) else k for k in keys]
         groups = plan_groups(keys, num_blocks, args.block_size, args.max_num_seqs, info.max_num_batched_tokens)
         if len(groups) > 1:
@@ -107,8 +106,6 @@ class EngineCore:
             if args.enable_prefix_caching and any(g.recurrent for g in groups):
                 logger.info("Prefix caching is off: recurrent (linear-attention) layers keep one state per request, "
                             "not the state at each cached prefix's end")
-            elif args.enable_prefix_caching:
-                logger.info("Prefix caching is off: chunked-local layers release their blocks behind each chunk")
         # Async scheduling needs an executor that can queue a step before the last one's tokens are
         # back (in this process: the runner keeps them on the device; worker processes of one TP
         # replica: its ranks pass them among themselves) and one scheduler; images keep synchronous

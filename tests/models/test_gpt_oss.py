@@ -64,7 +64,8 @@ def test_chunked_prefill_and_small_blocks_match_hf(tmp_path):
 
 def test_sliding_layers_release_blocks_without_prefix_caching(tmp_path):
     """Prefix caching off: the sliding layers' own KV-cache group holds only the window's blocks and
-    the tokens equal transformers'; on: one group, which keeps the prefix."""
+    the tokens equal transformers'; on: the same two groups, both caching (tests/models/test_kv_cache_groups.py
+    checks their hits)."""
     from moe import SamplingParams
 
     path = make_gpt_oss_checkpoint(str(tmp_path / "ckpt"), seed=7)
@@ -88,7 +89,8 @@ def test_sliding_layers_release_blocks_without_prefix_caching(tmp_path):
     assert max_live <= 2 + 1 + 4 + 1  # the window, a partial block, one step's span of 16 tokens (+1 unaligned)
     assert kv.local[0].pool.num_free_blocks == kv.local[0].pool.num_blocks
     shared = LLM(path, device="cpu", dtype="float32", block_size=4, enable_prefix_caching=True)
-    assert len(shared.llm_engine.scheduler.kv.groups) == 1 and shared.llm_engine.scheduler.kv.enable_caching
+    kv = shared.llm_engine.scheduler.kv
+    assert [g.sliding_window for g in kv.groups] == [None, 8] and kv.enable_caching and kv.local[0].pool.enable_caching
 
 
 def test_the_clamps_and_the_window_act_in_the_fixture(tmp_path):

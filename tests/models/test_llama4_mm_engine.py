@@ -127,7 +127,9 @@ def test_chat_with_image_parts_equals_generate(hf_mm, llm):
         {"type": "image"}]}])
     ids = llm.get_tokenizer().encode(text, add_special_tokens=False)
     prompt = {"prompt_token_ids": ids, "multi_modal_data": {"image": [image, picture(40, 40, 10)]}}
-    assert ours(chat_out) == ours(llm.generate(prompt, GREEDY, use_tqdm=False)[0])
+    again = llm.generate(prompt, GREEDY, use_tqdm=False)[0]  # the same prompt: a prefix-cache hit
+    assert again.num_cached_tokens > 0 and ours(again)[0] == ours(chat_out)[0]
+    np.testing.assert_allclose(ours(again)[1], ours(chat_out)[1], atol=1e-5, rtol=0)
     assert ours(chat_out)[0] == reference(hf_mm, llm, prompt)[0]
 
 
@@ -211,7 +213,8 @@ def test_gpu_matches_the_cpu_path(ckpt, llm, enforce_eager):
 
 
 def test_prefix_cache_shares_blocks_only_for_the_same_image(tmp_path):
-    """Without chunked-local layers prefix caching is on: a prompt with the same image hits the
+    """Full-attention layers only (the chunked-local group's hits: tests/models/test_kv_cache_groups.py):
+    a prompt with the same image hits the
     blocks of its earlier run (up to inside the image: the rest of its features are merged from a
     fresh encoder pass) and answers the same; the same text with another image hits only the text
     blocks before the image, and still matches transformers."""

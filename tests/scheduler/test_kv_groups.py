@@ -60,7 +60,7 @@ def test_sliding_group_releases_blocks_behind_the_window():
 
 def test_chunked_group_releases_blocks_behind_the_chunk():
     sched = make_grouped(block_size=4, chunk=8)
-    assert not sched.kv.enable_caching  # prefix caching is off with chunked groups
+    assert sched.kv.enable_caching and sched.kv.local[0].pool.enable_caching  # prefix caching spans the groups
     sched.add_request(Request("a", list(range(1, 11)), max_tokens=30))  # 10 prompt tokens
     chunked = sched.kv.local[0]
     held_max = 0
@@ -117,3 +117,70 @@ def test_abort_frees_every_group():
     sched.finish_requests("a", RequestStatus.FINISHED_ABORTED)
     for g in [sched.kv] + sched.kv.local:
         assert g.pool.num_free_blocks == g.pool.num_blocks
+
+
+def _run_to_end(sched):
+    while sched.has_unfinished_requests():
+        so = sched.schedule()
+        sched.update_from_output(so, fake_tokens(so, sched))
+
+
+def _local_refs_match_holders(sched) -> None:
+    """Every local block's reference count is the number of requests holding it (prefix hits share blocks)."""
+    for g in sched.kv.local:
+        holders: dict[int, int] = {}
+        for blocks in g.req_to_blocks.values():
+            for b in blocks:
+                if b is not None:
+                    holders[b.block_id] = holders.get(b.block_id, 0) + 1
+        assert all(b.ref_cnt == holders.get(b.block_id, 0) for b in g.pool.blocks)
+
+
+# (hit tokens, the local blocks the hit holds) with a's blocks all cached, then with its last local block evicted
+@pytest.mark.parametrize("key,expected", [
+    (SlidingWindow(6), {False: (24, [4, 5]),    # at 24 the window reads positions 19-23: blocks 4-5
+                        True: (20, [3, 4])}),   # block 5 gone: at 20 it reads 15-19, blocks 3-4
+    (8, {False: (24, []), True: (24, [])}),      # at 24 a chunk starts: nothing of the chunked group is read
+])
+def test_prefix_hit_needs_each_local_groups_window(key, expected):
+    """A prefix hit holds only as far as every local group still caches the blocks its layers read
+    right after it (vLLM's hybrid rule): the main group's hit is shortened where a local group lost one."""
+    groups = plan_groups([key, None], 64, 4, 8, 32)
+    cfg = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=32, max_model_len=64, block_size=4, num_blocks=64,
+                          kv_cache_groups=groups)
+    prompt = list(range(1, 25))  # 6 full blocks
+    for evict in (False, True):
+        sched = Scheduler(cfg)
+        sched.add_request(Request("a", prompt, max_tokens=1))
+        _run_to_end(sched)
+        local = sched.kv.local[0]
+        if evict:  # hand out every never-used block and one more (a's last local block, freed first), then
+            # give them back: that block's hash is gone
+            local.pool.free_blocks(local.pool.get_new_blocks(local.pool.num_blocks - 6 + 1))
+        b = Request("b", prompt + [90, 91, 92], max_tokens=2)
+        sched.add_request(b)
+        so = sched.schedule()
+        want, window = expected[evict]
+        assert b.num_cached_tokens == want and so.num_scheduled_tokens["b"] == 27 - want
+        held = [i for i, blk in enumerate(local.req_to_blocks["b"][:want // 4]) if blk is not None]
+        assert held == window, "the hit's local blocks: the window before it, None behind it"
+        _local_refs_match_holders(sched)
+        sched.update_from_output(so, fake_tokens(so, sched))
+        _run_to_end(sched)
+        for g in [sched.kv] + sched.kv.local:
+            assert g.pool.num_free_blocks == g.pool.num_blocks
+
+
+def test_local_blocks_behind_the_window_stay_cached_for_later_hits():
+    """A sliding group's blocks released behind the window keep their hashes in the free queue: a later
+    request with the same prefix hits them while no one has taken them."""
+    groups = plan_groups([SlidingWindow(6), None], 64, 4, 8, 32)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=8, max_model_len=64, block_size=4,
+                                      num_blocks=64, kv_cache_groups=groups))
+    prompt = list(range(1, 33))  # 8 blocks, computed 8 tokens a step: blocks behind the window released
+    sched.add_request(Request("a", prompt, max_tokens=1))
+    _run_to_end(sched)
+    sched.add_request(Request("b", prompt[:28] + [99, 98], max_tokens=1))
+    so = sched.schedule()
+    assert sched.requests["b"].num_cached_tokens == 28 and so.num_scheduled_tokens["b"] == 2
+    _local_refs_match_holders(sched)
