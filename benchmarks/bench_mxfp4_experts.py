@@ -116,7 +116,7 @@ def bench_shape(name, shape, Ms, args, rows, device):
 
     def mxfp4(x, tw, ti, scaled):
         """scaled: through tl.dot_scaled (MOE_MXFP4_DOT_SCALED), else the kernels' own dequantisation."""
-        fused.MXFP4_DOT_SCALED = scaled
+        fused.MXFP4_DOT_SCALED = "1" if scaled else "0"
         return fused_experts_triton_mxfp4(x, w["q13"], w["q2"], w["s13"], w["s2"], tw, ti, **kw)
 
     def mxfp4_scaled(x, tw, ti):

@@ -41,8 +41,22 @@ DEFER_SUM_MIN_TOKENS = 32
 # to it (A/B runs).
 DEFER_SUM_LARGE = os.environ.get("MOE_DEFER_SUM_LARGE", "1") != "0"
 # MXFP4 weights through tl.dot_scaled (the compiler's E2M1 upcast) instead of the kernels' own
-# dequantisation (mxfp4.py), for 16-bit activations; MOE_MXFP4_DOT_SCALED=1 turns it on (A/B runs).
-MXFP4_DOT_SCALED = os.environ.get("MOE_MXFP4_DOT_SCALED", "0") == "1"
+# dequantisation (mxfp4.py), for 16-bit activations. "auto": for decode tiles (BLOCK_SIZE_M 16, BLOCK_SIZE_N
+# and BLOCK_SIZE_K >= 64), 1.28-1.37x faster there on an H100 (BENCHMARKS.md §1); the kernels' own elsewhere
+# (0.93-0.97x at BLOCK_SIZE_M 64, a tie at 128), and for smaller tiles, whose E2M1 conversion Triton 3.6
+# fails to lower. MOE_MXFP4_DOT_SCALED=1 / 0: every tile / none (A/B runs).
+MXFP4_DOT_SCALED = os.environ.get("MOE_MXFP4_DOT_SCALED", "auto")
+
+
+def mxfp4_dot_scaled(launch: dict, dtype: torch.dtype) -> str:
+    """The GEMM's MXFP4_SCALED argument for this launch config: the activations' format ("bf16",
+    "fp16") when its MXFP4 tiles go through tl.dot_scaled (MXFP4_DOT_SCALED), else ""."""
+    if dtype not in (torch.bfloat16, torch.float16) or MXFP4_DOT_SCALED == "0":
+        return ""
+    decode_tile = launch["BLOCK_SIZE_M"] <= 16 and launch["BLOCK_SIZE_N"] >= 64 and launch["BLOCK_SIZE_K"] >= 64
+    if MXFP4_DOT_SCALED != "1" and not decode_tile:
+        return ""
+    return "bf16" if dtype == torch.bfloat16 else "fp16"
 # A step of one token skips the alignment launch (one_row_blocks); MOE_DIRECT_ALIGN=0 keeps it (A/B runs).
 DIRECT_ALIGN = os.environ.get("MOE_DIRECT_ALIGN", "1") != "0"
 _ONE_ROW_SORTED: dict[tuple[int, int, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
@@ -129,14 +143,13 @@ def _run(x_TD, w13_EFD, w2_EDF, topk_weights_TK, topk_ids_TK, expert_map_E, cfg,
         if use_mxfp4:  # the E8M0 scales go where FP8's weight scales would
             w13_scale, w2_scale = mxfp4
             ws13_strides, ws2_strides = w13_scale.stride(), w2_scale.stride()
-    mx = {"W_MXFP4": True} if use_mxfp4 else {}  # nothing extra otherwise: the same compiled kernels
+    mx_up, mx_down = ({"W_MXFP4": True, "MXFP4_SCALED": mxfp4_dot_scaled(c, x_TD.dtype)} for c in (up, down)) \
+        if use_mxfp4 else ({}, {})  # nothing extra otherwise: the same compiled kernels
     for c in (up, down):
         if c.get("HALF_TILES") and BM < 32:
             raise ValueError(f"HALF_TILES needs BLOCK_SIZE_M >= 32 (tiles of BLOCK_SIZE_M / 2 >= 16 rows), got {cfg}")
     half_up = {"HALF_TILES": True} if up.get("HALF_TILES") else {}
     half_down = {"HALF_TILES": True} if down.get("HALF_TILES") else {}
-    if use_mxfp4 and MXFP4_DOT_SCALED and x_TD.dtype in (torch.bfloat16, torch.float16):
-        mx["MXFP4_SCALED"] = "bf16" if x_TD.dtype == torch.bfloat16 else "fp16"
     precision = "ieee" if x_TD.dtype == torch.float32 else "tf32"
     upcast = x_TD.dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1"
     pdl = pdl_launch(x_TD)
@@ -150,7 +163,7 @@ def _run(x_TD, w13_EFD, w2_EDF, topk_weights_TK, topk_ids_TK, expert_map_E, cfg,
         BLOCK_M=BM, BLOCK_N=up["BLOCK_SIZE_N"], BLOCK_K=up["BLOCK_SIZE_K"],
         GROUP_M=up["GROUP_SIZE_M"], GN=GN, GK=GK, USE_FP8=use_fp8,
         EVEN_K=D % up["BLOCK_SIZE_K"] == 0, PRECISION=precision, UPCAST=upcast,
-        num_warps=up["num_warps"], num_stages=up["num_stages"], **pdl, **_bias_args(w13_bias), **act, **mx,
+        num_warps=up["num_warps"], num_stages=up["num_stages"], **pdl, **_bias_args(w13_bias), **act, **mx_up,
         **half_up)
 
     # Plain: top-1 writes the output directly, top-k > 1 writes [T*K, D], then a sum over K.
@@ -172,7 +185,7 @@ def _run(x_TD, w13_EFD, w2_EDF, topk_weights_TK, topk_ids_TK, expert_map_E, cfg,
         GROUP_M=down["GROUP_SIZE_M"], GN=GN, GK=GK, USE_FP8=use_fp8,
         EVEN_K=F % down["BLOCK_SIZE_K"] == 0, SPLIT_K=split, ATOMIC=atomic,
         PRECISION=precision, UPCAST=upcast,
-        num_warps=down["num_warps"], num_stages=down["num_stages"], **pdl, **_bias_args(w2_bias), **mx,
+        num_warps=down["num_warps"], num_stages=down["num_stages"], **pdl, **_bias_args(w2_bias), **mx_down,
         **half_down)
     if atomic:
         return out.to(out_dtype)  # no copy for fp32

@@ -259,7 +259,7 @@ def test_dot_scaled_form_equals_the_kernels_dequantisation(case, dtype, down, ru
               config=dict(c["cfg"], down=down) if down else None)
     outs = {}
     for scaled in (False, True):
-        monkeypatch.setattr(fused, "MXFP4_DOT_SCALED", scaled)
+        monkeypatch.setattr(fused, "MXFP4_DOT_SCALED", "1" if scaled else "0")
         outs[scaled], _ = run("triton", c, **kw)
     assert rel(outs[True], oracle(c, activation="swigluoai", swiglu_limit=SMALL_LIMIT)) < TOL[dtype]
     if INTERPRET and not down:
@@ -439,3 +439,23 @@ def test_cuda_graph_capture_gpu(down):
     graph.replay()
     torch.cuda.synchronize()
     assert rel(out, eager) < 2e-3  # split-K: fp32 atomics in another order, then the bf16 cast
+
+
+def test_dot_scaled_auto_takes_the_decode_tiles_only(monkeypatch):
+    """MOE_MXFP4_DOT_SCALED=auto (the default): tl.dot_scaled for 16-row tiles of at least 64 x 64 (faster
+    there on an H100), the kernels' own dequantisation for taller tiles (faster or a tie) and for smaller
+    ones (Triton 3.6 cannot lower their E2M1 conversion); fp32 activations never; 1 / 0 every / no tile."""
+    from kernels.triton_moe import fused
+
+    def tile(m, n, k):
+        return {"BLOCK_SIZE_M": m, "BLOCK_SIZE_N": n, "BLOCK_SIZE_K": k}
+    assert fused.MXFP4_DOT_SCALED == "auto"
+    form = fused.mxfp4_dot_scaled
+    assert form(tile(16, 64, 64), torch.bfloat16) == "bf16" and form(tile(16, 128, 128), torch.float16) == "fp16"
+    for m, n, k in ((64, 64, 64), (128, 128, 64), (16, 32, 128), (16, 64, 32), (16, 16, 32)):
+        assert form(tile(m, n, k), torch.bfloat16) == "", (m, n, k)
+    assert form(tile(16, 64, 64), torch.float32) == ""
+    monkeypatch.setattr(fused, "MXFP4_DOT_SCALED", "1")
+    assert form(tile(128, 16, 32), torch.bfloat16) == "bf16" and form(tile(16, 64, 64), torch.float32) == ""
+    monkeypatch.setattr(fused, "MXFP4_DOT_SCALED", "0")
+    assert form(tile(16, 64, 64), torch.bfloat16) == ""
