@@ -57,6 +57,8 @@ def mxfp4_dot_scaled(launch: dict, dtype: torch.dtype) -> str:
     if MXFP4_DOT_SCALED != "1" and not decode_tile:
         return ""
     return "bf16" if dtype == torch.bfloat16 else "fp16"
+
+
 # A step of one token skips the alignment launch (one_row_blocks); MOE_DIRECT_ALIGN=0 keeps it (A/B runs).
 DIRECT_ALIGN = os.environ.get("MOE_DIRECT_ALIGN", "1") != "0"
 _ONE_ROW_SORTED: dict[tuple[int, int, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}

@@ -13,6 +13,10 @@ b2_e [D] before the routed weight, by split 0 alone when SPLIT_K > 1); ACTIVATIO
 (gpt-oss) replaces SiLU(g) * u with min(g, limit) * sigmoid(alpha * min(g, limit)) *
 (clamp(u, -limit, limit) + 1).
 
+HALF_TILES (constexpr): an expert's last block whose upper half is padding (fewer than BLOCK_M / 2
+rows left) runs the same GEMM on a tile of BLOCK_M / 2 rows, so that tall tiles pad no more than
+tiles half as tall (the kernels' bodies, _gate_up_rows and _down_rows, take the tile height).
+
 The gate and up tiles of the same output columns are loaded side by side, so the activation is
 computed in registers and only h (F wide, not 2F) goes to memory; h is written in the sorted,
 padded order, so the down GEMM reads its A operand contiguously. Blocks whose expert is -1 are
