@@ -187,7 +187,6 @@ class KVCacheManager:
             blocks = self.req_to_blocks[req_id] = []
             self._num_cached_blocks[req_id] = 0
         main_hits = hits[0] if hits else ()
-        local_hits = hits[1:] if hits else [None] * len(self.local)
         num_hit = len(main_hits)
         num_computed = request.num_computed_tokens + num_hit * self.block_size
         total_tokens = num_computed + num_new_tokens
@@ -195,6 +194,7 @@ class KVCacheManager:
         # The common decode step: the last block still has room, no hit, no local group.
         fast = needed <= 0 and not num_hit and not self.local
         if not fast:
+            local_hits = hits[1:] if hits else [None] * len(self.local)
             # Hits that sit in the free queue stop being free once touched.
             evictable_hits = sum(1 for b in main_hits if b.ref_cnt == 0)
             if needed > self.pool.num_free_blocks - evictable_hits or not all(
