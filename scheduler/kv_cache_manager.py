@@ -194,11 +194,11 @@ class KVCacheManager:
         # The common decode step: the last block still has room, no hit, no local group.
         fast = needed <= 0 and not num_hit and not self.local
         if not fast:
-            local_hits = hits[1:] if hits else [None] * len(self.local)
+            local_hits = (hits[1:] if hits else [None] * len(self.local)) if self.local else ()
             # Hits that sit in the free queue stop being free once touched.
-            evictable_hits = sum(1 for b in main_hits if b.ref_cnt == 0)
-            if needed > self.pool.num_free_blocks - evictable_hits or not all(
-                    g.can_allocate(request, num_computed, total_tokens, h) for g, h in zip(self.local, local_hits)):
+            evictable_hits = sum(1 for b in main_hits if b.ref_cnt == 0) if num_hit else 0
+            if needed > self.pool.num_free_blocks - evictable_hits or (local_hits and not all(
+                    g.can_allocate(request, num_computed, total_tokens, h) for g, h in zip(self.local, local_hits))):
                 if not blocks:
                     del self.req_to_blocks[req_id], self._num_cached_blocks[req_id]
                 return None
@@ -207,7 +207,8 @@ class KVCacheManager:
                 blocks.extend(main_hits)
             new_blocks = self.pool.get_new_blocks(max(needed, 0)) or []
             blocks.extend(new_blocks)
-            new_local = [g.allocate(request, num_computed, total_tokens, h) for g, h in zip(self.local, local_hits)]
+            new_local = [g.allocate(request, num_computed, total_tokens, h) for g, h in zip(self.local, local_hits)] \
+                if local_hits else []
         # Register blocks that this step fills in the prefix cache (their tokens are all known:
         # total_tokens never exceeds the request's tokens). In the fast path only a step ending
         # exactly on a block boundary fills one.
@@ -221,7 +222,7 @@ class KVCacheManager:
                     g.cache_full_blocks(request, num_full)
         if fast:
             return NO_NEW_BLOCKS
-        return [new_blocks] + new_local
+        return [new_blocks] + new_local if new_local else [new_blocks]
 
     def _cache_full_blocks(self, request: Request, blocks: list[KVBlock], num_full: int) -> None:
         self._update_block_hashes(request)
