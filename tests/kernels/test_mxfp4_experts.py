@@ -255,8 +255,9 @@ def test_dot_scaled_form_equals_the_kernels_dequantisation(case, dtype, down, ru
     reference, with masked K / N, an expert map, split-K and the deferred sum."""
     import kernels.triton_moe.fused as fused
     c = make_case(case, dtype=dtype, seed=5)
+    # on a GPU 16-row tiles of 64 x 64: Triton 3.6 cannot lower the E2M1 conversion of smaller ones
     kw = dict(defer_sum=case == "defer", activation="swigluoai", swiglu_limit=SMALL_LIMIT,
-              config=dict(c["cfg"], down=down) if down else None)
+              config=dict(WIDE_CFG if CUDA else c["cfg"], down=down) if down else None)
     outs = {}
     for scaled in (False, True):
         monkeypatch.setattr(fused, "MXFP4_DOT_SCALED", "1" if scaled else "0")
