@@ -625,7 +625,11 @@ def host_parts(llm: LLM, num_decodes: int = 256, chunk: int = 512, prompt_len: i
     running requests and over as many mixed steps (num_decodes - 1 decodes beside a new `chunk`-token
     prompt each), async scheduling as configured. The parts nest: `engine_step` holds the core step
     and the output side; `launch` holds build, upload, pending-token fill, replay or forward,
-    logits and sampling inputs; `collect` waits for the tokens of the step before."""
+    logits and sampling inputs; `collect` waits for the tokens of the step before. `gc` counts the
+    garbage collector's passes in the timed steps (all, and full ones) with their total and
+    longest ms (moe.gc_freeze keeps the start-up heap out of them)."""
+    import gc
+
     import moe.worker.model_runner as mr
     engine = llm.llm_engine
     core = engine.core
@@ -649,11 +653,29 @@ def host_parts(llm: LLM, num_decodes: int = 256, chunk: int = 512, prompt_len: i
         if graphs is not None:
             wrap(graphs, "replay", key)
 
+    pauses: list[tuple[int, float]] = []  # (generation, seconds) of each collection
+    gc_start = [0.0]
+
+    def on_gc(phase: str, info: dict) -> None:
+        if phase == "start":
+            gc_start[0] = time.perf_counter()
+        else:
+            pauses.append((info["generation"], time.perf_counter() - gc_start[0]))
+
     def per_step(run_steps) -> dict:
         timers.clear()
-        run_steps()
+        pauses.clear()
+        gc.callbacks.append(on_gc)
+        try:
+            run_steps()
+        finally:
+            gc.callbacks.remove(on_gc)
         n = len(timers.get("engine_step", [])) or 1
-        return {k: round(1e3 * sum(v) / n, 4) for k, v in sorted(timers.items())}
+        out = {k: round(1e3 * sum(v) / n, 4) for k, v in sorted(timers.items())}
+        out["gc"] = {"passes": len(pauses), "full_passes": sum(g == 2 for g, _ in pauses),
+                     "total_ms": round(1e3 * sum(t for _, t in pauses), 3),
+                     "max_ms": round(1e3 * max((t for _, t in pauses), default=0.0), 3)}
+        return out
 
     try:
         _start_decoding(llm, num_decodes, prompt_len, max_tokens=4 * steps + 40)

@@ -3,6 +3,7 @@ timed in both kinds of step, the parts nest as documented, and the timers are go
 (a second run sees the engine as the first did)."""
 from __future__ import annotations
 
+import gc
 import sys
 from pathlib import Path
 
@@ -29,6 +30,9 @@ def test_host_parts_times_each_part_and_unwraps(monkeypatch):
                          "batch_build", "sampling_inputs", "sample_launch", "logits_launch"):
                 assert parts[name] > 0, (kind, name)
             assert parts["engine_step"] >= parts["core_step"] >= parts["launch"] >= parts["batch_build"]
+            assert parts["gc"]["passes"] >= parts["gc"]["full_passes"] >= 0
+            assert parts["gc"]["max_ms"] <= parts["gc"]["total_ms"]
         assert mr.StepBatch.__dict__["build"] is build and mr.upload is upload
         assert "step" not in engine.__dict__ or engine.__dict__["step"].__func__ is step
     assert not engine.has_unfinished_requests()
+    assert all(cb.__name__ != "on_gc" for cb in gc.callbacks)  # the pause timer is gone too

@@ -24,6 +24,7 @@ from moe.engine.routed_experts import RoutedExpertsTracker
 from moe.engine.step_recovery import StepRecovery
 from moe.expert_load.recording import ExpertLoadMeta
 from moe.expert_load.tracker import ExpertLoadTracker, physical_slot_ranks
+from moe.gc_freeze import freeze_startup_heap, release_frozen_heap
 from moe.sampling_params import SamplingParams
 from moe.structured_output.manager import StructuredOutputManager
 from moe.worker.executor import Executor, InProcessExecutor, make_executor
@@ -142,6 +143,7 @@ class EngineCore:
         self.expert_load, self.eplb = self._start_expert_load(info)
         self.routed = RoutedExpertsTracker(self.schedulers) if args.enable_return_routed_experts else None
         self.sleeping = 0  # sleep mode: the level (0 awake)
+        freeze_startup_heap()  # no full garbage collection walks the start-up heap mid-serving
 
     @staticmethod
     def _encoder_cache_size(info: ModelInfo) -> int:
@@ -524,4 +526,5 @@ class EngineCore:
                 self._finish_in_flight(CoreStepResult())
         if getattr(self, "structured", None) is not None:
             self.structured.shutdown()
+        release_frozen_heap()  # this engine's reference cycles become collectable
         self.executor.shutdown()

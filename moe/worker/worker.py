@@ -28,6 +28,7 @@ from models.loader import init_dummy_weights, load_weights, update_weights
 from models.parallel.state import get_parallel_state
 from moe.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineArgs
 from moe.expert_load.counters import attach_expert_counters, moe_layer_index
+from moe.gc_freeze import freeze_startup_heap
 from moe.worker.cpu_memory import keep_freed_memory
 from moe.worker.model_runner import ModelRunner, ModelRunnerOutput
 from moe.worker.routed_experts import attach_routed_capture
@@ -187,6 +188,7 @@ class Worker:
         self._groups = groups  # for wake_up
         self.runner.allocate_kv_cache(groups)
         self.runner.capture_cuda_graphs()
+        freeze_startup_heap()  # the rank is built (in a worker process, nothing else freezes its heap)
 
     # ---- weight updates and sleep mode ------------------------------------------------------
     def update_weights(self, named_tensors: list) -> int:
