@@ -1,7 +1,8 @@
 """Qwen3-Next's Gated DeltaNet kernels on one GPU: the Triton recurrent delta rule and causal conv
-(kernels/triton_gated_delta.py, what the engine runs) against the torch reference (kernels/gated_delta.py,
-chunked for prefill) and, when installed, flash-linear-attention's chunked kernel (fla-core's
-chunk_gated_delta_rule, the field's library), same inputs, same run.
+(kernels/triton_gated_delta.py), the Triton chunked delta rule (kernels/triton_gated_delta_chunked.py,
+over a grid of chunk sizes, value blocks and dot precisions) against the torch reference
+(kernels/gated_delta.py, chunked for prefill) and, when installed, flash-linear-attention's chunked
+kernel (fla-core's chunk_gated_delta_rule, the field's library), same inputs, same run.
 
 Shapes: one layer at TP=1 (16 key heads, 32 value heads, head dims 128; conv over 8192 channels, 4 taps),
 bf16 activations, fp32 states in a pool of 512 slots. Decode: B sequences of one token (the state read
@@ -25,6 +26,9 @@ HK, HV, DK, DV, K_TAPS, SLOTS = 16, 32, 128, 128, 4, 512
 HBM_BPS, PEAK_FLOPS = 4.8e12, 700e12
 DECODES = [1, 64, 256]
 PREFILLS = [(1, 4096), (8, 512), (4, 64)]  # (sequences, new tokens each)
+# the chunked kernel's grid: (chunk, block_v, num_warps, precision); the best one also runs at ieee
+CHUNKED = [(c, bv, w, p) for p in ("tf32x3", "tf32") for c, bv, w in
+           ((16, 32, 4), (16, 64, 4), (16, 128, 8), (32, 32, 4), (32, 64, 8), (32, 128, 8), (64, 64, 8))]
 
 
 def inputs(torch, B, n, seed=0):
@@ -42,6 +46,29 @@ def inputs(torch, B, n, seed=0):
     return q, k, v, decay, beta, pool, slots, qsl
 
 
+def mixed_step(torch, do_bench, reference, recurrent, chunked, num_decodes=255, chunk=512) -> dict:
+    """A mixed step's layer: num_decodes one-token sequences beside a chunk-token prefill, through
+    the recurrent kernel alone and through the chunked one (its decodes still token by token)."""
+    decodes = inputs(torch, num_decodes + 1, 1, seed=7)  # its pool and num_decodes + 1 slots
+    prefill = inputs(torch, 1, chunk, seed=8)
+    q, k, v, decay, beta = (torch.cat([a[:num_decodes], b]) for a, b in zip(decodes[:5], prefill[:5]))
+    pool, slots = decodes[5], decodes[6]
+    T = num_decodes + chunk
+    qsl = list(range(num_decodes + 1)) + [T]
+    init = torch.ones(num_decodes + 1, dtype=torch.bool, device="cuda")
+    qsl_t = torch.tensor(qsl, dtype=torch.int32, device="cuda")
+    ref_pool = pool.clone()
+    ref = reference(q, k, v, decay, beta, qsl, ref_pool, slots, init)
+    row = {"kind": "mixed", "decodes": num_decodes, "chunk_tokens": chunk}
+    for name, fn in (("recurrent", recurrent), ("chunked", chunked)):
+        work = pool.clone()
+        out = fn(q, k, v, decay, beta, qsl_t, work, slots, init)
+        row[f"{name}_us"] = do_bench(lambda: fn(q, k, v, decay, beta, qsl_t, work, slots, init), warmup=5, rep=30,
+                                     return_mode="median") * 1e3
+        row[f"{name}_rel_err"] = rel(out, ref)
+    return row
+
+
 def rel(a, b) -> float:
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
@@ -55,6 +82,7 @@ def main() -> int:
 
     from kernels.gated_delta import causal_conv1d_varlen, gated_delta_rule_varlen
     from kernels.triton_gated_delta import causal_conv1d_varlen_triton, gated_delta_rule_recurrent_triton
+    from kernels.triton_gated_delta_chunked import gated_delta_rule_chunked_triton
 
     if not torch.cuda.is_available():
         raise SystemExit("bench_gated_delta.py needs a GPU")
@@ -91,12 +119,20 @@ def main() -> int:
         conv_out = causal_conv1d_varlen_triton(x, w, None, qsl_t, conv_pool, slots, init)
         t_conv = do_bench(lambda: causal_conv1d_varlen_triton(x, w, None, qsl_t, conv_pool, slots, init),
                           warmup=20, rep=100, return_mode="median") * 1e3
+        # the chunked kernel walks one-token sequences as the recurrent one does: its decode cost
+        chunked_work = pool.clone()
+        chunked_out = gated_delta_rule_chunked_triton(q, k, v, decay, beta, qsl_t, chunked_work, slots, init)
+        t_chunked = do_bench(lambda: gated_delta_rule_chunked_triton(q, k, v, decay, beta, qsl_t, chunked_work,
+                                                                     slots, init), warmup=20, rep=100,
+                             return_mode="median") * 1e3
         rows.append({"kind": "decode", "B": B, "triton_us": t_eager, "triton_graph_us": t_graph, "torch_us": t_torch,
                      "floor_us": floor, "floor_over_graph": floor / t_graph, "rel_err": err, "state_rel_err": state_err,
+                     "chunked_us": t_chunked, "chunked_rel_err": rel(chunked_out, ref),
                      "conv_triton_us": t_conv, "conv_rel_err": rel(conv_out, conv_ref)})
         print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in rows[-1].items()}), flush=True)
     for B, n in PREFILLS:
         q, k, v, decay, beta, pool, slots, qsl = inputs(torch, B, n, seed=B * n)
+        pool0 = pool.clone()  # fla's calls below advance pool's states (the engine's scatter back)
         init = torch.ones(B, dtype=torch.bool, device="cuda")
         qsl_t = torch.tensor(qsl, dtype=torch.int32, device="cuda")
         ref_pool = pool.clone()
@@ -127,8 +163,35 @@ def main() -> int:
             row["fla_us"] = do_bench(fla, warmup=5, rep=30, return_mode="median") * 1e3
             row["fla_rel_err"] = rel(fla_out, ref)
         row["floor_over_triton"] = row["floor_us"] / t_triton
+
+        def chunked(c, bv, warps, prec):
+            cfg = {"chunk": c, "block_v": bv, "num_warps": warps, "precision": prec}
+            w = pool0.clone()
+
+            def call():
+                return gated_delta_rule_chunked_triton(q, k, v, decay, beta, qsl_t, w, slots, init, chunk_size=c,
+                                                       block_v=bv, num_warps=warps, precision=prec)
+            try:
+                o = call()
+                us = do_bench(call, warmup=5, rep=30, return_mode="median") * 1e3
+            except Exception as e:  # out of shared memory etc.
+                return {**cfg, "error": f"{type(e).__name__}: {str(e)[:160]}"}
+            return {**cfg, "us": us, "rel_err": rel(o, ref), "state_rel_err": rel(w[slots], ref_pool[slots])}
+        grid = [chunked(*cfg) for cfg in CHUNKED]
+        best = min((r for r in grid if "us" in r), key=lambda r: r["us"])
+        grid.append(chunked(best["chunk"], best["block_v"], best["num_warps"], "ieee"))
+        work = pool0.clone()
+        default = gated_delta_rule_chunked_triton(q, k, v, decay, beta, qsl_t, work, slots, init)
+        default_us = do_bench(lambda: gated_delta_rule_chunked_triton(q, k, v, decay, beta, qsl_t, work, slots, init),
+                              warmup=5, rep=30, return_mode="median") * 1e3
+        row.update(chunked_grid=grid, chunked_best=best, chunked_default_us=default_us,
+                   chunked_default_rel_err=rel(default, ref), floor_over_chunked=row["floor_us"] / best["us"])
         rows.append(row)
-        print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
+        shown = {k: round(v, 4) if isinstance(v, float) else v for k, v in row.items() if k != "chunked_grid"}
+        print(json.dumps(shown), flush=True)
+    rows.append(mixed_step(torch, do_bench, gated_delta_rule_varlen, gated_delta_rule_recurrent_triton,
+                           gated_delta_rule_chunked_triton))
+    print(json.dumps(rows[-1]), flush=True)
     if args.out:
         meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
                 "fla": chunk_gated_delta_rule is not None,

@@ -249,12 +249,12 @@ def _load_token(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, t, ok, kh, h, stride_qt, s
     return q * scale, k, v, g, beta
 
 
-@triton.jit(do_not_specialize=["T"])
+@triton.jit(do_not_specialize=["T", "long_from"])
 def _gated_delta_recurrent_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, qsl_ptr, state_ptr, slots_ptr, init_ptr,
-                                  o_ptr, T, scale, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
-                                  stride_gt, stride_gh, stride_bt, stride_bh, stride_ot, stride_oh,
-                                  stride_sn, stride_sh, GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-                                  DK_PAD: tl.constexpr, BLOCK_V: tl.constexpr, L2NORM: tl.constexpr,
+                                  o_ptr, T, long_from, scale, stride_qt, stride_qh, stride_kt, stride_kh,
+                                  stride_vt, stride_vh, stride_gt, stride_gh, stride_bt, stride_bh, stride_ot,
+                                  stride_oh, stride_sn, stride_sh, GROUP: tl.constexpr, DK: tl.constexpr,
+                                  DV: tl.constexpr, DK_PAD: tl.constexpr, BLOCK_V: tl.constexpr, L2NORM: tl.constexpr,
                                   USE_PDL: tl.constexpr):
     pdl_enter(USE_PDL)
     b = tl.program_id(0)
@@ -269,6 +269,8 @@ def _gated_delta_recurrent_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, qsl_ptr,
         return
     start = tl.load(qsl_ptr + b).to(tl.int64)
     end = tl.load(qsl_ptr + b + 1).to(tl.int64)
+    if end - start >= long_from:  # the chunked kernel's (kernels/triton_gated_delta_chunked.py)
+        return
     slot = tl.load(slots_ptr + b).to(tl.int64)
     live = (slot >= 0).to(tl.int32)  # a negative slot (graph padding): zeros read, nothing written
     init_rows = DK * tl.load(init_ptr + b).to(tl.int32) * live  # rows of the prior state read: DK or 0 (zeros)
@@ -311,6 +313,21 @@ def gated_delta_rule_recurrent_triton(q_TKd: torch.Tensor, k_TKd: torch.Tensor, 
     scale: q's scale after the norm (default Dk ** -0.5). block_v: value columns a program (power
     of two); num_warps: None = 4, or 8 for state slices over 8192 values.
     """
+    check_delta_args(q_TKd, k_TKd, v_TVe, g_TV, beta_TV, ssm_state_NVde)
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be positive, got {chunk_size}")
+    if block_v < 1 or block_v & (block_v - 1):
+        raise ValueError(f"block_v must be a power of two, got {block_v}")
+    B, qsl, slots, init = _batch_args(q_TKd.shape[0], query_start_loc, slots_B, has_initial_B, q_TKd.device)
+    o_TVe = torch.empty(v_TVe.shape, dtype=q_TKd.dtype, device=q_TKd.device)
+    launch_recurrent(q_TKd, k_TKd, v_TVe, g_TV, beta_TV, qsl, ssm_state_NVde, slots, init, o_TVe, scale,
+                     use_qk_l2norm, block_v, num_warps)
+    return o_TVe
+
+
+def check_delta_args(q_TKd: torch.Tensor, k_TKd: torch.Tensor, v_TVe: torch.Tensor, g_TV: torch.Tensor,
+                     beta_TV: torch.Tensor, ssm_state_NVde: torch.Tensor) -> None:
+    """The delta rule's tensors: shapes, devices, dtypes and strides (see gated_delta_rule_recurrent_triton)."""
     if q_TKd.dim() != 3:
         raise ValueError(f"q_TKd must be [T, Hk, Dk], got {list(q_TKd.shape)}")
     T, Hk, Dk = q_TKd.shape
@@ -335,24 +352,25 @@ def gated_delta_rule_recurrent_triton(q_TKd: torch.Tensor, k_TKd: torch.Tensor, 
     if ssm_state_NVde.stride(3) != 1 or ssm_state_NVde.stride(2) != Dv:
         raise ValueError(f"ssm_state_NVde's [Dk, Dv] state matrices must be contiguous, got strides "
                          f"{ssm_state_NVde.stride()}")
-    if chunk_size < 1:
-        raise ValueError(f"chunk_size must be positive, got {chunk_size}")
-    if block_v < 1 or block_v & (block_v - 1):
-        raise ValueError(f"block_v must be a power of two, got {block_v}")
-    B, qsl, slots, init = _batch_args(T, query_start_loc, slots_B, has_initial_B, dev)
-    o_TVe = torch.empty(T, Hv, Dv, dtype=q_TKd.dtype, device=dev)
+
+
+def launch_recurrent(q_TKd, k_TKd, v_TVe, g_TV, beta_TV, qsl, ssm_state_NVde, slots, init, o_TVe, scale,
+                     use_qk_l2norm: bool, block_v: int, num_warps: int | None, long_from: int = 2 ** 31 - 1) -> None:
+    """The recurrent kernel over checked arguments (qsl, slots, init from _batch_args) into o_TVe;
+    sequences of long_from tokens or more are left alone (their outputs and states unwritten)."""
+    Hk, Dk = q_TKd.shape[1:]
+    Hv, Dv = v_TVe.shape[1:]
     if Hv == 0:
-        return o_TVe
+        return
     dk_pad = triton.next_power_of_2(Dk)
     block_v = min(block_v, triton.next_power_of_2(Dv))
     if num_warps is None:
         num_warps = 4 if dk_pad * block_v <= 4096 else 8
-    _gated_delta_recurrent_kernel[(B + 1, Hv, triton.cdiv(Dv, block_v))](
-        q_TKd, k_TKd, v_TVe, g_TV, beta_TV, qsl, ssm_state_NVde, slots, init, o_TVe, T,
+    _gated_delta_recurrent_kernel[(slots.shape[0] + 1, Hv, triton.cdiv(Dv, block_v))](
+        q_TKd, k_TKd, v_TVe, g_TV, beta_TV, qsl, ssm_state_NVde, slots, init, o_TVe, q_TKd.shape[0], long_from,
         float(Dk ** -0.5 if scale is None else scale),
         q_TKd.stride(0), q_TKd.stride(1), k_TKd.stride(0), k_TKd.stride(1), v_TVe.stride(0), v_TVe.stride(1),
         g_TV.stride(0), g_TV.stride(1), beta_TV.stride(0), beta_TV.stride(1), o_TVe.stride(0), o_TVe.stride(1),
         ssm_state_NVde.stride(0), ssm_state_NVde.stride(1),
         GROUP=Hv // Hk, DK=Dk, DV=Dv, DK_PAD=dk_pad, BLOCK_V=block_v, L2NORM=bool(use_qk_l2norm),
         num_warps=num_warps, **pdl_launch(q_TKd))
-    return o_TVe

@@ -57,8 +57,9 @@ from kernels.gated_delta import causal_conv1d_varlen, gated_delta_rule_varlen, r
 
 try:  # Triton is absent on some platforms; the torch reference then serves every device (use_triton_attention).
     from kernels.triton_gated_delta import causal_conv1d_varlen_triton, gated_delta_rule_recurrent_triton
+    from kernels.triton_gated_delta_chunked import gated_delta_rule_chunked_triton
 except ImportError:
-    causal_conv1d_varlen_triton = gated_delta_rule_recurrent_triton = None
+    causal_conv1d_varlen_triton = gated_delta_rule_recurrent_triton = gated_delta_rule_chunked_triton = None
 from kernels.triton_fused.moe_sum import TopKSum
 from models.config import ModelConfig, check_moe_fields, hf_get
 from models.layers.attention import Attention, use_triton_attention
@@ -366,7 +367,10 @@ class Qwen3NextGatedDeltaNet(nn.Module):
         Kl, Vl, dk, dv = self.num_k_heads, self.num_v_heads, self.head_k_dim, self.head_v_dim
         chunked = False
         if use_triton_attention(x):  # the Triton kernels, reading the layout on the device where it is there
-            conv, delta = causal_conv1d_varlen_triton, gated_delta_rule_recurrent_triton
+            # steps with prefill tokens: their longer sequences in chunks (tensor-core products), the
+            # decodes token by token as in decode-only steps (kernels/triton_gated_delta_chunked.py)
+            conv = causal_conv1d_varlen_triton
+            delta = gated_delta_rule_recurrent_triton if meta.decode_only else gated_delta_rule_chunked_triton
             if meta.query_start_loc_t is not None:
                 qsl = meta.query_start_loc_t
                 # a step with prefill tokens, eagerly: fla-core's chunked kernel where installed
@@ -384,7 +388,8 @@ class Qwen3NextGatedDeltaNet(nn.Module):
             if split is None:
                 split = meta.derived["gated_delta_split"] = PrefillSplit(meta.query_start_loc, slots, has_initial)
             o = gated_delta_rule_prefill_split(q.view(T, Kl, dk), k.view(T, Kl, dk), v.view(T, Vl, dv), g, beta,
-                                               split, self.ssm_state, delta, scale=dk ** -0.5, use_qk_l2norm=True)
+                                               split, self.ssm_state, gated_delta_rule_recurrent_triton,
+                                               scale=dk ** -0.5, use_qk_l2norm=True)
         else:
             o = delta(q.view(T, Kl, dk), k.view(T, Kl, dk), v.view(T, Vl, dv), g, beta, qsl, self.ssm_state, slots,
                       has_initial, scale=dk ** -0.5, use_qk_l2norm=True)

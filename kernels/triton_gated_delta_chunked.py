@@ -1,0 +1,177 @@
+"""The gated delta rule in chunks on the GPU: prefill of Qwen3-Next's linear-attention layers as
+matrix products (the tensor cores), where kernels/triton_gated_delta.py walks the tokens one by one.
+Same arguments, results and contract as gated_delta_rule_recurrent_triton there (the flat varlen
+batch, state slots read and written in place on the device, rows past the batch zeroed), and as it
+CUDA-graph capturable: the grid and every launch argument come from shapes only.
+
+Two launches: the recurrent kernel takes the sequences of fewer than `recurrent_below` tokens
+(decodes: one state read and write, what it is built for), this one the others (each launch skips
+the other's sequences on the device). Program (b, value head h, value block) keeps its slice
+S [Dk, BLOCK_V] (fp32) of the state in registers and walks the sequence CHUNK tokens at a time
+(positions i, j of the chunk; G the cumulative log decay from its start; Gam_ij = exp(G_i - G_j) for j <= i, else 0;
+q, k L2-normalised in fp32, q scaled):
+
+    A     = strict_tril(beta K K^T * Gam)             (CHUNK x CHUNK)
+    Tinv  = (I + A)^-1, by forward substitution a row at a time, in fp32 (the power series
+            (I - A)(I + A^2)(I + A^4)... is exact in theory, but with aligned keys its powers
+            grow as binomials and cancel: fp32 loses everything; substitution stays stable)
+    U     = Tinv (beta V),   W = Tinv (beta exp(G) K)
+    Delta = U - W S
+    O     = exp(G) Q S + (Q K^T * Gam) Delta
+    S     = exp(G_last) S + (exp(G_last - G) K)^T Delta
+
+(kernels/gated_delta.py's _chunked derives it.) Rows past the sequence's end load as zeros
+(k = beta = g = 0 write and decay nothing), so a partial last chunk needs no other care. Every
+exponent is <= 0. The chunk's A, Tinv and W do not depend on the value block: programs of one
+head's value blocks compute them each (BLOCK_V = Dv avoids that, at fewer programs).
+
+The products run at `precision` (tl.dot's input_precision): "ieee" (fp32 FMAs), "tf32x3" (three
+TF32 tensor-core products, fp32-level error), "tf32".
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.pdl import pdl_enter, pdl_launch
+from kernels.triton_gated_delta import DEFAULT_BLOCK_V as RECURRENT_BLOCK_V
+from kernels.triton_gated_delta import _batch_args, check_delta_args, launch_recurrent
+
+DEFAULT_CHUNK = 32
+DEFAULT_BLOCK_V = 64
+DEFAULT_RECURRENT_BELOW = 8  # a sequence shorter than this is walked token by token
+PRECISIONS = ("ieee", "tf32x3", "tf32")
+
+
+@triton.jit
+def _load_rows(ptr, rows, ok, stride_t, head_off, cols, COLS: tl.constexpr):
+    """[len(rows), len(cols)] fp32 from rows (zeros where not ok or past COLS)."""
+    return tl.load(ptr + rows[:, None] * stride_t + head_off + cols[None, :],
+                   mask=ok[:, None] & (cols < COLS)[None, :], other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _chunk_step(state, t0, end, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_head, kh, h,
+                stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+                stride_gt, stride_gh, stride_bt, stride_bh, stride_ot, dk, dv, dv_ok, scale,
+                DK: tl.constexpr, DV: tl.constexpr, L2NORM: tl.constexpr, CHUNK: tl.constexpr,
+                PRECISION: tl.constexpr):
+    """Tokens t0 .. min(t0 + CHUNK, end) - 1 from `state`: their outputs stored, the state after them returned."""
+    idx = tl.arange(0, CHUNK)
+    rows = t0 + idx
+    ok = rows < end
+    q = _load_rows(q_ptr, rows, ok, stride_qt, kh * stride_qh, dk, DK)  # [CHUNK, DK_PAD]
+    k = _load_rows(k_ptr, rows, ok, stride_kt, kh * stride_kh, dk, DK)
+    v = _load_rows(v_ptr, rows, ok, stride_vt, h * stride_vh, dv, DV)  # [CHUNK, BLOCK_V]
+    g = tl.load(g_ptr + rows * stride_gt + h * stride_gh, mask=ok, other=0.0).to(tl.float32)
+    beta = tl.load(beta_ptr + rows * stride_bt + h * stride_bh, mask=ok, other=0.0).to(tl.float32)
+    if L2NORM:
+        q = q * tl.math.rsqrt(tl.sum(q * q, 1) + 1e-6)[:, None]
+        k = k * tl.math.rsqrt(tl.sum(k * k, 1) + 1e-6)[:, None]
+    q = q * scale
+    G = tl.cumsum(g, 0)
+    i = idx[:, None]
+    j = idx[None, :]
+    # masked before the exp: above the diagonal G_i - G_j >= 0 could overflow
+    gam = tl.exp(tl.where(i >= j, G[:, None] - G[None, :], float("-inf")))
+    kt = tl.trans(k)
+    A = tl.where(i > j, beta[:, None] * tl.dot(k, kt, input_precision=PRECISION) * gam, 0.0)
+    # (I + A)^-1 row by row (forward substitution): row r = e_r - sum_{j<r} A_rj row_j; the rows
+    # below r are still identity rows, which A_rj = 0 (j >= r) leaves out
+    tinv = tl.where(i == j, 1.0, 0.0)
+    for r in range(1, CHUNK):
+        a_r = tl.sum(tl.where(i == r, A, 0.0), 0)  # A's row r, along j
+        row = tl.where(idx == r, 1.0, 0.0) - tl.sum(a_r[:, None] * tinv, 0)
+        tinv = tl.where(i == r, row[None, :], tinv)
+    u = tl.dot(tinv, beta[:, None] * v, input_precision=PRECISION)
+    w = tl.dot(tinv, (beta * tl.exp(G))[:, None] * k, input_precision=PRECISION)
+    delta = u - tl.dot(w, state, input_precision=PRECISION)  # [CHUNK, BLOCK_V]
+    qk = tl.dot(q, kt, input_precision=PRECISION) * gam  # gam is 0 above the diagonal
+    o = tl.dot(q * tl.exp(G)[:, None], state, input_precision=PRECISION) \
+        + tl.dot(qk, delta, input_precision=PRECISION)
+    tl.store(o_head + rows[:, None] * stride_ot, o.to(o_head.dtype.element_ty), mask=ok[:, None] & dv_ok[None, :])
+    g_last = tl.sum(tl.where(idx == CHUNK - 1, G, 0.0), 0)  # padded rows add no decay: the last valid row's
+    k_out = tl.trans(k * tl.exp(g_last - G)[:, None])  # [DK_PAD, CHUNK]
+    return state * tl.exp(g_last) + tl.dot(k_out, delta, input_precision=PRECISION)
+
+
+@triton.jit(do_not_specialize=["long_from"])
+def _gated_delta_chunked_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, qsl_ptr, state_ptr, slots_ptr, init_ptr,
+                                o_ptr, long_from, scale, stride_qt, stride_qh, stride_kt, stride_kh,
+                                stride_vt, stride_vh, stride_gt, stride_gh, stride_bt, stride_bh, stride_ot, stride_oh,
+                                stride_sn, stride_sh, GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+                                DK_PAD: tl.constexpr, BLOCK_V: tl.constexpr, L2NORM: tl.constexpr,
+                                CHUNK: tl.constexpr, PRECISION: tl.constexpr, USE_PDL: tl.constexpr):
+    pdl_enter(USE_PDL)
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    start = tl.load(qsl_ptr + b).to(tl.int64)
+    end = tl.load(qsl_ptr + b + 1).to(tl.int64)
+    if end - start < long_from:  # the recurrent kernel's
+        return
+    dv = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
+    dv_ok = dv < DV
+    o_head = o_ptr + h * stride_oh + dv
+    slot = tl.load(slots_ptr + b).to(tl.int64)
+    live = (slot >= 0).to(tl.int32)  # a negative slot (graph padding): zeros read, nothing written
+    init_rows = DK * tl.load(init_ptr + b).to(tl.int32) * live  # rows of the prior state read: DK or 0 (zeros)
+    kh = h // GROUP
+    dk = tl.arange(0, DK_PAD)
+    s_ptrs = state_ptr + slot * stride_sn + h * stride_sh + dk[:, None] * DV + dv[None, :]
+    state = tl.load(s_ptrs, mask=(dk < init_rows)[:, None] & dv_ok[None, :], other=0.0)  # [DK_PAD, BLOCK_V] fp32
+    for t0 in range(start, end, CHUNK):
+        state = _chunk_step(state, t0, end, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_head, kh, h,
+                            stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+                            stride_gt, stride_gh, stride_bt, stride_bh, stride_ot, dk, dv, dv_ok, scale,
+                            DK, DV, L2NORM, CHUNK, PRECISION)
+    tl.debug_barrier()  # every thread's read of the old state before any write
+    tl.store(s_ptrs, state, mask=(dk < DK * live)[:, None] & dv_ok[None, :])
+
+
+def gated_delta_rule_chunked_triton(q_TKd: torch.Tensor, k_TKd: torch.Tensor, v_TVe: torch.Tensor,
+                                    g_TV: torch.Tensor, beta_TV: torch.Tensor, query_start_loc,
+                                    ssm_state_NVde: torch.Tensor, slots_B: torch.Tensor, has_initial_B: torch.Tensor,
+                                    scale: float | None = None, use_qk_l2norm: bool = True,
+                                    chunk_size: int = DEFAULT_CHUNK, *, block_v: int = DEFAULT_BLOCK_V,
+                                    recurrent_below: int = DEFAULT_RECURRENT_BELOW, precision: str | None = None,
+                                    num_warps: int | None = None) -> torch.Tensor:
+    """The gated delta rule of each sequence from its state (module docstring; arguments and results
+    as kernels.triton_gated_delta.gated_delta_rule_recurrent_triton). chunk_size: tokens a chunk (a
+    power of two, 16 .. 128); block_v: value columns a program of the chunked kernel (a power of
+    two, at least 16); recurrent_below: sequences shorter than this go to the recurrent kernel;
+    precision: the products' input_precision (see the module docstring); None: "tf32x3" for fp32
+    inputs (fp32-level results), "tf32" for bf16 / fp16 ones (errors at their own precision's level)."""
+    check_delta_args(q_TKd, k_TKd, v_TVe, g_TV, beta_TV, ssm_state_NVde)
+    if chunk_size not in (16, 32, 64, 128):
+        raise ValueError(f"chunk_size must be 16, 32, 64 or 128, got {chunk_size}")
+    if block_v < 16 or block_v & (block_v - 1):
+        raise ValueError(f"block_v must be a power of two of at least 16, got {block_v}")
+    if recurrent_below < 1:
+        raise ValueError(f"recurrent_below must be positive, got {recurrent_below}")
+    if precision is None:
+        precision = "tf32x3" if q_TKd.dtype == torch.float32 else "tf32"
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+    T, Hk, Dk = q_TKd.shape
+    Hv, Dv = v_TVe.shape[1:]
+    B, qsl, slots, init = _batch_args(T, query_start_loc, slots_B, has_initial_B, q_TKd.device)
+    o_TVe = torch.empty(T, Hv, Dv, dtype=q_TKd.dtype, device=q_TKd.device)
+    # short sequences, and the rows past the batch (zeros)
+    launch_recurrent(q_TKd, k_TKd, v_TVe, g_TV, beta_TV, qsl, ssm_state_NVde, slots, init, o_TVe, scale,
+                     use_qk_l2norm, RECURRENT_BLOCK_V, None, long_from=recurrent_below)
+    if Hv == 0 or B == 0:
+        return o_TVe
+    dk_pad = max(16, triton.next_power_of_2(Dk))
+    block_v = min(block_v, max(16, triton.next_power_of_2(Dv)))
+    if num_warps is None:
+        num_warps = 4 if chunk_size * max(dk_pad, block_v) <= 4096 else 8
+    _gated_delta_chunked_kernel[(B, Hv, triton.cdiv(Dv, block_v))](
+        q_TKd, k_TKd, v_TVe, g_TV, beta_TV, qsl, ssm_state_NVde, slots, init, o_TVe, recurrent_below,
+        float(Dk ** -0.5 if scale is None else scale),
+        q_TKd.stride(0), q_TKd.stride(1), k_TKd.stride(0), k_TKd.stride(1), v_TVe.stride(0), v_TVe.stride(1),
+        g_TV.stride(0), g_TV.stride(1), beta_TV.stride(0), beta_TV.stride(1), o_TVe.stride(0), o_TVe.stride(1),
+        ssm_state_NVde.stride(0), ssm_state_NVde.stride(1),
+        GROUP=Hv // Hk, DK=Dk, DV=Dv, DK_PAD=dk_pad, BLOCK_V=block_v, L2NORM=bool(use_qk_l2norm),
+        CHUNK=chunk_size, PRECISION=precision, num_warps=num_warps, **pdl_launch(q_TKd))
+    return o_TVe
