@@ -8,8 +8,8 @@ Two launches: the recurrent kernel takes the sequences of fewer than `recurrent_
 (decodes: one state read and write, what it is built for), this one the others (each launch skips
 the other's sequences on the device). Program (b, value head h, value block) keeps its slice
 S [Dk, BLOCK_V] (fp32) of the state in registers and walks the sequence CHUNK tokens at a time
-(positions i, j of the chunk; G the cumulative log decay from its start; Gam_ij = exp(G_i - G_j) for j <= i, else 0;
-q, k L2-normalised in fp32, q scaled):
+(positions i, j of the chunk; G the cumulative log decay from its start; Gam_ij = exp(G_i - G_j)
+for j <= i, else 0; q, k L2-normalised in fp32, q scaled):
 
     A     = strict_tril(beta K K^T * Gam)             (CHUNK x CHUNK)
     Tinv  = (I + A)^-1, by forward substitution a row at a time, in fp32 (the power series
@@ -129,13 +129,131 @@ def _gated_delta_chunked_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, qsl_ptr, s
     tl.store(s_ptrs, state, mask=(dk < DK * live)[:, None] & dv_ok[None, :])
 
 
+@triton.jit
+def _chunk_solve(k, v, g, beta, i, j, idx, PRECISION: tl.constexpr):
+    """A chunk's (W, U, G): W = Tinv (beta exp(G) K), U = Tinv (beta V), Tinv = (I + A)^-1 by
+    forward substitution (module docstring), from its normalised keys k [CHUNK, DK_PAD], values v,
+    log decays g and write strengths beta (zeros past the sequence)."""
+    G = tl.cumsum(g, 0)
+    gam = tl.exp(tl.where(i >= j, G[:, None] - G[None, :], float("-inf")))
+    A = tl.where(i > j, beta[:, None] * tl.dot(k, tl.trans(k), input_precision=PRECISION) * gam, 0.0)
+    # row r = e_r - sum_{j<r} A_rj row_j; the rows below r are still identity rows, which A_rj = 0
+    # (j >= r) leaves out
+    tinv = tl.where(i == j, 1.0, 0.0)
+    for r in range(1, k.shape[0]):
+        a_r = tl.sum(tl.where(i == r, A, 0.0), 0)  # A's row r, along j
+        row = tl.where(idx == r, 1.0, 0.0) - tl.sum(a_r[:, None] * tinv, 0)
+        tinv = tl.where(i == r, row[None, :], tinv)
+    w = tl.dot(tinv, (beta * tl.exp(G))[:, None] * k, input_precision=PRECISION)
+    u = tl.dot(tinv, beta[:, None] * v, input_precision=PRECISION)
+    return w, u, G
+
+
+@triton.jit(do_not_specialize=["long_from"])
+def _chunk_prepare_kernel(k_ptr, v_ptr, g_ptr, beta_ptr, qsl_ptr, w_ptr, u_ptr, B, long_from,
+                          stride_kt, stride_kh, stride_vt, stride_vh, stride_gt, stride_gh, stride_bt, stride_bh,
+                          stride_wt, stride_wh, stride_ut, stride_uh, GROUP: tl.constexpr, DK: tl.constexpr,
+                          DV: tl.constexpr, DK_PAD: tl.constexpr, DV_PAD: tl.constexpr, B_PAD: tl.constexpr,
+                          L2NORM: tl.constexpr, CHUNK: tl.constexpr, PRECISION: tl.constexpr,
+                          USE_PDL: tl.constexpr):
+    """Phase 1, every chunk at once: program (p, value head h) finds the p-th chunk of the batch's
+    long sequences (a cumulative count over the sequences, on the device) and writes its W and U
+    rows to the scratch tensors w [T, Hv, Dk], u [T, Hv, Dv] (fp32)."""
+    pdl_enter(USE_PDL)
+    p = tl.program_id(0)
+    h = tl.program_id(1)
+    seqs = tl.arange(0, B_PAD)
+    s_ok = seqs < B
+    starts = tl.load(qsl_ptr + seqs, mask=s_ok, other=0).to(tl.int64)
+    ends = tl.load(qsl_ptr + seqs + 1, mask=s_ok, other=0).to(tl.int64)
+    n = tl.where(s_ok & (ends - starts >= long_from), (ends - starts + CHUNK - 1) // CHUNK, 0)
+    after = tl.cumsum(n, 0)  # chunks up to and including each sequence
+    hit = (after - n <= p) & (p < after)  # the sequence holding chunk p (none past the last chunk)
+    if tl.sum(hit.to(tl.int32), 0) == 0:
+        return
+    t0 = tl.sum(tl.where(hit, starts + (p - (after - n)) * CHUNK, 0), 0)
+    end = tl.sum(tl.where(hit, ends, 0), 0)
+    idx = tl.arange(0, CHUNK)
+    rows = t0 + idx
+    ok = rows < end
+    dk = tl.arange(0, DK_PAD)
+    dv = tl.arange(0, DV_PAD)
+    k = _load_rows(k_ptr, rows, ok, stride_kt, (h // GROUP) * stride_kh, dk, DK)
+    v = _load_rows(v_ptr, rows, ok, stride_vt, h * stride_vh, dv, DV)
+    g = tl.load(g_ptr + rows * stride_gt + h * stride_gh, mask=ok, other=0.0).to(tl.float32)
+    beta = tl.load(beta_ptr + rows * stride_bt + h * stride_bh, mask=ok, other=0.0).to(tl.float32)
+    if L2NORM:
+        k = k * tl.math.rsqrt(tl.sum(k * k, 1) + 1e-6)[:, None]
+    w, u, _ = _chunk_solve(k, v, g, beta, idx[:, None], idx[None, :], idx, PRECISION)
+    tl.store(w_ptr + rows[:, None] * stride_wt + h * stride_wh + dk[None, :], w, mask=ok[:, None] & (dk < DK)[None, :])
+    tl.store(u_ptr + rows[:, None] * stride_ut + h * stride_uh + dv[None, :], u, mask=ok[:, None] & (dv < DV)[None, :])
+
+
+@triton.jit(do_not_specialize=["long_from"])
+def _chunk_scan_kernel(q_ptr, k_ptr, g_ptr, qsl_ptr, state_ptr, slots_ptr, init_ptr, w_ptr, u_ptr, o_ptr,
+                       long_from, scale, stride_qt, stride_qh, stride_kt, stride_kh, stride_gt, stride_gh,
+                       stride_wt, stride_wh, stride_ut, stride_uh, stride_ot, stride_oh, stride_sn, stride_sh,
+                       GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, DK_PAD: tl.constexpr,
+                       BLOCK_V: tl.constexpr, L2NORM: tl.constexpr, CHUNK: tl.constexpr, PRECISION: tl.constexpr,
+                       USE_PDL: tl.constexpr):
+    """Phase 2, each long sequence's chunks in turn: program (b, value head h, value block) carries
+    its state slice through Delta = U - W S, O = exp(G) Q S + (Q K^T * Gam) Delta and
+    S = exp(G_last) S + (exp(G_last - G) K)^T Delta, reading phase 1's W and U."""
+    pdl_enter(USE_PDL)
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    start = tl.load(qsl_ptr + b).to(tl.int64)
+    end = tl.load(qsl_ptr + b + 1).to(tl.int64)
+    if end - start < long_from:  # the recurrent kernel's
+        return
+    dv = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
+    dv_ok = dv < DV
+    slot = tl.load(slots_ptr + b).to(tl.int64)
+    live = (slot >= 0).to(tl.int32)  # a negative slot (graph padding): zeros read, nothing written
+    init_rows = DK * tl.load(init_ptr + b).to(tl.int32) * live  # rows of the prior state read: DK or 0 (zeros)
+    kh = h // GROUP
+    dk = tl.arange(0, DK_PAD)
+    s_ptrs = state_ptr + slot * stride_sn + h * stride_sh + dk[:, None] * DV + dv[None, :]
+    state = tl.load(s_ptrs, mask=(dk < init_rows)[:, None] & dv_ok[None, :], other=0.0)  # [DK_PAD, BLOCK_V] fp32
+    idx = tl.arange(0, CHUNK)
+    i = idx[:, None]
+    j = idx[None, :]
+    for t0 in range(start, end, CHUNK):
+        rows = t0 + idx
+        ok = rows < end
+        q = _load_rows(q_ptr, rows, ok, stride_qt, kh * stride_qh, dk, DK)
+        k = _load_rows(k_ptr, rows, ok, stride_kt, kh * stride_kh, dk, DK)
+        g = tl.load(g_ptr + rows * stride_gt + h * stride_gh, mask=ok, other=0.0).to(tl.float32)
+        if L2NORM:
+            q = q * tl.math.rsqrt(tl.sum(q * q, 1) + 1e-6)[:, None]
+            k = k * tl.math.rsqrt(tl.sum(k * k, 1) + 1e-6)[:, None]
+        q = q * scale
+        G = tl.cumsum(g, 0)
+        gam = tl.exp(tl.where(i >= j, G[:, None] - G[None, :], float("-inf")))
+        w = tl.load(w_ptr + rows[:, None] * stride_wt + h * stride_wh + dk[None, :],
+                    mask=ok[:, None] & (dk < DK)[None, :], other=0.0)
+        u = tl.load(u_ptr + rows[:, None] * stride_ut + h * stride_uh + dv[None, :],
+                    mask=ok[:, None] & dv_ok[None, :], other=0.0)
+        delta = u - tl.dot(w, state, input_precision=PRECISION)  # [CHUNK, BLOCK_V]
+        qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * gam  # gam is 0 above the diagonal
+        o = tl.dot(q * tl.exp(G)[:, None], state, input_precision=PRECISION) \
+            + tl.dot(qk, delta, input_precision=PRECISION)
+        tl.store(o_ptr + rows[:, None] * stride_ot + h * stride_oh + dv[None, :], o.to(o_ptr.dtype.element_ty),
+                 mask=ok[:, None] & dv_ok[None, :])
+        g_last = tl.sum(tl.where(idx == CHUNK - 1, G, 0.0), 0)  # padded rows add no decay
+        state = state * tl.exp(g_last) \
+            + tl.dot(tl.trans(k * tl.exp(g_last - G)[:, None]), delta, input_precision=PRECISION)
+    tl.debug_barrier()  # every thread's read of the old state before any write
+    tl.store(s_ptrs, state, mask=(dk < DK * live)[:, None] & dv_ok[None, :])
+
+
 def gated_delta_rule_chunked_triton(q_TKd: torch.Tensor, k_TKd: torch.Tensor, v_TVe: torch.Tensor,
                                     g_TV: torch.Tensor, beta_TV: torch.Tensor, query_start_loc,
                                     ssm_state_NVde: torch.Tensor, slots_B: torch.Tensor, has_initial_B: torch.Tensor,
                                     scale: float | None = None, use_qk_l2norm: bool = True,
                                     chunk_size: int = DEFAULT_CHUNK, *, block_v: int = DEFAULT_BLOCK_V,
                                     recurrent_below: int = DEFAULT_RECURRENT_BELOW, precision: str | None = None,
-                                    num_warps: int | None = None) -> torch.Tensor:
+                                    num_warps: int | None = None, two_phase: bool = True) -> torch.Tensor:
     """The gated delta rule of each sequence from its state (module docstring; arguments and results
     as kernels.triton_gated_delta.gated_delta_rule_recurrent_triton). chunk_size: tokens a chunk (a
     power of two, 16 .. 128); block_v: value columns a program of the chunked kernel (a power of
@@ -166,12 +284,29 @@ def gated_delta_rule_chunked_triton(q_TKd: torch.Tensor, k_TKd: torch.Tensor, v_
     block_v = min(block_v, max(16, triton.next_power_of_2(Dv)))
     if num_warps is None:
         num_warps = 4 if chunk_size * max(dk_pad, block_v) <= 4096 else 8
+    scale = float(Dk ** -0.5 if scale is None else scale)
+    common = dict(GROUP=Hv // Hk, DK=Dk, DV=Dv, DK_PAD=dk_pad, L2NORM=bool(use_qk_l2norm), CHUNK=chunk_size,
+                  PRECISION=precision, **pdl_launch(q_TKd))
+    if two_phase:
+        w = torch.empty(T, Hv, Dk, dtype=torch.float32, device=q_TKd.device)
+        u = torch.empty(T, Hv, Dv, dtype=torch.float32, device=q_TKd.device)
+        # at most T / chunk_size chunks, plus a partial one for each long sequence
+        max_chunks = triton.cdiv(T, chunk_size) + min(B, T // recurrent_below)
+        _chunk_prepare_kernel[(max_chunks, Hv)](
+            k_TKd, v_TVe, g_TV, beta_TV, qsl, w, u, B, recurrent_below,
+            k_TKd.stride(0), k_TKd.stride(1), v_TVe.stride(0), v_TVe.stride(1), g_TV.stride(0), g_TV.stride(1),
+            beta_TV.stride(0), beta_TV.stride(1), w.stride(0), w.stride(1), u.stride(0), u.stride(1),
+            DV_PAD=max(16, triton.next_power_of_2(Dv)), B_PAD=max(16, triton.next_power_of_2(B)),
+            num_warps=num_warps, **common)
+        _chunk_scan_kernel[(B, Hv, triton.cdiv(Dv, block_v))](
+            q_TKd, k_TKd, g_TV, qsl, ssm_state_NVde, slots, init, w, u, o_TVe, recurrent_below, scale,
+            q_TKd.stride(0), q_TKd.stride(1), k_TKd.stride(0), k_TKd.stride(1), g_TV.stride(0), g_TV.stride(1),
+            w.stride(0), w.stride(1), u.stride(0), u.stride(1), o_TVe.stride(0), o_TVe.stride(1),
+            ssm_state_NVde.stride(0), ssm_state_NVde.stride(1), BLOCK_V=block_v, num_warps=num_warps, **common)
+        return o_TVe
     _gated_delta_chunked_kernel[(B, Hv, triton.cdiv(Dv, block_v))](
-        q_TKd, k_TKd, v_TVe, g_TV, beta_TV, qsl, ssm_state_NVde, slots, init, o_TVe, recurrent_below,
-        float(Dk ** -0.5 if scale is None else scale),
+        q_TKd, k_TKd, v_TVe, g_TV, beta_TV, qsl, ssm_state_NVde, slots, init, o_TVe, recurrent_below, scale,
         q_TKd.stride(0), q_TKd.stride(1), k_TKd.stride(0), k_TKd.stride(1), v_TVe.stride(0), v_TVe.stride(1),
         g_TV.stride(0), g_TV.stride(1), beta_TV.stride(0), beta_TV.stride(1), o_TVe.stride(0), o_TVe.stride(1),
-        ssm_state_NVde.stride(0), ssm_state_NVde.stride(1),
-        GROUP=Hv // Hk, DK=Dk, DV=Dv, DK_PAD=dk_pad, BLOCK_V=block_v, L2NORM=bool(use_qk_l2norm),
-        CHUNK=chunk_size, PRECISION=precision, num_warps=num_warps, **pdl_launch(q_TKd))
+        ssm_state_NVde.stride(0), ssm_state_NVde.stride(1), BLOCK_V=block_v, num_warps=num_warps, **common)
     return o_TVe
