@@ -16,7 +16,6 @@ medians of triton.testing.do_bench (CUDA events), decode also replayed from a CU
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import sys
 from pathlib import Path
@@ -27,10 +26,9 @@ HK, HV, DK, DV, K_TAPS, SLOTS = 16, 32, 128, 128, 4, 512
 HBM_BPS, PEAK_FLOPS = 4.8e12, 700e12
 DECODES = [1, 64, 256]
 PREFILLS = [(1, 4096), (8, 512), (4, 64)]  # (sequences, new tokens each)
-# the chunked kernel's grid: (chunk, block_v, num_warps, precision, two_phase); the best one also runs at ieee
-CHUNKED = [(c, bv, w, p, True) for p in ("tf32x3", "tf32")
-           for c, bv, w in ((16, 32, 4), (16, 64, 4), (32, 64, 8), (32, 128, 8), (64, 64, 8))] \
-    + [(c, bv, w, "tf32", False) for c, bv, w in ((16, 32, 4), (16, 128, 8), (32, 128, 8))]
+# the chunked kernel's grid: (chunk, block_v, num_warps, precision); the best one also runs at ieee
+CHUNKED = [(c, bv, w, p) for p in ("tf32x3", "tf32")
+           for c, bv, w in ((16, 32, 4), (16, 64, 4), (32, 64, 8), (32, 128, 8), (64, 64, 8))]
 
 
 def inputs(torch, B, n, seed=0):
@@ -62,8 +60,7 @@ def mixed_step(torch, do_bench, reference, recurrent, chunked, num_decodes=255, 
     ref_pool = pool.clone()
     ref = reference(q, k, v, decay, beta, qsl, ref_pool, slots, init)
     row = {"kind": "mixed", "decodes": num_decodes, "chunk_tokens": chunk}
-    one_kernel = functools.partial(chunked, two_phase=False)
-    for name, fn in (("recurrent", recurrent), ("chunked", chunked), ("chunked_one_kernel", one_kernel)):
+    for name, fn in (("recurrent", recurrent), ("chunked", chunked)):
         work = pool.clone()
         out = fn(q, k, v, decay, beta, qsl_t, work, slots, init)
         row[f"{name}_us"] = do_bench(lambda: fn(q, k, v, decay, beta, qsl_t, work, slots, init), warmup=5, rep=30,
@@ -167,14 +164,13 @@ def main() -> int:
             row["fla_rel_err"] = rel(fla_out, ref)
         row["floor_over_triton"] = row["floor_us"] / t_triton
 
-        def chunked(c, bv, warps, prec, two_phase):
-            cfg = {"chunk": c, "block_v": bv, "num_warps": warps, "precision": prec, "two_phase": two_phase}
+        def chunked(c, bv, warps, prec):
+            cfg = {"chunk": c, "block_v": bv, "num_warps": warps, "precision": prec}
             w = pool0.clone()
 
             def call():
                 return gated_delta_rule_chunked_triton(q, k, v, decay, beta, qsl_t, w, slots, init, chunk_size=c,
-                                                       block_v=bv, num_warps=warps, precision=prec,
-                                                       two_phase=two_phase)
+                                                       block_v=bv, num_warps=warps, precision=prec)
             try:
                 o = call()
                 us = do_bench(call, warmup=5, rep=30, return_mode="median") * 1e3
@@ -183,7 +179,7 @@ def main() -> int:
             return {**cfg, "us": us, "rel_err": rel(o, ref), "state_rel_err": rel(w[slots], ref_pool[slots])}
         grid = [chunked(*cfg) for cfg in CHUNKED]
         best = min((r for r in grid if "us" in r), key=lambda r: r["us"])
-        grid.append(chunked(best["chunk"], best["block_v"], best["num_warps"], "ieee", best["two_phase"]))
+        grid.append(chunked(best["chunk"], best["block_v"], best["num_warps"], "ieee"))
         work = pool0.clone()
         default = gated_delta_rule_chunked_triton(q, k, v, decay, beta, qsl_t, work, slots, init)
         default_us = do_bench(lambda: gated_delta_rule_chunked_triton(q, k, v, decay, beta, qsl_t, work, slots, init),

@@ -4,26 +4,29 @@ Same arguments, results and contract as gated_delta_rule_recurrent_triton there 
 batch, state slots read and written in place on the device, rows past the batch zeroed), and as it
 CUDA-graph capturable: the grid and every launch argument come from shapes only.
 
-Two launches: the recurrent kernel takes the sequences of fewer than `recurrent_below` tokens
-(decodes: one state read and write, what it is built for), this one the others (each launch skips
-the other's sequences on the device). Program (b, value head h, value block) keeps its slice
-S [Dk, BLOCK_V] (fp32) of the state in registers and walks the sequence CHUNK tokens at a time
-(positions i, j of the chunk; G the cumulative log decay from its start; Gam_ij = exp(G_i - G_j)
-for j <= i, else 0; q, k L2-normalised in fp32, q scaled):
+The recurrent kernel takes the sequences of fewer than `recurrent_below` tokens (decodes: one
+state read and write, what it is built for); the others go CHUNK tokens at a time (positions i, j
+of a chunk; G the cumulative log decay from its start; Gam_ij = exp(G_i - G_j) for j <= i, else 0;
+q, k L2-normalised in fp32, q scaled), in two phases, each launch skipping the other's sequences on
+the device:
 
-    A     = strict_tril(beta K K^T * Gam)             (CHUNK x CHUNK)
-    Tinv  = (I + A)^-1, by forward substitution a row at a time, in fp32 (the power series
-            (I - A)(I + A^2)(I + A^4)... is exact in theory, but with aligned keys its powers
-            grow as binomials and cancel: fp32 loses everything; substitution stays stable)
-    U     = Tinv (beta V),   W = Tinv (beta exp(G) K)
-    Delta = U - W S
-    O     = exp(G) Q S + (Q K^T * Gam) Delta
-    S     = exp(G_last) S + (exp(G_last - G) K)^T Delta
+1. Every chunk at once (program: chunk p of the batch, found by a cumulative count of the
+   sequences' chunks, x value head): what does not depend on the state,
+       A    = strict_tril(beta K K^T * Gam)            (CHUNK x CHUNK)
+       Tinv = (I + A)^-1, by forward substitution a row at a time, in fp32 (the power series
+              (I - A)(I + A^2)(I + A^4)... is exact in theory, but with aligned keys its powers
+              grow as binomials and cancel: fp32 loses everything; substitution stays stable)
+       W = Tinv (beta exp(G) K),   U = Tinv (beta V)
+   into fp32 scratch rows (a token's W and U: [T, Hv, Dk] and [T, Hv, Dv], allocated per call).
+2. Each sequence's chunks in turn (program: sequence, value head, value block, its state slice
+   S [Dk, BLOCK_V] in registers): four products a chunk,
+       Delta = U - W S,   O = exp(G) Q S + (Q K^T * Gam) Delta,
+       S = exp(G_last) S + (exp(G_last - G) K)^T Delta.
 
-(kernels/gated_delta.py's _chunked derives it.) Rows past the sequence's end load as zeros
-(k = beta = g = 0 write and decay nothing), so a partial last chunk needs no other care. Every
-exponent is <= 0. The chunk's A, Tinv and W do not depend on the value block: programs of one
-head's value blocks compute them each (BLOCK_V = Dv avoids that, at fewer programs).
+(kernels/gated_delta.py's _chunked derives it.) Rows past a sequence's end load as zeros
+(k = beta = g = 0 write and decay nothing), so a partial last chunk needs no other care; every
+exponent is <= 0. The scratch and the grids come from shapes (phase 1: T / CHUNK chunks plus a
+partial one per long sequence at most).
 
 The products run at `precision` (tl.dot's input_precision): "ieee" (fp32 FMAs), "tf32x3" (three
 TF32 tensor-core products, fp32-level error), "tf32".
@@ -40,7 +43,9 @@ from kernels.triton_gated_delta import _batch_args, check_delta_args, launch_rec
 
 DEFAULT_CHUNK = 32
 DEFAULT_BLOCK_V = 64
-DEFAULT_RECURRENT_BELOW = 8  # a sequence shorter than this is walked token by token
+# a sequence shorter than this is walked token by token, where the recurrent kernel is the faster
+# (four 64-token prompts: 123 vs 291 µs, eagerly on an H100; BENCHMARKS.md §4, Qwen3-Next)
+DEFAULT_RECURRENT_BELOW = 128
 PRECISIONS = ("ieee", "tf32x3", "tf32")
 
 
@@ -49,84 +54,6 @@ def _load_rows(ptr, rows, ok, stride_t, head_off, cols, COLS: tl.constexpr):
     """[len(rows), len(cols)] fp32 from rows (zeros where not ok or past COLS)."""
     return tl.load(ptr + rows[:, None] * stride_t + head_off + cols[None, :],
                    mask=ok[:, None] & (cols < COLS)[None, :], other=0.0).to(tl.float32)
-
-
-@triton.jit
-def _chunk_step(state, t0, end, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_head, kh, h,
-                stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
-                stride_gt, stride_gh, stride_bt, stride_bh, stride_ot, dk, dv, dv_ok, scale,
-                DK: tl.constexpr, DV: tl.constexpr, L2NORM: tl.constexpr, CHUNK: tl.constexpr,
-                PRECISION: tl.constexpr):
-    """Tokens t0 .. min(t0 + CHUNK, end) - 1 from `state`: their outputs stored, the state after them returned."""
-    idx = tl.arange(0, CHUNK)
-    rows = t0 + idx
-    ok = rows < end
-    q = _load_rows(q_ptr, rows, ok, stride_qt, kh * stride_qh, dk, DK)  # [CHUNK, DK_PAD]
-    k = _load_rows(k_ptr, rows, ok, stride_kt, kh * stride_kh, dk, DK)
-    v = _load_rows(v_ptr, rows, ok, stride_vt, h * stride_vh, dv, DV)  # [CHUNK, BLOCK_V]
-    g = tl.load(g_ptr + rows * stride_gt + h * stride_gh, mask=ok, other=0.0).to(tl.float32)
-    beta = tl.load(beta_ptr + rows * stride_bt + h * stride_bh, mask=ok, other=0.0).to(tl.float32)
-    if L2NORM:
-        q = q * tl.math.rsqrt(tl.sum(q * q, 1) + 1e-6)[:, None]
-        k = k * tl.math.rsqrt(tl.sum(k * k, 1) + 1e-6)[:, None]
-    q = q * scale
-    G = tl.cumsum(g, 0)
-    i = idx[:, None]
-    j = idx[None, :]
-    # masked before the exp: above the diagonal G_i - G_j >= 0 could overflow
-    gam = tl.exp(tl.where(i >= j, G[:, None] - G[None, :], float("-inf")))
-    kt = tl.trans(k)
-    A = tl.where(i > j, beta[:, None] * tl.dot(k, kt, input_precision=PRECISION) * gam, 0.0)
-    # (I + A)^-1 row by row (forward substitution): row r = e_r - sum_{j<r} A_rj row_j; the rows
-    # below r are still identity rows, which A_rj = 0 (j >= r) leaves out
-    tinv = tl.where(i == j, 1.0, 0.0)
-    for r in range(1, CHUNK):
-        a_r = tl.sum(tl.where(i == r, A, 0.0), 0)  # A's row r, along j
-        row = tl.where(idx == r, 1.0, 0.0) - tl.sum(a_r[:, None] * tinv, 0)
-        tinv = tl.where(i == r, row[None, :], tinv)
-    u = tl.dot(tinv, beta[:, None] * v, input_precision=PRECISION)
-    w = tl.dot(tinv, (beta * tl.exp(G))[:, None] * k, input_precision=PRECISION)
-    delta = u - tl.dot(w, state, input_precision=PRECISION)  # [CHUNK, BLOCK_V]
-    qk = tl.dot(q, kt, input_precision=PRECISION) * gam  # gam is 0 above the diagonal
-    o = tl.dot(q * tl.exp(G)[:, None], state, input_precision=PRECISION) \
-        + tl.dot(qk, delta, input_precision=PRECISION)
-    tl.store(o_head + rows[:, None] * stride_ot, o.to(o_head.dtype.element_ty), mask=ok[:, None] & dv_ok[None, :])
-    g_last = tl.sum(tl.where(idx == CHUNK - 1, G, 0.0), 0)  # padded rows add no decay: the last valid row's
-    k_out = tl.trans(k * tl.exp(g_last - G)[:, None])  # [DK_PAD, CHUNK]
-    return state * tl.exp(g_last) + tl.dot(k_out, delta, input_precision=PRECISION)
-
-
-@triton.jit(do_not_specialize=["long_from"])
-def _gated_delta_chunked_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, qsl_ptr, state_ptr, slots_ptr, init_ptr,
-                                o_ptr, long_from, scale, stride_qt, stride_qh, stride_kt, stride_kh,
-                                stride_vt, stride_vh, stride_gt, stride_gh, stride_bt, stride_bh, stride_ot, stride_oh,
-                                stride_sn, stride_sh, GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-                                DK_PAD: tl.constexpr, BLOCK_V: tl.constexpr, L2NORM: tl.constexpr,
-                                CHUNK: tl.constexpr, PRECISION: tl.constexpr, USE_PDL: tl.constexpr):
-    pdl_enter(USE_PDL)
-    b = tl.program_id(0)
-    h = tl.program_id(1)
-    start = tl.load(qsl_ptr + b).to(tl.int64)
-    end = tl.load(qsl_ptr + b + 1).to(tl.int64)
-    if end - start < long_from:  # the recurrent kernel's
-        return
-    dv = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
-    dv_ok = dv < DV
-    o_head = o_ptr + h * stride_oh + dv
-    slot = tl.load(slots_ptr + b).to(tl.int64)
-    live = (slot >= 0).to(tl.int32)  # a negative slot (graph padding): zeros read, nothing written
-    init_rows = DK * tl.load(init_ptr + b).to(tl.int32) * live  # rows of the prior state read: DK or 0 (zeros)
-    kh = h // GROUP
-    dk = tl.arange(0, DK_PAD)
-    s_ptrs = state_ptr + slot * stride_sn + h * stride_sh + dk[:, None] * DV + dv[None, :]
-    state = tl.load(s_ptrs, mask=(dk < init_rows)[:, None] & dv_ok[None, :], other=0.0)  # [DK_PAD, BLOCK_V] fp32
-    for t0 in range(start, end, CHUNK):
-        state = _chunk_step(state, t0, end, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_head, kh, h,
-                            stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
-                            stride_gt, stride_gh, stride_bt, stride_bh, stride_ot, dk, dv, dv_ok, scale,
-                            DK, DV, L2NORM, CHUNK, PRECISION)
-    tl.debug_barrier()  # every thread's read of the old state before any write
-    tl.store(s_ptrs, state, mask=(dk < DK * live)[:, None] & dv_ok[None, :])
 
 
 @triton.jit
@@ -253,7 +180,7 @@ def gated_delta_rule_chunked_triton(q_TKd: torch.Tensor, k_TKd: torch.Tensor, v_
                                     scale: float | None = None, use_qk_l2norm: bool = True,
                                     chunk_size: int = DEFAULT_CHUNK, *, block_v: int = DEFAULT_BLOCK_V,
                                     recurrent_below: int = DEFAULT_RECURRENT_BELOW, precision: str | None = None,
-                                    num_warps: int | None = None, two_phase: bool = True) -> torch.Tensor:
+                                    num_warps: int | None = None) -> torch.Tensor:
     """The gated delta rule of each sequence from its state (module docstring; arguments and results
     as kernels.triton_gated_delta.gated_delta_rule_recurrent_triton). chunk_size: tokens a chunk (a
     power of two, 16 .. 128); block_v: value columns a program of the chunked kernel (a power of
@@ -287,26 +214,19 @@ def gated_delta_rule_chunked_triton(q_TKd: torch.Tensor, k_TKd: torch.Tensor, v_
     scale = float(Dk ** -0.5 if scale is None else scale)
     common = dict(GROUP=Hv // Hk, DK=Dk, DV=Dv, DK_PAD=dk_pad, L2NORM=bool(use_qk_l2norm), CHUNK=chunk_size,
                   PRECISION=precision, **pdl_launch(q_TKd))
-    if two_phase:
-        w = torch.empty(T, Hv, Dk, dtype=torch.float32, device=q_TKd.device)
-        u = torch.empty(T, Hv, Dv, dtype=torch.float32, device=q_TKd.device)
-        # at most T / chunk_size chunks, plus a partial one for each long sequence
-        max_chunks = triton.cdiv(T, chunk_size) + min(B, T // recurrent_below)
-        _chunk_prepare_kernel[(max_chunks, Hv)](
-            k_TKd, v_TVe, g_TV, beta_TV, qsl, w, u, B, recurrent_below,
-            k_TKd.stride(0), k_TKd.stride(1), v_TVe.stride(0), v_TVe.stride(1), g_TV.stride(0), g_TV.stride(1),
-            beta_TV.stride(0), beta_TV.stride(1), w.stride(0), w.stride(1), u.stride(0), u.stride(1),
-            DV_PAD=max(16, triton.next_power_of_2(Dv)), B_PAD=max(16, triton.next_power_of_2(B)),
-            num_warps=num_warps, **common)
-        _chunk_scan_kernel[(B, Hv, triton.cdiv(Dv, block_v))](
-            q_TKd, k_TKd, g_TV, qsl, ssm_state_NVde, slots, init, w, u, o_TVe, recurrent_below, scale,
-            q_TKd.stride(0), q_TKd.stride(1), k_TKd.stride(0), k_TKd.stride(1), g_TV.stride(0), g_TV.stride(1),
-            w.stride(0), w.stride(1), u.stride(0), u.stride(1), o_TVe.stride(0), o_TVe.stride(1),
-            ssm_state_NVde.stride(0), ssm_state_NVde.stride(1), BLOCK_V=block_v, num_warps=num_warps, **common)
-        return o_TVe
-    _gated_delta_chunked_kernel[(B, Hv, triton.cdiv(Dv, block_v))](
-        q_TKd, k_TKd, v_TVe, g_TV, beta_TV, qsl, ssm_state_NVde, slots, init, o_TVe, recurrent_below, scale,
-        q_TKd.stride(0), q_TKd.stride(1), k_TKd.stride(0), k_TKd.stride(1), v_TVe.stride(0), v_TVe.stride(1),
-        g_TV.stride(0), g_TV.stride(1), beta_TV.stride(0), beta_TV.stride(1), o_TVe.stride(0), o_TVe.stride(1),
+    w = torch.empty(T, Hv, Dk, dtype=torch.float32, device=q_TKd.device)
+    u = torch.empty(T, Hv, Dv, dtype=torch.float32, device=q_TKd.device)
+    # at most T / chunk_size chunks, plus a partial one for each long sequence
+    max_chunks = triton.cdiv(T, chunk_size) + min(B, T // recurrent_below)
+    _chunk_prepare_kernel[(max_chunks, Hv)](
+        k_TKd, v_TVe, g_TV, beta_TV, qsl, w, u, B, recurrent_below,
+        k_TKd.stride(0), k_TKd.stride(1), v_TVe.stride(0), v_TVe.stride(1), g_TV.stride(0), g_TV.stride(1),
+        beta_TV.stride(0), beta_TV.stride(1), w.stride(0), w.stride(1), u.stride(0), u.stride(1),
+        DV_PAD=max(16, triton.next_power_of_2(Dv)), B_PAD=max(16, triton.next_power_of_2(B)),
+        num_warps=num_warps, **common)
+    _chunk_scan_kernel[(B, Hv, triton.cdiv(Dv, block_v))](
+        q_TKd, k_TKd, g_TV, qsl, ssm_state_NVde, slots, init, w, u, o_TVe, recurrent_below, scale,
+        q_TKd.stride(0), q_TKd.stride(1), k_TKd.stride(0), k_TKd.stride(1), g_TV.stride(0), g_TV.stride(1),
+        w.stride(0), w.stride(1), u.stride(0), u.stride(1), o_TVe.stride(0), o_TVe.stride(1),
         ssm_state_NVde.stride(0), ssm_state_NVde.stride(1), BLOCK_V=block_v, num_warps=num_warps, **common)
     return o_TVe

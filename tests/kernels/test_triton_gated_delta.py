@@ -421,7 +421,7 @@ def sm90_report() -> dict:
 
     def compile_one(kernel, constexprs, pointers, ints, num_warps):
         src = ASTSource(kernel, *specialise(kernel, constexprs, pointers, ints, floats=lambda name: name == "scale",
-                                            plain_ints={"T", "long_from"}))
+                                            plain_ints={"T", "long_from", "B"}))
         compiled, log = compile_sm90(src, {"num_warps": num_warps})
         ptx, usage = compiled.asm["ptx"], ptxas_usage(log)
         return {"registers": usage["registers"], "spill_bytes": usage["spill_store_bytes"],
@@ -449,13 +449,17 @@ def sm90_report() -> dict:
     report["delta"] = compile_one(
         tgd._gated_delta_recurrent_kernel, dict(GROUP=Hv // Hk, DK=D, DV=D, DK_PAD=D, BLOCK_V=block_v, L2NORM=True,
                                                 USE_PDL=True), delta_ptrs, delta_ints, 4)
-    # the chunked kernel at its defaults, as its launcher picks the warps
+    # the chunked delta rule's two phases at their defaults, as the launcher picks the warps
     from kernels import triton_gated_delta_chunked as tgc
     chunk, block_v = tgc.DEFAULT_CHUNK, tgc.DEFAULT_BLOCK_V
-    report["delta_chunked"] = compile_one(
-        tgc._gated_delta_chunked_kernel, dict(GROUP=Hv // Hk, DK=D, DV=D, DK_PAD=D, BLOCK_V=block_v, L2NORM=True,
-                                              CHUNK=chunk, PRECISION="tf32x3", USE_PDL=True),
-        delta_ptrs, delta_ints, 4 if chunk * max(D, block_v) <= 4096 else 8)
+    warps = 4 if chunk * max(D, block_v) <= 4096 else 8
+    chunked = dict(GROUP=Hv // Hk, DK=D, DV=D, DK_PAD=D, L2NORM=True, CHUNK=chunk, PRECISION="tf32", USE_PDL=True)
+    scratch = {"w_ptr": "fp32", "u_ptr": "fp32"}
+    scratch_ints = dict(stride_wt=Hv * D, stride_wh=D, stride_ut=Hv * D, stride_uh=D, B=256)
+    report["delta_chunk_prepare"] = compile_one(tgc._chunk_prepare_kernel, dict(chunked, DV_PAD=D, B_PAD=256),
+                                                {**delta_ptrs, **scratch}, {**delta_ints, **scratch_ints}, warps)
+    report["delta_chunk_scan"] = compile_one(tgc._chunk_scan_kernel, dict(chunked, BLOCK_V=block_v),
+                                             {**delta_ptrs, **scratch}, {**delta_ints, **scratch_ints}, warps)
     return report
 
 
@@ -469,11 +473,12 @@ def test_kernels_compile_for_sm90():
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(done.stdout.strip().splitlines()[-1])
-    assert set(report) == {"conv/block_t1", "conv/block_t16", "delta", "delta_chunked"}, report
+    assert set(report) == {"conv/block_t1", "conv/block_t16", "delta", "delta_chunk_prepare", "delta_chunk_scan"}, \
+        report
     for name, r in report.items():
-        # the chunked kernel's chunk tiles and state slice exceed the registers at every tile size
-        # (some spill: measured in BENCHMARKS.md); compiling is what is checked for it
-        assert r["spill_bytes"] == 0 or name == "delta_chunked", (name, r)
+        # the chunk scan's state slice and chunk tiles exceed the registers a little at its default
+        # tiles (648 bytes; the measured fastest, BENCHMARKS.md §4): a cap, not zero
+        assert r["spill_bytes"] <= (1024 if name == "delta_chunk_scan" else 0), (name, r)
     # [Dk, BLOCK_V] fp32 = 128 x 32 over 128 threads: 32 values a thread, 4-wide: 8 loads, 8 stores
     assert report["delta"]["vector_loads"] >= 8 and report["delta"]["vector_stores"] >= 8, report["delta"]
 

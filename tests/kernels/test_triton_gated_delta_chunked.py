@@ -31,16 +31,15 @@ def run_chunked(inputs, qsl, pool, slots=SLOTS, initial=INITIAL, **kw):
     return gated_delta_rule_chunked_triton(*(t.to(DEV) for t in inputs), qsl, pool, *batch_args(slots, initial), **kw)
 
 
-@pytest.mark.parametrize("two_phase", [True, False], ids=["two-phase", "one-kernel"])
 @pytest.mark.parametrize("use_qk_l2norm,scale", [(True, None), (False, 0.3)])
-def test_chunked_matches_token_loop(use_qk_l2norm, scale, two_phase):
+def test_chunked_matches_token_loop(use_qk_l2norm, scale):
     inputs = delta_inputs(LENS, seed=21)
     if not use_qk_l2norm:  # unnormalised keys: keep k^T k < 2 so the state stays bounded
         inputs = (inputs[0], inputs[1] * 0.25) + inputs[2:]
     qsl = qsl_of(LENS)
     pool0 = make_pool((HV, DK, DV), SLOTS, INITIAL, seed=22)
     pool = dev_copy(pool0)
-    o = run_chunked(inputs, qsl, pool, scale=scale, use_qk_l2norm=use_qk_l2norm, two_phase=two_phase)
+    o = run_chunked(inputs, qsl, pool, scale=scale, use_qk_l2norm=use_qk_l2norm)
     want_o, want_pool = naive_delta(*inputs, qsl, pool0, SLOTS, INITIAL, scale, use_qk_l2norm)
     assert o.dtype == torch.float32 and o.shape == (sum(LENS), HV, DV)
     torch.testing.assert_close(o.cpu().double(), want_o, atol=2e-5, rtol=2e-5)
@@ -48,9 +47,8 @@ def test_chunked_matches_token_loop(use_qk_l2norm, scale, two_phase):
     assert_outside_untouched(pool, pool0, SLOTS)
 
 
-@pytest.mark.parametrize("chunk_size,block_v,recurrent_below,two_phase",
-                         [(32, 16, 1, True), (64, 32, 8, True), (16, 16, 100, True), (32, 16, 1, False)])
-def test_chunk_sizes_value_blocks_and_the_token_walk(chunk_size, block_v, recurrent_below, two_phase):
+@pytest.mark.parametrize("chunk_size,block_v,recurrent_below", [(32, 16, 1), (64, 32, 8), (16, 16, 100)])
+def test_chunk_sizes_value_blocks_and_the_token_walk(chunk_size, block_v, recurrent_below):
     """Odd dims (masked lanes, a partial value block), 3 value heads a key head; every sequence
     chunked (recurrent_below 1: decodes too, the most chunks phase 1's grid allows), the usual split,
     or every one walked token by token."""
@@ -60,14 +58,13 @@ def test_chunk_sizes_value_blocks_and_the_token_walk(chunk_size, block_v, recurr
     pool0 = make_pool((Hv, Dk, Dv), slots, initial, seed=24)
     pool = dev_copy(pool0)
     o = run_chunked(inputs, qsl_of(lens), pool, slots, initial, chunk_size=chunk_size, block_v=block_v,
-                    recurrent_below=recurrent_below, two_phase=two_phase)
+                    recurrent_below=recurrent_below)
     want_o, want_pool = naive_delta(*inputs, qsl_of(lens), pool0, slots, initial)
     torch.testing.assert_close(o.cpu().double(), want_o, atol=2e-5, rtol=2e-5)
     torch.testing.assert_close(pool.cpu().double()[slots], want_pool[slots], atol=2e-5, rtol=2e-5)
 
 
-@pytest.mark.parametrize("two_phase", [True, False], ids=["two-phase", "one-kernel"])
-def test_aligned_keys_without_decay(two_phase):
+def test_aligned_keys_without_decay():
     """Keys all near one direction, beta near 1, almost no decay: A's powers stay large up to the
     chunk's length, so every factor of the inverse counts (a missing one shows here, not with
     random keys, whose powers vanish)."""
@@ -78,8 +75,7 @@ def test_aligned_keys_without_decay(two_phase):
     g = g * 0.001
     pool0 = make_pool((HV, DK, DV), [1], [True], seed=33)
     pool = dev_copy(pool0)
-    o = run_chunked((q, k, v, g, beta), qsl_of(lens), pool, [1], [True], chunk_size=64, block_v=16,
-                    two_phase=two_phase)
+    o = run_chunked((q, k, v, g, beta), qsl_of(lens), pool, [1], [True], chunk_size=64, block_v=16)
     want_o, want_pool = naive_delta(q, k, v, g, beta, qsl_of(lens), pool0, [1], [True])
     torch.testing.assert_close(o.cpu().double(), want_o, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(pool.cpu().double()[1], want_pool[1], atol=1e-4, rtol=1e-4)
