@@ -1,10 +1,9 @@
 """Prefill of the gated delta rule through flash-linear-attention's chunked kernel (fla-core), opt-in
-(MOE_FLA_PREFILL=1, with fla-core installed): the chunked (WY) form runs 64 tokens at a time as
-matrix products on the tensor cores, where the recurrent kernel (kernels/triton_gated_delta.py)
-walks the tokens one by one; in a layer alone it runs a long prefill several times faster
-(BENCHMARKS.md, Qwen3-Next). Its launch grid follows the sequences' lengths on the host, so no CUDA
-graph can hold it: with it on, a hybrid model's mixed steps run eagerly, which on mixed-length
-traffic costs more than the kernel saves (measured there), hence off by default.
+(MOE_FLA_PREFILL=1, with fla-core installed), the field's library beside the project's own chunked
+kernel (kernels/triton_gated_delta_chunked.py, the default): in a layer alone both run a long prefill
+in about the same time (BENCHMARKS.md, Qwen3-Next). fla-core's launch grid follows the sequences'
+lengths on the host, so no CUDA graph can hold it: with it on, a hybrid model's mixed steps run
+eagerly, which on mixed-length traffic costs more than the kernel saves (measured there).
 
 A step's sequences are split: those of one token (decodes) go through the recurrent kernel, which
 reads and writes their states in place in the pool; the others through fla-core, their states
