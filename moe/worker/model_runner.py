@@ -410,6 +410,9 @@ class ModelRunner:
         """seq_lens: each row's context after the step, so the token sampled now is output number
         seq_len - num_prompt_tokens (also with async scheduling, where token_ids lags; prev, the step
         in flight, then samples the newest token of such a row, req_ids[i])."""
+        if all(s.plain_greedy for s in states):  # the common case: one pass, nothing to upload
+            return SamplingBatch(temperature_B=None, top_k_B=None, top_p_B=None, min_p_B=None, seeds=None,
+                                 all_greedy=True, max_num_logprobs=-1)
         dev = self.device
         params = [s.params for s in states]
         num_out = [L - s.num_prompt_tokens for s, L in zip(states, seq_lens)]

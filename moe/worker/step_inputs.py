@@ -34,6 +34,15 @@ class RequestState:
     # SamplingParams.prompt_logprobs being computed: the device results of the prompt's chunks so
     # far (moe/worker/prompt_logprobs.py); None when not asked for, or once handed over.
     prompt_chunks: list | None = None
+    # Greedy with nothing of its own to upload (no logprobs, penalties, min_tokens, biases, bad
+    # words): a step whose rows are all such samples without looking at each row's parameters.
+    plain_greedy: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        p = self.params
+        self.plain_greedy = p.is_greedy and p.logprobs is None and p.repetition_penalty == 1 \
+            and not (p.frequency_penalty or p.presence_penalty or p.min_tokens or p.logit_bias
+                     or p.allowed_token_ids or p._bad_words_token_ids)
 
 
 @dataclass
