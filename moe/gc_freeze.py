@@ -2,8 +2,8 @@
 
 A full (oldest-generation) collection walks every tracked object: after start-up that is the
 imported libraries, the model's modules, the tokenizer and the captured graphs, a few hundred
-thousand objects, so a collection that lands mid-serving stalls one step by ~0.1 s (measured on
-the tiny model: one 117 ms pause in 100 steps of 256 running requests). Once an engine has
+thousand objects, so a collection that lands mid-serving stalls one step by ~0.1 s (the tiny
+model on the CPU: 93-122 ms, against 3 ms frozen; benchmarks/gc_pauses_cpu.py). Once an engine has
 started, what is alive stays alive for its lifetime: it is collected once and then frozen
 (`gc.freeze`), so later collections only walk the objects the requests make. vLLM's engine
 does the same after start-up.

@@ -48,11 +48,11 @@ from moe.engine.chat_template import read_chat_template
 from moe.entrypoints.parsers import REASONING_PARSERS, TOOL_PARSERS
 from moe.entrypoints.serve import protocol
 from moe.entrypoints.serve.header_timeout import header_timeout_protocol
-from moe.gc_freeze import freeze_startup_heap, release_frozen_heap
 from moe.entrypoints.serve.protocol import ChatCompletionRequest, CompletionRequest, ErrorResponse, error_body
 from moe.entrypoints.serve.request_guard import (DEFAULT_MAX_REQUEST_BODY_BYTES, DEFAULT_REQUEST_BODY_TIMEOUT_S,
                                                  DEFAULT_SHUTDOWN_TIMEOUT_S, END_GRACE_S, OPEN_PATHS, Drain,
                                                  RequestGuard)
+from moe.gc_freeze import freeze_startup_heap, release_frozen_heap
 
 logger = logging.getLogger("moe.entrypoints.serve")
 
