@@ -186,7 +186,8 @@ def gated_delta_rule_chunked_triton(q_TKd: torch.Tensor, k_TKd: torch.Tensor, v_
     power of two, 16 .. 128); block_v: value columns a program of the chunked kernel (a power of
     two, at least 16); recurrent_below: sequences shorter than this go to the recurrent kernel;
     precision: the products' input_precision (see the module docstring); None: "tf32x3" for fp32
-    inputs (fp32-level results), "tf32" for bf16 / fp16 ones (errors at their own precision's level)."""
+    inputs (fp32-level results), "tf32" for bf16 / fp16 ones (errors at their own precision's level);
+    num_warps: both phases' (None: 4, or 8 when a chunk's tiles pass 4096 values)."""
     check_delta_args(q_TKd, k_TKd, v_TVe, g_TV, beta_TV, ssm_state_NVde)
     if chunk_size not in (16, 32, 64, 128):
         raise ValueError(f"chunk_size must be 16, 32, 64 or 128, got {chunk_size}")
