@@ -304,18 +304,28 @@ class Scheduler:
             request = requests.get(req_id)
             if request is None or request.status != RequestStatus.RUNNING or not new_tokens:
                 continue  # aborted while the step ran
-            appended = []
-            status = None
-            for token in new_tokens:
+            if len(new_tokens) == 1:  # the usual case: one token, no list to build
+                appended = new_tokens
                 if request.num_output_placeholders:
                     request.num_output_placeholders -= 1
-                request.all_token_ids.append(token)
-                appended.append(token)
-                status = self._check_stop(request, token)
+                request.all_token_ids.append(new_tokens[0])
+                status = self._check_stop(request, new_tokens[0])
                 if status is not None:
                     self.running.remove(request)
                     self._free_request(request, status)
-                    break
+            else:
+                appended = []
+                status = None
+                for token in new_tokens:
+                    if request.num_output_placeholders:
+                        request.num_output_placeholders -= 1
+                    request.all_token_ids.append(token)
+                    appended.append(token)
+                    status = self._check_stop(request, token)
+                    if status is not None:
+                        self.running.remove(request)
+                        self._free_request(request, status)
+                        break
             outputs.append(EngineCoreOutput(
                 req_id, appended, logprobs.get(req_id) if logprobs else None,
                 None if status is None else request.finish_reason.value,
