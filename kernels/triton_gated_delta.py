@@ -249,6 +249,26 @@ def _load_token(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, t, ok, kh, h, stride_qt, s
     return q * scale, k, v, g, beta
 
 
+@triton.jit
+def load_state_slice(state_ptr, slots_ptr, init_ptr, b, h, dk, dv, dv_ok, stride_sn, stride_sh,
+                     DK: tl.constexpr, DV: tl.constexpr):
+    """Sequence b's state slice [len(dk), len(dv)] (fp32) of value head h: its slot's rows dk,
+    columns dv, or zeros without has_initial or for a negative slot (a graph's padding sequence).
+    Returns (the slice, its pointers, whether the slot is real: 1 or 0)."""
+    slot = tl.load(slots_ptr + b).to(tl.int64)
+    live = (slot >= 0).to(tl.int32)  # a negative slot: zeros read, nothing written
+    init_rows = DK * tl.load(init_ptr + b).to(tl.int32) * live  # rows of the prior state read: DK or 0 (zeros)
+    s_ptrs = state_ptr + slot * stride_sn + h * stride_sh + dk[:, None] * DV + dv[None, :]
+    return tl.load(s_ptrs, mask=(dk < init_rows)[:, None] & dv_ok[None, :], other=0.0), s_ptrs, live
+
+
+@triton.jit
+def store_state_slice(s_ptrs, state, live, dk, dv_ok, DK: tl.constexpr):
+    """The new state slice back to its slot (not for a negative one), after every thread's read of the old."""
+    tl.debug_barrier()
+    tl.store(s_ptrs, state, mask=(dk < DK * live)[:, None] & dv_ok[None, :])
+
+
 @triton.jit(do_not_specialize=["T", "long_from"])
 def _gated_delta_recurrent_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, qsl_ptr, state_ptr, slots_ptr, init_ptr,
                                   o_ptr, T, long_from, scale, stride_qt, stride_qh, stride_kt, stride_kh,
@@ -271,13 +291,10 @@ def _gated_delta_recurrent_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, qsl_ptr,
     end = tl.load(qsl_ptr + b + 1).to(tl.int64)
     if end - start >= long_from:  # the chunked kernel's (kernels/triton_gated_delta_chunked.py)
         return
-    slot = tl.load(slots_ptr + b).to(tl.int64)
-    live = (slot >= 0).to(tl.int32)  # a negative slot (graph padding): zeros read, nothing written
-    init_rows = DK * tl.load(init_ptr + b).to(tl.int32) * live  # rows of the prior state read: DK or 0 (zeros)
     kh = h // GROUP
     dk = tl.arange(0, DK_PAD)
-    s_ptrs = state_ptr + slot * stride_sn + h * stride_sh + dk[:, None] * DV + dv[None, :]
-    state = tl.load(s_ptrs, mask=(dk < init_rows)[:, None] & dv_ok[None, :], other=0.0)  # [DK_PAD, BLOCK_V] fp32
+    state, s_ptrs, live = load_state_slice(state_ptr, slots_ptr, init_ptr, b, h, dk, dv, dv_ok, stride_sn, stride_sh,
+                                           DK, DV)
     q, k, v, g, beta = _load_token(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, start, start < end, kh, h,
                                    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
                                    stride_gt, stride_gh, stride_bt, stride_bh, dk, dv, scale, DK, DV, L2NORM)
@@ -293,8 +310,7 @@ def _gated_delta_recurrent_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, qsl_ptr,
         o = tl.sum(state * q[:, None], 0)
         tl.store(o_head + t * stride_ot, o.to(o_ptr.dtype.element_ty), mask=dv_ok)
         q, k, v, g, beta = qn, kn, vn, gn, betan
-    tl.debug_barrier()  # every thread's read of the old state before any write
-    tl.store(s_ptrs, state, mask=(dk < DK * live)[:, None] & dv_ok[None, :])
+    store_state_slice(s_ptrs, state, live, dk, dv_ok, DK)
 
 
 def gated_delta_rule_recurrent_triton(q_TKd: torch.Tensor, k_TKd: torch.Tensor, v_TVe: torch.Tensor,

@@ -39,7 +39,8 @@ import triton.language as tl
 
 from kernels.pdl import pdl_enter, pdl_launch
 from kernels.triton_gated_delta import DEFAULT_BLOCK_V as RECURRENT_BLOCK_V
-from kernels.triton_gated_delta import _batch_args, check_delta_args, launch_recurrent
+from kernels.triton_gated_delta import (_batch_args, check_delta_args, launch_recurrent, load_state_slice,
+                                        store_state_slice)
 
 DEFAULT_CHUNK = 32
 DEFAULT_BLOCK_V = 64
@@ -135,13 +136,10 @@ def _chunk_scan_kernel(q_ptr, k_ptr, g_ptr, qsl_ptr, state_ptr, slots_ptr, init_
         return
     dv = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
     dv_ok = dv < DV
-    slot = tl.load(slots_ptr + b).to(tl.int64)
-    live = (slot >= 0).to(tl.int32)  # a negative slot (graph padding): zeros read, nothing written
-    init_rows = DK * tl.load(init_ptr + b).to(tl.int32) * live  # rows of the prior state read: DK or 0 (zeros)
     kh = h // GROUP
     dk = tl.arange(0, DK_PAD)
-    s_ptrs = state_ptr + slot * stride_sn + h * stride_sh + dk[:, None] * DV + dv[None, :]
-    state = tl.load(s_ptrs, mask=(dk < init_rows)[:, None] & dv_ok[None, :], other=0.0)  # [DK_PAD, BLOCK_V] fp32
+    state, s_ptrs, live = load_state_slice(state_ptr, slots_ptr, init_ptr, b, h, dk, dv, dv_ok, stride_sn, stride_sh,
+                                           DK, DV)
     idx = tl.arange(0, CHUNK)
     i = idx[:, None]
     j = idx[None, :]
@@ -170,8 +168,7 @@ def _chunk_scan_kernel(q_ptr, k_ptr, g_ptr, qsl_ptr, state_ptr, slots_ptr, init_
         g_last = tl.sum(tl.where(idx == CHUNK - 1, G, 0.0), 0)  # padded rows add no decay
         state = state * tl.exp(g_last) \
             + tl.dot(tl.trans(k * tl.exp(g_last - G)[:, None]), delta, input_precision=PRECISION)
-    tl.debug_barrier()  # every thread's read of the old state before any write
-    tl.store(s_ptrs, state, mask=(dk < DK * live)[:, None] & dv_ok[None, :])
+    store_state_slice(s_ptrs, state, live, dk, dv_ok, DK)
 
 
 def gated_delta_rule_chunked_triton(q_TKd: torch.Tensor, k_TKd: torch.Tensor, v_TVe: torch.Tensor,
