@@ -119,7 +119,8 @@ def main() -> int:
         conv_out = causal_conv1d_varlen_triton(x, w, None, qsl_t, conv_pool, slots, init)
         t_conv = do_bench(lambda: causal_conv1d_varlen_triton(x, w, None, qsl_t, conv_pool, slots, init),
                           warmup=20, rep=100, return_mode="median") * 1e3
-        # the chunked kernel walks one-token sequences as the recurrent one does: its decode cost
+        # the chunked entry point on a decode-only batch (the recurrent kernel plus its own launches; the
+        # engine sends decode-only steps to the recurrent kernel alone)
         chunked_work = pool.clone()
         chunked_out = gated_delta_rule_chunked_triton(q, k, v, decay, beta, qsl_t, chunked_work, slots, init)
         t_chunked = do_bench(lambda: gated_delta_rule_chunked_triton(q, k, v, decay, beta, qsl_t, chunked_work,
