@@ -32,8 +32,8 @@ Stages:
            decode step at 64 and 256 running requests and an offline throughput run, each against its
            floor. `new-families`: the gpt-oss and GLM shapes alone (--runs to choose).
   hybrid   Qwen3-Next-80B-A3B's shape cut to 24 layers (18 Gated DeltaNet, 6 gated attention; 512 experts top-10
-           and a shared one), dummy weights: the family runs, floors counting each sequence's state read and
-           written per step.
+           and a shared one; --hybrid-layers 12 for a GPU of 80 GB), dummy weights: the family runs, floors
+           counting each sequence's state read and written per step.
   profile  where a decode step's time goes at 256 and at 1 running requests: host time of each
            engine part, GPU time of one graph replay, and the top kernels of an eager step.
   replay   (--runs replay1 replay16 replay32 replay256) the decode graph's GPU time alone, replayed back to
@@ -82,7 +82,10 @@ def _parity_prompts(vocab: int) -> list[dict]:
     return [{"prompt_token_ids": p} for p in prompts]
 
 
-def parity(results: dict, checkpoints: list[str], tp: int = 1) -> None:
+def parity(results: dict, checkpoints: list[str], tp: int = 1, batched_tokens: int = 64) -> None:
+    """Greedy tokens of each checkpoint on the GPU (eager, graphs) against the CPU's; batched_tokens: the
+    step's token budget (64 chunks every prompt; 512 takes them all in one step, so the 150-token prompt
+    reaches the gated delta rule's chunked kernel, which takes sequences of 128 tokens and more)."""
     from models.registry import load_model_config
 
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
@@ -90,7 +93,7 @@ def parity(results: dict, checkpoints: list[str], tp: int = 1) -> None:
         name = os.path.basename(os.path.normpath(model))
         vocab = 512 if model == "tiny-qwen3-moe" else load_model_config(model)[1].vocab_size
         prompts = _parity_prompts(vocab)
-        common = dict(dtype="float32", max_model_len=256, max_num_batched_tokens=64, max_num_seqs=8)
+        common = dict(dtype="float32", max_model_len=256, max_num_batched_tokens=batched_tokens, max_num_seqs=8)
         with LLM(model, device="cpu", **common) as llm:
             cpu = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
         for mode, eager in (("eager", True), ("graphs", False)):
@@ -100,7 +103,7 @@ def parity(results: dict, checkpoints: list[str], tp: int = 1) -> None:
                 graphs = runner.graphs if runner is not None else None
                 gpu = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
             same = sum(a == b for a, b in zip(cpu, gpu)) if len(cpu) == len(gpu) else 0
-            mode = mode if tp == 1 else f"tp{tp}-{mode}"
+            mode = (mode if tp == 1 else f"tp{tp}-{mode}") + ("" if batched_tokens == 64 else f"-{batched_tokens}")
             results[f"parity/{name}/{mode}"] = {
                 "identical": same, "of": len(prompts), "graphs_captured": 0 if graphs is None else len(graphs.graphs),
                 "first_divergence": [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
@@ -909,8 +912,18 @@ FAMILY_SHAPES = (("deepseek-v3-4L", DEEPSEEK_V3_CUT), ("llama4-scout-8L", LLAMA4
 FAMILY_RUNS = ("decode64", "decode256", "tput_256x1024x128")
 
 
-def families(results: dict, runs=FAMILY_RUNS, only: str | tuple[str, ...] | None = None) -> None:
-    for name, cfg in FAMILY_SHAPES:
+def qwen3_next_cut(layers: int) -> dict:
+    """QWEN3_NEXT_CUT at another depth (a multiple of 4: 3 linear layers to 1 full one), e.g. 12 layers
+    (~40 GB) for a GPU of 80 GB."""
+    if layers < 4 or layers % 4:
+        raise ValueError(f"the Qwen3-Next cut needs a multiple of 4 layers, got {layers}")
+    return {**QWEN3_NEXT_CUT, "num_hidden_layers": layers,
+            "layer_types": QWEN3_NEXT_CUT["layer_types"][:4] * (layers // 4)}
+
+
+def families(results: dict, runs=FAMILY_RUNS, only: str | tuple[str, ...] | None = None,
+             shapes=FAMILY_SHAPES) -> None:
+    for name, cfg in shapes:
         if only and not name.startswith(only):
             continue
         path = tempfile.mkdtemp()
@@ -1099,13 +1112,17 @@ def main(argv: list[str] | None = None) -> int:
                                                              ".gpu_ckpts/llama4_mm"])
     parser.add_argument("--runs", nargs="*", default=["decode256", "tpot1", "tpot32", "tput_256x2048x512",
                                                       "tput_1000x1024x256"])
+    parser.add_argument("--parity-batched-tokens", type=int, default=64,
+                        help="parity: max_num_batched_tokens (512: whole prompts in one step)")
+    parser.add_argument("--hybrid-layers", type=int, default=24,
+                        help="hybrid: the Qwen3-Next cut's depth (24 fits an H200; 12 an H100)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
     try:
         for stage in args.stages:
             if stage == "parity":
-                parity(results, args.checkpoints)
+                parity(results, args.checkpoints, batched_tokens=args.parity_batched_tokens)
             elif stage == "qwen3":
                 qwen3(results, eager=False, runs=args.runs)
             elif stage == "qwen3-tp2":  # the qwen3 runs under tensor_parallel_size=2 alone (A/B rounds)
@@ -1119,7 +1136,8 @@ def main(argv: list[str] | None = None) -> int:
             elif stage == "new-families":  # the gpt-oss-20b and GLM-4.5-Air shapes: --runs given, else the family runs
                 families(results, args.runs if "--runs" in (argv or sys.argv) else FAMILY_RUNS, only=("gpt-oss", "glm"))
             elif stage == "hybrid":  # the Qwen3-Next cut: --runs given, else the family runs
-                families(results, args.runs if "--runs" in (argv or sys.argv) else FAMILY_RUNS, only="qwen3-next")
+                shape = (f"qwen3-next-{args.hybrid_layers}L", qwen3_next_cut(args.hybrid_layers))
+                families(results, args.runs if "--runs" in (argv or sys.argv) else FAMILY_RUNS, shapes=(shape,))
             elif stage == "recording":  # expert-load recording on, off, on again (the spread)
                 for i, record in enumerate((True, False, True, False)):
                     qwen3(results, eager=False, runs=["decode256", "tpot1"], record=record, tag_suffix=f"-{i // 2}")

@@ -75,11 +75,14 @@
 #                 bench_mxfp4_experts.py (both forms beside bf16), then `moe tune-moe --dtype mxfp4` at the gpt-oss-20b
 #                 and -120b shapes under MXFP4_TUNE_ENV -> $OUT/mxfp4_experts.json, $OUT/configs, $OUT/tune_mxfp4_E*.json
 #   hybrid        (carry .gpu_ckpts from make_gpu_checkpoints.py --hybrid, and .whl with fla-core + einops for
-#                 the field's kernel beside ours) the Gated DeltaNet kernel tests on CUDA, greedy tokens of the tiny
-#                 Qwen3-Next / Qwen3.5-MoE checkpoints on the GPU against the CPU's, bench_gated_delta.py, then
-#                 gpu_engine_bench.py hybrid (the Qwen3-Next-80B-A3B shape cut to 24 layers) -> $OUT/gated_delta.json,
-#                 $OUT/engine_parity_hybrid.json, $OUT/engine_hybrid.json (RUNS to choose); HYBRID_AB=1: the engine
-#                 runs again with MOE_FLA_PREFILL=1 (prefill through fla-core's chunked kernel) -> $OUT/engine_hybrid_fla.json
+#                 the field's kernel beside ours) HYBRID_PARTS (default "tests parity kernel engine"): the Gated
+#                 DeltaNet kernel tests on CUDA; greedy tokens of the tiny Qwen3-Next / Qwen3.5-MoE checkpoints on
+#                 the GPU against the CPU's, in 64-token chunks and whole (the 150-token prompt in one step: the
+#                 chunked kernel); bench_gated_delta.py; gpu_engine_bench.py hybrid (the Qwen3-Next-80B-A3B shape
+#                 cut to HYBRID_LAYERS, default 24; 12 fits an H100), RUNS to choose, then once more per entry of
+#                 HYBRID_AB ("recurrent": MOE_GATED_DELTA_PREFILL=recurrent; "fla": MOE_FLA_PREFILL=1; "chunked":
+#                 the default again) -> $OUT/gated_delta.json, $OUT/engine_parity_hybrid{,_512}.json,
+#                 $OUT/engine_hybrid.json, $OUT/engine_hybrid_<i>_<ab>.json
 #   routed-experts  the CUDA-graph test of returned routed experts, then gpu_engine_bench.py qwen3 --runs $AB_RUNS
 #                 (default decode256 mixed) with enable_return_routed_experts on / off / on / off, a fresh process
 #                 each -> $OUT/ab/{1..4}_routed_{1,0}.json
@@ -186,18 +189,34 @@ json.dump(QWEN3_30B_A3B, open(os.path.join(sys.argv[1], 'config.json'), 'w'))" "
            --request-rates 4,8,16,inf --num-prompts 400 --input-len 512 --output-len 128 --random-range-ratio 0.75 \
            --deadline-s 465 ${POISSON_ARGS:-} ;;
     hybrid) extra_wheels
+      parts=" ${HYBRID_PARTS:-tests parity kernel engine} "
+      hybrid_engine=(python3 benchmarks/gpu_engine_bench.py hybrid --hybrid-layers "${HYBRID_LAYERS:-24}" ${RUNS:+--runs $RUNS})
       # (not tests/kernels/test_gated_delta.py: with fla installed, transformers sends its torch reference to fla,
       # which refuses that test's CPU tensors)
-      step hybrid-tests timeout 200 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_triton_gated_delta.py \
+      [[ $parts == *" tests "* ]] && step hybrid-tests timeout 200 python3 -m pytest -q -p no:cacheprovider \
+           tests/kernels/test_triton_gated_delta.py tests/kernels/test_triton_gated_delta_chunked.py \
            tests/kernels/test_fla_gated_delta.py
-      step hybrid-parity timeout 200 python3 benchmarks/gpu_engine_bench.py parity --checkpoints .gpu_ckpts/qwen3_next \
-           .gpu_ckpts/qwen3_5_moe --out "$OUT/engine_parity_hybrid.json"
-      step gated-delta timeout 150 python3 benchmarks/bench_gated_delta.py --out "$OUT/gated_delta.json"
-      step hybrid-engine timeout 400 python3 benchmarks/gpu_engine_bench.py hybrid ${RUNS:+--runs $RUNS} \
-           --out "$OUT/engine_hybrid.json"
-      # prefill through fla-core's chunked kernel (opt-in; mixed steps then eager) instead of the recurrent one
-      [ -n "${HYBRID_AB:-}" ] && step hybrid-engine-fla env MOE_FLA_PREFILL=1 timeout 400 python3 \
-           benchmarks/gpu_engine_bench.py hybrid ${RUNS:+--runs $RUNS} --out "$OUT/engine_hybrid_fla.json" ;;
+      if [[ $parts == *" parity "* ]]; then
+        step hybrid-parity timeout 200 python3 benchmarks/gpu_engine_bench.py parity --checkpoints .gpu_ckpts/qwen3_next \
+             .gpu_ckpts/qwen3_5_moe --out "$OUT/engine_parity_hybrid.json"
+        step hybrid-parity-512 timeout 200 python3 benchmarks/gpu_engine_bench.py parity --parity-batched-tokens 512 \
+             --checkpoints .gpu_ckpts/qwen3_next .gpu_ckpts/qwen3_5_moe --out "$OUT/engine_parity_hybrid_512.json"
+      fi
+      [[ $parts == *" kernel "* ]] && step gated-delta timeout 150 python3 benchmarks/bench_gated_delta.py \
+           --out "$OUT/gated_delta.json"
+      if [[ $parts == *" engine "* ]]; then
+        step hybrid-engine timeout 300 "${hybrid_engine[@]}" --out "$OUT/engine_hybrid.json"
+        i=0
+        for ab in ${HYBRID_AB:-}; do i=$((i + 1))
+          case $ab in
+            recurrent) switch=(MOE_GATED_DELTA_PREFILL=recurrent) ;;
+            fla) switch=(MOE_FLA_PREFILL=1) ;;
+            *) switch=() ;;
+          esac
+          step "hybrid-engine $i $ab" env "${switch[@]}" timeout 300 "${hybrid_engine[@]}" \
+               --out "$OUT/engine_hybrid_${i}_$ab.json"
+        done
+      fi ;;
     routed-experts)  # returned routed experts: the CUDA-graph test, then their cost on / off / on / off
       step routed-tests timeout 200 python3 -m pytest -q -p no:cacheprovider tests/moe/test_routed_experts.py -k cuda
       mkdir -p "$OUT/ab"

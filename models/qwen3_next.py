@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 from dataclasses import dataclass, field
 
 import torch
@@ -88,6 +89,18 @@ _LINEAR_FIELDS = ("linear_num_key_heads", "linear_num_value_heads", "linear_key_
                   "linear_value_head_dim", "linear_conv_kernel_dim")
 # Checkpoint prefixes never loaded: multi-token prediction and the multimodal checkpoints' vision tower.
 _SKIPPED_PREFIXES = ("mtp.", "model.visual.")
+PREFILL_MODES = ("chunked", "recurrent")
+
+
+@functools.cache
+def chunked_prefill() -> bool:
+    """Whether the Triton path runs the prefill rows of a step in chunks (MOE_GATED_DELTA_PREFILL=chunked,
+    the default) or token by token through the recurrent kernel, as decodes (=recurrent: the A/B
+    baseline of the chunked kernel). Read once a process."""
+    mode = os.environ.get("MOE_GATED_DELTA_PREFILL", "chunked")
+    if mode not in PREFILL_MODES:
+        raise ValueError(f"MOE_GATED_DELTA_PREFILL={mode!r}: expected one of {', '.join(PREFILL_MODES)}")
+    return mode == "chunked"
 
 
 def _positive_int(cfg: dict, key: str) -> int:
@@ -370,7 +383,8 @@ class Qwen3NextGatedDeltaNet(nn.Module):
             # steps with prefill tokens: their longer sequences in chunks (tensor-core products), the
             # decodes token by token as in decode-only steps (kernels/triton_gated_delta_chunked.py)
             conv = causal_conv1d_varlen_triton
-            delta = gated_delta_rule_recurrent_triton if meta.decode_only else gated_delta_rule_chunked_triton
+            delta = gated_delta_rule_recurrent_triton if meta.decode_only or not chunked_prefill() \
+                else gated_delta_rule_chunked_triton
             if meta.query_start_loc_t is not None:
                 qsl = meta.query_start_loc_t
                 # a step with prefill tokens, eagerly: fla-core's chunked kernel where installed

@@ -158,6 +158,61 @@ def test_gated_deltanet_matches_hf_over_two_steps(pair):
     assert torch.isnan(layer.ssm_state[2]).all() and torch.isnan(layer.conv_state[4]).all()
 
 
+@pytest.mark.parametrize("mode", [None, "chunked", "recurrent"])
+@torch.no_grad()
+def test_triton_path_picks_the_delta_rule_kernel_by_step_and_switch(pair, monkeypatch, mode):
+    """On the Triton path a step with prefill rows takes the chunked kernel unless
+    MOE_GATED_DELTA_PREFILL=recurrent; a decode-only step always the recurrent one (the kernels
+    stand in for their torch reference here, so the outputs still match the reference's)."""
+    import models.qwen3_next as qn
+    from kernels.gated_delta import causal_conv1d_varlen, gated_delta_rule_varlen
+
+    calls = []
+
+    def spy(name):
+        def kernel(*args, **kwargs):
+            calls.append(name)
+            return gated_delta_rule_varlen(*args, **kwargs)
+        return kernel
+
+    if mode is None:
+        monkeypatch.delenv("MOE_GATED_DELTA_PREFILL", raising=False)
+    else:
+        monkeypatch.setenv("MOE_GATED_DELTA_PREFILL", mode)
+    monkeypatch.setattr(qn, "use_triton_attention", lambda x: True)
+    monkeypatch.setattr(qn, "causal_conv1d_varlen_triton", causal_conv1d_varlen)
+    monkeypatch.setattr(qn, "gated_delta_rule_recurrent_triton", spy("recurrent"))
+    monkeypatch.setattr(qn, "gated_delta_rule_chunked_triton", spy("chunked"))
+    qn.chunked_prefill.cache_clear()
+    try:
+        family, hf, ours = pair
+        layer = ours.model.layers[0].linear_attn
+        bind_caches(ours)
+        x = torch.randn(sum(STEP1["new"]), TINY["hidden_size"], generator=torch.Generator().manual_seed(4))
+        got = layer(x, step_meta(**STEP1)[0])
+        decode_meta = step_meta(new=[1, 1, 1], cached=[5, 1, 70], slots=[3, 0, 5])[0]
+        decode_meta.decode_only = True
+        layer(x[:3], decode_meta)
+        bind_caches(ours)
+        monkeypatch.setattr(qn, "use_triton_attention", lambda x: False)
+        torch.testing.assert_close(got, layer(x, step_meta(**STEP1)[0]))
+    finally:
+        qn.chunked_prefill.cache_clear()
+    assert calls == ["recurrent" if mode == "recurrent" else "chunked", "recurrent"]
+
+
+def test_prefill_switch_refuses_unknown_modes(monkeypatch):
+    import models.qwen3_next as qn
+
+    monkeypatch.setenv("MOE_GATED_DELTA_PREFILL", "fast")
+    qn.chunked_prefill.cache_clear()
+    try:
+        with pytest.raises(ValueError, match="MOE_GATED_DELTA_PREFILL='fast'"):
+            qn.chunked_prefill()
+    finally:
+        qn.chunked_prefill.cache_clear()
+
+
 def test_state_shapes(pair):
     family, _, ours = pair
     layer = ours.recurrent_layers()[0]
