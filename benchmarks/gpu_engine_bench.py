@@ -1114,6 +1114,8 @@ def main(argv: list[str] | None = None) -> int:
                                                       "tput_1000x1024x256"])
     parser.add_argument("--parity-batched-tokens", type=int, default=64,
                         help="parity: max_num_batched_tokens (512: whole prompts in one step)")
+    parser.add_argument("--only", nargs="*", default=None,
+                        help="new-families: the shapes whose names start so (e.g. gpt-oss-20b-mxfp4)")
     parser.add_argument("--hybrid-layers", type=int, default=24,
                         help="hybrid: the Qwen3-Next cut's depth (24 fits an H200; 12 an H100)")
     parser.add_argument("--out", default=None)
@@ -1134,7 +1136,8 @@ def main(argv: list[str] | None = None) -> int:
             elif stage == "deepseek-mixed":  # the DeepSeek-V3 cut alone, --runs of mixed / mixed_step
                 families(results, args.runs, only="deepseek")
             elif stage == "new-families":  # the gpt-oss-20b and GLM-4.5-Air shapes: --runs given, else the family runs
-                families(results, args.runs if "--runs" in (argv or sys.argv) else FAMILY_RUNS, only=("gpt-oss", "glm"))
+                families(results, args.runs if "--runs" in (argv or sys.argv) else FAMILY_RUNS,
+                         only=tuple(args.only or ("gpt-oss", "glm")))
             elif stage == "hybrid":  # the Qwen3-Next cut: --runs given, else the family runs
                 shape = (f"qwen3-next-{args.hybrid_layers}L", qwen3_next_cut(args.hybrid_layers))
                 families(results, args.runs if "--runs" in (argv or sys.argv) else FAMILY_RUNS, shapes=(shape,))
