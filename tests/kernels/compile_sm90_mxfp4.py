@@ -4,7 +4,8 @@ the decode / mid / prefill default configs, and prints as JSON per variant: whet
 which MMA the dot became (wgmma or mma.sync, bf16 operands), how many asynchronous global-to-shared
 copies the K loop issues (the pipelined operands: the activations and the weight bytes, not the
 scales, which are too narrow a load and are fetched a step ahead by hand), whether any fp32 multiply
-flushes subnormals (the exact dequantisation needs none to), and ptxas's registers and spill bytes.
+flushes subnormals (the exact dequantisation needs none to), whether the tiles took the packed bf16
+upcast (MOE_MXFP4_UPCAST, read at import), and ptxas's registers and spill bytes.
 The launches are specialised as the JIT launcher would specialise real ones (16-byte aligned
 pointers, ints equal to 1 as constants, ints divisible by 16 marked so). Run it in a process
 without TRITON_INTERPRET (under the interpreter nothing is compiled):
@@ -110,6 +111,8 @@ def compile_variant(which: str, config: str, act: str = "bf16", bias: bool = Tru
     loop = loop[:loop.index("scf.yield")]
     mma = re.findall(r"(wgmma\.mma_async[\w.]*|mma\.sync\.aligned[\w.]*)", ptx)
     report = {"compiled": True, "mma": sorted(set(mma)), "ftz_f32_mul": bool(re.search(r"mul(\.rn)?\.ftz\.f32", ptx)),
+              # kernels/triton_moe/mxfp4.py's _packed_bf16: its 2^127 pair (tl.dot_scaled has bf16x2 fmas too)
+              "packed_upcast": "0x7f007f00" in ptx.lower(),
               "shared_bytes": compiled.metadata.shared,
               "async_copies_in_loop": loop.count("ttg.async_copy_global_to_local")}
     report.update(ptxas_usage(log))

@@ -109,23 +109,62 @@ MUTATIONS = {  # name: (original text in mxfp4.py, mutated text)
     "sign_dropped": ("& 0x81C00000", "& 0x01C00000"),
     "subnormal_scales_flushed": ("0x200000 << s)", "0 * s)"),
 }
+# The packed bf16 form's (inline PTX: CUDA only).
+PACKED_MUTATIONS = {
+    "packed_sign_dropped": ("shl.b32 t0, w01, 12; and.b32 t0, t0, 0x80008000;",
+                            "shl.b32 t0, w01, 12; and.b32 t0, t0, 0x00008000;"),
+    "packed_bytes_of_a_pair_swapped": ("prmt.b32 w01, $4, z, 0x4140;", "prmt.b32 w01, $4, z, 0x4041;"),
+    "packed_subnormal_scales_flushed": ("(s - 1) << 7, 0x20 << s)", "(s - 1) << 7, 0 * s)"),
+    "packed_high_nibbles_mantissa_dropped": ("shl.b32 t1, w23, 2; and.b32 t1, t1, 0x01C001C0;",
+                                             "shl.b32 t1, w23, 2; and.b32 t1, t1, 0x01800180;"),
+}
+
+
+def _fresh_mxfp4(tmp_path, name: str, src: str, upcast: str, monkeypatch):
+    """A copy of mxfp4.py with src, imported afresh under MOE_MXFP4_UPCAST=upcast (read at import)."""
+    monkeypatch.setenv("MOE_MXFP4_UPCAST", upcast)
+    path = tmp_path / f"mxfp4_{name}.py"
+    path.write_text(src)
+    spec = importlib.util.spec_from_file_location(f"mxfp4_{name}", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 
 
 @needs_triton_device
 @pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning", "ignore:invalid value:RuntimeWarning")
-@pytest.mark.parametrize("mutation", list(MUTATIONS))
-def test_mutated_tile_dequant_fails(mutation, tmp_path):
+@pytest.mark.parametrize("mutation", list(MUTATIONS) + list(PACKED_MUTATIONS))
+def test_mutated_tile_dequant_fails(mutation, tmp_path, monkeypatch):
     """The exhaustive check catches each mutation of the tile code (run from a mutated copy)."""
-    old, new = MUTATIONS[mutation]
+    packed = mutation in PACKED_MUTATIONS
+    if packed and not CUDA:
+        pytest.skip("the packed form is inline PTX: CUDA only")
+    old, new = (PACKED_MUTATIONS if packed else MUTATIONS)[mutation]
     src = MXFP4_SRC.read_text()
     assert src.count(old) == 1, f"mutation {mutation!r} no longer applies to {MXFP4_SRC}"
-    path = tmp_path / f"mxfp4_{mutation}.py"
-    path.write_text(src.replace(old, new))
-    spec = importlib.util.spec_from_file_location(f"mxfp4_{mutation}", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = _fresh_mxfp4(tmp_path, mutation, src.replace(old, new), "packed" if packed else "fp32", monkeypatch)
+    assert bool(mod.PACKED_UPCAST) == packed
     dtype = torch.float32 if mutation == "subnormal_scales_flushed" else torch.bfloat16
     assert _dequant_mismatches(mod.dequantize_mxfp4_triton, dtype) > 0
+
+
+@needs_cuda
+@pytest.mark.parametrize("upcast", ["fp32", "packed"])
+def test_every_upcast_form_is_exact_on_every_byte_and_scale(upcast, tmp_path, monkeypatch):
+    """bf16 tiles through either form (MOE_MXFP4_UPCAST) equal models.mxfp4 bit for bit."""
+    mod = _fresh_mxfp4(tmp_path, upcast, MXFP4_SRC.read_text(), upcast, monkeypatch)
+    assert bool(mod.PACKED_UPCAST) == (upcast == "packed")
+    assert _dequant_mismatches(mod.dequantize_mxfp4_triton, torch.bfloat16) == 0
+    q, s = every_byte_and_scale()  # partial tiles
+    got = mod.dequantize_mxfp4_triton(q[:37, :48].to(DEV), s[:37, :3].to(DEV), torch.bfloat16, block_n=16, block_k=64)
+    assert torch.equal(bits(got), bits(models_dequant(q[:37, :48], s[:37, :3], torch.bfloat16)))
+
+
+def test_upcast_switch_refuses_unknown_forms():
+    env = {**os.environ, "MOE_MXFP4_UPCAST": "fast"}
+    done = subprocess.run([sys.executable, "-c", "import kernels.triton_moe.mxfp4"], env=env, capture_output=True,
+                          text=True, timeout=120, cwd=Path(kernels.__file__).parents[1])
+    assert done.returncode != 0 and "MOE_MXFP4_UPCAST='fast'" in done.stderr
 
 
 # --- the expert layer -----------------------------------------------------------------------
@@ -364,14 +403,16 @@ def test_bad_arguments_name_the_tensor():
 
 # --- compiled for sm_90 (no GPU needed) -----------------------------------------------------
 
-def test_mxfp4_gemms_compile_for_sm90():
+@pytest.mark.parametrize("upcast", ["packed", "fp32"])
+def test_mxfp4_gemms_compile_for_sm90(upcast):
     """gate_up (bias, swigluoai) and down (split-K, atomic, bias) with W_MXFP4 at gpt-oss's shape
     (K = 2880: the masked last K step) and the decode / prefill default configs, with the kernels'
-    own dequantisation and through tl.dot_scaled (MXFP4_SCALED): compiled, the dot
-    a bf16 MMA (mma.sync at BLOCK_M 16, wgmma at 128), the weight bytes loaded by the pipeliner's
-    async copies, no fp32 multiply flushing subnormals (the exact dequantisation relies on that)."""
+    own dequantisation (either upcast form, MOE_MXFP4_UPCAST) and through tl.dot_scaled (MXFP4_SCALED):
+    compiled, the dot a bf16 MMA (mma.sync at BLOCK_M 16, wgmma at 128), the weight bytes loaded by the
+    pipeliner's async copies, no fp32 multiply flushing subnormals (the exact dequantisation relies on
+    that), the packed form's bf16x2 fmas where asked for."""
     pytest.importorskip("triton")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"MOE_MXFP4_UPCAST": upcast}
     done = subprocess.run([sys.executable, str(COMPILE_SCRIPT), "--scaled"], env=env, capture_output=True,
                           text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -380,6 +421,8 @@ def test_mxfp4_gemms_compile_for_sm90():
                            for form in ("mxfp4", "mxfp4_scaled")}
     for name, r in report.items():
         assert r["compiled"] and not r["ftz_f32_mul"], (name, r)
+        # tl.dot_scaled upcasts on its own; the kernels' own dequantisation takes the form asked for
+        assert r["packed_upcast"] == (upcast == "packed" and not name.endswith("_scaled")), (name, r)
         if name.endswith("_scaled"):  # tl.dot_scaled: the compiler's upcast picks its own MMA (bf16 operands)
             mma = "wgmma.mma_async" if "/prefill/" in name else ""
         else:
