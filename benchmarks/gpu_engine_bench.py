@@ -210,10 +210,20 @@ class Costs:
 
 
 # ---- the Qwen3-30B-A3B shape ----------------------------------------------------------------
+def _qwen3_layers() -> int | None:
+    """BENCH_QWEN3_LAYERS: the Qwen3-30B-A3B shape cut to that many layers (24: weights of ~31 GB, so an 80 GB
+    GPU holds the KV of 256 running requests as an H200 holds the whole model's)."""
+    layers = os.environ.get("BENCH_QWEN3_LAYERS")
+    return int(layers) if layers else None
+
+
 def _dummy_model(max_model_len: int) -> str:
     path = tempfile.mkdtemp()
+    cfg = {**QWEN3_30B_A3B, "max_position_embeddings": max(max_model_len, 4096)}
+    if _qwen3_layers():
+        cfg["num_hidden_layers"] = _qwen3_layers()
     with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump({**QWEN3_30B_A3B, "max_position_embeddings": max(max_model_len, 4096)}, f)
+        json.dump(cfg, f)
     return path
 
 
@@ -648,7 +658,8 @@ def host_parts(llm: LLM, num_decodes: int = 256, chunk: int = 512, prompt_len: i
                            (engine.scheduler, "update_from_output", "update_from_output"),
                            (runner, "_update_states", "runner_states"), (runner, "launch", "launch"),
                            (runner, "collect", "collect"), (mr.StepBatch, "build", "batch_build"),
-                           (mr, "upload", "upload"), (runner, "_fill_pending", "fill_pending"),
+                           (mr, "upload", "upload"), (runner, "_pending_rows", "pending_rows"),
+                           (runner, "_copy_pending", "fill_pending"),
                            (runner, "_sampling_batch", "sampling_inputs"), (mr, "sample", "sample_launch"),
                            (runner.model, "compute_logits", "logits_launch")):
         wrap(obj, name, key)
@@ -815,7 +826,8 @@ def qwen3(results: dict, eager: bool, runs: list[str], tp: int = 1, record: bool
               async_scheduling={"1": True, "0": False}.get(os.environ.get("BENCH_ASYNC_SCHEDULING", "")),  # A/B: `ab`
               enable_return_routed_experts=os.environ.get("BENCH_ROUTED_EXPERTS") == "1")  # its cost: `ab`
     tag = ("eager" if eager else "graphs") + ("" if tp == 1 else f"-tp{tp}") + ("" if record else "-norecord") \
-        + ("" if kv_cache_dtype == "auto" else f"-kv-{kv_cache_dtype}") + tag_suffix
+        + ("" if kv_cache_dtype == "auto" else f"-kv-{kv_cache_dtype}") + tag_suffix \
+        + (f"-{_qwen3_layers()}L" if _qwen3_layers() else "")
     results[f"qwen3/{tag}/start_s"] = time.perf_counter() - t0
     print(f"Qwen3-30B-A3B shape ({tag}) ready in {results[f'qwen3/{tag}/start_s']:.1f} s", flush=True)
     jobs = {

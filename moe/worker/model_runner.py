@@ -544,9 +544,13 @@ class ModelRunner:
         elif not batch.decode_only and self.mixed_graphs is not None and not with_images:
             graphs, size = self.mixed_graphs, self.mixed_graphs.padded_size(T)
             padded = None if size is None else (size, self.mixed_graph_seqs)
-        meta = upload(self.buffers, batch, self.block_size, padded)
+        pending = self._pending_rows(batch, prev)
+        meta = upload(self.buffers, batch, self.block_size, padded, pending)
         self._sample_idx = self.buffers.dev_view("sample_idx", len(batch.sample_rows))
-        self._fill_pending(self.buffers.dev_view("input_ids", T), batch, prev)
+        if pending is not None:  # the in-flight step's tokens into this step's inputs, on the device
+            n = len(pending[0])
+            self._copy_pending(self.buffers.dev_view("input_ids", T), self.buffers.dev_view("pending_dst", n),
+                               self.buffers.dev_view("pending_src", n), prev)
         if padded is not None:
             return graphs.replay(padded[0])[:T]
         input_ids = self.buffers.dev_view("input_ids", T)
@@ -570,22 +574,33 @@ class ModelRunner:
             meta.state_slots_B = slots.contiguous()
             meta.has_initial_state_B = host_to_device(batch.seq_lens_B > batch.num_tokens_B, self.device)
 
-    def _fill_pending(self, input_ids_T: torch.Tensor, batch: StepBatch, prev: PendingStep | None) -> None:
-        """Async scheduling: copy the in-flight step's sampled tokens into this step's inputs, on
-        the device (stream-ordered after that step's sampling)."""
+    @staticmethod
+    def _pending_rows(batch: StepBatch, prev: PendingStep | None) -> tuple[np.ndarray, np.ndarray] | None:
+        """Async scheduling: where the batch's pending input ids come from (StepBatch.pending_rows), or
+        None when it has none."""
         if not batch.pending_T:
-            return
+            return None
         if prev is None:
             raise RuntimeError("a step has inputs from a step in flight, but none was given")
-        missing = [req_id for _, req_id in batch.pending_T if req_id not in prev.sample_index]
-        if missing:
-            raise RuntimeError(f"requests {missing} wait for tokens that the step in flight does not sample")
-        # [destination rows; source rows], through pinned memory on CUDA: a copy from pageable
-        # memory would wait for the step in flight.
-        idx = torch.tensor([[t for t, _ in batch.pending_T], [prev.sample_index[r] for _, r in batch.pending_T]],
-                           dtype=torch.long, pin_memory=self.device.type == "cuda")
+        return batch.pending_rows(prev.sample_index)
+
+    @staticmethod
+    def _copy_pending(input_ids_T: torch.Tensor, dst: torch.Tensor, src: torch.Tensor, prev: PendingStep) -> None:
+        """input_ids_T[dst] = the in-flight step's sampled tokens [src], on the device (stream-ordered
+        after that step's sampling)."""
+        input_ids_T.index_copy_(0, dst, prev.sampled_B.index_select(0, src))
+
+    def _fill_pending(self, input_ids_T: torch.Tensor, batch: StepBatch, prev: PendingStep | None) -> None:
+        """_copy_pending for a step off the step buffers, its rows uploaded on their own: through
+        pinned memory on CUDA (a copy from pageable memory would wait for the step in flight)."""
+        pending = self._pending_rows(batch, prev)
+        if pending is None:
+            return
+        idx = torch.from_numpy(np.stack(pending))
+        if self.device.type == "cuda":
+            idx = idx.pin_memory()
         idx = idx.to(self.device, non_blocking=True)
-        input_ids_T.index_copy_(0, idx[0], prev.sampled_B.index_select(0, idx[1]))
+        self._copy_pending(input_ids_T, idx[0], idx[1], prev)
 
     @torch.inference_mode()
     def execute_dummy(self) -> None:

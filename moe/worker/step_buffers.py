@@ -1,10 +1,13 @@
 """Pinned host and device buffers for one step's integer inputs, allocated once at the largest
-step and reused: each step writes numpy views of the host side, then one asynchronous copy per
-input moves the used prefix to the device. CUDA graphs capture views of the same device buffers,
-so a replay reads whatever the last upload put there.
+step and reused: each step writes numpy views of the host side, then ONE asynchronous copy moves
+the span that holds every used prefix to the device (a copy costs the host ~10-40 µs to issue,
+its bytes next to nothing: the span is a few hundred KB at most). CUDA graphs capture views of the
+same device buffers, so a replay reads whatever the last upload put there.
 
-Inputs (all int64): input_ids [T], positions [T], query_start_loc [B+1], seq_lens [B],
-sample_idx [B] (the token row of each sequence that samples) and, per KV-cache group g,
+Inputs (all int64), the per-sequence ones first so that the span stays short: query_start_loc
+[B+1], seq_lens [B], sample_idx [B] (the token row of each sequence that samples), pending_dst /
+pending_src [B] (async scheduling: the token rows whose ids the step in flight samples, and their
+rows in its sampled tokens), then input_ids [T], positions [T] and, per KV-cache group g,
 slots{g} [T]. Block tables live apart, one device tensor [max_seqs, M] per
 group (M = the most blocks a sequence can have, so a CUDA graph's view keeps its shape whatever
 the step's longest sequence); a step copies only its [B, m] corner (m = its longest table).
@@ -19,8 +22,8 @@ class StepBuffers:
     def __init__(self, device: torch.device, max_tokens: int, max_seqs: int, max_blocks: int,
                  num_groups: int) -> None:
         self.device, self.max_tokens, self.max_seqs, self.max_blocks = device, max_tokens, max_seqs, max_blocks
-        sizes = {"input_ids": max_tokens, "positions": max_tokens, "query_start_loc": max_seqs + 1,
-                 "seq_lens": max_seqs, "sample_idx": max_seqs}
+        sizes = {"query_start_loc": max_seqs + 1, "seq_lens": max_seqs, "sample_idx": max_seqs,
+                 "pending_dst": max_seqs, "pending_src": max_seqs, "input_ids": max_tokens, "positions": max_tokens}
         for g in range(num_groups):
             sizes[f"slots{g}"] = max_tokens
         self._offsets, total = {}, 0
@@ -65,9 +68,11 @@ class StepBuffers:
         self.tables[group][:B, :m].copy_(staged, non_blocking=True)
 
     def upload(self, sizes: dict[str, int]) -> None:
-        """Copy the first sizes[name] entries of each named input to the device (asynchronously)."""
-        for name, n in sizes.items():
-            o = self._offsets[name]
-            self._dev[o:o + n].copy_(self._host[o:o + n], non_blocking=True)
+        """Copy (at least) the first sizes[name] entries of each named input to the device, asynchronously,
+        in one copy of the span from the first input to the end of the last one used (the unused tails
+        inside it carry stale values no kernel reads)."""
+        end = max((self._offsets[name] + n for name, n in sizes.items()), default=0)
+        if end:
+            self._dev[:end].copy_(self._host[:end], non_blocking=True)
         if self._uploaded is not None:
             self._uploaded.record()

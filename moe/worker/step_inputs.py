@@ -147,6 +147,16 @@ class StepBatch:
         return cls([], [], none, np.zeros(1, dtype=np.int64), none, none, none, none,
                    [np.zeros((0, 0), dtype=np.int64)] * num_groups, [])
 
+    def pending_rows(self, sample_index: dict[str, int]) -> tuple[np.ndarray, np.ndarray]:
+        """Async scheduling: (token rows, their rows among the sampled tokens of the step in flight,
+        whose request -> row map is sample_index) of the pending input ids."""
+        missing = [req_id for _, req_id in self.pending_T if req_id not in sample_index]
+        if missing:
+            raise RuntimeError(f"requests {missing} wait for tokens that the step in flight does not sample")
+        n = len(self.pending_T)
+        return (np.fromiter((t for t, _ in self.pending_T), dtype=np.int64, count=n),
+                np.fromiter((sample_index[r] for _, r in self.pending_T), dtype=np.int64, count=n))
+
     def sample_token_rows(self) -> np.ndarray:
         """The token row (its last of the step) of each sequence in sample_rows."""
         return self.query_start_loc[np.asarray(self.sample_rows, dtype=np.int64) + 1] - 1
@@ -178,9 +188,11 @@ def host_metadata(batch: StepBatch, device: torch.device, block_size: int, devic
     return _grouped(metas)
 
 
-def upload(buf: StepBuffers, batch: StepBatch, block_size: int,
-           padded: tuple[int, int] | None = None) -> AttentionMetadata:
+def upload(buf: StepBuffers, batch: StepBatch, block_size: int, padded: tuple[int, int] | None = None,
+           pending: tuple[np.ndarray, np.ndarray] | None = None) -> AttentionMetadata:
     """Write the batch into the step buffers, upload it, and return metadata over the device views.
+    pending: (token rows, rows of the step in flight's sampled tokens) of the batch's pending input
+    ids (`pending_rows`), uploaded as pending_dst / pending_src.
 
     padded: (tokens t, sequences b) of a CUDA graph the step replays. Sequences B..b-1 are padding
     of context 0 (attention reads nothing and writes zeros): each takes one of the padding tokens
@@ -203,6 +215,10 @@ def upload(buf: StepBuffers, batch: StepBatch, block_size: int,
     sample_idx = batch.sample_token_rows()
     buf.host_view("sample_idx", len(sample_idx))[:] = sample_idx
     sizes["sample_idx"] = len(sample_idx)
+    if pending is not None:
+        for name, rows in zip(("pending_dst", "pending_src"), pending):
+            buf.host_view(name, len(rows))[:] = rows
+            sizes[name] = len(rows)
     for g, table in enumerate(batch.tables):
         _fill(buf.host_view(f"slots{g}", t), batch.slots(g, block_size), -1)
         sizes[f"slots{g}"] = t

@@ -1,23 +1,47 @@
-"""The reused step buffers: host views write where uploads read, only the asked prefix moves,
-and block tables land in the corner of their [max_seqs, max_blocks] tensor."""
+"""The reused step buffers: host views write where uploads read, every asked prefix moves in one
+copy, and block tables land in the corner of their [max_seqs, max_blocks] tensor."""
 import numpy as np
+import pytest
 import torch
 
 from moe.worker.step_buffers import StepBuffers
 
 
-def test_upload_moves_the_prefix_of_each_input():
+def test_upload_moves_every_asked_prefix_in_one_copy(monkeypatch):
     buf = StepBuffers(torch.device("cpu"), max_tokens=8, max_seqs=4, max_blocks=3, num_groups=2)
     assert buf.fits(8, 4, 3) and not buf.fits(9, 4, 3) and not buf.fits(8, 5, 3) and not buf.fits(8, 4, 4)
     buf.begin()
+    buf.host_view("seq_lens", 2)[:] = [3, 4]
     buf.host_view("input_ids", 5)[:] = np.arange(10, 15)
-    buf.host_view("slots1", 3)[:] = [7, -1, 9]
-    buf.host_view("positions", 8)[:] = 99  # written but not uploaded
-    buf.upload({"input_ids": 5, "slots1": 3})
+    buf.host_view("slots0", 8)[:] = 77
+    buf.host_view("slots1", 8)[:] = [7, -1, 9, 5, 5, 5, 5, 5]  # past the 3 asked: not moved
+    copies = []
+    copy = torch.Tensor.copy_
+    monkeypatch.setattr(torch.Tensor, "copy_", lambda self, src, **kw: copies.append(1) or copy(self, src, **kw))
+    buf.upload({"seq_lens": 2, "input_ids": 5, "slots1": 3})
+    assert len(copies) == 1
+    assert buf.dev_view("seq_lens", 2).tolist() == [3, 4]
     assert buf.dev_view("input_ids", 5).tolist() == [10, 11, 12, 13, 14]
-    assert buf.dev_view("slots1", 3).tolist() == [7, -1, 9]
+    assert buf.dev_view("slots1", 8).tolist() == [7, -1, 9, 0, 0, 0, 0, 0]
+    # inputs do not overlap
+    assert buf.dev_view("slots0", 8).tolist() == [77] * 8  # inside the span: moved as it stands
     assert buf.dev_view("positions", 8).tolist() == [0] * 8
-    assert buf.dev_view("slots0", 8).tolist() == [0] * 8  # inputs do not overlap
+
+
+def test_pending_rows_go_up_with_the_inputs():
+    """Async scheduling: the token rows of pending ids and their rows among the in-flight step's
+    sampled tokens land in pending_dst / pending_src; a request the in-flight step does not sample
+    is refused by name."""
+    from moe.worker.step_inputs import upload
+    buf = StepBuffers(torch.device("cpu"), max_tokens=16, max_seqs=6, max_blocks=4, num_groups=1)
+    batch = _batch([(3, 1), (0, 5), (6, 1)])
+    batch.pending_T = [(0, "r0"), (6, "r2")]
+    pending = batch.pending_rows({"r2": 0, "r0": 4, "other": 1})
+    assert [p.tolist() for p in pending] == [[0, 6], [4, 0]]
+    upload(buf, batch, 4, pending=pending)
+    assert buf.dev_view("pending_dst", 2).tolist() == [0, 6] and buf.dev_view("pending_src", 2).tolist() == [4, 0]
+    with pytest.raises(RuntimeError, match=r"\['r2'\] wait for tokens"):
+        batch.pending_rows({"r0": 0})
 
 
 def test_tables_go_to_the_corner():
