@@ -1,7 +1,7 @@
 """Pinned host and device buffers for one step's integer inputs, allocated once at the largest
 step and reused: each step writes numpy views of the host side, then ONE asynchronous copy moves
-the span that holds every used prefix to the device (a copy costs the host ~10-40 µs to issue,
-its bytes next to nothing: the span is a few hundred KB at most). CUDA graphs capture views of the
+the span that holds every used prefix to the device (issuing a copy costs the host the same
+whatever its size, and the span is a few hundred KB at most). CUDA graphs capture views of the
 same device buffers, so a replay reads whatever the last upload put there.
 
 Inputs (all int64), the per-sequence ones first so that the span stays short: query_start_loc
