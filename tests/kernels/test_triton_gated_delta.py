@@ -223,6 +223,16 @@ def delta_inputs(lens, seed, Hk=HK, Hv=HV, Dk=DK, Dv=DV, dtype=torch.float32):
     return q, k, v, g, beta
 
 
+def delta_case(lens, slots, initial, seed, use_qk_l2norm):
+    """(inputs, qsl, the pool as made, its device copy for the kernel) of a varlen delta-rule call;
+    without the qk l2-norm the keys shrink so that k^T k < 2 and the state stays bounded."""
+    inputs = delta_inputs(lens, seed=seed)
+    if not use_qk_l2norm:
+        inputs = (inputs[0], inputs[1] * 0.25) + inputs[2:]
+    pool0 = make_pool((HV, DK, DV), slots, initial, seed=seed + 1)
+    return inputs, qsl_of(lens), pool0, dev_copy(pool0)
+
+
 def run_delta(inputs, qsl, pool, slots=SLOTS, initial=INITIAL, **kw):
     return gated_delta_rule_recurrent_triton(*(t.to(DEV) for t in inputs), qsl, pool, *batch_args(slots, initial),
                                              **kw)
@@ -230,12 +240,7 @@ def run_delta(inputs, qsl, pool, slots=SLOTS, initial=INITIAL, **kw):
 
 @pytest.mark.parametrize("use_qk_l2norm,scale", [(True, None), (False, 0.3)])
 def test_delta_matches_loop_and_reference(use_qk_l2norm, scale, poisoned_empty):
-    inputs = delta_inputs(LENS, seed=1)
-    if not use_qk_l2norm:  # unnormalised keys: keep k^T k < 2 so the state stays bounded
-        inputs = (inputs[0], inputs[1] * 0.25) + inputs[2:]
-    qsl = qsl_of(LENS)
-    pool0 = make_pool((HV, DK, DV), SLOTS, INITIAL, seed=2)
-    pool = dev_copy(pool0)
+    inputs, qsl, pool0, pool = delta_case(LENS, SLOTS, INITIAL, 1, use_qk_l2norm)
     o = run_delta(inputs, qsl, pool, scale=scale, use_qk_l2norm=use_qk_l2norm, block_v=8)  # 2 value blocks
     want_o, want_pool = naive_delta(*inputs, qsl, pool0, SLOTS, INITIAL, scale, use_qk_l2norm)
     assert o.dtype == torch.float32 and o.shape == (sum(LENS), HV, DV)

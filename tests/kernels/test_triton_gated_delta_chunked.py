@@ -16,7 +16,8 @@ from kernels.gated_delta import gated_delta_rule_varlen
 from kernels.triton_gated_delta import gated_delta_rule_recurrent_triton
 from kernels.triton_gated_delta_chunked import gated_delta_rule_chunked_triton
 from tests.kernels.test_triton_gated_delta import (HK, HV, DK, DV, N, assert_outside_untouched, batch_args,
-                                                   delta_inputs, dev_copy, make_pool, naive_delta, qsl_of)
+                                                   delta_case, delta_inputs, dev_copy, make_pool, naive_delta,
+                                                   qsl_of)
 from tests.kernels.triton_marks import DEV, needs_cuda, needs_triton_device
 
 pytestmark = needs_triton_device
@@ -33,12 +34,7 @@ def run_chunked(inputs, qsl, pool, slots=SLOTS, initial=INITIAL, **kw):
 
 @pytest.mark.parametrize("use_qk_l2norm,scale", [(True, None), (False, 0.3)])
 def test_chunked_matches_token_loop(use_qk_l2norm, scale):
-    inputs = delta_inputs(LENS, seed=21)
-    if not use_qk_l2norm:  # unnormalised keys: keep k^T k < 2 so the state stays bounded
-        inputs = (inputs[0], inputs[1] * 0.25) + inputs[2:]
-    qsl = qsl_of(LENS)
-    pool0 = make_pool((HV, DK, DV), SLOTS, INITIAL, seed=22)
-    pool = dev_copy(pool0)
+    inputs, qsl, pool0, pool = delta_case(LENS, SLOTS, INITIAL, 21, use_qk_l2norm)
     o = run_chunked(inputs, qsl, pool, scale=scale, use_qk_l2norm=use_qk_l2norm)
     want_o, want_pool = naive_delta(*inputs, qsl, pool0, SLOTS, INITIAL, scale, use_qk_l2norm)
     assert o.dtype == torch.float32 and o.shape == (sum(LENS), HV, DV)
