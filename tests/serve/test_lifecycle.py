@@ -163,6 +163,13 @@ def reclaim_after_module():
     _reclaim_leftovers()  # whatever a failed test's killed servers left
 
 
+def first_tokens(url: str) -> float:
+    """Requests that have produced their first token so far, as /metrics counts them (TTFT observations)."""
+    text = httpx.get(f"{url}/metrics", headers=headers(), timeout=10).text
+    return sum(float(line.split()[-1]) for line in text.splitlines()
+               if line.startswith("moe:time_to_first_token_seconds_count"))
+
+
 def both_api_processes_answer(url: str) -> bool:
     return {complete(url, max_tokens=1).headers["x-moe-api-server"] for _ in range(12)} == {"0", "1"}
 
@@ -317,6 +324,7 @@ def test_sigterm_drains_then_ends_the_rest_and_exits_clean(two_api_servers):
     def long_request():
         got["long"] = complete(srv.url, max_tokens=1000)
 
+    started = first_tokens(srv.url)
     threads = [threading.Thread(target=stream, args=("long_stream", 1000)), threading.Thread(target=long_request),
                threading.Thread(target=stream, args=("short_stream", 20))]
     for t in threads:
@@ -325,6 +333,8 @@ def test_sigterm_drains_then_ends_the_rest_and_exits_clean(two_api_servers):
     stalled.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {API_KEY}\r\n"
                     "Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{".encode())
     assert wait_for(lambda: len(got["long_stream"]) > 2 and got["short_stream"], 30), "the streams started"
+    # the long request too is in the engine before the signal (on a loaded machine it can lag the streams)
+    assert wait_for(lambda: first_tokens(srv.url) >= started + 3, 30), "the three requests run"
     sent_at = time.monotonic()
     srv.proc.send_signal(signal.SIGTERM)
 
