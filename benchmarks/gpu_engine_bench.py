@@ -62,6 +62,7 @@ import statistics
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 import torch
 
@@ -717,6 +718,52 @@ def host_parts(llm: LLM, num_decodes: int = 256, chunk: int = 512, prompt_len: i
     return out
 
 
+def host_profile(llm: LLM, num_decodes: int = 256, chunk: int = 512, prompt_len: int = 512, steps: int = 24) -> dict:
+    """Where the host's time goes inside engine steps, by function: cProfile over `steps` decode-only
+    steps of num_decodes running requests, then over as many mixed steps (a new `chunk`-token prompt
+    beside the decodes each), as host_parts runs them. Per kind, the 30 functions of most own time and
+    the 30 of most cumulative time, in ms per step (cProfile's own overhead inflates both, most for
+    code of many small calls: read them as shares, host_parts as times)."""
+    import cProfile
+    import pstats
+
+    engine = llm.llm_engine
+
+    def top(profile: cProfile.Profile, key: int) -> list:
+        stats = pstats.Stats(profile).stats  # {(file, line, name): (calls, prim calls, own s, cumulative s, callers)}
+        rows = sorted(stats.items(), key=lambda kv: -kv[1][key])[:30]
+        return [[f"{Path(f).name}:{line}({name})", calls, round(1e3 * own / steps, 4), round(1e3 * cum / steps, 4)]
+                for (f, line, name), (calls, _, own, cum, _) in rows]
+
+    def profiled(run_steps) -> dict:
+        profile = cProfile.Profile()
+        profile.enable()
+        try:
+            run_steps()
+        finally:
+            profile.disable()
+        return {"by_own_ms": top(profile, 2), "by_cumulative_ms": top(profile, 3),
+                "columns": ["function", "calls", "own ms/step", "cumulative ms/step"]}
+
+    _start_decoding(llm, num_decodes, prompt_len, max_tokens=4 * steps + 40)
+    for _ in range(4):
+        engine.step()
+    out = {"decode": profiled(lambda: [engine.step() for _ in range(steps)])}
+    one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+
+    def mixed(tag: str, seed: int):
+        prompts = _prompts(steps, chunk, seed=seed)
+        for i in range(steps):
+            engine.add_request(f"hostprof-{tag}{i}", prompts[i], one)
+            engine.step()
+    mixed("warm-up", 11)
+    out["mixed"] = profiled(lambda: mixed("timed", 12))
+    out["steps_each"] = steps
+    while engine.has_unfinished_requests():
+        engine.step()
+    return out
+
+
 def step_timeline(llm: LLM, num_requests: int, prompt_len: int = 512, steps: int = 10) -> dict:
     """Where a decode step's wall time goes on the GPU (async scheduling as configured): over
     `steps` steps under the profiler, the union of the device's busy intervals (kernels and
@@ -844,6 +891,7 @@ def qwen3(results: dict, eager: bool, runs: list[str], tp: int = 1, record: bool
         "profile1": lambda: profile_decode(llm, 1),
         "timeline256": lambda: step_timeline(llm, 256),
         "host256": lambda: host_parts(llm),  # host ms per step by part, decode-only and mixed
+        "hostprof256": lambda: host_profile(llm),  # the same steps under cProfile, by function
         "timeline1": lambda: step_timeline(llm, 1, steps=30),
         "replay1": lambda: graph_replay(llm, 1),
         "replay16": lambda: graph_replay(llm, 16),
