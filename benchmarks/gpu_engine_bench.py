@@ -659,8 +659,8 @@ def host_parts(llm: LLM, num_decodes: int = 256, chunk: int = 512, prompt_len: i
                            (engine.scheduler, "update_from_output", "update_from_output"),
                            (runner, "_update_states", "runner_states"), (runner, "launch", "launch"),
                            (runner, "collect", "collect"), (mr.StepBatch, "build", "batch_build"),
-                           (mr, "upload", "upload"), (runner, "_pending_rows", "pending_rows"),
-                           (runner, "_copy_pending", "fill_pending"),
+                           (mr, "upload", "upload"), (runner, "_check_pending", "pending_check"),
+                           (runner, "_input_ids", "pending_ids"),
                            (runner, "_sampling_batch", "sampling_inputs"), (mr, "sample", "sample_launch"),
                            (runner.model, "compute_logits", "logits_launch")):
         wrap(obj, name, key)

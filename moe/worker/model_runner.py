@@ -20,6 +20,7 @@ tokens' embeddings (moe/multimodal/encoder_runner.py); such steps run eagerly.
 """
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from dataclasses import dataclass, field
@@ -94,8 +95,8 @@ class PendingStep:
         step's [T, L, K] routed ids and their layers)."""
         self.batch = batch
         self.sampled_B = result.sampled_B if result is not None else None
-        self.sample_index = {batch.req_ids[i]: j for j, i in enumerate(batch.sample_rows)} if result is not None \
-            else {}
+        # the runner rows whose tokens it samples
+        self.sampled_rows_R = batch.sample_rows_R() if result is not None else np.zeros(0, dtype=np.int64)
         outputs = {} if result is None else {
             "sampled": result.sampled_B, "logprob": result.sampled_logprob_B, "rank": result.sampled_rank_B,
             "top_ids": result.logprob_ids_BK, "top_vals": result.logprob_vals_BK}
@@ -119,6 +120,13 @@ class PendingStep:
         elif "routed" in self._outputs:  # the step buffer is reused by the next forward
             self._outputs["routed"] = self._outputs["routed"].clone()
 
+    @functools.cached_property
+    def sample_index(self) -> dict[str, int]:
+        """Request id -> its row among the sampled tokens."""
+        if self.sampled_B is None:
+            return {}
+        return {self.batch.req_ids[i]: j for j, i in enumerate(self.batch.sample_rows)}
+
     def lists(self) -> dict[str, list]:
         """The step's outputs as lists: sampled, and logprob / rank / top_ids / top_vals when asked;
         routed (the routed expert ids) as a numpy array."""
@@ -130,12 +138,15 @@ class PendingStep:
 class DeferredSampling:
     """A launched step's logits and sampling inputs, not yet sampled (ModelRunner.launch with
     so.deferred_grammar_ids): ModelRunner.sample_deferred makes it a PendingStep."""
-    __slots__ = ("batch", "logits", "sampling", "sample_ids", "prompt_finals", "routed")
+    __slots__ = ("batch", "logits", "sampling", "sample_ids", "sample_rows_R", "prompt_finals", "routed")
 
     def __init__(self, batch: StepBatch, logits: torch.Tensor, sampling, sample_ids: list[str],
-                 prompt_finals: dict | None, routed: tuple[torch.Tensor, list[int]] | None = None) -> None:
+                 sample_rows_R: torch.Tensor, prompt_finals: dict | None,
+                 routed: tuple[torch.Tensor, list[int]] | None = None) -> None:
+        """sample_rows_R: the sampling sequences' runner rows on the device (where their tokens go
+        in the runner's last-sampled tokens)."""
         self.batch, self.logits, self.sampling, self.sample_ids = batch, logits, sampling, sample_ids
-        self.prompt_finals, self.routed = prompt_finals, routed
+        self.sample_rows_R, self.prompt_finals, self.routed = sample_rows_R, prompt_finals, routed
 
 
 def _derived_seed(seed: int, output_index: int) -> int:
@@ -156,6 +167,12 @@ class ModelRunner:
         self.requests: dict[str, RequestState] = {}
         self.images = EncoderRunner(model, device)  # the vision encoder's side of a step
         self.block_tables: BlockTables | None = None  # made with the KV cache (its group count)
+        # The newest sampled token of each runner row (BlockTables row), on the device: async
+        # scheduling's pending input ids read it (`_input_ids`). Made with the KV cache.
+        self.last_sampled_R: torch.Tensor | None = None
+        # this step's sample rows / their runner rows on the device (_run_batch; step-buffer views made when asked)
+        self._sample_idx: torch.Tensor | None = None
+        self._step_sample_rows: torch.Tensor | None = None
         self.kv_caches: list[torch.Tensor] = []
         # The caches' storage dtype: the model's, or an FP8 one (kv_cache_dtype="fp8" / "fp8_e5m2",
         # EngineArgs.resolve_kv_cache_dtype), which holds twice a bf16 cache's blocks in its memory.
@@ -252,6 +269,10 @@ class ModelRunner:
         self.requests.clear()  # their blocks belonged to the previous cache
         self.images.holding.clear()
         self.block_tables = BlockTables(len(groups))
+        # Rows are reused lowest-first, so they stay below the most requests held at once (max_num_seqs):
+        # a CUDA graph's view of this tensor never needs it to grow.
+        rows = max(64, self.limits[0] + 1 if self.limits else 0)
+        self.last_sampled_R = torch.zeros(rows, dtype=torch.int64, device=self.device)
         self.graphs = self.mixed_graphs = None  # captured over the previous cache tensors
         # the scheduler's, in every group of blocks
         self.num_kv_blocks = min((g.num_blocks for g in groups if not g.recurrent), default=0)
@@ -353,7 +374,8 @@ class ModelRunner:
         self.dispatch_step.max_tokens = b  # every rank captures the same sizes in the same order
         meta = buffer_metadata(buf, self.num_kv_groups, b, b, 1, list(range(b + 1)), [1] * b, decode_only=True)
         self._attach_state(meta)
-        return self._forward(buf.dev_view("input_ids", b), buf.dev_view("positions", b), meta)
+        input_ids = self._input_ids(buf.dev_view("input_ids", b), buf.dev_view("pending_src", b))
+        return self._forward(input_ids, buf.dev_view("positions", b), meta)
 
     @torch.inference_mode()
     def _mixed_graph_forward(self, t: int) -> torch.Tensor:
@@ -362,7 +384,8 @@ class ModelRunner:
         buf, b = self.buffers, self.mixed_graph_seqs
         meta = buffer_metadata(buf, self.num_kv_groups, t, b, t, [0] * (b + 1), [0] * b, decode_only=False)
         self._attach_state(meta)
-        return self._forward(buf.dev_view("input_ids", t), buf.dev_view("positions", t), meta)
+        input_ids = self._input_ids(buf.dev_view("input_ids", t), buf.dev_view("pending_src", t))
+        return self._forward(input_ids, buf.dev_view("positions", t), meta)
 
     def release(self) -> None:
         """Drop the KV cache, the CUDA graphs (their memory pool) and the step buffers."""
@@ -371,7 +394,7 @@ class ModelRunner:
         for layer in self.model.recurrent_layers():
             for name in layer.state_shapes(0):
                 setattr(layer, name, None)
-        self.kv_caches, self.graphs, self.buffers = [], None, None
+        self.kv_caches, self.graphs, self.buffers, self.last_sampled_R = [], None, None, None
         self.requests.clear()
         self.images.holding.clear()
         self.prompt_logprobs.active.clear()
@@ -397,6 +420,8 @@ class ModelRunner:
             state = self.requests[new.req_id] = RequestState(list(new.token_ids), new.num_prompt_tokens,
                                                              new.sampling_params, tables.add(new.block_ids),
                                                              new.num_computed_tokens, new.mm_items)
+            if state.row >= len(self.last_sampled_R):
+                self._grow_last_sampled(state.row)
             self.prompt_logprobs.add(new.req_id, state)
         cached = so.scheduled_cached_reqs
         for req_id, new_blocks, num_computed in zip(cached.req_ids, cached.new_block_ids, cached.num_computed_tokens):
@@ -404,6 +429,14 @@ class ModelRunner:
             for group, ids in enumerate(new_blocks):  # () when no group added a block
                 tables.extend(state.row, group, ids)
             state.num_computed_tokens = num_computed
+
+    def _grow_last_sampled(self, row: int) -> None:
+        if self.graphs is not None or self.mixed_graphs is not None:  # they read the tensor they captured
+            raise RuntimeError(f"runner row {row} is past the {len(self.last_sampled_R)} rows the CUDA graphs "
+                               "captured: more requests are held than max_num_seqs")
+        grown = torch.zeros(2 * (row + 1), dtype=torch.int64, device=self.device)
+        grown[:len(self.last_sampled_R)] = self.last_sampled_R
+        self.last_sampled_R = grown
 
     def _sampling_batch(self, states: list[RequestState], seq_lens: list[int],
                         req_ids: list[str] | None = None, prev: PendingStep | None = None) -> SamplingBatch:
@@ -528,12 +561,16 @@ class ModelRunner:
         T, B = len(batch.input_ids_T), len(batch.req_ids)
         if self.counters is not None:  # a graph's padding rows lie past T: not counted
             self.counters.set_num_valid(T if counted else 0)
+        self._check_pending(batch, prev)
         if self.buffers is None or not self.buffers.fits(T, B, max(t.shape[1] for t in batch.tables)):
             meta = host_metadata(batch, self.device, self.block_size, device_fields=self.gpu_inputs)
             input_ids = host_to_device(batch.input_ids_T, self.device)
-            self._fill_pending(input_ids, batch, prev)
+            if batch.pending_src_T is not None:
+                input_ids = self._input_ids(input_ids, host_to_device(batch.pending_src_T, self.device))
             embeds = self.images.inputs_embeds(batch, input_ids) if with_images else None
             self._sample_idx = host_to_device(batch.sample_token_rows(), self.device)
+            self._step_sample_rows = host_to_device(batch.sample_rows_R(), self.device) if batch.sample_rows \
+                else None
             self._attach_state(meta, batch)
             return self._forward(input_ids, host_to_device(batch.positions_T, self.device), meta, embeds)
         graphs, padded = None, None
@@ -544,16 +581,13 @@ class ModelRunner:
         elif not batch.decode_only and self.mixed_graphs is not None and not with_images:
             graphs, size = self.mixed_graphs, self.mixed_graphs.padded_size(T)
             padded = None if size is None else (size, self.mixed_graph_seqs)
-        pending = self._pending_rows(batch, prev)
-        meta = upload(self.buffers, batch, self.block_size, padded, pending)
-        self._sample_idx = self.buffers.dev_view("sample_idx", len(batch.sample_rows))
-        if pending is not None:  # the in-flight step's tokens into this step's inputs, on the device
-            n = len(pending[0])
-            self._copy_pending(self.buffers.dev_view("input_ids", T), self.buffers.dev_view("pending_dst", n),
-                               self.buffers.dev_view("pending_src", n), prev)
-        if padded is not None:
+        meta = upload(self.buffers, batch, self.block_size, padded, metadata=padded is None)
+        self._sample_idx = self._step_sample_rows = None  # views of the step buffers, made when asked
+        if padded is not None:  # the graph reads the pending inputs itself
             return graphs.replay(padded[0])[:T]
         input_ids = self.buffers.dev_view("input_ids", T)
+        if batch.pending_src_T is not None:
+            input_ids = self._input_ids(input_ids, self.buffers.dev_view("pending_src", T))
         embeds = self.images.inputs_embeds(batch, input_ids) if with_images else None
         self._attach_state(meta, batch)
         return self._forward(input_ids, self.buffers.dev_view("positions", T), meta, embeds)
@@ -575,32 +609,23 @@ class ModelRunner:
             meta.has_initial_state_B = host_to_device(batch.seq_lens_B > batch.num_tokens_B, self.device)
 
     @staticmethod
-    def _pending_rows(batch: StepBatch, prev: PendingStep | None) -> tuple[np.ndarray, np.ndarray] | None:
-        """Async scheduling: where the batch's pending input ids come from (StepBatch.pending_rows), or
-        None when it has none."""
-        if not batch.pending_T:
-            return None
-        if prev is None:
-            raise RuntimeError("a step has inputs from a step in flight, but none was given")
-        return batch.pending_rows(prev.sample_index)
+    def _check_pending(batch: StepBatch, prev: PendingStep | None) -> None:
+        """Async scheduling: the batch's pending input ids are tokens that prev, the step in flight, samples."""
+        if batch.pending_src_T is not None:
+            batch.check_pending(None if prev is None else prev.sampled_rows_R)
 
-    @staticmethod
-    def _copy_pending(input_ids_T: torch.Tensor, dst: torch.Tensor, src: torch.Tensor, prev: PendingStep) -> None:
-        """input_ids_T[dst] = the in-flight step's sampled tokens [src], on the device (stream-ordered
-        after that step's sampling)."""
-        input_ids_T.index_copy_(0, dst, prev.sampled_B.index_select(0, src))
+    def _input_ids(self, input_ids_T: torch.Tensor, pending_src_T: torch.Tensor) -> torch.Tensor:
+        """The step's input ids with the pending ones (pending_src_T >= 0) read from the last sampled
+        token of that runner row, on the device: stream-ordered after the step in flight samples
+        it. Inside the CUDA graphs too, over the step buffers' views."""
+        sampled = self.last_sampled_R.index_select(0, pending_src_T.clamp(min=0))
+        return torch.where(pending_src_T >= 0, sampled, input_ids_T)
 
-    def _fill_pending(self, input_ids_T: torch.Tensor, batch: StepBatch, prev: PendingStep | None) -> None:
-        """_copy_pending for a step off the step buffers, its rows uploaded on their own: through
-        pinned memory on CUDA (a copy from pageable memory would wait for the step in flight)."""
-        pending = self._pending_rows(batch, prev)
-        if pending is None:
-            return
-        idx = torch.from_numpy(np.stack(pending))
-        if self.device.type == "cuda":
-            idx = idx.pin_memory()
-        idx = idx.to(self.device, non_blocking=True)
-        self._copy_pending(input_ids_T, idx[0], idx[1], prev)
+    def _sample_rows_R(self, batch: StepBatch) -> torch.Tensor:
+        """The step's sampling sequences' runner rows on the device."""
+        if self._step_sample_rows is None:
+            self._step_sample_rows = self.buffers.dev_view("sample_rows", len(batch.sample_rows))
+        return self._step_sample_rows
 
     @torch.inference_mode()
     def execute_dummy(self) -> None:
@@ -649,6 +674,8 @@ class ModelRunner:
         if len(sample_rows) == hidden.shape[0]:  # every token samples (decode-only)
             last = hidden
         else:
+            if self._sample_idx is None:
+                self._sample_idx = self.buffers.dev_view("sample_idx", len(sample_rows))
             last = hidden.index_select(0, self._sample_idx)  # uploaded with the step's inputs: no sync
         logits = self.model.compute_logits(last)  # a TP collective: every TP rank of the stage
         if not self.is_driver:
@@ -657,7 +684,8 @@ class ModelRunner:
         sample_states = [states[i] for i in sample_rows]
         sample_ids = [batch.req_ids[i] for i in sample_rows]
         sampling = self._sampling_batch(sample_states, batch.seq_lens_B[sample_rows].tolist(), sample_ids, prev)
-        deferred = DeferredSampling(batch, logits, sampling, sample_ids, prompt_finals, routed)
+        deferred = DeferredSampling(batch, logits, sampling, sample_ids, self._sample_rows_R(batch), prompt_finals,
+                                    routed)
         return deferred if so.deferred_grammar_ids else self.sample_deferred(deferred, so)
 
     @torch.inference_mode()
@@ -669,7 +697,10 @@ class ModelRunner:
         if so.grammar_bitmask is not None:
             sampling.grammar_rows_R, sampling.grammar_bitmask_RW = grammar_mask_inputs(so, step.sample_ids,
                                                                                       self.device)
-        return PendingStep(step.batch, sample(step.logits, sampling), step.prompt_finals, step.routed)
+        result = sample(step.logits, sampling)
+        # the tokens a next step's pending inputs read (async scheduling), in stream order before it
+        self.last_sampled_R.index_copy_(0, step.sample_rows_R, result.sampled_B)
+        return PendingStep(step.batch, result, step.prompt_finals, step.routed)
 
     def collect(self, pending: PendingStep) -> ModelRunnerOutput:
         """Wait for a launched step's tokens, append them to the request states, and return them."""

@@ -5,10 +5,11 @@ whatever its size, and the span is a few hundred KB at most). CUDA graphs captur
 same device buffers, so a replay reads whatever the last upload put there.
 
 Inputs (all int64), the per-sequence ones first so that the span stays short: query_start_loc
-[B+1], seq_lens [B], sample_idx [B] (the token row of each sequence that samples), pending_dst /
-pending_src [B] (async scheduling: the token rows whose ids the step in flight samples, and their
-rows in its sampled tokens), then input_ids [T], positions [T] and, per KV-cache group g,
-slots{g} [T]. Block tables live apart, one device tensor [max_seqs, M] per
+[B+1], seq_lens [B], sample_idx [B] (the token row of each sequence that samples), sample_rows [B]
+(the runner row of each sequence that samples: where its token goes in the runner's last-sampled
+tokens), then input_ids [T], pending_src [T] (async scheduling: the runner row whose last sampled
+token is this token's id, which the host does not know yet; -1 where input_ids holds it),
+positions [T] and, per KV-cache group g, slots{g} [T]. Block tables live apart, one device tensor [max_seqs, M] per
 group (M = the most blocks a sequence can have, so a CUDA graph's view keeps its shape whatever
 the step's longest sequence); a step copies only its [B, m] corner (m = its longest table).
 """
@@ -23,7 +24,7 @@ class StepBuffers:
                  num_groups: int) -> None:
         self.device, self.max_tokens, self.max_seqs, self.max_blocks = device, max_tokens, max_seqs, max_blocks
         sizes = {"query_start_loc": max_seqs + 1, "seq_lens": max_seqs, "sample_idx": max_seqs,
-                 "pending_dst": max_seqs, "pending_src": max_seqs, "input_ids": max_tokens, "positions": max_tokens}
+                 "sample_rows": max_seqs, "input_ids": max_tokens, "pending_src": max_tokens, "positions": max_tokens}
         for g in range(num_groups):
             sizes[f"slots{g}"] = max_tokens
         self._offsets, total = {}, 0

@@ -58,9 +58,11 @@ class StepBatch:
     row_T: np.ndarray              # sequence of each token
     tables: list[np.ndarray]       # per KV-cache group [B, m]
     sample_rows: list[int]         # sequences that produce a token this step
-    # Async scheduling: (token index, request id) of input tokens not known yet on the host (the
-    # previous step samples them); their input_ids_T entries are 0 until filled on the device.
-    pending_T: list[tuple[int, str]] = field(default_factory=list)
+    # Async scheduling: per token, the runner row whose last sampled token is its input id, when
+    # the host does not know it yet (the step in flight samples it; its input_ids_T entry is 0 until
+    # filled on the device), else -1. None: the host knows every input id.
+    pending_src_T: np.ndarray | None = None
+    rows_B: np.ndarray | None = None  # each sequence's row of the runner (BlockTables, last-sampled tokens)
     # The recurrent group's index: its tables hold one state slot per sequence, no per-token slots.
     state_group: int | None = None
 
@@ -80,33 +82,40 @@ class StepBatch:
         seq_lens = computed + n
         T = int(qsl[-1])
         known = np.fromiter((len(s.token_ids) for s in states), dtype=np.int64, count=len(states))
-        pending: list[tuple[int, str]] = []
+        rows = np.fromiter((s.row for s in states), dtype=np.int64, count=len(states))
+        pending_src = None
         if T == len(states):  # decode-only: each sequence's newest token
-            if (computed < known).all():
+            waiting = computed >= known  # async: the step in flight samples it
+            if not waiting.any():
                 input_ids = np.fromiter((s.token_ids[s.num_computed_tokens] for s in states), dtype=np.int64, count=T)
             else:
-                input_ids = np.asarray([s.token_ids[c] if c < len(s.token_ids) else 0
-                                        for s, c in zip(states, computed.tolist())], dtype=np.int64)
-                pending = [(i, req_ids[i]) for i in np.nonzero(computed >= known)[0].tolist()]
+                pending_src = np.where(waiting, rows, -1)
+                input_ids = np.zeros(T, dtype=np.int64) if waiting.all() else np.asarray(
+                    [s.token_ids[c] if c < len(s.token_ids) else 0 for s, c in zip(states, computed.tolist())],
+                    dtype=np.int64)
             row, positions = np.arange(T), computed
         else:
             ids: list[int] = []
-            for i, (s, k) in enumerate(zip(states, n.tolist())):  # Python ints: numpy scalars index slowly
+            waiting_at: list[tuple[int, int]] = []  # (token index, runner row)
+            for s, k in zip(states, n.tolist()):  # Python ints: numpy scalars index slowly
                 c = s.num_computed_tokens
                 have = s.token_ids[c:c + k]
                 if len(have) < k:  # async: the last token comes from the step in flight
-                    pending.append((len(ids) + k - 1, req_ids[i]))
+                    waiting_at.append((len(ids) + k - 1, s.row))
                     have = have + [0]
                 ids.extend(have)
             input_ids = np.asarray(ids, dtype=np.int64)
+            if waiting_at:
+                pending_src = np.full(T, -1, dtype=np.int64)
+                at, src = np.asarray(waiting_at, dtype=np.int64).T
+                pending_src[at] = src
             row = np.repeat(np.arange(len(states)), n)
             positions = np.arange(T) - qsl[:-1][row] + computed[row]
-        rows = np.fromiter((s.row for s in states), dtype=np.int64, count=len(states))
         block_tables = [tables.gather(g, rows) for g in range(tables.num_groups)]
         # Rows that reach the end of their known tokens (async: past it) produce a next token.
         sample_rows = np.nonzero(seq_lens >= known)[0].tolist()
         return cls(req_ids, states, n, qsl, seq_lens, input_ids, positions, row, block_tables, sample_rows,
-                   pending, state_group)
+                   pending_src, rows, state_group)
 
     @classmethod
     def one_token(cls, blocks: list[int]) -> "StepBatch":
@@ -147,15 +156,23 @@ class StepBatch:
         return cls([], [], none, np.zeros(1, dtype=np.int64), none, none, none, none,
                    [np.zeros((0, 0), dtype=np.int64)] * num_groups, [])
 
-    def pending_rows(self, sample_index: dict[str, int]) -> tuple[np.ndarray, np.ndarray]:
-        """Async scheduling: (token rows, their rows among the sampled tokens of the step in flight,
-        whose request -> row map is sample_index) of the pending input ids."""
-        missing = [req_id for _, req_id in self.pending_T if req_id not in sample_index]
-        if missing:
-            raise RuntimeError(f"requests {missing} wait for tokens that the step in flight does not sample")
-        n = len(self.pending_T)
-        return (np.fromiter((t for t, _ in self.pending_T), dtype=np.int64, count=n),
-                np.fromiter((sample_index[r] for _, r in self.pending_T), dtype=np.int64, count=n))
+    def check_pending(self, in_flight_rows: np.ndarray | None) -> None:
+        """Async scheduling: every pending input id must be one the step in flight samples
+        (in_flight_rows: the runner rows it samples; None when no step is in flight)."""
+        if self.pending_src_T is None:
+            return
+        if in_flight_rows is None:
+            raise RuntimeError("a step has inputs from a step in flight, but none was given")
+        wanted = self.pending_src_T[self.pending_src_T >= 0]
+        missing = wanted[~np.isin(wanted, in_flight_rows)]
+        if len(missing):
+            by_row = {int(r): req_id for r, req_id in zip(self.rows_B, self.req_ids)}
+            raise RuntimeError(f"requests {[by_row[int(r)] for r in missing]} wait for tokens that the step in "
+                               "flight does not sample")
+
+    def sample_rows_R(self) -> np.ndarray:
+        """The runner row of each sequence in sample_rows."""
+        return self.rows_B[np.asarray(self.sample_rows, dtype=np.int64)]
 
     def sample_token_rows(self) -> np.ndarray:
         """The token row (its last of the step) of each sequence in sample_rows."""
@@ -189,10 +206,9 @@ def host_metadata(batch: StepBatch, device: torch.device, block_size: int, devic
 
 
 def upload(buf: StepBuffers, batch: StepBatch, block_size: int, padded: tuple[int, int] | None = None,
-           pending: tuple[np.ndarray, np.ndarray] | None = None) -> AttentionMetadata:
-    """Write the batch into the step buffers, upload it, and return metadata over the device views.
-    pending: (token rows, rows of the step in flight's sampled tokens) of the batch's pending input
-    ids (`pending_rows`), uploaded as pending_dst / pending_src.
+           metadata: bool = True) -> AttentionMetadata | None:
+    """Write the batch into the step buffers, upload it, and return metadata over the device views
+    (None without `metadata`: a CUDA graph's replay reads the buffers, not the metadata).
 
     padded: (tokens t, sequences b) of a CUDA graph the step replays. Sequences B..b-1 are padding
     of context 0 (attention reads nothing and writes zeros): each takes one of the padding tokens
@@ -203,8 +219,9 @@ def upload(buf: StepBuffers, batch: StepBatch, block_size: int, padded: tuple[in
     if t < T or b < B or (t > T and b == B):
         raise ValueError(f"a step of {T} tokens in {B} sequences cannot pad to {t} tokens in {b} sequences")
     buf.begin()
-    sizes = {"input_ids": t, "positions": t, "query_start_loc": b + 1, "seq_lens": b}
+    sizes = {"input_ids": t, "pending_src": t, "positions": t, "query_start_loc": b + 1, "seq_lens": b}
     _fill(buf.host_view("input_ids", t), batch.input_ids_T, 0)
+    _fill(buf.host_view("pending_src", t), () if batch.pending_src_T is None else batch.pending_src_T, -1)
     _fill(buf.host_view("positions", t), batch.positions_T, 0)
     qsl = buf.host_view("query_start_loc", b + 1)
     qsl[:B + 1] = batch.query_start_loc
@@ -215,15 +232,16 @@ def upload(buf: StepBuffers, batch: StepBatch, block_size: int, padded: tuple[in
     sample_idx = batch.sample_token_rows()
     buf.host_view("sample_idx", len(sample_idx))[:] = sample_idx
     sizes["sample_idx"] = len(sample_idx)
-    if pending is not None:
-        for name, rows in zip(("pending_dst", "pending_src"), pending):
-            buf.host_view(name, len(rows))[:] = rows
-            sizes[name] = len(rows)
+    if batch.sample_rows:
+        buf.host_view("sample_rows", len(sample_idx))[:] = batch.sample_rows_R()
+        sizes["sample_rows"] = len(sample_idx)
     for g, table in enumerate(batch.tables):
         _fill(buf.host_view(f"slots{g}", t), batch.slots(g, block_size), -1)
         sizes[f"slots{g}"] = t
         buf.upload_tables(g, table)
     buf.upload(sizes)
+    if not metadata:
+        return None
     meta = buffer_metadata(buf, len(batch.tables), t, b, int(batch.num_tokens_B.max(initial=1)),
                            batch.query_start_loc.tolist(), batch.seq_lens_B.tolist(), batch.decode_only)
     if not batch.decode_only and not padded:  # an eager mixed batch: its decode rows for MLA's absorbed path

@@ -29,19 +29,22 @@ def test_upload_moves_every_asked_prefix_in_one_copy(monkeypatch):
 
 
 def test_pending_rows_go_up_with_the_inputs():
-    """Async scheduling: the token rows of pending ids and their rows among the in-flight step's
-    sampled tokens land in pending_dst / pending_src; a request the in-flight step does not sample
-    is refused by name."""
+    """Async scheduling: each pending input id's runner row lands in pending_src (-1 elsewhere and in
+    the padding), the sampling sequences' runner rows in sample_rows; a request whose pending token
+    the in-flight step does not sample is refused by name."""
     from moe.worker.step_inputs import upload
     buf = StepBuffers(torch.device("cpu"), max_tokens=16, max_seqs=6, max_blocks=4, num_groups=1)
     batch = _batch([(3, 1), (0, 5), (6, 1)])
-    batch.pending_T = [(0, "r0"), (6, "r2")]
-    pending = batch.pending_rows({"r2": 0, "r0": 4, "other": 1})
-    assert [p.tolist() for p in pending] == [[0, 6], [4, 0]]
-    upload(buf, batch, 4, pending=pending)
-    assert buf.dev_view("pending_dst", 2).tolist() == [0, 6] and buf.dev_view("pending_src", 2).tolist() == [4, 0]
+    batch.rows_B = np.array([7, 2, 5])
+    batch.pending_src_T = np.array([7, -1, -1, -1, -1, -1, 5])
+    batch.check_pending(np.array([5, 9, 7]))
+    upload(buf, batch, 4, padded=(9, 5))
+    assert buf.dev_view("pending_src", 9).tolist() == [7, -1, -1, -1, -1, -1, 5, -1, -1]
+    assert buf.dev_view("sample_rows", 3).tolist() == [7, 2, 5]
     with pytest.raises(RuntimeError, match=r"\['r2'\] wait for tokens"):
-        batch.pending_rows({"r0": 0})
+        batch.check_pending(np.array([7, 2]))
+    with pytest.raises(RuntimeError, match="none was given"):
+        batch.check_pending(None)
 
 
 def test_tables_go_to_the_corner():
@@ -61,7 +64,7 @@ def _batch(seqs, block_size=4):
     width = max(-(-L // block_size) for L in seq_lens)
     table = np.arange(len(seqs) * width).reshape(len(seqs), width) + 1
     return StepBatch([f"r{i}" for i in range(len(seqs))], [], n, qsl, seq_lens, positions + 100, positions, row,
-                     [table], list(range(len(seqs))))
+                     [table], list(range(len(seqs))), rows_B=np.arange(len(seqs)))
 
 
 def test_mixed_graph_padding_layout():
