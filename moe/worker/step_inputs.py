@@ -164,7 +164,9 @@ class StepBatch:
         if in_flight_rows is None:
             raise RuntimeError("a step has inputs from a step in flight, but none was given")
         wanted = self.pending_src_T[self.pending_src_T >= 0]
-        missing = wanted[~np.isin(wanted, in_flight_rows)]
+        sampled = np.zeros(max(int(wanted.max()), int(in_flight_rows.max(initial=0))) + 1, dtype=bool)
+        sampled[in_flight_rows] = True  # a mask, not np.isin: that sorts, ~10x the time at 256 rows
+        missing = wanted[~sampled[wanted]]
         if len(missing):
             by_row = {int(r): req_id for r, req_id in zip(self.rows_B, self.req_ids)}
             raise RuntimeError(f"requests {[by_row[int(r)] for r in missing]} wait for tokens that the step in "
