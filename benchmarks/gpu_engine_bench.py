@@ -993,7 +993,8 @@ def families(results: dict, runs=FAMILY_RUNS, only: str | tuple[str, ...] | None
         with LLM(path, device="cuda", load_format="dummy", max_model_len=4096, max_num_seqs=256,
                  max_num_batched_tokens=8192, enable_prefix_caching=False) as llm:
             results[f"{name}/start_s"] = time.perf_counter() - t0
-            jobs = {"decode64": lambda: decode_step(llm, 64, 512, 24),
+            jobs = {"decode1": lambda: decode_step(llm, 1, 512, 64), "decode8": lambda: decode_step(llm, 8, 512, 48),
+                    "decode64": lambda: decode_step(llm, 64, 512, 24),
                     "decode256": lambda: decode_step(llm, 256, 512, 40),
                     "tput_256x1024x128": lambda: throughput(llm, 256, 1024, 128, 256),
                     "mixed_step": lambda: mixed_step(llm), "mixed": lambda: mixed_traffic(llm),

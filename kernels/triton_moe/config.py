@@ -17,6 +17,9 @@ Optional keys under "down": "ATOMIC_SUM": true (the down GEMM adds its rows into
 tile's F range; implies ATOMIC_SUM), for decode shapes with too few down tiles to fill the GPU.
 Optional "HALF_TILES": true (top level: both GEMMs; under "down": the down GEMM alone), BLOCK_SIZE_M >= 32:
 an expert's last block with no rows in its upper half runs a tile of BLOCK_SIZE_M / 2 rows (gemm.py).
+Optional top-level "SPLIT_K": n > 1, the gate_up GEMM alone (not FP8): n programs share one tile's D
+range, adding into a zeroed fp32 buffer that one more launch turns into h (bias, activation): for
+steps of a few tokens, whose few gate_up tiles each loop over all of D.
 """
 from __future__ import annotations
 
@@ -134,5 +137,7 @@ def split_config(cfg: dict) -> tuple[dict, dict]:
     if cfg.get("HALF_TILES"):
         up["HALF_TILES"] = True
     down = dict(up)
+    if int(cfg.get("SPLIT_K", 1)) > 1:  # gate_up's own; the down GEMM's is under "down"
+        up["SPLIT_K"] = int(cfg["SPLIT_K"])
     down.update({k: v for k, v in cfg.get("down", {}).items() if k != "BLOCK_SIZE_M"})
     return up, down

@@ -2,7 +2,8 @@
 
 Optionally (fused_experts_triton's keywords) expert biases, added in the GEMMs' epilogues (b2
 before the routed weight), and gpt-oss's clamped SwiGLU ("swigluoai") in place of SiLU*up; every
-path (one_row_blocks, align_tokens, plain / atomic / split-K down, moe_sum / TopKSum) takes them.
+path (one_row_blocks, align_tokens, plain / split-K gate_up, plain / atomic / split-K down, moe_sum / TopKSum)
+takes them.
 
 MXFP4 weights (fused_experts_triton_mxfp4): the same flow, every path included, with the GEMMs'
 W_MXFP4 form: packed E2M1 weights and E8M0 scales dequantised tile by tile in registers (see
@@ -26,9 +27,11 @@ from kernels.reference import check_activation
 from kernels.triton_fused.moe_sum import TopKSum, moe_sum
 from kernels.triton_moe.align import align_tokens
 from kernels.triton_moe.config import get_config, split_config
-from kernels.triton_moe.gemm import down_kernel, gate_up_kernel
+from kernels.triton_moe.gemm import down_kernel, gate_up_finish_kernel, gate_up_kernel
 from kernels.triton_moe.quant import FP8_DTYPE, per_token_group_quant_fp8
 
+# The columns of h a program of gate_up_finish_kernel (a split gate_up's bias and activation) writes.
+FINISH_BLOCK_N = 128
 
 # moe_sum up to this many tokens (measured up to here); MOE_SUM_KERNEL=0 keeps torch's sum (A/B runs).
 MOE_SUM_MAX_TOKENS = 256 if os.environ.get("MOE_SUM_KERNEL", "1") != "0" else 0
@@ -120,6 +123,8 @@ def _run(x_TD, w13_EFD, w2_EDF, topk_weights_TK, topk_ids_TK, expert_map_E, cfg,
     if use_mxfp4 and (up["BLOCK_SIZE_K"] % 32 or down["BLOCK_SIZE_K"] % 32):
         raise ValueError(f"MXFP4 weights need BLOCK_SIZE_K a multiple of 32 (the scale block) in both "
                          f"GEMMs, got {cfg}")
+    if use_fp8 and up.get("SPLIT_K", 1) > 1:
+        raise ValueError(f"the FP8 gate_up GEMM quantises h in its epilogue and cannot split D (SPLIT_K), got {cfg}")
     if use_fp8 and (w13_bias is not None or w2_bias is not None or activation != "silu"):
         raise ValueError("the FP8 expert kernel has no biases and only the 'silu' activation")
     check_activation(activation)
@@ -156,7 +161,12 @@ def _run(x_TD, w13_EFD, w2_EDF, topk_weights_TK, topk_ids_TK, expert_map_E, cfg,
     upcast = x_TD.dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1"
     pdl = pdl_launch(x_TD)
 
-    grid = (n_mb * triton.cdiv(F, up["BLOCK_SIZE_N"]),)
+    # Split (config "SPLIT_K" > 1, not FP8): the D range over programs adding into a zeroed fp32
+    # [P, 2F], then one launch for the bias and the activation.
+    split_up = max(1, min(int(up.get("SPLIT_K", 1)), triton.cdiv(D, up["BLOCK_SIZE_K"])))
+    gu = torch.zeros(P, 2 * F, dtype=torch.float32, device=dev) if split_up > 1 else None
+    split_args = {"SPLIT_K": split_up, "gu_ptr": gu, "stride_gum": gu.stride(0)} if gu is not None else {}
+    grid = (n_mb * triton.cdiv(F, up["BLOCK_SIZE_N"]), split_up)
     gate_up_kernel[grid](
         a_TD, w13_EFD, h, sorted_ids, expert_ids, npp, a_scale, w13_scale, h_scale,
         F, D, T * K, K, n_mb,
@@ -166,7 +176,11 @@ def _run(x_TD, w13_EFD, w2_EDF, topk_weights_TK, topk_ids_TK, expert_map_E, cfg,
         GROUP_M=up["GROUP_SIZE_M"], GN=GN, GK=GK, USE_FP8=use_fp8,
         EVEN_K=D % up["BLOCK_SIZE_K"] == 0, PRECISION=precision, UPCAST=upcast,
         num_warps=up["num_warps"], num_stages=up["num_stages"], **pdl, **_bias_args(w13_bias), **act, **mx_up,
-        **half_up)
+        **half_up, **split_args)
+    if gu is not None:
+        gate_up_finish_kernel[(n_mb, triton.cdiv(F, FINISH_BLOCK_N))](
+            gu, h, expert_ids, npp, F, gu.stride(0), h.stride(0), h.stride(1), BLOCK_M=BM, BLOCK_N=FINISH_BLOCK_N,
+            **pdl, **_bias_args(w13_bias), **act)
 
     # Plain: top-1 writes the output directly, top-k > 1 writes [T*K, D], then a sum over K.
     # Atomic (config "ATOMIC_SUM", or "SPLIT_K" > 1): fp32 atomics into a zeroed [T, D], then

@@ -3,6 +3,9 @@
 Legend: T tokens, D hidden, F expert intermediate, K top-k, R = T*K flat rows, P padded rows.
 
 gate_up:  h_PF[p] = SiLU(x[t] @ gate_e^T) * (x[t] @ up_e^T)   for sorted row p = (t, k) of expert e
+  or, SPLIT_K > 1: gu_P2F[p] += x[t] @ [gate_e | up_e]^T over each split's D range (fp32 atomics
+          into a zeroed buffer), then gate_up_finish_kernel: h_PF = act(gu_P2F + b13): for steps of a
+          few tokens, whose few tiles each loop over all of D and leave the GPU mostly idle
 down:     out_RD[r] = w_r * (h_PF[p] @ w2_e^T)                 r = sorted_ids[p], weight in fp32
   or, ATOMIC: out_TD[t] += w_r * (h_PF[p] @ w2_e^T)           r = (t, k), fp32 atomics: the top-k
           sum is fused, and the F range may be split over SPLIT_K programs
@@ -74,6 +77,19 @@ def half_tile(sorted_ptr, m0, num_valid, BLOCK_M: tl.constexpr, HALF_TILES: tl.c
 
 
 @triton.jit
+def _activate(g, u, swiglu_alpha, swiglu_limit, ACTIVATION: tl.constexpr):
+    """h from the fp32 gate and up projections (biases added)."""
+    if ACTIVATION == "swigluoai":
+        g = tl.minimum(g, swiglu_limit)
+        u = tl.minimum(tl.maximum(u, -swiglu_limit), swiglu_limit)
+        h = g / (1.0 + tl.exp(-swiglu_alpha * g)) * (u + 1.0)
+    else:
+        tl.static_assert(ACTIVATION == "silu", "ACTIVATION must be silu or swigluoai")
+        h = g / (1.0 + tl.exp(-g)) * u
+    return h
+
+
+@triton.jit
 def _gate_up_rows(
     m0, ROWS: tl.constexpr, e, pid_n,
     x_ptr, w_ptr, h_ptr, sorted_ptr, xs_ptr, ws_ptr, hs_ptr, N, Kd, num_valid, top_k,
@@ -83,8 +99,10 @@ def _gate_up_rows(
     USE_FP8: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
     b_ptr, stride_be, stride_bn, swiglu_alpha, swiglu_limit,
     HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, W_MXFP4: tl.constexpr, MXFP4_SCALED: tl.constexpr,
+    SPLIT_K: tl.constexpr, gu_ptr, stride_gum,
 ):
-    """h for sorted rows m0 .. m0 + ROWS - 1 (all of expert e) and weight-column tile pid_n."""
+    """h for sorted rows m0 .. m0 + ROWS - 1 (all of expert e) and weight-column tile pid_n (SPLIT_K
+    > 1: this program's split of the D range added into gu)."""
     offs_m = m0 + tl.arange(0, ROWS)
     rows = tl.load(sorted_ptr + offs_m)
     rmask = rows < num_valid
@@ -92,18 +110,28 @@ def _gate_up_rows(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_bn = offs_n % N  # in-bounds weight rows; columns >= N are never stored
     offs_k = tl.arange(0, BLOCK_K)
-    a_ptrs = x_ptr + tok[:, None] * stride_xm + offs_k[None, :] * stride_xk
+    # SPLIT_K programs (grid axis 1) share this tile, each over its own run of k tiles
+    k_tiles = tl.cdiv(Kd, BLOCK_K)
+    k_first = 0
+    k_last = k_tiles
+    if SPLIT_K > 1:
+        tl.static_assert(not USE_FP8, "the FP8 gate_up quantises h in its epilogue: no split")
+        k_per = tl.cdiv(k_tiles, SPLIT_K)
+        k_first = tl.program_id(1) * k_per
+        k_last = tl.minimum(k_first + k_per, k_tiles)
+    k0 = k_first * BLOCK_K
+    a_ptrs = x_ptr + tok[:, None] * stride_xm + (k0 + offs_k)[None, :] * stride_xk
     if W_MXFP4:  # [BLOCK_N, BLOCK_K/2] bytes and [BLOCK_N, BLOCK_K/32] scales a step
         tl.static_assert(not USE_FP8 and BLOCK_K % 32 == 0, "MXFP4 needs BLOCK_K % 32 == 0, no FP8")
         g_ptrs = w_ptr + e * stride_we + offs_bn[:, None] * stride_wn \
-            + tl.arange(0, BLOCK_K // 2)[None, :] * stride_wk
+            + (k0 // 2 + tl.arange(0, BLOCK_K // 2))[None, :] * stride_wk
         g_sc = ws_ptr + e * stride_wse + offs_bn[:, None] * stride_wsn \
-            + tl.arange(0, BLOCK_K // 32)[None, :] * stride_wsk
+            + (k0 // 32 + tl.arange(0, BLOCK_K // 32))[None, :] * stride_wsk
         u_sc = g_sc + N * stride_wsn
-        g_e8 = load_mxfp4_scales(g_sc, Kd, BLOCK_K)
-        u_e8 = load_mxfp4_scales(u_sc, Kd, BLOCK_K)
+        g_e8 = load_mxfp4_scales(g_sc, tl.minimum(Kd, k_last * BLOCK_K) - k0, BLOCK_K)
+        u_e8 = load_mxfp4_scales(u_sc, tl.minimum(Kd, k_last * BLOCK_K) - k0, BLOCK_K)
     else:
-        g_ptrs = w_ptr + e * stride_we + offs_bn[None, :] * stride_wn + offs_k[:, None] * stride_wk
+        g_ptrs = w_ptr + e * stride_we + offs_bn[None, :] * stride_wn + (k0 + offs_k)[:, None] * stride_wk
     u_ptrs = g_ptrs + N * stride_wn
     if USE_FP8:
         xs_ptrs = xs_ptr + tok * stride_xsm
@@ -111,7 +139,7 @@ def _gate_up_rows(
         us_ptrs = ws_ptr + e * stride_wse + ((offs_bn + N) // GN) * stride_wsn
     acc_g = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
     acc_u = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
-    for k in range(0, tl.cdiv(Kd, BLOCK_K)):
+    for k in range(k_first, k_last):
         if W_MXFP4:
             if EVEN_K:
                 a = tl.load(a_ptrs, mask=rmask[:, None], other=0.0)
@@ -152,23 +180,34 @@ def _gate_up_rows(
             u_ptrs += (BLOCK_K // 2) * stride_wk
             g_sc += (BLOCK_K // 32) * stride_wsk  # the next step's scales, in flight until it
             u_sc += (BLOCK_K // 32) * stride_wsk
-            g_e8 = load_mxfp4_scales(g_sc, Kd - (k + 1) * BLOCK_K, BLOCK_K)
-            u_e8 = load_mxfp4_scales(u_sc, Kd - (k + 1) * BLOCK_K, BLOCK_K)
+            g_e8 = load_mxfp4_scales(g_sc, tl.minimum(Kd, k_last * BLOCK_K) - (k + 1) * BLOCK_K, BLOCK_K)
+            u_e8 = load_mxfp4_scales(u_sc, tl.minimum(Kd, k_last * BLOCK_K) - (k + 1) * BLOCK_K, BLOCK_K)
         else:
             g_ptrs += BLOCK_K * stride_wk
             u_ptrs += BLOCK_K * stride_wk
+    nmask = offs_n < N
+    if SPLIT_K > 1:  # partial sums; bias and activation in gate_up_finish_kernel
+        gu_ptrs = gu_ptr + offs_m.to(tl.int64)[:, None] * stride_gum + offs_n[None, :]
+        mask = rmask[:, None] & nmask[None, :]
+        tl.atomic_add(gu_ptrs, acc_g, mask=mask, sem="relaxed")
+        tl.atomic_add(gu_ptrs + N, acc_u, mask=mask, sem="relaxed")
+    else:
+        _gate_up_epilogue(acc_g, acc_u, e, offs_m, offs_n, offs_bn, pid_n, h_ptr, hs_ptr, N, stride_hm, stride_hn,
+                          stride_hsm, stride_hsk, b_ptr, stride_be, stride_bn, swiglu_alpha, swiglu_limit,
+                          USE_FP8, HAS_BIAS, ACTIVATION)
+
+
+@triton.jit
+def _gate_up_epilogue(acc_g, acc_u, e, offs_m, offs_n, offs_bn, pid_n, h_ptr, hs_ptr, N, stride_hm, stride_hn,
+                      stride_hsm, stride_hsk, b_ptr, stride_be, stride_bn, swiglu_alpha, swiglu_limit,
+                      USE_FP8: tl.constexpr, HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr):
+    """Bias, activation and the store of h (FP8: quantised per row and GN-group, with its scales)."""
+    nmask = offs_n < N
     if HAS_BIAS:
         b_ptrs = b_ptr + e * stride_be + offs_bn * stride_bn
         acc_g += tl.load(b_ptrs).to(tl.float32)[None, :]
         acc_u += tl.load(b_ptrs + N * stride_bn).to(tl.float32)[None, :]
-    if ACTIVATION == "swigluoai":
-        g = tl.minimum(acc_g, swiglu_limit)
-        u = tl.minimum(tl.maximum(acc_u, -swiglu_limit), swiglu_limit)
-        h = g / (1.0 + tl.exp(-swiglu_alpha * g)) * (u + 1.0)
-    else:
-        tl.static_assert(ACTIVATION == "silu", "ACTIVATION must be silu or swigluoai")
-        h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
-    nmask = offs_n < N
+    h = _activate(acc_g, acc_u, swiglu_alpha, swiglu_limit, ACTIVATION)
     h_ptrs = h_ptr + offs_m.to(tl.int64)[:, None] * stride_hm + offs_n[None, :] * stride_hn
     if USE_FP8:
         h = tl.where(nmask[None, :], h, 0.0)
@@ -195,6 +234,7 @@ def gate_up_kernel(
     b_ptr=None, stride_be=0, stride_bn=0, swiglu_alpha=1.702, swiglu_limit=7.0,
     HAS_BIAS: tl.constexpr = False, ACTIVATION: tl.constexpr = "silu", W_MXFP4: tl.constexpr = False,
     MXFP4_SCALED: tl.constexpr = "", HALF_TILES: tl.constexpr = False,
+    SPLIT_K: tl.constexpr = 1, gu_ptr=None, stride_gum=0,
 ):
     pdl_enter(USE_PDL)
     pid_m, pid_n = _block_coords(num_m_blocks, N, BLOCK_N, GROUP_M)
@@ -211,7 +251,7 @@ def gate_up_kernel(
             stride_xm, stride_xk, stride_we, stride_wn, stride_wk, stride_hm, stride_hn, stride_xsm, stride_xsk,
             stride_wse, stride_wsn, stride_wsk, stride_hsm, stride_hsk, BLOCK_N, BLOCK_K, GN, GK, USE_FP8, EVEN_K,
             PRECISION, UPCAST, b_ptr, stride_be, stride_bn, swiglu_alpha, swiglu_limit, HAS_BIAS, ACTIVATION,
-            W_MXFP4, MXFP4_SCALED)
+            W_MXFP4, MXFP4_SCALED, SPLIT_K, gu_ptr, stride_gum)
     else:
         _gate_up_rows(
             m0, BLOCK_M, e, pid_n,
@@ -219,7 +259,40 @@ def gate_up_kernel(
             stride_xm, stride_xk, stride_we, stride_wn, stride_wk, stride_hm, stride_hn, stride_xsm, stride_xsk,
             stride_wse, stride_wsn, stride_wsk, stride_hsm, stride_hsk, BLOCK_N, BLOCK_K, GN, GK, USE_FP8, EVEN_K,
             PRECISION, UPCAST, b_ptr, stride_be, stride_bn, swiglu_alpha, swiglu_limit, HAS_BIAS, ACTIVATION,
-            W_MXFP4, MXFP4_SCALED)
+            W_MXFP4, MXFP4_SCALED, SPLIT_K, gu_ptr, stride_gum)
+
+
+@triton.jit
+def gate_up_finish_kernel(
+    gu_ptr, h_ptr, expert_ids_ptr, npp_ptr, N, stride_gum, stride_hm, stride_hn,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, USE_PDL: tl.constexpr,
+    b_ptr=None, stride_be=0, stride_bn=0, swiglu_alpha=1.702, swiglu_limit=7.0,
+    HAS_BIAS: tl.constexpr = False, ACTIVATION: tl.constexpr = "silu",
+):
+    """h_PF = act(gu_P2F + b13) for the aligned block pid 0 (its expert's bias) and columns pid 1:
+    the end of a split gate_up. Blocks of no expert here (-1) and past the padded rows are skipped,
+    as gate_up skips them."""
+    pdl_enter(USE_PDL)
+    pid_m = tl.program_id(0)
+    m0 = pid_m * BLOCK_M
+    if m0 >= tl.load(npp_ptr):
+        return
+    e = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+    if e < 0:
+        return
+    offs_m = (m0 + tl.arange(0, BLOCK_M)).to(tl.int64)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = (offs_n < N)[None, :]
+    gu_ptrs = gu_ptr + offs_m[:, None] * stride_gum + offs_n[None, :]
+    g = tl.load(gu_ptrs, mask=nmask, other=0.0)
+    u = tl.load(gu_ptrs + N, mask=nmask, other=0.0)
+    if HAS_BIAS:
+        b_ptrs = b_ptr + e * stride_be + offs_n * stride_bn
+        g += tl.load(b_ptrs, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
+        u += tl.load(b_ptrs + N * stride_bn, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
+    h = _activate(g, u, swiglu_alpha, swiglu_limit, ACTIVATION)
+    tl.store(h_ptr + offs_m[:, None] * stride_hm + offs_n[None, :] * stride_hn, h.to(h_ptr.dtype.element_ty),
+             mask=nmask)
 
 
 @triton.jit

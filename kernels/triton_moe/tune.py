@@ -39,6 +39,8 @@ _SMALL_WIDE = [(64, 128, 4, 6), (32, 128, 4, 6), (32, 256, 4, 4), (128, 128, 8, 
                (64, 256, 8, 3), (32, 64, 2, 8), (64, 128, 8, 4), (16, 256, 4, 4)]
 # and, for the down GEMM, (SPLIT_K, ATOMIC_SUM) variants of the first few tiles
 _DOWN_SPLITS = [(1, True), (2, True), (4, True)]
+# and for gate_up, SPLIT_K over D (partial sums, then a launch for the bias and the activation)
+_UP_SPLITS = [2, 4, 8]
 # --wide at BLOCK_M 64 and 128 (mixed and prefill steps): wider and deeper tiles, and HALF_TILES
 # variants of the first few (an expert's last block of at most BLOCK_M / 2 rows runs a half-height tile)
 _MID_WIDE = [(128, 64, 8, 3), (128, 128, 8, 3), (64, 128, 4, 4), (128, 64, 8, 5), (64, 64, 4, 5)]
@@ -80,6 +82,8 @@ def _candidates(bm: int, gate_up: bool, fp8: bool, wide: bool = False):
     if wide and not gate_up:  # larger BLOCK_M: the atomic sum only, on the first two tiles
         splits, n = (_DOWN_SPLITS, 4) if bm <= 16 else (_DOWN_SPLITS[:1], 2)
         out += [dict(c, SPLIT_K=k, ATOMIC_SUM=a) for c in tiles[:n] for k, a in splits]
+    if wide and gate_up and bm <= 16 and not fp8:  # decode: the D range split too (not FP8's)
+        out += [dict(c, SPLIT_K=k) for c in tiles[:4] for k in _UP_SPLITS]
     return out
 
 

@@ -39,7 +39,8 @@ def _launch_ints(which: str, mxfp4: bool) -> dict:
     """The integer arguments fused._run passes for contiguous gpt-oss tensors."""
     if which == "gate_up":
         kb = D // 2 if mxfp4 else D  # weight row length in elements (MXFP4: bytes)
-        return dict(N=F, Kd=D, top_k=TOP_K, stride_xm=D, stride_xk=1, stride_we=2 * F * kb, stride_wn=kb,
+        return dict(N=F, Kd=D, top_k=TOP_K, stride_gum=2 * F, stride_xm=D, stride_xk=1, stride_we=2 * F * kb,
+                    stride_wn=kb,
                     stride_wk=1, stride_hm=F, stride_hn=1, stride_xsm=0, stride_xsk=0,
                     stride_wse=2 * F * D // 32 if mxfp4 else 0, stride_wsn=D // 32 if mxfp4 else 0,
                     stride_wsk=1 if mxfp4 else 0, stride_hsm=0, stride_hsk=0, stride_be=2 * F, stride_bn=1)
@@ -83,7 +84,8 @@ def compile_variant(which: str, config: str, act: str = "bf16", bias: bool = Tru
                     activation: str = "swigluoai", split_k: int = 1, mxfp4: bool = True,
                     scaled: bool = False, half_tiles: bool = False) -> dict:
     """One GEMM compiled for sm_90 (mxfp4=False: the same launch with `act` weights, to compare;
-    scaled: the MXFP4 tiles through tl.dot_scaled, MOE_MXFP4_DOT_SCALED; half_tiles: HALF_TILES)."""
+    scaled: the MXFP4 tiles through tl.dot_scaled, MOE_MXFP4_DOT_SCALED; half_tiles: HALF_TILES;
+    split_k: SPLIT_K, gate_up's into fp32 partial sums, down's with the atomic top-k sum)."""
     bm, bn, bk, gm, warps, stages = CONFIGS[config]
     kd = D if which == "gate_up" else F
     constexprs = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm, GN=1, GK=1, USE_FP8=False,
@@ -96,6 +98,11 @@ def compile_variant(which: str, config: str, act: str = "bf16", bias: bool = Tru
         kernel = gate_up_kernel
         constexprs["ACTIVATION"] = activation
         pointers.update(x_ptr=act, h_ptr=act)
+        constexprs["SPLIT_K"] = split_k
+        if split_k > 1:  # partial sums into a fp32 [P, 2F]
+            pointers["gu_ptr"] = "fp32"
+        else:
+            constexprs["gu_ptr"] = None
     else:
         kernel = down_kernel
         atomic = split_k > 1
@@ -162,6 +169,9 @@ def main(argv=None) -> None:
                                                                       **half)
                 report[f"down/{cfg}/{act}/{tag}"] = compile_variant("down", cfg, act, mxfp4=mx, scaled=scaled,
                                                                    split_k=2 if cfg == "decode" else 1, **half)
+                if cfg == "decode":  # gate_up's D range split (SPLIT_K), for steps of a few tokens
+                    report[f"gate_up_split4/{cfg}/{act}/{tag}"] = compile_variant(
+                        "gate_up", cfg, act, mxfp4=mx, scaled=scaled, split_k=4, **half)
     print(json.dumps(report))
 
 

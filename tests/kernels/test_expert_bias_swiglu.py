@@ -200,6 +200,17 @@ def test_triton_atomic_and_split_k_down_add_b2_once(case, down, dtype, run):
     assert rel(out, oracle(c, activation="swigluoai", limit=SMALL_LIMIT)) < TOL[dtype]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("case", ["ragged", "expert_map"])
+def test_triton_split_k_gate_up_adds_b13_once(case, dtype, run):
+    """gate_up's D range split over programs: b13 goes in exactly once, in the activation launch."""
+    c = make_case(case, dtype, seed=9)
+    for activation in ("silu", "swigluoai"):
+        out, _ = run("triton", c, config=dict(SMALL_CFG, SPLIT_K=2), activation=activation,
+                     swiglu_limit=SMALL_LIMIT)
+        assert rel(out, oracle(c, activation=activation, limit=SMALL_LIMIT)) < TOL[dtype]
+
+
 @pytest.mark.parametrize("which", ["b13", "b2"])
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_one_bias_alone_and_fp32_biases_with_bf16(backend, which, run):

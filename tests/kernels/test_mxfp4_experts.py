@@ -285,6 +285,19 @@ def test_triton_atomic_and_split_k_down(case, down, run):
     assert rel(out, same) < 1e-6  # fp32 atomics: the order of the adds may differ
 
 
+@pytest.mark.parametrize("split", [2, 3])
+@pytest.mark.parametrize("case", ["ragged", "expert_map"])
+def test_triton_split_k_gate_up(case, split, run):
+    """gate_up's D range split over programs (each split from its own byte and scale column), the
+    partial sums then biased (b13 once) and clamped in the activation launch; down split too."""
+    c = make_case(case, seed=8)
+    cfg = dict(c["cfg"], SPLIT_K=split, down={"SPLIT_K": 2})
+    out, _ = run("triton", c, config=cfg, activation="swigluoai", swiglu_limit=SMALL_LIMIT)
+    assert rel(out, oracle(c, activation="swigluoai", swiglu_limit=SMALL_LIMIT)) < TOL[torch.bfloat16]
+    same, _ = run("triton", c, weights="16bit", config=cfg, activation="swigluoai", swiglu_limit=SMALL_LIMIT)
+    assert rel(out, same) < 1e-6  # fp32 atomics: the order of the adds may differ
+
+
 @pytest.mark.parametrize("down", [{}, {"SPLIT_K": 2}], ids=["plain", "split2"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("case", list(CASES))
@@ -405,7 +418,7 @@ def test_bad_arguments_name_the_tensor():
 
 @pytest.mark.parametrize("upcast", ["packed", "fp32"])
 def test_mxfp4_gemms_compile_for_sm90(upcast):
-    """gate_up (bias, swigluoai) and down (split-K, atomic, bias) with W_MXFP4 at gpt-oss's shape
+    """gate_up (bias, swigluoai; also split-K) and down (split-K, atomic, bias) with W_MXFP4 at gpt-oss's shape
     (K = 2880: the masked last K step) and the decode / prefill default configs, with the kernels'
     own dequantisation (either upcast form, MOE_MXFP4_UPCAST) and through tl.dot_scaled (MXFP4_SCALED):
     compiled, the dot a bf16 MMA (mma.sync at BLOCK_M 16, wgmma at 128), the weight bytes loaded by the
@@ -418,7 +431,8 @@ def test_mxfp4_gemms_compile_for_sm90(upcast):
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(done.stdout.strip().splitlines()[-1])
     assert set(report) == {f"{g}/{c}/bf16/{form}" for g in ("gate_up", "down") for c in ("decode", "prefill")
-                           for form in ("mxfp4", "mxfp4_scaled")}
+                           for form in ("mxfp4", "mxfp4_scaled")} | {
+        f"gate_up_split4/decode/bf16/{form}" for form in ("mxfp4", "mxfp4_scaled")}
     for name, r in report.items():
         assert r["compiled"] and not r["ftz_f32_mul"], (name, r)
         # tl.dot_scaled upcasts on its own; the kernels' own dequantisation takes the form asked for
@@ -469,12 +483,32 @@ def test_real_shapes_gpu(T):
 
 
 @needs_cuda
-@pytest.mark.parametrize("down", [{}, {"SPLIT_K": 4}], ids=["plain", "split4"])
-def test_cuda_graph_capture_gpu(down):
+@pytest.mark.parametrize("T", [1, 5])
+@pytest.mark.parametrize("up_split", [2, 8])
+def test_real_shapes_split_gate_up_gpu(T, up_split):
+    """gpt-oss-20b with gate_up's D range split (and down's F range): the reference on the
+    dequantised weights, and the unsplit call up to the order of the fp32 additions."""
+    from kernels.triton_moe import fused_experts_triton_mxfp4
+    from kernels.triton_moe.config import default_config
+    x, q13, q2, s13, s2, tw, ti, b13, b2 = _gpt_oss_problem(32, T)
+    kw = dict(w13_bias=b13, w2_bias=b2, activation="swigluoai")
+    base = default_config(T, 32, 2880, 4, "mxfp4")
+    out = fused_experts_triton_mxfp4(x, q13, q2, s13, s2, tw, ti, config=dict(base, SPLIT_K=up_split,
+                                                                              down={"SPLIT_K": 2}), **kw)
+    ref = fused_experts_torch(x, reference_mxfp4.dequantize_mxfp4(q13, s13), reference_mxfp4.dequantize_mxfp4(q2, s2),
+                              tw, ti, **kw)
+    assert rel(out, ref) < TOL[torch.bfloat16]
+    assert rel(out, fused_experts_triton_mxfp4(x, q13, q2, s13, s2, tw, ti, config=base, **kw)) < 2e-3
+
+
+@needs_cuda
+@pytest.mark.parametrize("up,down", [(1, {}), (1, {"SPLIT_K": 4}), (4, {"SPLIT_K": 4})],
+                         ids=["plain", "split4", "up_split4"])
+def test_cuda_graph_capture_gpu(up, down):
     from kernels.triton_moe import fused_experts_triton_mxfp4
     from kernels.triton_moe.config import default_config
     x, q13, q2, s13, s2, tw, ti, b13, b2 = _gpt_oss_problem(32, 1)
-    cfg = dict(default_config(1, 32, 2880, 4, "mxfp4"), down=down)
+    cfg = dict(default_config(1, 32, 2880, 4, "mxfp4"), down=down, **({"SPLIT_K": up} if up > 1 else {}))
     kw = dict(config=cfg, w13_bias=b13, w2_bias=b2, activation="swigluoai")
     eager = fused_experts_triton_mxfp4(x, q13, q2, s13, s2, tw, ti, **kw)
     graph = torch.cuda.CUDAGraph()

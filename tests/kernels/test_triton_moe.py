@@ -182,6 +182,32 @@ def test_atomic_sum_and_split_k_match_reference(T, D, F, E, K, dtype, down):
 
 
 @needs_triton_device
+@pytest.mark.parametrize("T,D,F,E,K", [(1, 32, 16, 4, 2), (19, 40, 24, 4, 2), (40, 48, 40, 8, 3)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("split,down", [(2, {}), (3, {"SPLIT_K": 2}), (8, {})])
+def test_gate_up_split_k_matches_reference(T, D, F, E, K, dtype, split, down):
+    """gate_up's D range over SPLIT_K programs, then the activation launch: D=40 with BLOCK_K 16
+    leaves a split a partial tile, SPLIT_K 3 over D=48 an exact one, 8 (capped at the tiles) every
+    tile its own split; an expert with no rows; with the down GEMM plain or split."""
+    x, w13, w2, tw, ti = make_inputs(T, D, F, E, K, dtype, seed=6, empty_expert=E - 1 if E > 2 else None)
+    out = fused_experts_triton(x, w13, w2, tw, ti, config=dict(SMALL_CFG, SPLIT_K=split, down=down))
+    ref = fused_experts_torch(x, w13, w2, tw, ti)
+    assert out.shape == (T, D) and out.dtype == dtype
+    assert rel(out, ref) < TOL[dtype]
+    if dtype == torch.float32:  # the partial sums add up to the unsplit GEMM's (fp32, up to their order)
+        assert rel(out, fused_experts_triton(x, w13, w2, tw, ti, config=dict(SMALL_CFG, down=down))) < 1e-6
+
+
+def test_fp8_gate_up_refuses_a_split():
+    from kernels.triton_moe.fused import fused_experts_triton_fp8
+    x, w13, w2, tw, ti = make_inputs(3, 128, 128, 2, 1, torch.float32)
+    q = torch.zeros_like(w13, dtype=torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match="cannot split D"):
+        fused_experts_triton_fp8(x, q, q[:, :128], torch.ones(2, 2, 1), torch.ones(2, 1, 1), tw, ti,
+                                 config=dict(FP8_CFG, SPLIT_K=2))
+
+
+@needs_triton_device
 @pytest.mark.parametrize("down", [{}, {"SPLIT_K": 2}])
 @pytest.mark.parametrize("K", [1, 2])
 def test_expert_map_with_remote_experts(K, down):
@@ -313,8 +339,10 @@ def test_tuner_candidates():
     assert narrow == wide[:len(narrow)] and len(wide) > len(narrow)
     assert not any("SPLIT_K" in c for c in narrow)
     assert {c.get("SPLIT_K") for c in wide} == {None, 1, 2, 4}
-    assert not any("SPLIT_K" in c for c in _candidates(16, True, False, wide=True)), \
-        "gate_up has no split-K (SiLU needs whole sums)"
+    up = _candidates(16, True, False, wide=True)
+    assert {c.get("SPLIT_K") for c in up} == {None, 2, 4, 8} and not any("ATOMIC_SUM" in c for c in up)
+    assert not any("SPLIT_K" in c for c in _candidates(16, True, False) + _candidates(16, True, True, wide=True)
+                   + _candidates(32, True, False, wide=True)), "gate_up splits decode tiles only, not FP8's"
     fp8 = _candidates(16, True, True, wide=True)
     assert all(c["BLOCK_SIZE_K"] == 128 and c["BLOCK_SIZE_N"] == 128 for c in fp8)
     for bm in (16, 32, 64, 128):  # half tiles from BLOCK_M 64, in the wide search only
@@ -330,6 +358,9 @@ def test_tuner_composes_what_split_config_splits():
     up = dict(SMALL_CFG, BLOCK_SIZE_M=64, HALF_TILES=True)
     for down in (dict(SMALL_CFG, BLOCK_SIZE_M=64, BLOCK_SIZE_N=32), dict(up, SPLIT_K=2)):
         assert cfgmod.split_config(compose(up, down)) == (up, dict(down, HALF_TILES=down.get("HALF_TILES", False)))
+    # gate_up's own split stays with gate_up, whatever the down GEMM's
+    for down in (dict(SMALL_CFG), dict(SMALL_CFG, SPLIT_K=4, ATOMIC_SUM=True)):
+        assert cfgmod.split_config(compose(dict(SMALL_CFG, SPLIT_K=2), down)) == (dict(SMALL_CFG, SPLIT_K=2), down)
     plain = dict(SMALL_CFG, BLOCK_SIZE_M=64)
     assert cfgmod.split_config(compose(plain, dict(plain, HALF_TILES=True))) == (plain, dict(plain, HALF_TILES=True))
 
