@@ -305,6 +305,8 @@ class ModelRunner:
             max_seqs = max(max_num_seqs + self.use_mixed_graphs, max(sizes, default=1), -(-max_tokens // max_model_len))
             self.buffers = StepBuffers(self.device, max(max_tokens, max_seqs), max_seqs,
                                        -(-max_model_len // self.block_size) + 1, len(groups))
+            if self.counters is not None:  # the count of real rows goes up with the inputs: no fill launch
+                self.counters.num_valid = self.buffers.dev_view("num_valid", 1)
 
     def _capture_sizes(self) -> list[int]:
         if not self.use_cuda_graphs or self.limits is None:
@@ -361,11 +363,13 @@ class ModelRunner:
 
     def _upload_padding(self, b: int) -> None:
         """b padding decode rows into the step buffers (what a graph is captured over)."""
-        upload(self.buffers, StepBatch.empty(self.num_kv_groups), self.block_size, padded=(b, b))
+        upload(self.buffers, StepBatch.empty(self.num_kv_groups), self.block_size, padded=(b, b),
+               num_valid=0 if self.counters is not None else None)
 
     def _upload_mixed_padding(self, t: int) -> None:
         """A mixed step's graph layout with t padding tokens and no real sequence."""
-        upload(self.buffers, StepBatch.empty(self.num_kv_groups), self.block_size, padded=(t, self.mixed_graph_seqs))
+        upload(self.buffers, StepBatch.empty(self.num_kv_groups), self.block_size, padded=(t, self.mixed_graph_seqs),
+               num_valid=0 if self.counters is not None else None)
 
     @torch.inference_mode()
     def _graph_forward(self, b: int) -> torch.Tensor:
@@ -559,10 +563,11 @@ class ModelRunner:
         with_images: some request of the batch holds image features (this stage embeds them).
         prev: the step in flight whose sampled tokens are this batch's pending inputs (async)."""
         T, B = len(batch.input_ids_T), len(batch.req_ids)
-        if self.counters is not None:  # a graph's padding rows lie past T: not counted
-            self.counters.set_num_valid(T if counted else 0)
+        num_valid = None if self.counters is None else T if counted else 0  # a graph's padding rows: not counted
         self._check_pending(batch, prev)
         if self.buffers is None or not self.buffers.fits(T, B, max(t.shape[1] for t in batch.tables)):
+            if num_valid is not None:
+                self.counters.set_num_valid(num_valid)
             meta = host_metadata(batch, self.device, self.block_size, device_fields=self.gpu_inputs)
             input_ids = host_to_device(batch.input_ids_T, self.device)
             if batch.pending_src_T is not None:
@@ -581,7 +586,7 @@ class ModelRunner:
         elif not batch.decode_only and self.mixed_graphs is not None and not with_images:
             graphs, size = self.mixed_graphs, self.mixed_graphs.padded_size(T)
             padded = None if size is None else (size, self.mixed_graph_seqs)
-        meta = upload(self.buffers, batch, self.block_size, padded, metadata=padded is None)
+        meta = upload(self.buffers, batch, self.block_size, padded, metadata=padded is None, num_valid=num_valid)
         self._sample_idx = self._step_sample_rows = None  # views of the step buffers, made when asked
         if padded is not None:  # the graph reads the pending inputs itself
             return graphs.replay(padded[0])[:T]

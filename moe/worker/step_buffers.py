@@ -4,7 +4,8 @@ the span that holds every used prefix to the device (issuing a copy costs the ho
 whatever its size, and the span is a few hundred KB at most). CUDA graphs capture views of the
 same device buffers, so a replay reads whatever the last upload put there.
 
-Inputs (all int64), the per-sequence ones first so that the span stays short: query_start_loc
+Inputs (all int64), the per-step and per-sequence ones first so that the span stays short: num_valid [1]
+(the expert-load counters' count of real rows, moe/expert_load/counters.py, when they read it here), query_start_loc
 [B+1], seq_lens [B], sample_idx [B] (the token row of each sequence that samples), sample_rows [B]
 (the runner row of each sequence that samples: where its token goes in the runner's last-sampled
 tokens), then input_ids [T], pending_src [T] (async scheduling: the runner row whose last sampled
@@ -23,7 +24,7 @@ class StepBuffers:
     def __init__(self, device: torch.device, max_tokens: int, max_seqs: int, max_blocks: int,
                  num_groups: int) -> None:
         self.device, self.max_tokens, self.max_seqs, self.max_blocks = device, max_tokens, max_seqs, max_blocks
-        sizes = {"query_start_loc": max_seqs + 1, "seq_lens": max_seqs, "sample_idx": max_seqs,
+        sizes = {"num_valid": 1, "query_start_loc": max_seqs + 1, "seq_lens": max_seqs, "sample_idx": max_seqs,
                  "sample_rows": max_seqs, "input_ids": max_tokens, "pending_src": max_tokens, "positions": max_tokens}
         for g in range(num_groups):
             sizes[f"slots{g}"] = max_tokens

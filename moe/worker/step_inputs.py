@@ -208,9 +208,10 @@ def host_metadata(batch: StepBatch, device: torch.device, block_size: int, devic
 
 
 def upload(buf: StepBuffers, batch: StepBatch, block_size: int, padded: tuple[int, int] | None = None,
-           metadata: bool = True) -> AttentionMetadata | None:
+           metadata: bool = True, num_valid: int | None = None) -> AttentionMetadata | None:
     """Write the batch into the step buffers, upload it, and return metadata over the device views
-    (None without `metadata`: a CUDA graph's replay reads the buffers, not the metadata).
+    (None without `metadata`: a CUDA graph's replay reads the buffers, not the metadata). num_valid:
+    the expert-load counters' count of real rows, when they read it from the buffers.
 
     padded: (tokens t, sequences b) of a CUDA graph the step replays. Sequences B..b-1 are padding
     of context 0 (attention reads nothing and writes zeros): each takes one of the padding tokens
@@ -222,6 +223,9 @@ def upload(buf: StepBuffers, batch: StepBatch, block_size: int, padded: tuple[in
         raise ValueError(f"a step of {T} tokens in {B} sequences cannot pad to {t} tokens in {b} sequences")
     buf.begin()
     sizes = {"input_ids": t, "pending_src": t, "positions": t, "query_start_loc": b + 1, "seq_lens": b}
+    if num_valid is not None:
+        buf.host_view("num_valid", 1)[0] = num_valid
+        sizes["num_valid"] = 1
     _fill(buf.host_view("input_ids", t), batch.input_ids_T, 0)
     _fill(buf.host_view("pending_src", t), () if batch.pending_src_T is None else batch.pending_src_T, -1)
     _fill(buf.host_view("positions", t), batch.positions_T, 0)

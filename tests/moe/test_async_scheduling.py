@@ -265,20 +265,9 @@ def test_random_workloads_equal_synchronous_steps(seed):
 def test_step_buffer_path_equals_synchronous_steps(monkeypatch):
     """The GPU's input path, eagerly on the CPU: step inputs through the step buffers, pending input
     ids (`pending_src`) resolved from the runner rows' last sampled tokens, with preemption and
-    chunked prefill. (The CPU attention reference reads the decode rows' host layout, added here.)"""
-    import moe.worker.model_runner as mr
-    import moe.worker.step_inputs as si
-    monkeypatch.setattr(mr, "use_triton_attention", lambda x: True)  # step buffers on the CPU
-    resolved = []
-    upload = si.upload
-
-    def upload_with_decode_rows(buf, batch, block_size, padded=None, metadata=True):
-        resolved.append(batch.pending_src_T is not None and bool((batch.pending_src_T >= 0).any()))
-        meta = upload(buf, batch, block_size, padded, metadata)
-        if meta is not None and batch.decode_only:
-            si._add_decode_rows(meta.group_metas or [meta], batch, buf.device, block_size)
-        return meta
-    monkeypatch.setattr(mr, "upload", upload_with_decode_rows)
+    chunked prefill."""
+    from tests.moe.step_buffer_path import force_step_buffers
+    resolved = force_step_buffers(monkeypatch)
     rng = random.Random(5)
     prompts = _prompts(14, seed=5, shared=20)
     params = [SamplingParams(temperature=rng.choice([0.0, 0.7]), seed=rng.randrange(100),

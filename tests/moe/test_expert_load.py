@@ -78,6 +78,24 @@ def test_recording_file_round_trips(llm, tmp_path):
     assert len(open(path).read()) == size
 
 
+def test_counts_through_the_step_buffers(monkeypatch):
+    """On the GPU's input path the count of real rows goes up with the step's inputs (no fill launch):
+    the counts still equal K per token and layer, eagerly on the CPU, the dummy start-up forwards not
+    counted."""
+    from tests.moe.step_buffer_path import force_step_buffers
+    force_step_buffers(monkeypatch)
+    llm = LLM("tiny-qwen3-moe", enforce_eager=True, max_num_batched_tokens=16, **SMALL_KV)
+    runner = llm.llm_engine.executor.runner
+    assert runner.buffers is not None and runner.counters.num_valid.data_ptr() == \
+        runner.buffers.dev_view("num_valid", 1).data_ptr()
+    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=7, temperature=0, ignore_eos=True), use_tqdm=False)
+    load = llm.get_expert_load()
+    K = llm.llm_engine.info.model_config.num_experts_per_tok
+    tokens = sum(len(o.prompt_token_ids) + len(o.outputs[0].token_ids) - 1 for o in outs)
+    assert load.counts.sum(axis=1).tolist() == [K * tokens] * len(load.layers)
+    llm.shutdown()
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_graph_padding_and_start_up_are_not_counted():
     """Three sequences decode in the graph of size 4: its padding row must not count, nor must
