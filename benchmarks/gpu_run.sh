@@ -71,6 +71,9 @@
 #                 floors (RUNS to choose) -> $OUT/engine_gpt_oss.json
 #   mxfp4         the MXFP4 expert-kernel tests on CUDA, then benchmarks/bench_mxfp4_experts.py: the gpt-oss-20b and
 #                 -120b expert layers with MXFP4 weights against bf16 ones of the same values -> $OUT/mxfp4_experts.json
+#   split-gate-up benchmarks/bench_split_gate_up.py: the expert layer at 1-32 tokens with the configs in use and with
+#                 gate_up's D range split 2 / 4 / 8 (and down's F range 2 / 4), Qwen3 bf16 and gpt-oss MXFP4 shapes
+#                 (SPLIT_ARGS adds flags) -> $OUT/split_gate_up.json
 #   mxfp4-tune    the MXFP4 expert-kernel tests under MXFP4_TUNE_ENV (e.g. MOE_MXFP4_DOT_SCALED=1: tl.dot_scaled),
 #                 bench_mxfp4_experts.py (both forms beside bf16), then `moe tune-moe --dtype mxfp4` at the gpt-oss-20b
 #                 and -120b shapes under MXFP4_TUNE_ENV -> $OUT/mxfp4_experts.json, $OUT/configs, $OUT/tune_mxfp4_E*.json
@@ -269,6 +272,8 @@ json.dump(QWEN3_30B_A3B, open(os.path.join(sys.argv[1], 'config.json'), 'w'))" "
            --out "$OUT/engine_gpt_oss.json" ;;
     mxfp4) step mxfp4-tests timeout 200 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_mxfp4_experts.py
       step mxfp4-bench timeout 280 python3 benchmarks/bench_mxfp4_experts.py --out "$OUT/mxfp4_experts.json" ;;
+    split-gate-up) step split-gate-up timeout 300 python3 benchmarks/bench_split_gate_up.py --M 1 2 4 8 16 32 \
+           --out "$OUT/split_gate_up.json" ${SPLIT_ARGS:-} ;;
     mxfp4-tune) mkdir -p "$CFG"  # MXFP4_TUNE_ENV (e.g. MOE_MXFP4_DOT_SCALED=1) sets the kernels' form
       step mxfp4-tests-env env ${MXFP4_TUNE_ENV:-} timeout 200 python3 -m pytest -q -p no:cacheprovider \
            tests/kernels/test_mxfp4_experts.py
