@@ -270,8 +270,8 @@ class ModelRunner:
         self.images.holding.clear()
         self.block_tables = BlockTables(len(groups))
         # Rows are reused lowest-first, so they stay below the most requests held at once (max_num_seqs):
-        # a CUDA graph's view of this tensor never needs it to grow.
-        rows = max(64, self.limits[0] + 1 if self.limits else 0)
+        # a CUDA graph's view of this tensor never needs it to grow (twice that, to spare).
+        rows = max(64, 2 * self.limits[0] + 2 if self.limits else 0)
         self.last_sampled_R = torch.zeros(rows, dtype=torch.int64, device=self.device)
         self.graphs = self.mixed_graphs = None  # captured over the previous cache tensors
         # the scheduler's, in every group of blocks
