@@ -153,16 +153,18 @@ class Scheduler:
         allocate, runner_knows = self.kv.allocate_slots, self._runner_knows
         cached_ids, cached_blocks, cached_computed = (cached_reqs.req_ids, cached_reqs.new_block_ids,
                                                       cached_reqs.num_computed_tokens)
-        placeholders = cfg.async_scheduling
+        placeholders, max_model_len = cfg.async_scheduling, cfg.max_model_len
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            num_new = min(len(request.all_token_ids) + request.num_output_placeholders - request.num_computed_tokens,
-                          budget)
+            num_tokens = len(request.all_token_ids) + request.num_output_placeholders  # known and in flight
+            num_new = min(num_tokens - request.num_computed_tokens, budget)
             if num_new <= 0 or (request.num_output_placeholders and (
-                    (request.use_structured_output and not cfg.defer_grammar_masks) or self._done_in_flight(request))):
+                    (request.use_structured_output and not cfg.defer_grammar_masks)
+                    or num_tokens - request.num_prompt_tokens >= request.max_tokens or num_tokens >= max_model_len)):
                 # Nothing to compute (sync: cannot happen after update), or async: the tokens in
-                # flight finish it, or its grammar mask needs the token in flight. Keep the order.
+                # flight finish it (max_tokens, max_model_len), or its grammar mask needs the token in
+                # flight. Keep the order.
                 i += 1
                 continue
             to_encode = None
@@ -190,13 +192,14 @@ class Scheduler:
             if req_id in runner_knows:
                 cached_ids.append(req_id)
                 # Per group; the common decode step adds no block anywhere and sends ().
-                cached_blocks.append([[b.block_id for b in g] for g in new_blocks] if any(new_blocks) else ())
+                cached_blocks.append([[b.block_id for b in g] for g in new_blocks] if new_blocks and any(new_blocks)
+                                     else ())
                 cached_computed.append(request.num_computed_tokens)
                 request.num_computed_tokens += num_new
             else:
                 self._record(request, new_blocks, num_new, new_reqs, cached_reqs)
-            if placeholders:
-                self._add_placeholder(request)
+            if placeholders and request.num_computed_tokens == num_tokens:  # _add_placeholder, inline
+                request.num_output_placeholders += 1
             i += 1
 
         # Then waiting requests in arrival order (preempted ones were put back at the front),
@@ -258,13 +261,6 @@ class Scheduler:
         """Async scheduling: a step that reaches the end of the request's tokens samples one more."""
         if request.num_computed_tokens == len(request.all_token_ids) + request.num_output_placeholders:
             request.num_output_placeholders += 1
-
-    def _done_in_flight(self, request: Request) -> bool:
-        """Async scheduling: the tokens in flight take the request to max_tokens or max_model_len,
-        so it finishes with them and is not scheduled again."""
-        num_tokens = len(request.all_token_ids) + request.num_output_placeholders
-        return (num_tokens - request.num_prompt_tokens >= request.max_tokens
-                or num_tokens >= self.config.max_model_len)
 
     def _encode(self, request: Request, indices: list[int], scheduled: dict[str, list[int]]) -> int:
         """Hold the images computed this step; their embeddings (what they take of the budget)."""

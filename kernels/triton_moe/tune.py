@@ -307,8 +307,8 @@ def main(argv=None) -> int:
                         "file in use now (MOE_KERNEL_CONFIG_DIR or the shipped one)")
     p.add_argument("--wide", action="store_true",
                    help="search more tiles (decode: BLOCK_M 16; mixed and prefill steps: BLOCK_M 64 / 128 with "
-                        "half tiles, and BLOCK_M 128 from 48 rows an expert), split-K / atomic-sum downs and, at decode, "
-                        "split-K gate_ups")
+                        "half tiles, and BLOCK_M 128 from 48 rows an expert), split-K / atomic-sum downs and, at "
+                        "decode, split-K gate_ups")
     p.add_argument("--report", default=None,
                    help="write a JSON of the tuned and the default (untuned) config's time per M here")
     a = p.parse_args(argv)
