@@ -633,6 +633,16 @@ def profile_decode(llm: LLM, num_requests: int, prompt_len: int = 512, steps: in
     return {k: round(v, 3) if isinstance(v, float) else v for k, v in out.items()}
 
 
+def _mixed_steps(engine, prefix: str, steps: int, chunk: int, seed: int) -> None:
+    """`steps` engine steps, each after adding a new `chunk`-token prompt (one token out) beside the running
+    decodes: the mixed steps of host_parts and host_profile."""
+    one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    prompts = _prompts(steps, chunk, seed=seed)
+    for i in range(steps):
+        engine.add_request(f"{prefix}{i}", prompts[i], one)
+        engine.step()
+
+
 def host_parts(llm: LLM, num_decodes: int = 256, chunk: int = 512, prompt_len: int = 512, steps: int = 24) -> dict:
     """Host time of each part of an engine step (median ms per step, perf_counter around each
     part; a part run twice in a step counts both), over `steps` decode-only steps of num_decodes
@@ -697,15 +707,8 @@ def host_parts(llm: LLM, num_decodes: int = 256, chunk: int = 512, prompt_len: i
         for _ in range(4):
             engine.step()
         out = {"decode": per_step(lambda: [engine.step() for _ in range(steps)])}
-        one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
-
-        def mixed(tag: str, seed: int):
-            prompts = _prompts(steps, chunk, seed=seed)
-            for i in range(steps):
-                engine.add_request(f"host-{tag}{i}", prompts[i], one)
-                engine.step()
-        mixed("warm-up", 9)  # new prompts, their sizes
-        out["mixed"] = per_step(lambda: mixed("timed", 10))
+        _mixed_steps(engine, "host-warm-up", steps, chunk, seed=9)  # new prompts, their sizes
+        out["mixed"] = per_step(lambda: _mixed_steps(engine, "host-timed", steps, chunk, seed=10))
         out["steps_each"] = steps
     finally:
         for obj, name, orig in reversed(originals):
@@ -749,15 +752,8 @@ def host_profile(llm: LLM, num_decodes: int = 256, chunk: int = 512, prompt_len:
     for _ in range(4):
         engine.step()
     out = {"decode": profiled(lambda: [engine.step() for _ in range(steps)])}
-    one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
-
-    def mixed(tag: str, seed: int):
-        prompts = _prompts(steps, chunk, seed=seed)
-        for i in range(steps):
-            engine.add_request(f"hostprof-{tag}{i}", prompts[i], one)
-            engine.step()
-    mixed("warm-up", 11)
-    out["mixed"] = profiled(lambda: mixed("timed", 12))
+    _mixed_steps(engine, "hostprof-warm-up", steps, chunk, seed=11)
+    out["mixed"] = profiled(lambda: _mixed_steps(engine, "hostprof-timed", steps, chunk, seed=12))
     out["steps_each"] = steps
     while engine.has_unfinished_requests():
         engine.step()

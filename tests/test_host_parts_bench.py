@@ -36,3 +36,17 @@ def test_host_parts_times_each_part_and_unwraps(monkeypatch):
         assert "step" not in engine.__dict__ or engine.__dict__["step"].__func__ is step
     assert not engine.has_unfinished_requests()
     assert all(cb.__name__ != "on_gc" for cb in gc.callbacks)  # the pause timer is gone too
+
+
+def test_host_profile_lists_the_functions_of_both_kinds_of_step(monkeypatch):
+    prompts = bench._prompts
+    monkeypatch.setattr(bench, "_prompts", lambda n, length, seed=0, vocab=0: prompts(n, length, seed, vocab=500))
+    llm = LLM("tiny-qwen3-moe", device="cpu", enable_prefix_caching=False, max_num_seqs=8, max_model_len=256)
+    out = bench.host_profile(llm, num_decodes=4, chunk=8, prompt_len=8, steps=3)
+    for kind in ("decode", "mixed"):
+        own, cumulative = out[kind]["by_own_ms"], out[kind]["by_cumulative_ms"]
+        assert own and cumulative and all(len(row) == 4 for row in own + cumulative)
+        assert [r[2] for r in own] == sorted((r[2] for r in own), reverse=True)
+        assert [r[3] for r in cumulative] == sorted((r[3] for r in cumulative), reverse=True)
+        assert any(r[0].startswith("llm_engine.py:") and r[0].endswith("(step)") for r in cumulative), kind
+    assert not llm.llm_engine.has_unfinished_requests()

@@ -88,11 +88,7 @@ def test_counts_through_the_step_buffers(monkeypatch):
     runner = llm.llm_engine.executor.runner
     assert runner.buffers is not None and runner.counters.num_valid.data_ptr() == \
         runner.buffers.dev_view("num_valid", 1).data_ptr()
-    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=7, temperature=0, ignore_eos=True), use_tqdm=False)
-    load = llm.get_expert_load()
-    K = llm.llm_engine.info.model_config.num_experts_per_tok
-    tokens = sum(len(o.prompt_token_ids) + len(o.outputs[0].token_ids) - 1 for o in outs)
-    assert load.counts.sum(axis=1).tolist() == [K * tokens] * len(load.layers)
+    _assert_every_token_counted(llm, max_tokens=7)
     llm.shutdown()
 
 
@@ -102,12 +98,18 @@ def test_cuda_graph_padding_and_start_up_are_not_counted():
     the profiling forward and the graph warm-ups."""
     llm = LLM("tiny-qwen3-moe", device="cuda", cudagraph_capture_sizes=[4, 8], **SMALL_KV)
     assert llm.get_expert_load().counts.sum() == 0
-    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=9, temperature=0, ignore_eos=True), use_tqdm=False)
+    _assert_every_token_counted(llm, max_tokens=9)
+    llm.shutdown()
+
+
+def _assert_every_token_counted(llm, max_tokens: int) -> None:
+    """Generate PROMPTS greedily: each token that went through the model counts K times a layer."""
+    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True),
+                        use_tqdm=False)
     load = llm.get_expert_load()
     K = llm.llm_engine.info.model_config.num_experts_per_tok
     tokens = sum(len(o.prompt_token_ids) + len(o.outputs[0].token_ids) - 1 for o in outs)
     assert load.counts.sum(axis=1).tolist() == [K * tokens] * len(load.layers)
-    llm.shutdown()
 
 
 def test_recording_can_be_turned_off():
