@@ -96,9 +96,10 @@
 #                 gpu_engine_bench.py qwen3 --runs $AB_RUNS (default decode256 mixed) with MOE_BATCH_INVARIANT
 #                 on / off / on / off, a fresh process each -> $OUT/ab/{1..4}_invariant_{1,0}.json
 #   expert-tiles  benchmarks/bench_expert_tiles.py (the Qwen3-30B-A3B expert layer at mixed-step sizes over a grid of
-#                 tiles, each with and without HALF_TILES, against the shipped configs; the winners into $OUT/configs),
+#                 tiles, each with and without HALF_TILES and TMA, against the shipped configs; the winners into
+#                 $OUT/configs),
 #                 then gpu_engine_bench.py qwen3 --runs ${TILES_RUNS:-mixed mixed_step} with the coarser mixed-graph sizes
-#                 (MOE_FINE_MIXED_SIZES=0), with the shipped configs and with $OUT/configs
+#                 (MOE_FINE_MIXED_SIZES=0), with the shipped configs and with $OUT/configs (TILES_M: the bench's --M)
 #                 -> $OUT/expert_tiles.json, $OUT/engine_{coarse,shipped,tiles}.json
 #   eplb          (two GPUs) benchmarks/eplb_gpu_bench.py: DP2+EP on the Qwen3-30B-A3B shape, a skewed workload,
 #                 balancedness and decode-step time before/after one EPLB rebalance (EPLB_ARGS adds flags) -> $OUT/eplb.json
@@ -291,8 +292,8 @@ json.dump(QWEN3_30B_A3B, open(os.path.join(sys.argv[1], 'config.json'), 'w'))" "
         cp "kernels/configs/E=128,N=768,device_name=NVIDIA_H200,dtype=bf16.json" \
            "/tmp/shipped_cfg/E=128,N=768,device_name=$dev,dtype=bf16.json"
       fi
-      step expert-tiles env "${SHIPPED[@]}" timeout 240 python3 benchmarks/bench_expert_tiles.py \
-           --out "$OUT/expert_tiles.json" --write-configs "$CFG"
+      step expert-tiles env "${SHIPPED[@]}" timeout 360 python3 benchmarks/bench_expert_tiles.py \
+           --out "$OUT/expert_tiles.json" --write-configs "$CFG" ${TILES_M:+--M $TILES_M}
       step engine-coarse env "${SHIPPED[@]}" MOE_FINE_MIXED_SIZES=0 timeout 200 python3 benchmarks/gpu_engine_bench.py \
            qwen3 --runs ${TILES_RUNS:-mixed mixed_step} --out "$OUT/engine_coarse.json"
       step engine-shipped env "${SHIPPED[@]}" timeout 200 python3 benchmarks/gpu_engine_bench.py qwen3 \
