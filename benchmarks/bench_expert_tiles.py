@@ -1,9 +1,8 @@
 """The expert layer at mixed- and prefill-step sizes over a grid of tiles, each with and without
-HALF_TILES (an expert's last block of at most BLOCK_M / 2 rows runs a half-height tile) and with and
-without TMA (weight tiles through TMA descriptors, Hopper and later), on a CUDA GPU: the whole layer
-(alignment, gate_up, down, top-k sum) per call, each config's output checked against the shipped
-config's, beside cuBLAS bmm on the same rows spread evenly over the experts (a dense batched GEMM:
-no alignment, no padding) and the weight-read / FLOP floors.
+HALF_TILES (an expert's last block of at most BLOCK_M / 2 rows runs a half-height tile), on a CUDA
+GPU: the whole layer (alignment, gate_up, down, top-k sum) per call, each config's output checked
+against the shipped config's, beside cuBLAS bmm on the same rows spread evenly over the experts
+(a dense batched GEMM: no alignment, no padding) and the weight-read / FLOP floors.
 
     python benchmarks/bench_expert_tiles.py --out gpu_out/expert_tiles.json [--M 1024 2048 4096] \
         [--write-configs gpu_out/configs]
@@ -26,17 +25,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 HBM_BYTES_PER_S = 4.8e12
 BF16_FLOP_PER_S = 700e12  # the floor's rate (BENCHMARKS.md)
 # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) for both GEMMs, GROUP_M 8; each also with HALF_TILES
-TILES = [(64, 64, 64, 4, 3), (64, 128, 64, 8, 3), (64, 128, 64, 4, 4), (128, 64, 64, 4, 4), (128, 64, 64, 8, 3),
-         (128, 64, 128, 8, 3), (128, 128, 64, 8, 3), (128, 128, 64, 8, 4)]
-# the switches tried on each tile (and on the shipped config): name suffix, config keys
-VARIANTS = [("", {}), (" half", {"HALF_TILES": True}), (" tma", {"TMA": True}),
-            (" tma half", {"TMA": True, "HALF_TILES": True})]
+TILES = [(64, 64, 64, 4, 3), (64, 128, 64, 8, 3), (128, 64, 64, 4, 4), (128, 64, 64, 8, 3),
+         (128, 128, 64, 8, 3), (128, 128, 64, 8, 4)]
 
 
-def tile_config(tile) -> dict:
+def tile_config(tile, half: bool) -> dict:
     bm, bn, bk, w, s = tile
-    return {"BLOCK_SIZE_M": bm, "BLOCK_SIZE_N": bn, "BLOCK_SIZE_K": bk, "GROUP_SIZE_M": 8, "num_warps": w,
-            "num_stages": s}
+    cfg = {"BLOCK_SIZE_M": bm, "BLOCK_SIZE_N": bn, "BLOCK_SIZE_K": bk, "GROUP_SIZE_M": 8, "num_warps": w,
+           "num_stages": s}
+    return dict(cfg, HALF_TILES=True) if half else cfg
 
 
 def main() -> None:
@@ -78,13 +75,11 @@ def main() -> None:
                 return {"config": cfg, "error": f"{type(e).__name__}: {str(e)[:200]}"}
 
         rows = [dict(timed(shipped), name="shipped")]
-        plain_shipped = {k: v for k, v in shipped.items() if k not in ("HALF_TILES", "TMA")}
-        for suffix, keys in VARIANTS[1:]:
-            if shipped["BLOCK_SIZE_M"] >= 32 or "HALF_TILES" not in keys:
-                rows.append(dict(timed(dict(plain_shipped, **keys)), name="shipped" + suffix))
+        if shipped["BLOCK_SIZE_M"] >= 32:
+            rows.append(dict(timed(dict(shipped, HALF_TILES=True)), name="shipped half"))
         for tile in TILES:
-            for suffix, keys in VARIANTS:
-                rows.append(dict(timed(dict(tile_config(tile), **keys)), name=f"{tile}{suffix}"))
+            for half in (False, True):
+                rows.append(dict(timed(tile_config(tile, half)), name=f"{tile}{' half' if half else ''}"))
         m_e = max(1, M * K // E)  # cuBLAS: the same rows, evenly spread
         a = torch.randn(E, m_e, D, dtype=x.dtype, device=x.device)
         hh = torch.randn(E, m_e, F, dtype=x.dtype, device=x.device)

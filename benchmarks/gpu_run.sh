@@ -96,8 +96,7 @@
 #                 gpu_engine_bench.py qwen3 --runs $AB_RUNS (default decode256 mixed) with MOE_BATCH_INVARIANT
 #                 on / off / on / off, a fresh process each -> $OUT/ab/{1..4}_invariant_{1,0}.json
 #   expert-tiles  benchmarks/bench_expert_tiles.py (the Qwen3-30B-A3B expert layer at mixed-step sizes over a grid of
-#                 tiles, each with and without HALF_TILES and TMA, against the shipped configs; the winners into
-#                 $OUT/configs),
+#                 tiles, each with and without HALF_TILES, against the shipped configs; the winners into $OUT/configs),
 #                 then gpu_engine_bench.py qwen3 --runs ${TILES_RUNS:-mixed mixed_step} with the coarser mixed-graph sizes
 #                 (MOE_FINE_MIXED_SIZES=0), with the shipped configs and with $OUT/configs (TILES_M: the bench's --M)
 #                 -> $OUT/expert_tiles.json, $OUT/engine_{coarse,shipped,tiles}.json

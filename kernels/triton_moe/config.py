@@ -20,8 +20,6 @@ an expert's last block with no rows in its upper half runs a tile of BLOCK_SIZE_
 Optional top-level "SPLIT_K": n > 1, the gate_up GEMM alone (not FP8): n programs share one tile's D
 range, adding into a zeroed fp32 buffer that one more launch turns into h (bias, activation): for
 steps of a few tokens, whose few gate_up tiles each loop over all of D.
-Optional "TMA": true (top level: both GEMMs; under "down": the down GEMM alone), 16/32-bit weights:
-the weight tiles are read through TMA descriptors on Hopper and later (pointer loads elsewhere).
 """
 from __future__ import annotations
 
@@ -136,9 +134,8 @@ def get_config(M: int, E: int, N: int, top_k: int, dtype: torch.dtype | str,
 def split_config(cfg: dict) -> tuple[dict, dict]:
     """(gate_up, down) launch parameters; the down GEMM may override all but BLOCK_SIZE_M."""
     up = {k: cfg[k] for k in CONFIG_KEYS}
-    for key in ("HALF_TILES", "TMA"):
-        if cfg.get(key):
-            up[key] = True
+    if cfg.get("HALF_TILES"):
+        up["HALF_TILES"] = True
     down = dict(up)
     if int(cfg.get("SPLIT_K", 1)) > 1:  # gate_up's own; the down GEMM's is under "down"
         up["SPLIT_K"] = int(cfg["SPLIT_K"])

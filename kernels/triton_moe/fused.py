@@ -87,36 +87,6 @@ def one_row_blocks(topk_ids_TK: torch.Tensor, block_m: int):
     return consts[0], topk_ids_TK.reshape(-1), consts[1]
 
 
-# TMA descriptors of weight tensors, by everything a descriptor encodes: a weight's is made once.
-_WEIGHT_DESCRIPTORS: dict[tuple, object] = {}
-
-
-def tma_supported(device: torch.device) -> bool:
-    """Whether the GEMMs can read weight tiles through TMA descriptors here: a Hopper-or-later GPU, or
-    the CPU interpreter (which emulates them)."""
-    if device.type == "cuda":
-        return torch.cuda.get_device_capability(device)[0] >= 9
-    return os.environ.get("TRITON_INTERPRET") == "1"
-
-
-def weight_descriptor(w: torch.Tensor, block_n: int, block_k: int):
-    """A TMA descriptor over expert weights w [E, N, K] viewed as [E * N, K], block [block_n,
-    block_k]; None where TMA cannot read them (not Hopper, K not contiguous, rows not stacked, a
-    row or the base not 16-byte aligned): the GEMMs then load the tiles by pointer."""
-    E, N, K = w.shape
-    if not tma_supported(w.device) or w.stride(2) != 1 or w.stride(0) != N * w.stride(1) \
-            or (w.stride(1) * w.element_size()) % 16 or w.data_ptr() % 16 or block_k * w.element_size() < 16:
-        return None
-    key = (w.data_ptr(), w.device, w.dtype, E, N, K, w.stride(1), block_n, block_k)
-    desc = _WEIGHT_DESCRIPTORS.get(key)
-    if desc is None:
-        from triton.tools.tensor_descriptor import TensorDescriptor
-        if len(_WEIGHT_DESCRIPTORS) >= 4096:  # weights of a model come and go (tests): stay bounded
-            _WEIGHT_DESCRIPTORS.clear()
-        desc = _WEIGHT_DESCRIPTORS[key] = TensorDescriptor(w, [E * N, K], [w.stride(1), 1], [block_n, block_k])
-    return desc
-
-
 def _bias_args(bias: torch.Tensor | None) -> dict:
     """The kernels' bias keywords: pointer and strides, HAS_BIAS (nothing extra when None)."""
     if bias is None:
@@ -155,8 +125,6 @@ def _run(x_TD, w13_EFD, w2_EDF, topk_weights_TK, topk_ids_TK, expert_map_E, cfg,
                          f"GEMMs, got {cfg}")
     if use_fp8 and up.get("SPLIT_K", 1) > 1:
         raise ValueError(f"the FP8 gate_up GEMM quantises h in its epilogue and cannot split D (SPLIT_K), got {cfg}")
-    if (use_fp8 or use_mxfp4) and (up.get("TMA") or down.get("TMA")):
-        raise ValueError(f"TMA weight tiles are for 16/32-bit weights, not FP8 or MXFP4, got {cfg}")
     if use_fp8 and (w13_bias is not None or w2_bias is not None or activation != "silu"):
         raise ValueError("the FP8 expert kernel has no biases and only the 'silu' activation")
     check_activation(activation)
@@ -197,13 +165,10 @@ def _run(x_TD, w13_EFD, w2_EDF, topk_weights_TK, topk_ids_TK, expert_map_E, cfg,
     # [P, 2F], then one launch for the bias and the activation.
     split_up = max(1, min(int(up.get("SPLIT_K", 1)), triton.cdiv(D, up["BLOCK_SIZE_K"])))
     gu = torch.zeros(P, 2 * F, dtype=torch.float32, device=dev) if split_up > 1 else None
-    # Config "TMA": weight tiles through a TMA descriptor (in the pointer's place), where TMA can read them.
-    w13_desc = weight_descriptor(w13_EFD, up["BLOCK_SIZE_N"], up["BLOCK_SIZE_K"]) if up.get("TMA") else None
-    w2_desc = weight_descriptor(w2_EDF, down["BLOCK_SIZE_N"], down["BLOCK_SIZE_K"]) if down.get("TMA") else None
     split_args = {"SPLIT_K": split_up, "gu_ptr": gu, "stride_gum": gu.stride(0)} if gu is not None else {}
     grid = (n_mb * triton.cdiv(F, up["BLOCK_SIZE_N"]), split_up)
     gate_up_kernel[grid](
-        a_TD, w13_EFD if w13_desc is None else w13_desc, h, sorted_ids, expert_ids, npp, a_scale, w13_scale, h_scale,
+        a_TD, w13_EFD, h, sorted_ids, expert_ids, npp, a_scale, w13_scale, h_scale,
         F, D, T * K, K, n_mb,
         a_TD.stride(0), a_TD.stride(1), *w13_EFD.stride(), h.stride(0), h.stride(1),
         xs_strides[0], xs_strides[1], *ws13_strides[:3], hs_strides[0], hs_strides[1],
@@ -211,7 +176,7 @@ def _run(x_TD, w13_EFD, w2_EDF, topk_weights_TK, topk_ids_TK, expert_map_E, cfg,
         GROUP_M=up["GROUP_SIZE_M"], GN=GN, GK=GK, USE_FP8=use_fp8,
         EVEN_K=D % up["BLOCK_SIZE_K"] == 0, PRECISION=precision, UPCAST=upcast,
         num_warps=up["num_warps"], num_stages=up["num_stages"], **pdl, **_bias_args(w13_bias), **act, **mx_up,
-        **half_up, **split_args, **({} if w13_desc is None else {"W_TMA": True}))
+        **half_up, **split_args)
     if gu is not None:
         gate_up_finish_kernel[(n_mb, triton.cdiv(F, FINISH_BLOCK_N))](
             gu, h, expert_ids, npp, F, gu.stride(0), h.stride(0), h.stride(1), BLOCK_M=BM, BLOCK_N=FINISH_BLOCK_N,
@@ -228,7 +193,7 @@ def _run(x_TD, w13_EFD, w2_EDF, topk_weights_TK, topk_ids_TK, expert_map_E, cfg,
         out = torch.empty(T * K, D, dtype=out_dtype, device=dev)
     grid = (n_mb * triton.cdiv(D, down["BLOCK_SIZE_N"]), split)
     down_kernel[grid](
-        h, w2_EDF if w2_desc is None else w2_desc, out, sorted_ids, expert_ids, npp, topk_w, h_scale, w2_scale,
+        h, w2_EDF, out, sorted_ids, expert_ids, npp, topk_w, h_scale, w2_scale,
         D, F, T * K, K, n_mb,
         h.stride(0), h.stride(1), *w2_EDF.stride(), out.stride(0), out.stride(1),
         hs_strides[0], hs_strides[1], *ws2_strides[:3],
@@ -237,7 +202,7 @@ def _run(x_TD, w13_EFD, w2_EDF, topk_weights_TK, topk_ids_TK, expert_map_E, cfg,
         EVEN_K=F % down["BLOCK_SIZE_K"] == 0, SPLIT_K=split, ATOMIC=atomic,
         PRECISION=precision, UPCAST=upcast,
         num_warps=down["num_warps"], num_stages=down["num_stages"], **pdl, **_bias_args(w2_bias), **mx_down,
-        **half_down, **({} if w2_desc is None else {"W_TMA": True}))
+        **half_down)
     if atomic:
         return out.to(out_dtype)  # no copy for fp32
     if K == 1:

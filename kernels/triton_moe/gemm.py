@@ -16,12 +16,6 @@ b2_e [D] before the routed weight, by split 0 alone when SPLIT_K > 1); ACTIVATIO
 (gpt-oss) replaces SiLU(g) * u with min(g, limit) * sigmoid(alpha * min(g, limit)) *
 (clamp(u, -limit, limit) + 1).
 
-W_TMA (constexpr; 16/32-bit weights): w_ptr is a TMA descriptor over the weights viewed 2-D,
-[E * N_e, Kd] (N_e = 2N for gate_up, N for down), block [BLOCK_N, BLOCK_K]: each K step's weight tile
-is one bulk asynchronous copy (Hopper's tensor memory accelerator) instead of BLOCK_N * BLOCK_K / 8
-vector loads, the out-of-range columns read as zeros. A tile past an expert's last row reads the
-next expert's rows (or zeros), whose columns are never stored.
-
 HALF_TILES (constexpr): an expert's last block whose upper half is padding (fewer than BLOCK_M / 2
 rows left) runs the same GEMM on a tile of BLOCK_M / 2 rows, so that tall tiles pad no more than
 tiles half as tall (the kernels' bodies, _gate_up_rows and _down_rows, take the tile height).
@@ -105,7 +99,7 @@ def _gate_up_rows(
     USE_FP8: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
     b_ptr, stride_be, stride_bn, swiglu_alpha, swiglu_limit,
     HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, W_MXFP4: tl.constexpr, MXFP4_SCALED: tl.constexpr,
-    SPLIT_K: tl.constexpr, gu_ptr, stride_gum, W_TMA: tl.constexpr,
+    SPLIT_K: tl.constexpr, gu_ptr, stride_gum,
 ):
     """h for sorted rows m0 .. m0 + ROWS - 1 (all of expert e) and weight-column tile pid_n (SPLIT_K
     > 1: this program's split of the D range added into gu)."""
@@ -136,13 +130,9 @@ def _gate_up_rows(
         u_sc = g_sc + N * stride_wsn
         g_e8 = load_mxfp4_scales(g_sc, tl.minimum(Kd, k_last * BLOCK_K) - k0, BLOCK_K)
         u_e8 = load_mxfp4_scales(u_sc, tl.minimum(Kd, k_last * BLOCK_K) - k0, BLOCK_K)
-    elif W_TMA:  # the gate tile's first row in the [E * 2N, Kd] view; the up tile's N rows on
-        tl.static_assert(not USE_FP8, "TMA weight tiles are 16/32-bit")
-        g_row = (e * 2 * N + pid_n * BLOCK_N).to(tl.int32)
     else:
         g_ptrs = w_ptr + e * stride_we + offs_bn[None, :] * stride_wn + (k0 + offs_k)[:, None] * stride_wk
-    if not W_TMA:
-        u_ptrs = g_ptrs + N * stride_wn
+    u_ptrs = g_ptrs + N * stride_wn
     if USE_FP8:
         xs_ptrs = xs_ptr + tok * stride_xsm
         gs_ptrs = ws_ptr + e * stride_wse + (offs_bn // GN) * stride_wsn
@@ -162,13 +152,6 @@ def _gate_up_rows(
             else:
                 g = load_mxfp4_t(g_ptrs, g_e8, Kd - k * BLOCK_K, BLOCK_N, BLOCK_K, EVEN_K, a.dtype)
                 u = load_mxfp4_t(u_ptrs, u_e8, Kd - k * BLOCK_K, BLOCK_N, BLOCK_K, EVEN_K, a.dtype)
-        elif W_TMA:
-            if EVEN_K:
-                a = tl.load(a_ptrs, mask=rmask[:, None], other=0.0)
-            else:
-                a = tl.load(a_ptrs, mask=rmask[:, None] & (offs_k < Kd - k * BLOCK_K)[None, :], other=0.0)
-            g = w_ptr.load([g_row, k * BLOCK_K]).T
-            u = w_ptr.load([g_row + N, k * BLOCK_K]).T
         elif EVEN_K:
             a = tl.load(a_ptrs, mask=rmask[:, None], other=0.0)
             g = tl.load(g_ptrs)
@@ -199,7 +182,7 @@ def _gate_up_rows(
             u_sc += (BLOCK_K // 32) * stride_wsk
             g_e8 = load_mxfp4_scales(g_sc, tl.minimum(Kd, k_last * BLOCK_K) - (k + 1) * BLOCK_K, BLOCK_K)
             u_e8 = load_mxfp4_scales(u_sc, tl.minimum(Kd, k_last * BLOCK_K) - (k + 1) * BLOCK_K, BLOCK_K)
-        elif not W_TMA:
+        else:
             g_ptrs += BLOCK_K * stride_wk
             u_ptrs += BLOCK_K * stride_wk
     nmask = offs_n < N
@@ -251,7 +234,7 @@ def gate_up_kernel(
     b_ptr=None, stride_be=0, stride_bn=0, swiglu_alpha=1.702, swiglu_limit=7.0,
     HAS_BIAS: tl.constexpr = False, ACTIVATION: tl.constexpr = "silu", W_MXFP4: tl.constexpr = False,
     MXFP4_SCALED: tl.constexpr = "", HALF_TILES: tl.constexpr = False,
-    SPLIT_K: tl.constexpr = 1, gu_ptr=None, stride_gum=0, W_TMA: tl.constexpr = False,
+    SPLIT_K: tl.constexpr = 1, gu_ptr=None, stride_gum=0,
 ):
     pdl_enter(USE_PDL)
     pid_m, pid_n = _block_coords(num_m_blocks, N, BLOCK_N, GROUP_M)
@@ -268,7 +251,7 @@ def gate_up_kernel(
             stride_xm, stride_xk, stride_we, stride_wn, stride_wk, stride_hm, stride_hn, stride_xsm, stride_xsk,
             stride_wse, stride_wsn, stride_wsk, stride_hsm, stride_hsk, BLOCK_N, BLOCK_K, GN, GK, USE_FP8, EVEN_K,
             PRECISION, UPCAST, b_ptr, stride_be, stride_bn, swiglu_alpha, swiglu_limit, HAS_BIAS, ACTIVATION,
-            W_MXFP4, MXFP4_SCALED, SPLIT_K, gu_ptr, stride_gum, W_TMA)
+            W_MXFP4, MXFP4_SCALED, SPLIT_K, gu_ptr, stride_gum)
     else:
         _gate_up_rows(
             m0, BLOCK_M, e, pid_n,
@@ -276,7 +259,7 @@ def gate_up_kernel(
             stride_xm, stride_xk, stride_we, stride_wn, stride_wk, stride_hm, stride_hn, stride_xsm, stride_xsk,
             stride_wse, stride_wsn, stride_wsk, stride_hsm, stride_hsk, BLOCK_N, BLOCK_K, GN, GK, USE_FP8, EVEN_K,
             PRECISION, UPCAST, b_ptr, stride_be, stride_bn, swiglu_alpha, swiglu_limit, HAS_BIAS, ACTIVATION,
-            W_MXFP4, MXFP4_SCALED, SPLIT_K, gu_ptr, stride_gum, W_TMA)
+            W_MXFP4, MXFP4_SCALED, SPLIT_K, gu_ptr, stride_gum)
 
 
 @triton.jit
@@ -335,7 +318,7 @@ def _down_rows(
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GN: tl.constexpr, GK: tl.constexpr,
     USE_FP8: tl.constexpr, EVEN_K: tl.constexpr, SPLIT_K: tl.constexpr, ATOMIC: tl.constexpr,
     PRECISION: tl.constexpr, UPCAST: tl.constexpr, b_ptr, stride_be, stride_bn, HAS_BIAS: tl.constexpr,
-    W_MXFP4: tl.constexpr, MXFP4_SCALED: tl.constexpr, W_TMA: tl.constexpr,
+    W_MXFP4: tl.constexpr, MXFP4_SCALED: tl.constexpr,
 ):
     """out for sorted rows m0 .. m0 + ROWS - 1 (all of expert e >= 0) and output-column tile pid_n."""
     rows, o_ptrs, o_mask = _down_out(out_ptr, m0, pid_n, sorted_ptr, num_valid, N, top_k, stride_om, stride_on,
@@ -362,9 +345,6 @@ def _down_rows(
         b_sc = ws_ptr + e * stride_wse + offs_bn[:, None] * stride_wsn \
             + (k0 // 32 + tl.arange(0, BLOCK_K // 32))[None, :] * stride_wsk
         b_e8 = load_mxfp4_scales(b_sc, tl.minimum(Kd, k_last * BLOCK_K) - k0, BLOCK_K)
-    elif W_TMA:  # the tile's first row in the [E * N, Kd] view
-        tl.static_assert(not USE_FP8, "TMA weight tiles are 16/32-bit")
-        b_row = (e * N + pid_n * BLOCK_N).to(tl.int32)
     else:
         b_ptrs = w_ptr + e * stride_we + offs_bn[None, :] * stride_wn \
             + (k0 + offs_k)[:, None] * stride_wk
@@ -382,12 +362,6 @@ def _down_rows(
                 b = load_mxfp4_codes(b_ptrs, Kd - k * BLOCK_K, BLOCK_K, EVEN_K)
             else:
                 b = load_mxfp4_t(b_ptrs, b_e8, Kd - k * BLOCK_K, BLOCK_N, BLOCK_K, EVEN_K, a.dtype)
-        elif W_TMA:
-            if EVEN_K:
-                a = tl.load(a_ptrs)
-            else:
-                a = tl.load(a_ptrs, mask=(offs_k < Kd - k * BLOCK_K)[None, :], other=0.0)
-            b = w_ptr.load([b_row, k * BLOCK_K]).T
         elif EVEN_K:
             a = tl.load(a_ptrs)
             b = tl.load(b_ptrs)
@@ -409,7 +383,7 @@ def _down_rows(
             b_ptrs += (BLOCK_K // 2) * stride_wk
             b_sc += (BLOCK_K // 32) * stride_wsk  # the next step's scales, in flight until it
             b_e8 = load_mxfp4_scales(b_sc, tl.minimum(Kd, k_last * BLOCK_K) - (k + 1) * BLOCK_K, BLOCK_K)
-        elif not W_TMA:
+        else:
             b_ptrs += BLOCK_K * stride_wk
     if HAS_BIAS:  # before the routed weight; once per tile, not once per split
         bias = tl.load(b_ptr + e * stride_be + offs_bn * stride_bn).to(tl.float32)
@@ -437,7 +411,6 @@ def down_kernel(
     PRECISION: tl.constexpr, UPCAST: tl.constexpr, USE_PDL: tl.constexpr,
     b_ptr=None, stride_be=0, stride_bn=0, HAS_BIAS: tl.constexpr = False,
     W_MXFP4: tl.constexpr = False, MXFP4_SCALED: tl.constexpr = "", HALF_TILES: tl.constexpr = False,
-    W_TMA: tl.constexpr = False,
 ):
     pdl_enter(USE_PDL)
     pid_m, pid_n = _block_coords(num_m_blocks, N, BLOCK_N, GROUP_M)
@@ -457,13 +430,11 @@ def down_kernel(
             h_ptr, w_ptr, out_ptr, sorted_ptr, topk_w_ptr, hs_ptr, ws_ptr, N, Kd, num_valid, top_k,
             stride_hm, stride_hk, stride_we, stride_wn, stride_wk, stride_om, stride_on,
             stride_hsm, stride_hsk, stride_wse, stride_wsn, stride_wsk, BLOCK_N, BLOCK_K, GN, GK, USE_FP8, EVEN_K,
-            SPLIT_K, ATOMIC, PRECISION, UPCAST, b_ptr, stride_be, stride_bn, HAS_BIAS, W_MXFP4, MXFP4_SCALED,
-            W_TMA)
+            SPLIT_K, ATOMIC, PRECISION, UPCAST, b_ptr, stride_be, stride_bn, HAS_BIAS, W_MXFP4, MXFP4_SCALED)
     else:
         _down_rows(
             m0, BLOCK_M, e, pid_n,
             h_ptr, w_ptr, out_ptr, sorted_ptr, topk_w_ptr, hs_ptr, ws_ptr, N, Kd, num_valid, top_k,
             stride_hm, stride_hk, stride_we, stride_wn, stride_wk, stride_om, stride_on,
             stride_hsm, stride_hsk, stride_wse, stride_wsn, stride_wsk, BLOCK_N, BLOCK_K, GN, GK, USE_FP8, EVEN_K,
-            SPLIT_K, ATOMIC, PRECISION, UPCAST, b_ptr, stride_be, stride_bn, HAS_BIAS, W_MXFP4, MXFP4_SCALED,
-            W_TMA)
+            SPLIT_K, ATOMIC, PRECISION, UPCAST, b_ptr, stride_be, stride_bn, HAS_BIAS, W_MXFP4, MXFP4_SCALED)

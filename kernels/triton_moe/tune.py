@@ -151,12 +151,11 @@ def time_calls(fns, M: int, reps: int = 20) -> float:
 
 def compose(cfg_up: dict, cfg_down: dict) -> dict:
     """The config file entry of a gate_up and a down launch config (split_config's inverse): the
-    down GEMM's keys under "down", HALF_TILES / TMA there too (False) where only gate_up has it."""
+    down GEMM's keys under "down", HALF_TILES there too where only gate_up has it."""
     cfg = dict(cfg_up)
     cfg["down"] = {k: v for k, v in cfg_down.items() if k != "BLOCK_SIZE_M"}
-    for key in ("HALF_TILES", "TMA"):
-        if cfg_up.get(key) and not cfg_down.get(key):
-            cfg["down"][key] = False
+    if cfg_up.get("HALF_TILES") and not cfg_down.get("HALF_TILES"):
+        cfg["down"]["HALF_TILES"] = False
     return cfg
 
 

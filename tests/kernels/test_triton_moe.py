@@ -198,56 +198,6 @@ def test_gate_up_split_k_matches_reference(T, D, F, E, K, dtype, split, down):
         assert rel(out, fused_experts_triton(x, w13, w2, tw, ti, config=dict(SMALL_CFG, down=down))) < 1e-6
 
 
-@needs_triton_device
-@pytest.mark.parametrize("T,D,F,E,K", [(1, 32, 16, 4, 2), (19, 40, 24, 4, 2), (40, 48, 40, 8, 3)])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("extra", [{}, {"HALF_TILES": True, "BLOCK_SIZE_M": 32},
-                                   {"SPLIT_K": 2, "down": {"SPLIT_K": 2}}, {"down": {"TMA": False}}])
-def test_tma_weight_tiles_match_pointer_loads(T, D, F, E, K, dtype, extra):
-    """Config "TMA": weight tiles through TMA descriptors give the pointer loads' output. D=40 with
-    BLOCK_K 16 ends on a partial K tile (the descriptor's zeros past the columns), F=24 with BLOCK_N
-    16 has gate tiles reading into the up rows and down tiles past an expert's (the last one's: past
-    the view) rows; also half tiles, both GEMMs split, and the down GEMM by pointer."""
-    import kernels.triton_moe.fused as fused
-    if CUDA and not fused.tma_supported(torch.device("cuda")):
-        pytest.skip("TMA needs a Hopper GPU")
-    x, w13, w2, tw, ti = make_inputs(T, D, F, E, K, dtype, seed=7, empty_expert=E - 1 if E > 2 else None)
-    fused._WEIGHT_DESCRIPTORS.clear()
-    cfg = dict(SMALL_CFG, TMA=True, **extra)
-    out = fused_experts_triton(x, w13, w2, tw, ti, config=cfg)
-    made = {key[0] for key in fused._WEIGHT_DESCRIPTORS}
-    assert made == ({w13.data_ptr()} if "down" in extra and "TMA" in extra["down"] else
-                    {w13.data_ptr(), w2.data_ptr()})
-    plain = fused_experts_triton(x, w13, w2, tw, ti, config={k: v for k, v in cfg.items() if k != "TMA"})
-    assert out.shape == (T, D) and rel(out, fused_experts_torch(x, w13, w2, tw, ti)) < TOL[dtype]
-    assert rel(out, plain) < 1e-6  # the same products in the same order
-
-
-def test_tma_weight_tiles_need_stacked_aligned_rows():
-    """Weights TMA cannot read ([E, N, K] whose rows do not stack into [E * N, K], rows not 16-byte
-    aligned) get no descriptor (the GEMMs load them by pointer); FP8 / MXFP4 weights refuse the key."""
-    import kernels.triton_moe.fused as fused
-    dev = torch.device("cuda") if CUDA else torch.device("cpu")
-    w = torch.zeros(4, 32, 64, device=dev)
-    if not fused.tma_supported(dev):
-        assert fused.weight_descriptor(w, 16, 16) is None
-        return
-    assert fused.weight_descriptor(w, 16, 16) is not None
-    assert fused.weight_descriptor(w[:, :16], 16, 16) is None  # every other row block: not stacked
-    assert fused.weight_descriptor(w[:, :, :30], 16, 16) is not None  # narrower rows, 256 bytes apart
-    assert fused.weight_descriptor(torch.zeros(4, 32, 30, device=dev), 16, 16) is None  # rows 120 bytes apart
-    assert fused.weight_descriptor(w.transpose(1, 2), 16, 16) is None  # K not contiguous
-
-
-def test_tma_config_refused_for_fp8_weights():
-    from kernels.triton_moe.fused import fused_experts_triton_fp8
-    x, w13, w2, tw, ti = make_inputs(3, 128, 128, 2, 1, torch.float32)
-    q = torch.zeros_like(w13, dtype=torch.float8_e4m3fn)
-    with pytest.raises(ValueError, match="TMA weight tiles are for 16/32-bit weights"):
-        fused_experts_triton_fp8(x, q, q[:, :128], torch.ones(2, 2, 1), torch.ones(2, 1, 1), tw, ti,
-                                 config=dict(FP8_CFG, TMA=True))
-
-
 def test_fp8_gate_up_refuses_a_split():
     from kernels.triton_moe.fused import fused_experts_triton_fp8
     x, w13, w2, tw, ti = make_inputs(3, 128, 128, 2, 1, torch.float32)
@@ -413,10 +363,6 @@ def test_tuner_composes_what_split_config_splits():
         assert cfgmod.split_config(compose(dict(SMALL_CFG, SPLIT_K=2), down)) == (dict(SMALL_CFG, SPLIT_K=2), down)
     plain = dict(SMALL_CFG, BLOCK_SIZE_M=64)
     assert cfgmod.split_config(compose(plain, dict(plain, HALF_TILES=True))) == (plain, dict(plain, HALF_TILES=True))
-    tma = dict(plain, TMA=True)  # TMA as HALF_TILES: top level for both, under "down" for one
-    assert cfgmod.split_config(compose(tma, plain)) == (tma, dict(plain, TMA=False))
-    assert cfgmod.split_config(compose(tma, tma)) == (tma, tma)
-    assert cfgmod.split_config(compose(plain, tma)) == (plain, tma)
 
 
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
@@ -513,31 +459,6 @@ def test_cuda_graph_capture_gpu(down):
     torch.cuda.synchronize()
     assert rel(out, fused_experts_torch(x, w13, w2, tw, ti)) < 2e-2
     assert not torch.equal(out, ref)
-
-
-@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
-@pytest.mark.parametrize("tile", [(64, 64, 64, 4, 3), (128, 128, 64, 8, 4)])
-@pytest.mark.parametrize("T", [64, 4096])
-def test_real_shapes_tma_gpu(tile, T):
-    """Qwen3-30B-A3B's experts with TMA weight tiles, eagerly and replayed from a CUDA graph (the
-    descriptors are kernel arguments the graph keeps) after the routing changed."""
-    import kernels.triton_moe.fused as fused
-    if not fused.tma_supported(torch.device("cuda")):
-        pytest.skip("TMA needs a Hopper GPU")
-    bm, bn, bk, warps, stages = tile
-    cfg = {"BLOCK_SIZE_M": bm, "BLOCK_SIZE_N": bn, "BLOCK_SIZE_K": bk, "GROUP_SIZE_M": 8, "num_warps": warps,
-           "num_stages": stages, "TMA": True}
-    x, w13, w2, tw, ti = make_inputs(T, 2048, 768, 128, 8, torch.bfloat16, seed=T + 2)
-    out = fused_experts_triton(x, w13, w2, tw, ti, config=cfg)
-    assert rel(out, fused_experts_torch(x, w13, w2, tw, ti)) < 1e-2
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        replayed = fused_experts_triton(x, w13, w2, tw, ti, config=cfg)
-    ti.copy_(ti.flip(0))
-    tw.copy_(tw.flip(0))
-    g.replay()
-    torch.cuda.synchronize()
-    assert rel(replayed, fused_experts_torch(x, w13, w2, tw, ti)) < 1e-2 and not torch.equal(replayed, out)
 
 
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
