@@ -2,7 +2,8 @@
 HALF_TILES (an expert's last block of at most BLOCK_M / 2 rows runs a half-height tile), on a CUDA
 GPU: the whole layer (alignment, gate_up, down, top-k sum) per call, each config's output checked
 against the shipped config's, beside cuBLAS bmm on the same rows spread evenly over the experts
-(a dense batched GEMM: no alignment, no padding) and the weight-read / FLOP floors.
+(a dense batched GEMM: no alignment, no padding) and the weight-read / FLOP floors, and for the shipped
+config and bmm the device time of each kernel they launch (torch.profiler).
 
     python benchmarks/bench_expert_tiles.py --out gpu_out/expert_tiles.json [--M 1024 2048 4096] \
         [--write-configs gpu_out/configs]
@@ -36,6 +37,26 @@ def tile_config(tile, half: bool) -> dict:
     return dict(cfg, HALF_TILES=True) if half else cfg
 
 
+def kernel_times(fn, reps: int = 5) -> dict:
+    """Device µs a call of each kernel fn launches (torch.profiler over `reps` calls, after one more),
+    by kernel name, largest first."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    totals: dict[str, float] = {}
+    for ev in prof.key_averages():
+        us = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0.0)
+        if us:
+            totals[ev.key[:60]] = totals.get(ev.key[:60], 0.0) + us / reps
+    return {k: round(v, 1) for k, v in sorted(totals.items(), key=lambda kv: -kv[1])}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--M", type=int, nargs="+", default=[768, 1024, 1536, 2048, 3072, 4096, 8192])
@@ -45,6 +66,8 @@ def main() -> None:
     p.add_argument("--topk", type=int, default=8)
     p.add_argument("--out", default=None)
     p.add_argument("--write-configs", default=None, help="folder for the config file (see above)")
+    p.add_argument("--grid", action=argparse.BooleanOptionalAction, default=True,
+                   help="time the grid of tiles (--no-grid: the shipped config, bmm and their kernels only)")
     args = p.parse_args()
 
     import torch
@@ -77,7 +100,7 @@ def main() -> None:
         rows = [dict(timed(shipped), name="shipped")]
         if shipped["BLOCK_SIZE_M"] >= 32:
             rows.append(dict(timed(dict(shipped, HALF_TILES=True)), name="shipped half"))
-        for tile in TILES:
+        for tile in TILES if args.grid else ():
             for half in (False, True):
                 rows.append(dict(timed(tile_config(tile, half)), name=f"{tile}{' half' if half else ''}"))
         m_e = max(1, M * K // E)  # cuBLAS: the same rows, evenly spread
@@ -85,14 +108,18 @@ def main() -> None:
         hh = torch.randn(E, m_e, F, dtype=x.dtype, device=x.device)
         bmm_us = time_events([lambda: (torch.bmm(a, w13.transpose(1, 2)), torch.bmm(hh, w2.transpose(1, 2)))],
                              20) * 1e3
+        # where the shipped config's time goes, kernel by kernel, beside bmm's two GEMMs
+        split = {"shipped": kernel_times(lambda: _run(x, w13, w2, tw, ti, None, shipped)),
+                 "bmm": kernel_times(lambda: (torch.bmm(a, w13.transpose(1, 2)), torch.bmm(hh, w2.transpose(1, 2))))}
         ok = [r for r in rows if r.get("ok")]
         best = min(ok, key=lambda r: r["us"])
         row = {"M": M, "floor_us": round(floor_us, 1), "bmm_balanced_us": round(bmm_us, 1), "best": best["name"],
-               "best_us": best["us"], "shipped_us": rows[0].get("us"), "configs": rows}
+               "best_us": best["us"], "shipped_us": rows[0].get("us"), "kernels_us": split, "configs": rows}
         res["rows"].append(row)
         if best["us"] < 0.97 * rows[0].get("us", float("inf")):
             configs[M] = best["config"]
-        print(json.dumps({k: v for k, v in row.items() if k != "configs"}), flush=True)
+        print(json.dumps({k: v for k, v in row.items() if k not in ("configs", "kernels_us")}), flush=True)
+        print("  kernels (µs a call): " + json.dumps(split), flush=True)
         print("  " + "  ".join(f"{r['name']}: {r.get('us', 'ERR')}" for r in rows), flush=True)
         x = w13 = w2 = a = hh = None
         torch.cuda.empty_cache()

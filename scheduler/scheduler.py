@@ -7,7 +7,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from scheduler.encoder_cache import EncoderCacheManager
-from scheduler.kv_cache_manager import KVCacheManager
+from scheduler.kv_cache_manager import NO_NEW_BLOCKS, KVCacheManager
 from scheduler.kv_cache_spec import KVCacheGroup
 from scheduler.output import CachedRequestData, EngineCoreOutput, NewRequestData, SchedulerOutput
 from scheduler.request import Request, RequestStatus
@@ -154,6 +154,11 @@ class Scheduler:
         cached_ids, cached_blocks, cached_computed = (cached_reqs.req_ids, cached_reqs.new_block_ids,
                                                       cached_reqs.num_computed_tokens)
         placeholders, max_model_len = cfg.async_scheduling, cfg.max_model_len
+        # allocate_slots' common case, inline: one KV group, the last block has room for the new
+        # tokens and the step fills no block (which prefix caching would register).
+        kv = self.kv
+        held_blocks = kv.req_to_blocks if not kv.local else None
+        block_size, caching = kv.block_size, kv.enable_caching
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
@@ -173,18 +178,23 @@ class Scheduler:
                 if num_new <= 0:  # its next image waits for room in the encoder cache
                     i += 1
                     continue
-            while True:
-                new_blocks = allocate(request, num_new)
-                if new_blocks is not None:
-                    break
-                victim = self.running.pop()  # the most recently arrived running request
-                self._preempt(victim)
-                preempted.add(victim.request_id)
-                if victim is request:
-                    break
-            if new_blocks is None:
-                break
             req_id = request.request_id
+            blocks = held_blocks.get(req_id) if held_blocks is not None else None
+            end = request.num_computed_tokens + num_new
+            if blocks is not None and end <= len(blocks) * block_size and not (caching and end % block_size == 0):
+                new_blocks = NO_NEW_BLOCKS
+            else:
+                while True:
+                    new_blocks = allocate(request, num_new)
+                    if new_blocks is not None:
+                        break
+                    victim = self.running.pop()  # the most recently arrived running request
+                    self._preempt(victim)
+                    preempted.add(victim.request_id)
+                    if victim is request:
+                        break
+                if new_blocks is None:
+                    break
             if to_encode:
                 encoder_budget -= self._encode(request, to_encode, scheduled_encoder)
             num_scheduled[req_id] = num_new
@@ -295,7 +305,7 @@ class Scheduler:
         reached the end of their known tokens (partial prefill chunks sample nothing).
         """
         outputs = []
-        requests = self.requests
+        requests, max_model_len = self.requests, self.config.max_model_len
         for req_id, new_tokens in sampled.items():
             request = requests.get(req_id)
             if request is None or request.status != RequestStatus.RUNNING or not new_tokens:
@@ -304,8 +314,14 @@ class Scheduler:
                 appended = new_tokens
                 if request.num_output_placeholders:
                     request.num_output_placeholders -= 1
-                request.all_token_ids.append(new_tokens[0])
-                status = self._check_stop(request, new_tokens[0])
+                token = new_tokens[0]
+                all_ids = request.all_token_ids
+                all_ids.append(token)
+                status = None
+                # _check_stop only where it may stop: a stopping token, or a length reached
+                if token in request.stopping_tokens or len(all_ids) - request.num_prompt_tokens >= request.max_tokens \
+                        or len(all_ids) >= max_model_len:
+                    status = self._check_stop(request, token)
                 if status is not None:
                     self.running.remove(request)
                     self._free_request(request, status)

@@ -41,8 +41,9 @@ class StepRecovery:
     def on_success(self, so: SchedulerOutput) -> None:
         batch = so.num_scheduled_tokens
         self.proven.update(batch)
-        for req_id in batch:
-            self._failed_steps.pop(req_id, None)
+        if self._failed_steps:  # only after a failed step
+            for req_id in batch:
+                self._failed_steps.pop(req_id, None)
         if self.held:
             self._release(self.held[:1])
 
