@@ -96,6 +96,23 @@ def test_prefix_cache_hits_full_blocks_only():
     assert sched.requests["b"].num_cached_tokens == 8
 
 
+def test_blocks_filled_by_decode_steps_are_cached():
+    """A block that generated tokens fill (during decode steps, one token a step) is registered
+    once full: a later prompt holding those tokens hits it."""
+    sched = make_scheduler(block_size=4)
+    prompt = [1, 2, 3, 4, 5, 6]
+    generated = run_to_completion_with(sched, Request("a", prompt, max_tokens=7))
+    known = prompt + generated  # 13 tokens: the decode steps filled blocks 1 and 2
+    sched.add_request(Request("b", known[:12] + [99], max_tokens=1))
+    so = sched.schedule()
+    assert so.scheduled_new_reqs[0].num_computed_tokens == 12 and so.num_scheduled_tokens["b"] == 1
+
+
+def run_to_completion_with(sched, request: Request) -> list[int]:
+    sched.add_request(request)
+    return run_to_completion(sched)[request.request_id]
+
+
 def test_fully_cached_prompt_still_computes_last_token():
     sched = make_scheduler(block_size=4)
     prompt = list(range(1, 9))  # exactly 2 blocks
