@@ -139,6 +139,8 @@ class EngineCore:
         self.num_steps = 0
         self._in_flight: tuple[SchedulerOutput, PendingStep] | None = None  # async scheduling
         self._arrival: dict[str, float] = {}  # requests not scheduled yet -> arrival time
+        # Requests added with penalties (async scheduling finishes the step in flight before their steps).
+        self._history_ids: set[str] = set()
         self.structured: StructuredOutputManager | None = None  # made at the first structured request
         self.expert_load, self.eplb = self._start_expert_load(info)
         self.routed = RoutedExpertsTracker(self.schedulers) if args.enable_return_routed_experts else None
@@ -258,6 +260,8 @@ class EngineCore:
         else:
             self.scheduler.add_request(request)
         self._arrival[req.request_id] = time.monotonic()
+        if p.repetition_penalty != 1 or p.frequency_penalty or p.presence_penalty:
+            self._history_ids.add(req.request_id)
 
     def _structured_outputs(self) -> StructuredOutputManager:
         if self.structured is None:
@@ -441,12 +445,14 @@ class EngineCore:
         return outputs
 
     def _needs_history(self) -> bool:
-        """A running request samples with penalties (they count its generated tokens)."""
-        for request in self.scheduler.running:
-            p = request.sampling_params
-            if p is not None and (p.repetition_penalty != 1 or p.frequency_penalty or p.presence_penalty):
-                return True
-        return False
+        """A running request samples with penalties (they count its generated tokens). Looks at the
+        requests added with penalties (none in the common case), not at every running one."""
+        ids = self._history_ids
+        if not ids:
+            return False
+        requests = self.scheduler.requests
+        ids.intersection_update(requests)  # those finished since are gone
+        return any(requests[rid].status == RequestStatus.RUNNING for rid in ids)
 
     def _note_scheduled(self, sos, result: CoreStepResult) -> None:
         if not self._arrival:
