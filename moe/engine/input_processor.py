@@ -105,7 +105,11 @@ class InputProcessor:
             text = prompt
         elif isinstance(prompt, dict) and "prompt_token_ids" in prompt:
             ids = prompt["prompt_token_ids"]
-            if not isinstance(ids, (list, tuple)) or not all(_is_token_id(t) for t in ids):
+            if not isinstance(ids, (list, tuple)):
+                raise ValueError("prompt_token_ids must be a list of integers (not bools)")
+            if all(type(t) is int for t in ids):  # the usual case, ~10x faster than the ABC check
+                return ProcessedPrompt(prompt.get("prompt"), list(ids))
+            if not all(_is_token_id(t) for t in ids):
                 raise ValueError("prompt_token_ids must be a list of integers (not bools)")
             return ProcessedPrompt(prompt.get("prompt"), [int(t) for t in ids])
         elif isinstance(prompt, dict) and "prompt" in prompt:

@@ -99,6 +99,18 @@ def test_bad_input_is_refused_and_engine_keeps_serving(llm, reference, call, err
     assert_still_serving(llm, reference)
 
 
+def test_numpy_and_tuple_token_ids_are_taken_as_ints(llm, reference):
+    """Token ids as numpy integers or a tuple (not plain ints in a list: the slower check) give the
+    plain-int list's tokens; the prompt handed back is plain ints."""
+    import numpy as np
+
+    plain = llm.generate({"prompt_token_ids": [5, 17, 42, 9]}, greedy(), use_tqdm=False)[0]
+    for ids in ([np.int64(5), np.int32(17), 42, np.int16(9)], (5, 17, 42, 9)):
+        out = llm.generate({"prompt_token_ids": ids}, greedy(), use_tqdm=False)[0]
+        assert out.outputs[0].token_ids == plain.outputs[0].token_ids
+        assert out.prompt_token_ids == [5, 17, 42, 9] and all(type(t) is int for t in out.prompt_token_ids)
+
+
 def test_logprobs_limits(llm, reference):
     out = llm.generate(REFERENCE_PROMPT, greedy(n=2, logprobs=20), use_tqdm=False)[0].outputs[0]
     assert out.token_ids == reference[:2] and all(len(lp) >= 20 for lp in out.logprobs)
