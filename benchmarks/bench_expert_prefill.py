@@ -230,7 +230,7 @@ def main() -> None:
     from kernels.triton_moe.config import get_config, split_config
     from kernels.triton_moe.fused import _run
     from kernels.triton_moe.gemm import down_kernel, gate_up_kernel
-    from kernels.triton_moe.tune import make_problem, time_events
+    from kernels.triton_moe.tune import kernel_times, make_problem, time_events
 
     if hasattr(triton, "set_allocator"):  # device-side descriptors need scratch; host ones do not
         triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
@@ -268,21 +268,6 @@ def main() -> None:
         down_tma_kernel[(expert_ids.numel() * triton.cdiv(D, bn),)](
             h_desc, w_desc, out, sorted_ids, expert_ids, npp, tw, D, F, T * K, expert_ids.numel(), out.stride(0),
             BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, num_warps=w, num_stages=s, **pdl_launch(h))
-
-    def kernel_times(fn, calls=5):
-        """GPU µs per call of each kernel fn launches, from the profiler."""
-        fn()
-        torch.cuda.synchronize()
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            for _ in range(calls):
-                fn()
-            torch.cuda.synchronize()
-        rows = {}
-        for ev in prof.key_averages():
-            us = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0)
-            if us > 0:
-                rows[ev.key[:60]] = round(us / calls, 1)
-        return dict(sorted(rows.items(), key=lambda kv: -kv[1])[:12])
 
     def grouped_mm_layer(x, w13, w2, tw, ti, M):
         """fused_experts_grouped_mm against _run: output, time per call, GPU time per kernel."""

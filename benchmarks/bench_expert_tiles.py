@@ -37,26 +37,6 @@ def tile_config(tile, half: bool) -> dict:
     return dict(cfg, HALF_TILES=True) if half else cfg
 
 
-def kernel_times(fn, reps: int = 5) -> dict:
-    """Device µs a call of each kernel fn launches (torch.profiler over `reps` calls, after one more),
-    by kernel name, largest first."""
-    import torch
-    from torch.profiler import ProfilerActivity, profile
-
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(reps):
-            fn()
-        torch.cuda.synchronize()
-    totals: dict[str, float] = {}
-    for ev in prof.key_averages():
-        us = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0.0)
-        if us:
-            totals[ev.key[:60]] = totals.get(ev.key[:60], 0.0) + us / reps
-    return {k: round(v, 1) for k, v in sorted(totals.items(), key=lambda kv: -kv[1])}
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--M", type=int, nargs="+", default=[768, 1024, 1536, 2048, 3072, 4096, 8192])
@@ -74,7 +54,7 @@ def main() -> None:
 
     from kernels.triton_moe.config import config_file_name, device_name, get_config, load_configs
     from kernels.triton_moe.fused import _run
-    from kernels.triton_moe.tune import make_problem, time_calls, time_events
+    from kernels.triton_moe.tune import kernel_times, make_problem, time_calls, time_events
 
     E, D, F, K = args.E, args.D, args.F, args.topk
     res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "E": E, "D": D, "F": F, "topk": K,

@@ -149,6 +149,23 @@ def time_calls(fns, M: int, reps: int = 20) -> float:
     return time_graph(fns, reps) if M <= 1024 else time_events(fns, max(5, reps // 2))
 
 
+def kernel_times(fn, calls: int = 5) -> dict[str, float]:
+    """Device µs a call of each kernel fn launches (torch.profiler over `calls` calls, after one
+    more), by kernel name (its first 60 characters), largest first."""
+    fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    totals: dict[str, float] = {}
+    for ev in prof.key_averages():
+        us = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0.0)
+        if us:
+            totals[ev.key[:60]] = totals.get(ev.key[:60], 0.0) + us / calls
+    return {k: round(v, 1) for k, v in sorted(totals.items(), key=lambda kv: -kv[1])}
+
+
 def compose(cfg_up: dict, cfg_down: dict) -> dict:
     """The config file entry of a gate_up and a down launch config (split_config's inverse): the
     down GEMM's keys under "down", HALF_TILES there too where only gate_up has it."""
