@@ -191,7 +191,8 @@ class KVCacheManager:
         num_computed = request.num_computed_tokens + num_hit * self.block_size
         total_tokens = num_computed + num_new_tokens
         needed = -(-total_tokens // self.block_size) - len(blocks) - num_hit
-        # The common decode step: the last block still has room, no hit, no local group.
+        # The common decode step: the last block still has room, no hit, no local group (Scheduler.schedule
+        # takes this case inline for running requests when the step fills no block: keep the two in step).
         fast = needed <= 0 and not num_hit and not self.local
         if not fast:
             local_hits = (hits[1:] if hits else [None] * len(self.local)) if self.local else ()
