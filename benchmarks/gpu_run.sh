@@ -121,9 +121,10 @@ hf_path() {
   [ -d /tmp/site-hf ] || python3 -m pip install -q --no-index --no-deps --target /tmp/site-hf .whl-hf/*.whl >&2
   echo ".:/tmp/site-hf${PYTHONPATH:+:$PYTHONPATH}"
 }
-# The runtime's packages the GPU machine lacks (llguidance, xgrammar and its apache-tvm-ffi, the server's): carry
-# .whl with their cp312 wheels (pip download --only-binary=:all: --python-version 3.12 ...); installed once into
-# /tmp/site-extra, after the machine's own packages on PYTHONPATH.
+# The runtime's packages the GPU machine lacks (llguidance, xgrammar and its apache-tvm-ffi, the server's, with
+# fastapi's own: opentelemetry-api and annotated-doc from fastapi 0.165): carry .whl with their cp312 wheels
+# (pip download --only-binary=:all: --python-version 3.12 --no-deps ...); installed once into /tmp/site-extra,
+# after the machine's own packages on PYTHONPATH.
 EXTRA_IMPORTS="import llguidance, xgrammar, fastapi, uvicorn, zmq, msgpack, httpx, prometheus_client, plotly, fla"
 extra_wheels() {
   export PYTHONPATH="$PYTHONPATH:/tmp/site-extra"
