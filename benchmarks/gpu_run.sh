@@ -285,7 +285,7 @@ json.dump(QWEN3_30B_A3B, open(os.path.join(sys.argv[1], 'config.json'), 'w'))" "
              --budget-s ${MXFP4_TUNE_S:-110} --out-dir "$CFG" --report "$OUT/tune_mxfp4_E$E.json"
       done ;;
     expert-tiles) mkdir -p "$CFG"
-      # A GPU without tuned configs of the Qwen3 shape (an H100) takes the H200's as the shipped ones.
+      # A GPU without tuned configs of the Qwen3 shape takes the H200's as the shipped ones.
       SHIPPED=(); dev=$(python3 -c "from kernels.triton_moe.config import device_name; print(device_name())")
       if [ ! -f "kernels/configs/E=128,N=768,device_name=$dev,dtype=bf16.json" ]; then
         mkdir -p /tmp/shipped_cfg; SHIPPED=(MOE_KERNEL_CONFIG_DIR=/tmp/shipped_cfg)
