@@ -184,7 +184,6 @@ class OutputProcessor:
         out = ProcessResult()
         updated: dict[str, _Parent] = {}  # insertion-ordered, one entry per request
         gaps: dict[float, int] = {}  # the step's inter-token latencies: value -> tokens
-        record = self.record_latencies
         for co in result.outputs:
             parent_id = self.child_to_parent.get(co.req_id)
             if parent_id is None:
@@ -193,15 +192,8 @@ class OutputProcessor:
             child = parent.children[co.req_id]
             if child.params.n == 1 or co.num_cached_tokens:
                 parent.num_cached_tokens = max(parent.num_cached_tokens, co.num_cached_tokens)
-            if co.new_token_ids and record:
-                last = child.last_token_time
-                if last is not None and child.first_token_time is not None:  # _observe_token_times' usual case
-                    num_new = len(co.new_token_ids)
-                    gap = (now - last) / num_new
-                    gaps[gap] = gaps.get(gap, 0) + num_new
-                    child.last_token_time = now
-                else:
-                    self._observe_token_times(child, now, len(co.new_token_ids), parent.arrival_time, gaps)
+            if co.new_token_ids and self.record_latencies:
+                self._observe_token_times(child, now, len(co.new_token_ids), parent.arrival_time, gaps)
             if co.finish_reason == "error":
                 self._fail(parent, co.req_id, result.errors.get(co.req_id, "the engine failed this request"), out, now)
             else:
