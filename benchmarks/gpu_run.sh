@@ -98,7 +98,8 @@
 #   expert-tiles  benchmarks/bench_expert_tiles.py (the Qwen3-30B-A3B expert layer at mixed-step sizes over a grid of
 #                 tiles, each with and without HALF_TILES, against the shipped configs; the winners into $OUT/configs),
 #                 then gpu_engine_bench.py qwen3 --runs ${TILES_RUNS:-mixed mixed_step} with the coarser mixed-graph sizes
-#                 (MOE_FINE_MIXED_SIZES=0), with the shipped configs and with $OUT/configs (TILES_M: the bench's --M)
+#                 (MOE_FINE_MIXED_SIZES=0), with the shipped configs and with $OUT/configs (TILES_M: the bench's --M;
+#                 TILES_ARGS adds flags, e.g. "--no-grid --persistent": the GEMMs' persistent forms alone)
 #                 -> $OUT/expert_tiles.json, $OUT/engine_{coarse,shipped,tiles}.json
 #   eplb          (two GPUs) benchmarks/eplb_gpu_bench.py: DP2+EP on the Qwen3-30B-A3B shape, a skewed workload,
 #                 balancedness and decode-step time before/after one EPLB rebalance (EPLB_ARGS adds flags) -> $OUT/eplb.json
@@ -293,7 +294,7 @@ json.dump(QWEN3_30B_A3B, open(os.path.join(sys.argv[1], 'config.json'), 'w'))" "
            "/tmp/shipped_cfg/E=128,N=768,device_name=$dev,dtype=bf16.json"
       fi
       step expert-tiles env "${SHIPPED[@]}" timeout 360 python3 benchmarks/bench_expert_tiles.py \
-           --out "$OUT/expert_tiles.json" --write-configs "$CFG" ${TILES_M:+--M $TILES_M}
+           --out "$OUT/expert_tiles.json" --write-configs "$CFG" ${TILES_M:+--M $TILES_M} ${TILES_ARGS:-}
       step engine-coarse env "${SHIPPED[@]}" MOE_FINE_MIXED_SIZES=0 timeout 200 python3 benchmarks/gpu_engine_bench.py \
            qwen3 --runs ${TILES_RUNS:-mixed mixed_step} --out "$OUT/engine_coarse.json"
       step engine-shipped env "${SHIPPED[@]}" timeout 200 python3 benchmarks/gpu_engine_bench.py qwen3 \

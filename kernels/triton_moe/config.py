@@ -20,6 +20,9 @@ an expert's last block with no rows in its upper half runs a tile of BLOCK_SIZE_
 Optional top-level "SPLIT_K": n > 1, the gate_up GEMM alone (not FP8): n programs share one tile's D
 range, adding into a zeroed fp32 buffer that one more launch turns into h (bias, activation): for
 steps of a few tokens, whose few gate_up tiles each loop over all of D.
+Optional "PERSISTENT": n (top level: both GEMMs; under "down": the down GEMM alone; 0 turns it off there)
+and "FLATTEN": true: the GEMM's persistent form, n programs an SM looping over the tiles, FLATTEN fusing
+the tile loop with the K loop (16-bit weights, no expert map, SPLIT_K or HALF_TILES; gemm.py).
 """
 from __future__ import annotations
 
@@ -136,6 +139,9 @@ def split_config(cfg: dict) -> tuple[dict, dict]:
     up = {k: cfg[k] for k in CONFIG_KEYS}
     if cfg.get("HALF_TILES"):
         up["HALF_TILES"] = True
+    for key in ("PERSISTENT", "FLATTEN"):  # both GEMMs unless "down" says otherwise
+        if cfg.get(key):
+            up[key] = cfg[key]
     down = dict(up)
     if int(cfg.get("SPLIT_K", 1)) > 1:  # gate_up's own; the down GEMM's is under "down"
         up["SPLIT_K"] = int(cfg["SPLIT_K"])
