@@ -649,7 +649,9 @@ def host_parts(llm: LLM, num_decodes: int = 256, chunk: int = 512, prompt_len: i
     running requests and over as many mixed steps (num_decodes - 1 decodes beside a new `chunk`-token
     prompt each), async scheduling as configured. The parts nest: `engine_step` holds the core step
     and the output side; `launch` holds build, upload, pending-token fill, replay or forward,
-    logits and sampling inputs; `collect` waits for the tokens of the step before. `gc` counts the
+    logits and sampling inputs (`upload` holds upload_wait, the wait for the last upload's copies,
+    upload_tables and upload_copy; `sample_deferred` the sampler's launch and the step's read-back
+    copies); `collect` waits for the tokens of the step before. `gc` counts the
     garbage collector's passes in the timed steps (all, and full ones) with their total and
     longest ms (moe.gc_freeze keeps the start-up heap out of them)."""
     import gc
@@ -674,6 +676,10 @@ def host_parts(llm: LLM, num_decodes: int = 256, chunk: int = 512, prompt_len: i
                            (runner, "_sampling_batch", "sampling_inputs"), (mr, "sample", "sample_launch"),
                            (runner.model, "compute_logits", "logits_launch")):
         wrap(obj, name, key)
+    if runner.buffers is not None:  # inside upload: the wait for the last upload's copies, and the copies
+        for name, key in (("begin", "upload_wait"), ("upload_tables", "upload_tables"), ("upload", "upload_copy")):
+            wrap(runner.buffers, name, key)
+    wrap(runner, "sample_deferred", "sample_deferred")
     for graphs, key in ((runner.graphs, "decode_graph_replay"), (runner.mixed_graphs, "mixed_graph_replay")):
         if graphs is not None:
             wrap(graphs, "replay", key)
