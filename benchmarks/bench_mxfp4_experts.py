@@ -16,7 +16,7 @@ on the dequantised weights (M <= --check-max-m) and of MXFP4 against bf16.
 
     python benchmarks/bench_mxfp4_experts.py [--shapes gpt-oss-20b gpt-oss-120b] [--M 1 8 ...]
         [--out benchmarks/results/mxfp4_experts_h200.json]
-    python benchmarks/bench_mxfp4_experts.py --cpu-smoke   # tiny shapes, TRITON_INTERPRET=1, no GPU
+    python benchmarks/bench_mxfp4_experts.py --cpu-smoke [--swap-ab]  # tiny shapes, TRITON_INTERPRET=1, no GPU
 
 The default run takes about two minutes on an H200 (compiles included).
 """
@@ -128,6 +128,18 @@ def bench_shape(name, shape, Ms, args, rows, device):
     def bf16(x, tw, ti):
         return fused_experts_triton(x, w["w13"], w["w2"], tw, ti, **kw)
 
+    def swapped(base: dict, **tile):
+        """--swap-ab: the kernels' own dequantisation with SWAP_AB in both GEMMs (gemm.py), on `base`
+        (the shipped config) with `tile`'s keys changed, the down GEMM's too."""
+        cfg = dict(base, SWAP_AB=True, **tile)
+        if "down" in cfg:
+            cfg["down"] = dict(cfg["down"], **{k: v for k, v in tile.items() if k != "BLOCK_SIZE_M"})
+
+        def call(x, tw, ti):
+            fused.MXFP4_DOT_SCALED = "0"
+            return fused_experts_triton_mxfp4(x, w["q13"], w["q2"], w["s13"], w["s2"], tw, ti, **dict(kw, config=cfg))
+        return call
+
     g = torch.Generator(device=device).manual_seed(1)
     for M in Ms:
         row = {"shape": name, "M": M, "E": E, "D": D, "F": F, "K": K}
@@ -149,8 +161,17 @@ def bench_shape(name, shape, Ms, args, rows, device):
                 row["rel_err_mxfp4"] = rel_err(out_mx, ref)
                 row["rel_err_mxfp4_scaled"] = rel_err(out_sc, ref)
                 row["rel_err_bf16"] = rel_err(out_bf, ref)
-            for fmt, fn, wb in (("mxfp4", mxfp4_dequant, MXFP4_BYTES), ("mxfp4_scaled", mxfp4_scaled, MXFP4_BYTES),
-                                ("bf16", bf16, 2)):
+            forms = [("mxfp4", mxfp4_dequant, MXFP4_BYTES), ("mxfp4_scaled", mxfp4_scaled, MXFP4_BYTES),
+                     ("bf16", bf16, 2)]
+            if args.swap_ab:
+                base = kw.get("config") or get_config(M, E, F, K, "mxfp4")
+                forms += [("mxfp4_swap", swapped(base), MXFP4_BYTES),
+                          ("mxfp4_swap_n128", swapped(base, BLOCK_SIZE_N=128, num_warps=8), MXFP4_BYTES)]
+                if base["BLOCK_SIZE_M"] > 16:
+                    forms.append(("mxfp4_swap_m16", swapped(base, BLOCK_SIZE_M=16), MXFP4_BYTES))
+                for fmt, fn, _ in forms[3:]:
+                    row[f"rel_err_{fmt}_vs_dequant"] = rel_err(fn(x, tw, ti), out_mx)
+            for fmt, fn, wb in forms:
                 us = 1e3 * time_ms([lambda tw=tw, ti=ti, fn=fn: fn(x, tw, ti) for tw, ti in rts], M,
                                    reps=args.reps)
                 floor, flop_floor = floors_us(E, D, F, K, M, touched, wb)
@@ -160,6 +181,8 @@ def bench_shape(name, shape, Ms, args, rows, device):
                 row["flop_floor_us"] = flop_floor
             row["mxfp4_speedup"] = row["bf16_us"] / row["mxfp4_us"]
             row["scaled_speedup"] = row["mxfp4_us"] / row["mxfp4_scaled_us"]
+            for fmt, _, _ in forms[3:]:
+                row[f"{fmt}_speedup"] = row["mxfp4_us"] / row[f"{fmt}_us"]
         except Exception as e:  # report, do not stop the bench
             row["error"] = f"{type(e).__name__}: {e}"[:300]
         rows.append(row)
@@ -199,6 +222,9 @@ def main(argv=None) -> int:
     p.add_argument("--check-max-m", type=int, default=1024,
                    help="largest M checked against the torch reference (MXFP4 vs bf16 is checked at every M)")
     p.add_argument("--out", default=None, help="write the results as JSON here")
+    p.add_argument("--swap-ab", action="store_true",
+                   help="also time SWAP_AB (the transposed product, gemm.py) on the shipped config, with BLOCK_SIZE_N "
+                        "128 (8 warps), and with BLOCK_SIZE_M 16 where the shipped one is taller")
     p.add_argument("--cpu-smoke", action="store_true",
                    help="tiny shapes on the CPU under TRITON_INTERPRET=1 (no GPU): the script runs end to end")
     a = p.parse_args(argv)

@@ -23,6 +23,8 @@ steps of a few tokens, whose few gate_up tiles each loop over all of D.
 Optional "PERSISTENT": n (top level: both GEMMs; under "down": the down GEMM alone; 0 turns it off there)
 and "FLATTEN": true: the GEMM's persistent form, n programs an SM looping over the tiles, FLATTEN fusing
 the tile loop with the K loop (16-bit weights, no expert map, SPLIT_K or HALF_TILES; gemm.py).
+Optional "SWAP_AB": true (top level or under "down", MXFP4 weights only): the GEMM computes the transposed
+product, its dequantised weight tile the MMA's A operand and the rows its narrow N side (gemm.py).
 """
 from __future__ import annotations
 
@@ -139,7 +141,7 @@ def split_config(cfg: dict) -> tuple[dict, dict]:
     up = {k: cfg[k] for k in CONFIG_KEYS}
     if cfg.get("HALF_TILES"):
         up["HALF_TILES"] = True
-    for key in ("PERSISTENT", "FLATTEN"):  # both GEMMs unless "down" says otherwise
+    for key in ("PERSISTENT", "FLATTEN", "SWAP_AB"):  # both GEMMs unless "down" says otherwise
         if cfg.get(key):
             up[key] = cfg[key]
     down = dict(up)

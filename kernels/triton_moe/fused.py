@@ -172,7 +172,11 @@ def _run(x_TD, w13_EFD, w2_EDF, topk_weights_TK, topk_ids_TK, expert_map_E, cfg,
         if use_mxfp4:  # the E8M0 scales go where FP8's weight scales would
             w13_scale, w2_scale = mxfp4
             ws13_strides, ws2_strides = w13_scale.stride(), w2_scale.stride()
-    mx_up, mx_down = ({"W_MXFP4": True, "MXFP4_SCALED": mxfp4_dot_scaled(c, x_TD.dtype)} for c in (up, down)) \
+    if not use_mxfp4 and (up.get("SWAP_AB") or down.get("SWAP_AB")):
+        raise ValueError(f"SWAP_AB is for MXFP4 weights, got {cfg}")
+    # SWAP_AB: the tiles dequantised here, as the MMA's A operand (never tl.dot_scaled)
+    mx_up, mx_down = ({"W_MXFP4": True, "SWAP_AB": True, "MXFP4_SCALED": ""} if c.get("SWAP_AB") else
+                      {"W_MXFP4": True, "MXFP4_SCALED": mxfp4_dot_scaled(c, x_TD.dtype)} for c in (up, down)) \
         if use_mxfp4 else ({}, {})  # nothing extra otherwise: the same compiled kernels
     for c in (up, down):
         if c.get("HALF_TILES") and BM < 32:

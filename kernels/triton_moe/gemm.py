@@ -36,6 +36,10 @@ FP8 scales' arguments). Each K step loads the [BLOCK_N, BLOCK_K/2] bytes and [BL
 scales, dequantises them in registers to the activation dtype (mxfp4.py) and runs the same dot;
 BLOCK_K must be a multiple of 32 and Kd of 32, biases and both activations work as above. The
 scales (too narrow a load for the pipeliner's async copies) are loaded one step ahead, by hand.
+SWAP_AB (constexpr, MXFP4): each step computes acc^T += W_tile @ x_tile^T instead, the accumulator
+[BLOCK_N, rows] transposed once before the epilogue: the dequantised weights, made in registers, are
+the MMA's A operand (Hopper's wgmma reads A from registers, B only from shared memory, so the plain
+order stores every dequantised tile to shared memory first), and a step's few rows its N side.
 """
 from __future__ import annotations
 
@@ -43,7 +47,7 @@ import triton
 import triton.language as tl
 
 from kernels.pdl import pdl_enter
-from kernels.triton_moe.mxfp4 import dot_mxfp4_scaled, load_mxfp4_codes, load_mxfp4_scales, load_mxfp4_t
+from kernels.triton_moe.mxfp4 import dot_mxfp4_scaled, load_mxfp4_codes, load_mxfp4_scales, load_mxfp4_t, mxfp4_to
 
 
 @triton.jit
@@ -102,7 +106,7 @@ def _gate_up_rows(
     USE_FP8: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
     b_ptr, stride_be, stride_bn, swiglu_alpha, swiglu_limit,
     HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, W_MXFP4: tl.constexpr, MXFP4_SCALED: tl.constexpr,
-    SPLIT_K: tl.constexpr, gu_ptr, stride_gum,
+    SPLIT_K: tl.constexpr, gu_ptr, stride_gum, SWAP_AB: tl.constexpr,
 ):
     """h for sorted rows m0 .. m0 + ROWS - 1 (all of expert e) and weight-column tile pid_n (SPLIT_K
     > 1: this program's split of the D range added into gu)."""
@@ -140,8 +144,13 @@ def _gate_up_rows(
         xs_ptrs = xs_ptr + tok * stride_xsm
         gs_ptrs = ws_ptr + e * stride_wse + (offs_bn // GN) * stride_wsn
         us_ptrs = ws_ptr + e * stride_wse + ((offs_bn + N) // GN) * stride_wsn
-    acc_g = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
-    acc_u = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
+    if SWAP_AB:  # MXFP4: the transposed product, weights the MMA's A operand (see gemm.py's docstring)
+        tl.static_assert(W_MXFP4 and MXFP4_SCALED == "", "SWAP_AB is for MXFP4 tiles dequantised here")
+        acc_g = tl.zeros((BLOCK_N, ROWS), dtype=tl.float32)
+        acc_u = tl.zeros((BLOCK_N, ROWS), dtype=tl.float32)
+    else:
+        acc_g = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
+        acc_u = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
     for k in range(k_first, k_last):
         if W_MXFP4:
             if EVEN_K:
@@ -149,7 +158,12 @@ def _gate_up_rows(
             else:
                 kmask = offs_k < Kd - k * BLOCK_K
                 a = tl.load(a_ptrs, mask=rmask[:, None] & kmask[None, :], other=0.0)
-            if MXFP4_SCALED != "":
+            if SWAP_AB:
+                g = mxfp4_to(load_mxfp4_codes(g_ptrs, Kd - k * BLOCK_K, BLOCK_K, EVEN_K), g_e8, BLOCK_N, BLOCK_K,
+                             a.dtype)
+                u = mxfp4_to(load_mxfp4_codes(u_ptrs, Kd - k * BLOCK_K, BLOCK_K, EVEN_K), u_e8, BLOCK_N, BLOCK_K,
+                             a.dtype)
+            elif MXFP4_SCALED != "":
                 g = load_mxfp4_codes(g_ptrs, Kd - k * BLOCK_K, BLOCK_K, EVEN_K)
                 u = load_mxfp4_codes(u_ptrs, Kd - k * BLOCK_K, BLOCK_K, EVEN_K)
             else:
@@ -174,6 +188,9 @@ def _gate_up_rows(
         elif W_MXFP4 and MXFP4_SCALED != "":
             acc_g = dot_mxfp4_scaled(a, g, g_e8, acc_g, MXFP4_SCALED)
             acc_u = dot_mxfp4_scaled(a, u, u_e8, acc_u, MXFP4_SCALED)
+        elif SWAP_AB:
+            acc_g = _dot(g, tl.trans(a), acc_g, PRECISION, UPCAST)
+            acc_u = _dot(u, tl.trans(a), acc_u, PRECISION, UPCAST)
         else:
             acc_g = _dot(a, g, acc_g, PRECISION, UPCAST)
             acc_u = _dot(a, u, acc_u, PRECISION, UPCAST)
@@ -188,6 +205,9 @@ def _gate_up_rows(
         else:
             g_ptrs += BLOCK_K * stride_wk
             u_ptrs += BLOCK_K * stride_wk
+    if SWAP_AB:
+        acc_g = tl.trans(acc_g)
+        acc_u = tl.trans(acc_u)
     nmask = offs_n < N
     if SPLIT_K > 1:  # partial sums; bias and activation in gate_up_finish_kernel
         gu_ptrs = gu_ptr + offs_m.to(tl.int64)[:, None] * stride_gum + offs_n[None, :]
@@ -237,7 +257,7 @@ def gate_up_kernel(
     b_ptr=None, stride_be=0, stride_bn=0, swiglu_alpha=1.702, swiglu_limit=7.0,
     HAS_BIAS: tl.constexpr = False, ACTIVATION: tl.constexpr = "silu", W_MXFP4: tl.constexpr = False,
     MXFP4_SCALED: tl.constexpr = "", HALF_TILES: tl.constexpr = False,
-    SPLIT_K: tl.constexpr = 1, gu_ptr=None, stride_gum=0,
+    SPLIT_K: tl.constexpr = 1, gu_ptr=None, stride_gum=0, SWAP_AB: tl.constexpr = False,
 ):
     pdl_enter(USE_PDL)
     pid_m, pid_n = _block_coords(num_m_blocks, N, BLOCK_N, GROUP_M)
@@ -254,7 +274,7 @@ def gate_up_kernel(
             stride_xm, stride_xk, stride_we, stride_wn, stride_wk, stride_hm, stride_hn, stride_xsm, stride_xsk,
             stride_wse, stride_wsn, stride_wsk, stride_hsm, stride_hsk, BLOCK_N, BLOCK_K, GN, GK, USE_FP8, EVEN_K,
             PRECISION, UPCAST, b_ptr, stride_be, stride_bn, swiglu_alpha, swiglu_limit, HAS_BIAS, ACTIVATION,
-            W_MXFP4, MXFP4_SCALED, SPLIT_K, gu_ptr, stride_gum)
+            W_MXFP4, MXFP4_SCALED, SPLIT_K, gu_ptr, stride_gum, SWAP_AB)
     else:
         _gate_up_rows(
             m0, BLOCK_M, e, pid_n,
@@ -262,7 +282,7 @@ def gate_up_kernel(
             stride_xm, stride_xk, stride_we, stride_wn, stride_wk, stride_hm, stride_hn, stride_xsm, stride_xsk,
             stride_wse, stride_wsn, stride_wsk, stride_hsm, stride_hsk, BLOCK_N, BLOCK_K, GN, GK, USE_FP8, EVEN_K,
             PRECISION, UPCAST, b_ptr, stride_be, stride_bn, swiglu_alpha, swiglu_limit, HAS_BIAS, ACTIVATION,
-            W_MXFP4, MXFP4_SCALED, SPLIT_K, gu_ptr, stride_gum)
+            W_MXFP4, MXFP4_SCALED, SPLIT_K, gu_ptr, stride_gum, SWAP_AB)
 
 
 @triton.jit
@@ -321,7 +341,7 @@ def _down_rows(
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GN: tl.constexpr, GK: tl.constexpr,
     USE_FP8: tl.constexpr, EVEN_K: tl.constexpr, SPLIT_K: tl.constexpr, ATOMIC: tl.constexpr,
     PRECISION: tl.constexpr, UPCAST: tl.constexpr, b_ptr, stride_be, stride_bn, HAS_BIAS: tl.constexpr,
-    W_MXFP4: tl.constexpr, MXFP4_SCALED: tl.constexpr,
+    W_MXFP4: tl.constexpr, MXFP4_SCALED: tl.constexpr, SWAP_AB: tl.constexpr,
 ):
     """out for sorted rows m0 .. m0 + ROWS - 1 (all of expert e >= 0) and output-column tile pid_n."""
     rows, o_ptrs, o_mask = _down_out(out_ptr, m0, pid_n, sorted_ptr, num_valid, N, top_k, stride_om, stride_on,
@@ -354,14 +374,21 @@ def _down_rows(
     if USE_FP8:
         hs_ptrs = hs_ptr + offs_m * stride_hsm
         bs_ptrs = ws_ptr + e * stride_wse + (offs_bn // GN) * stride_wsn
-    acc = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
+    if SWAP_AB:
+        tl.static_assert(W_MXFP4 and MXFP4_SCALED == "", "SWAP_AB is for MXFP4 tiles dequantised here")
+        acc = tl.zeros((BLOCK_N, ROWS), dtype=tl.float32)
+    else:
+        acc = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
     for k in range(k_first, k_last):
         if W_MXFP4:
             if EVEN_K:
                 a = tl.load(a_ptrs)
             else:
                 a = tl.load(a_ptrs, mask=(offs_k < Kd - k * BLOCK_K)[None, :], other=0.0)
-            if MXFP4_SCALED != "":
+            if SWAP_AB:
+                b = mxfp4_to(load_mxfp4_codes(b_ptrs, Kd - k * BLOCK_K, BLOCK_K, EVEN_K), b_e8, BLOCK_N, BLOCK_K,
+                             a.dtype)
+            elif MXFP4_SCALED != "":
                 b = load_mxfp4_codes(b_ptrs, Kd - k * BLOCK_K, BLOCK_K, EVEN_K)
             else:
                 b = load_mxfp4_t(b_ptrs, b_e8, Kd - k * BLOCK_K, BLOCK_N, BLOCK_K, EVEN_K, a.dtype)
@@ -379,6 +406,8 @@ def _down_rows(
             acc += tl.dot(a, b) * a_s[:, None] * b_s[None, :]
         elif W_MXFP4 and MXFP4_SCALED != "":
             acc = dot_mxfp4_scaled(a, b, b_e8, acc, MXFP4_SCALED)
+        elif SWAP_AB:
+            acc = _dot(b, tl.trans(a), acc, PRECISION, UPCAST)
         else:
             acc = _dot(a, b, acc, PRECISION, UPCAST)
         a_ptrs += BLOCK_K * stride_hk
@@ -388,6 +417,8 @@ def _down_rows(
             b_e8 = load_mxfp4_scales(b_sc, tl.minimum(Kd, k_last * BLOCK_K) - (k + 1) * BLOCK_K, BLOCK_K)
         else:
             b_ptrs += BLOCK_K * stride_wk
+    if SWAP_AB:
+        acc = tl.trans(acc)
     if HAS_BIAS:  # before the routed weight; once per tile, not once per split
         bias = tl.load(b_ptr + e * stride_be + offs_bn * stride_bn).to(tl.float32)
         if SPLIT_K > 1:
@@ -414,6 +445,7 @@ def down_kernel(
     PRECISION: tl.constexpr, UPCAST: tl.constexpr, USE_PDL: tl.constexpr,
     b_ptr=None, stride_be=0, stride_bn=0, HAS_BIAS: tl.constexpr = False,
     W_MXFP4: tl.constexpr = False, MXFP4_SCALED: tl.constexpr = "", HALF_TILES: tl.constexpr = False,
+    SWAP_AB: tl.constexpr = False,
 ):
     pdl_enter(USE_PDL)
     pid_m, pid_n = _block_coords(num_m_blocks, N, BLOCK_N, GROUP_M)
@@ -433,14 +465,16 @@ def down_kernel(
             h_ptr, w_ptr, out_ptr, sorted_ptr, topk_w_ptr, hs_ptr, ws_ptr, N, Kd, num_valid, top_k,
             stride_hm, stride_hk, stride_we, stride_wn, stride_wk, stride_om, stride_on,
             stride_hsm, stride_hsk, stride_wse, stride_wsn, stride_wsk, BLOCK_N, BLOCK_K, GN, GK, USE_FP8, EVEN_K,
-            SPLIT_K, ATOMIC, PRECISION, UPCAST, b_ptr, stride_be, stride_bn, HAS_BIAS, W_MXFP4, MXFP4_SCALED)
+            SPLIT_K, ATOMIC, PRECISION, UPCAST, b_ptr, stride_be, stride_bn, HAS_BIAS, W_MXFP4, MXFP4_SCALED,
+            SWAP_AB)
     else:
         _down_rows(
             m0, BLOCK_M, e, pid_n,
             h_ptr, w_ptr, out_ptr, sorted_ptr, topk_w_ptr, hs_ptr, ws_ptr, N, Kd, num_valid, top_k,
             stride_hm, stride_hk, stride_we, stride_wn, stride_wk, stride_om, stride_on,
             stride_hsm, stride_hsk, stride_wse, stride_wsn, stride_wsk, BLOCK_N, BLOCK_K, GN, GK, USE_FP8, EVEN_K,
-            SPLIT_K, ATOMIC, PRECISION, UPCAST, b_ptr, stride_be, stride_bn, HAS_BIAS, W_MXFP4, MXFP4_SCALED)
+            SPLIT_K, ATOMIC, PRECISION, UPCAST, b_ptr, stride_be, stride_bn, HAS_BIAS, W_MXFP4, MXFP4_SCALED,
+            SWAP_AB)
 
 
 # Persistent forms (config "PERSISTENT": programs an SM): a fixed grid whose programs loop over the

@@ -82,15 +82,16 @@ def specialise(kernel, constexprs: dict, pointers: dict, ints: dict, floats=lamb
 
 def compile_variant(which: str, config: str, act: str = "bf16", bias: bool = True,
                     activation: str = "swigluoai", split_k: int = 1, mxfp4: bool = True,
-                    scaled: bool = False, half_tiles: bool = False) -> dict:
+                    scaled: bool = False, half_tiles: bool = False, swap_ab: bool = False) -> dict:
     """One GEMM compiled for sm_90 (mxfp4=False: the same launch with `act` weights, to compare;
     scaled: the MXFP4 tiles through tl.dot_scaled, MOE_MXFP4_DOT_SCALED; half_tiles: HALF_TILES;
-    split_k: SPLIT_K, gate_up's into fp32 partial sums, down's with the atomic top-k sum)."""
+    split_k: SPLIT_K, gate_up's into fp32 partial sums, down's with the atomic top-k sum; swap_ab: SWAP_AB)."""
     bm, bn, bk, gm, warps, stages = CONFIGS[config]
     kd = D if which == "gate_up" else F
     constexprs = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm, GN=1, GK=1, USE_FP8=False,
                       EVEN_K=kd % bk == 0, PRECISION="tf32", UPCAST=False, USE_PDL=True, HAS_BIAS=bias,
-                      W_MXFP4=mxfp4, MXFP4_SCALED=act if mxfp4 and scaled else "", HALF_TILES=half_tiles)
+                      W_MXFP4=mxfp4, MXFP4_SCALED=act if mxfp4 and scaled else "", HALF_TILES=half_tiles,
+                      SWAP_AB=swap_ab)
     pointers = {"w_ptr": "u8" if mxfp4 else act, "ws_ptr": "u8" if mxfp4 else act, "sorted_ptr": "i32",
                 "expert_ids_ptr": "i32", "npp_ptr": "i32", "b_ptr": "fp32", "topk_w_ptr": "fp32",
                 "xs_ptr": act, "hs_ptr": act}
@@ -121,7 +122,10 @@ def compile_variant(which: str, config: str, act: str = "bf16", bias: bool = Tru
               # kernels/triton_moe/mxfp4.py's _packed_bf16: its 2^127 pair (tl.dot_scaled has bf16x2 fmas too)
               "packed_upcast": "0x7f007f00" in ptx.lower(),
               "shared_bytes": compiled.metadata.shared,
-              "async_copies_in_loop": loop.count("ttg.async_copy_global_to_local")}
+              "async_copies_in_loop": loop.count("ttg.async_copy_global_to_local"),
+              # registers written to shared memory inside the K loop (a dequantised tile made an MMA operand there)
+              "local_stores_in_loop": loop.count("ttg.local_store"),
+              "layout_converts_in_loop": loop.count("ttg.convert_layout")}
     report.update(ptxas_usage(log))
     return report
 
@@ -156,6 +160,7 @@ def main(argv=None) -> None:
     p.add_argument("--with-16bit-weights", action="store_true",
                    help="also compile each launch with 16-bit weights (W_MXFP4 off), to compare")
     p.add_argument("--half-tiles", action="store_true", help="compile the launches with HALF_TILES")
+    p.add_argument("--swap-ab", action="store_true", help="compile the MXFP4 launches with SWAP_AB")
     a = p.parse_args(argv)
     report = {}
     for act in a.activations:
@@ -164,7 +169,7 @@ def main(argv=None) -> None:
                                                                               else [])
             for mx, scaled in forms:
                 tag = ("mxfp4_scaled" if scaled else "mxfp4") if mx else act
-                half = {"half_tiles": a.half_tiles}
+                half = {"half_tiles": a.half_tiles, "swap_ab": a.swap_ab and mx and not scaled}
                 report[f"gate_up/{cfg}/{act}/{tag}"] = compile_variant("gate_up", cfg, act, mxfp4=mx, scaled=scaled,
                                                                       **half)
                 report[f"down/{cfg}/{act}/{tag}"] = compile_variant("down", cfg, act, mxfp4=mx, scaled=scaled,

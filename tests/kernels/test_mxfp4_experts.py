@@ -321,6 +321,32 @@ def test_dot_scaled_form_equals_the_kernels_dequantisation(case, dtype, down, ru
         assert rel(outs[True], outs[False]) < 1e-3
 
 
+@pytest.mark.parametrize("form", [{"SWAP_AB": True}, {"SWAP_AB": True, "down": {"ATOMIC_SUM": True}},
+                                  {"SWAP_AB": True, "down": {"SPLIT_K": 2}}, {"SWAP_AB": True, "SPLIT_K": 2},
+                                  {"down": {"SWAP_AB": True}}],
+                         ids=["both", "atomic", "split-down", "split-gate_up", "down-only"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_swap_ab_form_equals_the_plain_one(case, form, run):
+    """SWAP_AB (the transposed product, the dequantised weights as the MMA's A operand): the plain
+    order's result, with biases, swigluoai, masked K / N, an expert map, split-K and atomics."""
+    c = make_case(case, seed=13)
+    kw = dict(defer_sum=case == "defer", activation="swigluoai", swiglu_limit=SMALL_LIMIT)
+    cfg = dict(c["cfg"], **{k: v for k, v in form.items() if k != "down"}, down=form.get("down", {}))
+    swapped, _ = run("triton", c, config=cfg, **kw)
+    plain, _ = run("triton", c, config=dict(c["cfg"], down={k: v for k, v in cfg["down"].items() if k != "SWAP_AB"},
+                                            **({"SPLIT_K": 2} if "SPLIT_K" in form else {})), **kw)
+    assert rel(swapped, oracle(c, activation="swigluoai", swiglu_limit=SMALL_LIMIT)) < TOL[torch.bfloat16]
+    assert rel(swapped, plain) < 1e-3
+
+
+def test_swap_ab_needs_mxfp4_weights():
+    from kernels.triton_moe import fused_experts_triton
+    x = torch.randn(3, 64)
+    with pytest.raises(ValueError, match="SWAP_AB is for MXFP4 weights"):
+        fused_experts_triton(x, torch.randn(4, 64, 64), torch.randn(4, 64, 32), torch.ones(3, 2) / 2,
+                             torch.tensor([[0, 1]] * 3, dtype=torch.int32), config=dict(SMALL_CFG, SWAP_AB=True))
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["fp16", "fp32"])
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_fp16_and_fp32_activations(backend, dtype, run):
