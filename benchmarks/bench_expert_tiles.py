@@ -32,7 +32,7 @@ TILES = [(64, 64, 64, 4, 3), (64, 128, 64, 8, 3), (128, 64, 64, 4, 4), (128, 64,
 
 # The GEMMs' persistent forms (gemm.py), applied to the shipped config without its half tiles
 PERSISTENT_FORMS = [{"PERSISTENT": 1}, {"PERSISTENT": 1, "FLATTEN": True}, {"PERSISTENT": 2},
-                    {"PERSISTENT": 2, "FLATTEN": True}, {"PERSISTENT": 1, "FLATTEN": True, "num_stages": 4}]
+                    {"PERSISTENT": 2, "FLATTEN": True}, {"PERSISTENT": 3}, {"PERSISTENT": 1, "FLATTEN": True, "num_stages": 4}]
 
 
 def persistent_config(shipped: dict, form: dict) -> dict:
