@@ -2,7 +2,8 @@
 one GPU, against torch SDPA on the same K/V gathered contiguous beforehand (gather not timed) and
 against hardware floors (KV bytes at 4.8 TB/s for decode, causal FLOPs at 700 TFLOP/s for prefill).
 Mixed steps (decode rows beside one prefill chunk over cached context, in one launch) compare the
-varlen prefill kernel, which serves them today, with the unified kernel (MOE_UNIFIED_ATTENTION=1),
+varlen prefill kernel with the unified kernel (MOE_UNIFIED_ATTENTION=1): every row in its tiles, the
+decode rows in the decode kernel's launch before it, and that launch on a side stream beside it,
 against the larger of the bytes floor (each sequence's visible K/V once per KV head, q and out) and
 the FLOP floor, and both outputs against the torch reference.
 
@@ -148,6 +149,10 @@ def bench_mixed(torch, do_bench, prefill, unified, reference, num_decodes, ctx, 
     t_apart = do_bench(lambda: unified(q, cache, tables, qsl, seq_lens, scale, out_THd=out_t, block_q=block_q,
                                        config=config, decodes_apart=True), warmup=10, rep=50,
                        return_mode="median") * 1e-3
+    out_s = torch.empty_like(q)
+    t_stream = do_bench(lambda: unified(q, cache, tables, qsl, seq_lens, scale, out_THd=out_s, block_q=block_q,
+                                        config=config, decodes_apart=True, decode_stream=True), warmup=10, rep=50,
+                        return_mode="median") * 1e-3
 
     meta = AttentionMetadata(query_start_loc=qsl_host, seq_lens=lens, block_tables_BM=tables,
                              slot_mapping_T=torch.zeros(0, dtype=torch.int64, device="cuda"),
@@ -155,7 +160,7 @@ def bench_mixed(torch, do_bench, prefill, unified, reference, num_decodes, ctx, 
                              decode_token_idx=torch.arange(num_decodes, device="cuda"),
                              decode_seq_lens=seq_lens[:num_decodes].long(), decode_block_tables=tables[:num_decodes])
     ref = reference(q.float(), None, None, cache.float(), meta, scale).float()  # the chunk has cached context
-    errs = [((o.float() - ref).norm() / ref.norm()).item() for o in (out_p, out_u, out_t)]
+    errs = [((o.float() - ref).norm() / ref.norm()).item() for o in (out_p, out_u, out_t, out_s)]
 
     keys = sum(lens)  # every sequence's whole context is visible to its last query
     nbytes = 2 * keys * G * D * 2 + 2 * T * H * D * 2
@@ -165,6 +170,7 @@ def bench_mixed(torch, do_bench, prefill, unified, reference, num_decodes, ctx, 
     return {"kind": "mixed", "decodes": num_decodes, "decode_context": ctx, "chunk": chunk, "cached": cached,
             "tokens": T, "block_q": block_q, "config": config, "prefill_us": t_prefill * 1e6,
             "unified_us": t_unified * 1e6, "unified_decodes_apart_us": t_apart * 1e6, "speedup": t_prefill / t_unified,
+            "unified_decode_stream_us": t_stream * 1e6, "rel_err_unified_decode_stream_vs_torch": errs[3],
             "bytes_read_floor": nbytes, "rel_err_unified_decodes_apart_vs_torch": errs[2],
             "bytes_floor_us": nbytes / HBM_BPS * 1e6, "flops_floor_us": flops / PEAK_FLOPS * 1e6,
             "floor_us": floor * 1e6, "pct_of_floor": 100 * floor / t_unified,
@@ -231,12 +237,14 @@ def main():
             name = f"prefill {r['seqs']}x{r['new_tokens']}{cfg}"
         print(f"{name:<34}{r['triton_us']:>11.1f}{r['sdpa_us']:>11.1f}{r['floor_us']:>10.1f}"
               f"{r['pct_of_floor']:>9.1f}{r['rel_err_vs_sdpa']:>10.2e}")
-    print(f"\n{'mixed step':<48}{'prefill us':>11}{'unified us':>11}{'dec apart':>10}{'speedup':>8}{'floor us':>10}"
+    print(f"\n{'mixed step':<48}{'prefill us':>11}{'unified us':>11}{'dec apart':>10}{'side str':>9}{'speedup':>8}"
+          f"{'floor us':>10}"
           f"{'% floor':>9}{'err pre':>10}{'err uni':>10}")
     for r in mixed:
         cfg = "" if r["config"] is None else f" bq={r['block_q']} " + "/".join(str(v) for v in r["config"].values())
         name = f"{r['decodes']}x{r['decode_context']} + {r['chunk']}@{r['cached']}{cfg}"
         print(f"{name:<48}{r['prefill_us']:>11.1f}{r['unified_us']:>11.1f}{r['unified_decodes_apart_us']:>10.1f}"
+              f"{r['unified_decode_stream_us']:>9.1f}"
               f"{r['speedup']:>8.2f}{r['floor_us']:>10.1f}"
               f"{r['pct_of_floor']:>9.1f}{r['rel_err_prefill_vs_torch']:>10.2e}{r['rel_err_unified_vs_torch']:>10.2e}")
     rows += mixed

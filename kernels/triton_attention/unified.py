@@ -25,6 +25,7 @@ docstring says (the decode kernel, with decodes_apart, takes them too).
 """
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -52,6 +53,18 @@ DEFAULT_ROWS = int(os.environ.get("MOE_UNIFIED_ROWS", "64"))
 # graphs on an H200 the two launches beat one (BENCHMARKS.md §4), though eagerly, where each
 # launch costs host time, one was faster (§2). MOE_UNIFIED_DECODES_APART=0: one launch (A/B runs).
 DECODES_APART = os.environ.get("MOE_UNIFIED_DECODES_APART", "1") == "1"
+# With decodes apart on CUDA, the decode launch on a side stream, beside the prefill rows' launch rather than
+# before it: the decode rows read K/V (bandwidth), the chunks' tiles compute, so the two can share the
+# GPU; the main stream waits for both (graph-capturable fork and join). MOE_UNIFIED_DECODE_STREAM=1 turns it on.
+DECODE_STREAM = os.environ.get("MOE_UNIFIED_DECODE_STREAM", "0") == "1"
+_SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    stream = _SIDE_STREAMS.get(device)
+    if stream is None:
+        stream = _SIDE_STREAMS[device] = torch.cuda.Stream(device)
+    return stream
 
 
 @triton.jit
@@ -138,7 +151,8 @@ def unified_attention_triton(q_THd: torch.Tensor, kv_cache_2NSGd: torch.Tensor, 
                              block_q: int | None = None, config: dict | None = None,
                              decodes_apart: bool | None = None, k_scale: float = 1.0,
                              v_scale: float = 1.0, *, sliding_window: int | None = None,
-                             sinks: torch.Tensor | None = None, invariant: bool = False) -> torch.Tensor:
+                             sinks: torch.Tensor | None = None, invariant: bool = False,
+                             decode_stream: bool | None = None) -> torch.Tensor:
     """Causal (optionally chunked-local or sliding-window) GQA attention of each sequence's queries
     over its cached context, any mix of prefill and decode rows; returns out_THd [T, H, d] in q's dtype.
 
@@ -152,7 +166,8 @@ def unified_attention_triton(q_THd: torch.Tensor, kv_cache_2NSGd: torch.Tensor, 
     num_stages (tuning).
     decodes_apart: the sequences of one query run in the split-KV decode kernel (a second
     launch, graph-safe too) instead of a tile here padded to BLOCK_M rows for one token's HG
-    heads; None = DECODES_APART.
+    heads; None = DECODES_APART. decode_stream: that launch on a side stream, concurrent with this
+    kernel's (CUDA only); None = DECODE_STREAM.
     sliding_window: a query at p sees keys max(0, p - sliding_window + 1) .. p (not with chunk_size).
     sinks: fp32 [H] on the device, each head's sink logit (kernels/attention.py); None = none.
     invariant: batch-invariant mode (kernels/batch_invariant.py): a row's result is the same
@@ -191,11 +206,17 @@ def unified_attention_triton(q_THd: torch.Tensor, kv_cache_2NSGd: torch.Tensor, 
         decodes_apart = False
     elif decodes_apart is None:
         decodes_apart = DECODES_APART
+    side = None
     if decodes_apart:
-        paged_attention_decode_triton(q_THd, kv_cache_2NSGd, block_tables_BM, seq_lens_B, scale, chunk_size,
-                                      out_BHd=out_THd, query_start_loc_B1=query_start_loc_B1,
-                                      block_n=(config or {}).get("BLOCK_N"), k_scale=k_scale, v_scale=v_scale,
-                                      sliding_window=sliding_window, sinks=sinks)
+        if (DECODE_STREAM if decode_stream is None else decode_stream) and q_THd.is_cuda:
+            main = torch.cuda.current_stream(q_THd.device)
+            side = _side_stream(q_THd.device)
+            side.wait_stream(main)
+        with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+            paged_attention_decode_triton(q_THd, kv_cache_2NSGd, block_tables_BM, seq_lens_B, scale, chunk_size,
+                                          out_BHd=out_THd, query_start_loc_B1=query_start_loc_B1,
+                                          block_n=(config or {}).get("BLOCK_N"), k_scale=k_scale, v_scale=v_scale,
+                                          sliding_window=sliding_window, sinks=sinks)
     grid = (num_tile_slots(T, B, block_q), G)
     _unified_kernel[grid](
         q_THd, kv_cache_2NSGd, block_tables_BM, query_start_loc_B1, seq_lens_B, out_THd,
@@ -208,4 +229,6 @@ def unified_attention_triton(q_THd: torch.Tensor, kv_cache_2NSGd: torch.Tensor, 
         USE_WINDOW=sliding_window is not None, USE_SINKS=sinks is not None, PRECISION=precision, UPCAST=upcast,
         SKIP_DECODES=decodes_apart, SCALE_V=fp8, INVARIANT=invariant,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_launch(q_THd))
+    if side is not None:
+        main.wait_stream(side)
     return out_THd

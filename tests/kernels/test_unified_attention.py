@@ -46,12 +46,13 @@ def reference(batch: PagedBatch, dtype: torch.dtype, chunk: int | None) -> torch
 
 
 def run_case(seqs, H, G, d, S, chunk=None, dtype=torch.float32, block_q=None, config=SMALL, seed=0,
-             decodes_apart=False):
+             decodes_apart=False, decode_stream=False):
     batch = paged_batch(seqs, S, H, G, d, seed=seed, stale_cache=True)  # stray reads give wrong values
     q, cache, tables, qsl, lens = device_args(batch, dtype)
     out = torch.full_like(q, SENTINEL)
     res = unified_attention_triton(q, cache, tables, qsl, lens, batch.scale, chunk_size=chunk, out_THd=out,
-                                   block_q=block_q, config=config, decodes_apart=decodes_apart)
+                                   block_q=block_q, config=config, decodes_apart=decodes_apart,
+                                   decode_stream=decode_stream)
     assert res is out
     torch.testing.assert_close(out.float().cpu(), reference(batch, dtype, chunk), atol=TOL[dtype], rtol=TOL[dtype])
 
@@ -208,18 +209,23 @@ def _real_seqs(num_decodes: int, chunk: int, cached: int, seed: int) -> list[tup
     return decodes[:num_decodes // 2] + [(cached, chunk)] + decodes[num_decodes // 2:]  # the chunk mid-batch
 
 
+# (decodes_apart, decode_stream): one launch; the decode rows' launch first; that launch on a side stream
+GPU_FORMS = [(False, False), (True, False), (True, True)]
+GPU_FORM_IDS = ["one-launch", "apart", "side-stream"]
+
+
 @needs_cuda
 @pytest.mark.parametrize("chunk", [None, 256])
-@pytest.mark.parametrize("decodes_apart", [False, True])
-def test_gpu_real_shape_mixed_step(chunk, decodes_apart):
+@pytest.mark.parametrize("decodes_apart,decode_stream", GPU_FORMS, ids=GPU_FORM_IDS)
+def test_gpu_real_shape_mixed_step(chunk, decodes_apart, decode_stream):
     """64 decode rows around 1,000 tokens of context and a 512-token chunk over 1,000 cached ones."""
     run_case(_real_seqs(64, 512, 1000, seed=1), 32, 4, d=128, S=16, chunk=chunk, dtype=torch.bfloat16,
-             config=None, seed=1, decodes_apart=decodes_apart)
+             config=None, seed=1, decodes_apart=decodes_apart, decode_stream=decode_stream)
 
 
 @needs_cuda
-@pytest.mark.parametrize("decodes_apart", [False, True])
-def test_gpu_cuda_graph_replays_a_new_layout(decodes_apart):
+@pytest.mark.parametrize("decodes_apart,decode_stream", GPU_FORMS, ids=GPU_FORM_IDS)
+def test_gpu_cuda_graph_replays_a_new_layout(decodes_apart, decode_stream):
     """Captured once, the launch serves another batch of the same T and B (other lengths, another
     split of the tokens between sequences) written into the same device tensors."""
     H, G, d, S = 32, 4, 128, 16
@@ -236,7 +242,7 @@ def test_gpu_cuda_graph_replays_a_new_layout(decodes_apart):
 
     def step():
         unified_attention_triton(q_s, cache_s, tables_s, qsl_s, lens_s, d ** -0.5, out_THd=out_s,
-                                 decodes_apart=decodes_apart)
+                                 decodes_apart=decodes_apart, decode_stream=decode_stream)
 
     def load(args):
         q, cache, tables, qsl, lens = args
