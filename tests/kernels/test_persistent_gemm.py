@@ -15,7 +15,7 @@ from kernels.reference import fused_experts_torch  # noqa: E402
 from kernels.triton_moe import fused_experts_triton, fused_experts_triton_fp8  # noqa: E402
 from kernels.triton_moe.fused import persistent_programs  # noqa: E402
 from tests.kernels.test_half_tiles import CFG, inputs, rel  # noqa: E402
-from tests.kernels.triton_marks import DEV, needs_triton_device  # noqa: E402
+from tests.kernels.triton_marks import DEV, needs_cuda, needs_triton_device  # noqa: E402
 
 FORMS = [{"PERSISTENT": 1}, {"PERSISTENT": 2, "FLATTEN": True},
          {"PERSISTENT": 1, "down": {"PERSISTENT": 0}}, {"down": {"PERSISTENT": 1, "FLATTEN": True}}]
@@ -80,3 +80,32 @@ def test_persistent_forms_refuse_expert_maps_and_fp8():
     cfg = dict(CFG, BLOCK_SIZE_N=128, BLOCK_SIZE_K=128, PERSISTENT=1)
     with pytest.raises(ValueError, match="PERSISTENT expert GEMM takes no"):
         fused_experts_triton_fp8(x, *(t.to(DEV) for t in (q13, q2, s13, s2)), tw, ti, config=cfg)
+
+
+@needs_cuda
+@pytest.mark.parametrize("flatten", [False, True])
+def test_persistent_forms_replay_in_a_cuda_graph_with_other_routings(flatten):
+    """The tile count comes from the device (npp): a graph captured on one routing computes another
+    routing's blocks, more or fewer of them, at the Qwen3-30B-A3B expert shape."""
+    torch.manual_seed(0)
+    E, D, F, K, T = 128, 2048, 768, 8, 512
+    x = torch.randn(T, D, device="cuda", dtype=torch.bfloat16)
+    w13 = torch.randn(E, 2 * F, D, device="cuda", dtype=torch.bfloat16) * D ** -0.5
+    w2 = torch.randn(E, D, F, device="cuda", dtype=torch.bfloat16) * F ** -0.5
+    cfg = {"BLOCK_SIZE_M": 64, "BLOCK_SIZE_N": 128, "BLOCK_SIZE_K": 64, "GROUP_SIZE_M": 8, "num_warps": 4,
+           "num_stages": 3, "PERSISTENT": 1, "FLATTEN": flatten}
+    skewed = torch.randn(T, E, device="cuda")
+    skewed[:, :16] += 4  # most rows on 16 experts: fewer, fuller blocks than the even routing
+    routings = [torch.softmax(logits, -1).topk(K, dim=-1) for logits in (torch.randn(T, E, device="cuda"), skewed)]
+    tw_s, ti_s = routings[0][0].clone(), routings[0][1].to(torch.int32)
+    out = fused_experts_triton(x, w13, w2, tw_s, ti_s, config=cfg)  # compiles outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fused_experts_triton(x, w13, w2, tw_s, ti_s, config=cfg)
+    for tw, ti in reversed(routings):
+        tw_s.copy_(tw)
+        ti_s.copy_(ti)
+        graph.replay()
+        ref = fused_experts_torch(x.float(), w13.float(), w2.float(), tw, ti)
+        assert rel(out, ref) < 2e-2
