@@ -30,20 +30,6 @@ TILES = [(64, 64, 64, 4, 3), (64, 128, 64, 8, 3), (128, 64, 64, 4, 4), (128, 64,
          (128, 128, 64, 8, 3), (128, 128, 64, 8, 4)]
 
 
-# The GEMMs' persistent forms (gemm.py), applied to the shipped config without its half tiles
-PERSISTENT_FORMS = [{"PERSISTENT": 1}, {"PERSISTENT": 1, "FLATTEN": True}, {"PERSISTENT": 2},
-                    {"PERSISTENT": 2, "FLATTEN": True}, {"PERSISTENT": 3}, {"PERSISTENT": 1, "FLATTEN": True, "num_stages": 4}]
-
-
-def persistent_config(shipped: dict, form: dict) -> dict:
-    cfg = {k: v for k, v in shipped.items() if k not in ("HALF_TILES", "down")}
-    down = {k: v for k, v in shipped.get("down", {}).items() if k != "HALF_TILES"}
-    cfg.update(form)
-    if down:
-        cfg["down"] = dict(down, **{k: v for k, v in form.items() if k in ("PERSISTENT", "FLATTEN")})
-    return cfg
-
-
 def tile_config(tile, half: bool) -> dict:
     bm, bn, bk, w, s = tile
     cfg = {"BLOCK_SIZE_M": bm, "BLOCK_SIZE_N": bn, "BLOCK_SIZE_K": bk, "GROUP_SIZE_M": 8, "num_warps": w,
@@ -62,9 +48,6 @@ def main() -> None:
     p.add_argument("--write-configs", default=None, help="folder for the config file (see above)")
     p.add_argument("--grid", action=argparse.BooleanOptionalAction, default=True,
                    help="time the grid of tiles (--no-grid: the shipped config, bmm and their kernels only)")
-    p.add_argument("--persistent", action="store_true",
-                   help="also time the GEMMs' persistent forms of the shipped config (PERSISTENT_FORMS), with the "
-                        "kernels of the fastest")
     args = p.parse_args()
 
     import torch
@@ -100,8 +83,6 @@ def main() -> None:
         for tile in TILES if args.grid else ():
             for half in (False, True):
                 rows.append(dict(timed(tile_config(tile, half)), name=f"{tile}{' half' if half else ''}"))
-        for form in PERSISTENT_FORMS if args.persistent else ():
-            rows.append(dict(timed(persistent_config(shipped, form)), name=f"persistent {form}"))
         m_e = max(1, M * K // E)  # cuBLAS: the same rows, evenly spread
         a = torch.randn(E, m_e, D, dtype=x.dtype, device=x.device)
         hh = torch.randn(E, m_e, F, dtype=x.dtype, device=x.device)
@@ -114,10 +95,6 @@ def main() -> None:
                  "bmm": kernel_times(bmm_pair)}
         ok = [r for r in rows if r.get("ok")]
         best = min(ok, key=lambda r: r["us"])
-        persistent = [r for r in ok if r["name"].startswith("persistent")]
-        if persistent:
-            fastest = min(persistent, key=lambda r: r["us"])["config"]
-            split["persistent"] = kernel_times(lambda: _run(x, w13, w2, tw, ti, None, fastest))
         row = {"M": M, "floor_us": round(floor_us, 1), "bmm_balanced_us": round(bmm_us, 1), "best": best["name"],
                "best_us": best["us"], "shipped_us": rows[0].get("us"), "kernels_us": split, "configs": rows}
         res["rows"].append(row)

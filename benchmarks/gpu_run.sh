@@ -99,7 +99,7 @@
 #                 tiles, each with and without HALF_TILES, against the shipped configs; the winners into $OUT/configs),
 #                 then gpu_engine_bench.py qwen3 --runs ${TILES_RUNS:-mixed mixed_step} with the coarser mixed-graph sizes
 #                 (MOE_FINE_MIXED_SIZES=0), with the shipped configs and with $OUT/configs (TILES_M: the bench's --M;
-#                 TILES_ARGS adds flags, e.g. "--no-grid --persistent": the GEMMs' persistent forms alone)
+#                 TILES_ARGS adds flags, e.g. "--no-grid": the shipped configs, bmm and their kernels only)
 #                 -> $OUT/expert_tiles.json, $OUT/engine_{coarse,shipped,tiles}.json
 #   eplb          (two GPUs) benchmarks/eplb_gpu_bench.py: DP2+EP on the Qwen3-30B-A3B shape, a skewed workload,
 #                 balancedness and decode-step time before/after one EPLB rebalance (EPLB_ARGS adds flags) -> $OUT/eplb.json

@@ -20,9 +20,6 @@ an expert's last block with no rows in its upper half runs a tile of BLOCK_SIZE_
 Optional top-level "SPLIT_K": n > 1, the gate_up GEMM alone (not FP8): n programs share one tile's D
 range, adding into a zeroed fp32 buffer that one more launch turns into h (bias, activation): for
 steps of a few tokens, whose few gate_up tiles each loop over all of D.
-Optional "PERSISTENT": n (top level: both GEMMs; under "down": the down GEMM alone; 0 turns it off there)
-and "FLATTEN": true: the GEMM's persistent form, n programs an SM looping over the tiles, FLATTEN fusing
-the tile loop with the K loop (16-bit weights, no expert map, SPLIT_K or HALF_TILES; gemm.py).
 Optional "SWAP_AB": true (top level or under "down", MXFP4 weights only): the GEMM computes the transposed
 product, its dequantised weight tile the MMA's A operand and the rows its narrow N side (gemm.py).
 """
@@ -91,14 +88,16 @@ def _warn_missing(file_name: str) -> None:
 def default_config(M: int, E: int, N: int, top_k: int, dtype: str,
                    block_shape: tuple[int, int] | None = None) -> dict:
     """A config that is correct everywhere and reasonable on Hopper when nothing was tuned.
-    MXFP4 ("mxfp4") gets the 16-bit buckets: their BLOCK_SIZE_K (64, 128) are multiples of 32."""
+    MXFP4 ("mxfp4") gets the 16-bit buckets (their BLOCK_SIZE_K, 64 and 128, are multiples of 32), its
+    decode tiles with SWAP_AB (1.16-1.22x the layer's speed at 1-64 tokens on an H100, BENCHMARKS.md §1)."""
     if block_shape is not None:  # FP8 block-quantised: BLOCK_K must equal the scale group
         bm = 16 if M * top_k <= 4 * E else 64
         return {"BLOCK_SIZE_M": bm, "BLOCK_SIZE_N": block_shape[0], "BLOCK_SIZE_K": block_shape[1],
                 "GROUP_SIZE_M": 1 if bm == 16 else 8, "num_warps": 4, "num_stages": 3}
     if M * top_k <= 2 * E:  # few rows per expert: decode, weight-bandwidth bound
-        return {"BLOCK_SIZE_M": 16, "BLOCK_SIZE_N": 64, "BLOCK_SIZE_K": 128, "GROUP_SIZE_M": 1,
-                "num_warps": 4, "num_stages": 3}
+        cfg = {"BLOCK_SIZE_M": 16, "BLOCK_SIZE_N": 64, "BLOCK_SIZE_K": 128, "GROUP_SIZE_M": 1,
+               "num_warps": 4, "num_stages": 3}
+        return dict(cfg, SWAP_AB=True) if dtype == "mxfp4" else cfg
     if M * top_k <= 32 * E:
         return {"BLOCK_SIZE_M": 64, "BLOCK_SIZE_N": 64, "BLOCK_SIZE_K": 64, "GROUP_SIZE_M": 1,
                 "num_warps": 4, "num_stages": 3}
@@ -141,9 +140,8 @@ def split_config(cfg: dict) -> tuple[dict, dict]:
     up = {k: cfg[k] for k in CONFIG_KEYS}
     if cfg.get("HALF_TILES"):
         up["HALF_TILES"] = True
-    for key in ("PERSISTENT", "FLATTEN", "SWAP_AB"):  # both GEMMs unless "down" says otherwise
-        if cfg.get(key):
-            up[key] = cfg[key]
+    if cfg.get("SWAP_AB"):  # both GEMMs unless "down" says otherwise
+        up["SWAP_AB"] = True
     down = dict(up)
     if int(cfg.get("SPLIT_K", 1)) > 1:  # gate_up's own; the down GEMM's is under "down"
         up["SPLIT_K"] = int(cfg["SPLIT_K"])

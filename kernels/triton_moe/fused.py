@@ -16,7 +16,6 @@ number of used blocks stays on the device, so the whole call can be captured in 
 """
 from __future__ import annotations
 
-import functools
 import os
 
 import torch
@@ -28,8 +27,7 @@ from kernels.reference import check_activation
 from kernels.triton_fused.moe_sum import TopKSum, moe_sum
 from kernels.triton_moe.align import align_tokens
 from kernels.triton_moe.config import get_config, split_config
-from kernels.triton_moe.gemm import (down_kernel, down_persistent_kernel, gate_up_finish_kernel, gate_up_kernel,
-                                     gate_up_persistent_kernel)
+from kernels.triton_moe.gemm import down_kernel, gate_up_finish_kernel, gate_up_kernel
 from kernels.triton_moe.quant import FP8_DTYPE, per_token_group_quant_fp8
 
 # The columns of h a program of gate_up_finish_kernel (a split gate_up's bias and activation) writes.
@@ -89,26 +87,6 @@ def one_row_blocks(topk_ids_TK: torch.Tensor, block_m: int):
     return consts[0], topk_ids_TK.reshape(-1), consts[1]
 
 
-def persistent_programs(c: dict, tiles: int, dev: torch.device, expert_map, quantised: bool) -> int:
-    """Programs of a GEMM's persistent form (config "PERSISTENT": programs an SM), 0 for the
-    one-program-a-tile form; the persistent form takes no expert map, quantised weights, split or
-    half tiles."""
-    per_sm = int(c.get("PERSISTENT", 0))
-    if not per_sm:
-        return 0
-    if expert_map is not None or quantised or c.get("HALF_TILES") or int(c.get("SPLIT_K", 1)) > 1:
-        raise ValueError(f"a PERSISTENT expert GEMM takes no expert map, FP8 / MXFP4 weights, SPLIT_K or "
-                         f"HALF_TILES, got {c}")
-    return max(1, min(tiles, per_sm * _num_sms(dev)))
-
-
-@functools.cache
-def _num_sms(dev: torch.device) -> int:
-    if dev.type != "cuda":
-        return 4  # the interpreter: a few programs, each looping over several tiles
-    return torch.cuda.get_device_properties(dev).multi_processor_count
-
-
 def _bias_args(bias: torch.Tensor | None) -> dict:
     """The kernels' bias keywords: pointer and strides, HAS_BIAS (nothing extra when None)."""
     if bias is None:
@@ -129,6 +107,8 @@ def _run(x_TD, w13_EFD, w2_EDF, topk_weights_TK, topk_ids_TK, expert_map_E, cfg,
         return x_TD.new_zeros(0, D)
     up, down = split_config(cfg)
     BM = up["BLOCK_SIZE_M"]
+    if mxfp4 is None and (up.get("SWAP_AB") or down.get("SWAP_AB")):
+        raise ValueError(f"SWAP_AB is for MXFP4 weights, got {cfg}")
     if T == 1 and expert_map_E is None and DIRECT_ALIGN:
         sorted_ids, expert_ids, npp = one_row_blocks(topk_ids_TK, BM)
     else:
@@ -172,8 +152,6 @@ def _run(x_TD, w13_EFD, w2_EDF, topk_weights_TK, topk_ids_TK, expert_map_E, cfg,
         if use_mxfp4:  # the E8M0 scales go where FP8's weight scales would
             w13_scale, w2_scale = mxfp4
             ws13_strides, ws2_strides = w13_scale.stride(), w2_scale.stride()
-    if not use_mxfp4 and (up.get("SWAP_AB") or down.get("SWAP_AB")):
-        raise ValueError(f"SWAP_AB is for MXFP4 weights, got {cfg}")
     # SWAP_AB: the tiles dequantised here, as the MMA's A operand (never tl.dot_scaled)
     mx_up, mx_down = ({"W_MXFP4": True, "SWAP_AB": True, "MXFP4_SCALED": ""} if c.get("SWAP_AB") else
                       {"W_MXFP4": True, "MXFP4_SCALED": mxfp4_dot_scaled(c, x_TD.dtype)} for c in (up, down)) \
@@ -193,26 +171,16 @@ def _run(x_TD, w13_EFD, w2_EDF, topk_weights_TK, topk_ids_TK, expert_map_E, cfg,
     gu = torch.zeros(P, 2 * F, dtype=torch.float32, device=dev) if split_up > 1 else None
     split_args = {"SPLIT_K": split_up, "gu_ptr": gu, "stride_gum": gu.stride(0)} if gu is not None else {}
     grid = (n_mb * triton.cdiv(F, up["BLOCK_SIZE_N"]), split_up)
-    quantised = use_fp8 or use_mxfp4
-    programs = persistent_programs(up, grid[0], dev, expert_map_E, quantised)
-    if programs:
-        gate_up_persistent_kernel[(programs,)](
-            a_TD, w13_EFD, h, sorted_ids, expert_ids, npp, F, D, T * K, K,
-            a_TD.stride(0), a_TD.stride(1), *w13_EFD.stride(), h.stride(0), h.stride(1),
-            BLOCK_M=BM, BLOCK_N=up["BLOCK_SIZE_N"], BLOCK_K=up["BLOCK_SIZE_K"], GROUP_M=up["GROUP_SIZE_M"],
-            EVEN_K=D % up["BLOCK_SIZE_K"] == 0, PRECISION=precision, UPCAST=upcast, FLATTEN=bool(up.get("FLATTEN")),
-            num_warps=up["num_warps"], num_stages=up["num_stages"], **pdl, **_bias_args(w13_bias), **act)
-    else:
-        gate_up_kernel[grid](
-            a_TD, w13_EFD, h, sorted_ids, expert_ids, npp, a_scale, w13_scale, h_scale,
-            F, D, T * K, K, n_mb,
-            a_TD.stride(0), a_TD.stride(1), *w13_EFD.stride(), h.stride(0), h.stride(1),
-            xs_strides[0], xs_strides[1], *ws13_strides[:3], hs_strides[0], hs_strides[1],
-            BLOCK_M=BM, BLOCK_N=up["BLOCK_SIZE_N"], BLOCK_K=up["BLOCK_SIZE_K"],
-            GROUP_M=up["GROUP_SIZE_M"], GN=GN, GK=GK, USE_FP8=use_fp8,
-            EVEN_K=D % up["BLOCK_SIZE_K"] == 0, PRECISION=precision, UPCAST=upcast,
-            num_warps=up["num_warps"], num_stages=up["num_stages"], **pdl, **_bias_args(w13_bias), **act, **mx_up,
-            **half_up, **split_args)
+    gate_up_kernel[grid](
+        a_TD, w13_EFD, h, sorted_ids, expert_ids, npp, a_scale, w13_scale, h_scale,
+        F, D, T * K, K, n_mb,
+        a_TD.stride(0), a_TD.stride(1), *w13_EFD.stride(), h.stride(0), h.stride(1),
+        xs_strides[0], xs_strides[1], *ws13_strides[:3], hs_strides[0], hs_strides[1],
+        BLOCK_M=BM, BLOCK_N=up["BLOCK_SIZE_N"], BLOCK_K=up["BLOCK_SIZE_K"],
+        GROUP_M=up["GROUP_SIZE_M"], GN=GN, GK=GK, USE_FP8=use_fp8,
+        EVEN_K=D % up["BLOCK_SIZE_K"] == 0, PRECISION=precision, UPCAST=upcast,
+        num_warps=up["num_warps"], num_stages=up["num_stages"], **pdl, **_bias_args(w13_bias), **act, **mx_up,
+        **half_up, **split_args)
     if gu is not None:
         gate_up_finish_kernel[(n_mb, triton.cdiv(F, FINISH_BLOCK_N))](
             gu, h, expert_ids, npp, F, gu.stride(0), h.stride(0), h.stride(1), BLOCK_M=BM, BLOCK_N=FINISH_BLOCK_N,
@@ -228,27 +196,17 @@ def _run(x_TD, w13_EFD, w2_EDF, topk_weights_TK, topk_ids_TK, expert_map_E, cfg,
     else:
         out = torch.empty(T * K, D, dtype=out_dtype, device=dev)
     grid = (n_mb * triton.cdiv(D, down["BLOCK_SIZE_N"]), split)
-    programs = persistent_programs(down, grid[0], dev, expert_map_E, quantised)
-    if programs:
-        down_persistent_kernel[(programs,)](
-            h, w2_EDF, out, sorted_ids, expert_ids, npp, topk_w, D, F, T * K, K,
-            h.stride(0), h.stride(1), *w2_EDF.stride(), out.stride(0), out.stride(1),
-            BLOCK_M=BM, BLOCK_N=down["BLOCK_SIZE_N"], BLOCK_K=down["BLOCK_SIZE_K"], GROUP_M=down["GROUP_SIZE_M"],
-            EVEN_K=F % down["BLOCK_SIZE_K"] == 0, ATOMIC=atomic, PRECISION=precision, UPCAST=upcast,
-            FLATTEN=bool(down.get("FLATTEN")), num_warps=down["num_warps"], num_stages=down["num_stages"], **pdl,
-            **_bias_args(w2_bias))
-    else:
-        down_kernel[grid](
-            h, w2_EDF, out, sorted_ids, expert_ids, npp, topk_w, h_scale, w2_scale,
-            D, F, T * K, K, n_mb,
-            h.stride(0), h.stride(1), *w2_EDF.stride(), out.stride(0), out.stride(1),
-            hs_strides[0], hs_strides[1], *ws2_strides[:3],
-            BLOCK_M=BM, BLOCK_N=down["BLOCK_SIZE_N"], BLOCK_K=down["BLOCK_SIZE_K"],
-            GROUP_M=down["GROUP_SIZE_M"], GN=GN, GK=GK, USE_FP8=use_fp8,
-            EVEN_K=F % down["BLOCK_SIZE_K"] == 0, SPLIT_K=split, ATOMIC=atomic,
-            PRECISION=precision, UPCAST=upcast,
-            num_warps=down["num_warps"], num_stages=down["num_stages"], **pdl, **_bias_args(w2_bias), **mx_down,
-            **half_down)
+    down_kernel[grid](
+        h, w2_EDF, out, sorted_ids, expert_ids, npp, topk_w, h_scale, w2_scale,
+        D, F, T * K, K, n_mb,
+        h.stride(0), h.stride(1), *w2_EDF.stride(), out.stride(0), out.stride(1),
+        hs_strides[0], hs_strides[1], *ws2_strides[:3],
+        BLOCK_M=BM, BLOCK_N=down["BLOCK_SIZE_N"], BLOCK_K=down["BLOCK_SIZE_K"],
+        GROUP_M=down["GROUP_SIZE_M"], GN=GN, GK=GK, USE_FP8=use_fp8,
+        EVEN_K=F % down["BLOCK_SIZE_K"] == 0, SPLIT_K=split, ATOMIC=atomic,
+        PRECISION=precision, UPCAST=upcast,
+        num_warps=down["num_warps"], num_stages=down["num_stages"], **pdl, **_bias_args(w2_bias), **mx_down,
+        **half_down)
     if atomic:
         return out.to(out_dtype)  # no copy for fp32
     if K == 1:

@@ -51,19 +51,16 @@ from kernels.triton_moe.mxfp4 import dot_mxfp4_scaled, load_mxfp4_codes, load_mx
 
 
 @triton.jit
-def _tile_coords(tile, num_m_blocks, num_pid_n, GROUP_M: tl.constexpr):
-    # GROUP_M M-blocks share their weight columns tile while it is hot in L2
-    in_group = GROUP_M * num_pid_n
-    first_m = (tile // in_group) * GROUP_M
-    gsize = tl.minimum(num_m_blocks - first_m, GROUP_M)
-    pid_m = first_m + (tile % in_group) % gsize
-    pid_n = (tile % in_group) // gsize
-    return pid_m, pid_n
-
-
-@triton.jit
 def _block_coords(num_m_blocks, N, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
-    return _tile_coords(tl.program_id(0), num_m_blocks, tl.cdiv(N, BLOCK_N), GROUP_M)
+    # GROUP_M M-blocks share their weight columns tile while it is hot in L2
+    pid = tl.program_id(0)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    in_group = GROUP_M * num_pid_n
+    first_m = (pid // in_group) * GROUP_M
+    gsize = tl.minimum(num_m_blocks - first_m, GROUP_M)
+    pid_m = first_m + (pid % in_group) % gsize
+    pid_n = (pid % in_group) // gsize
+    return pid_m, pid_n
 
 
 @triton.jit
@@ -476,100 +473,3 @@ def down_kernel(
             SPLIT_K, ATOMIC, PRECISION, UPCAST, b_ptr, stride_be, stride_bn, HAS_BIAS, W_MXFP4, MXFP4_SCALED,
             SWAP_AB)
 
-
-# Persistent forms (config "PERSISTENT": programs an SM): a fixed grid whose programs loop over the
-# used tiles (counted on the device from npp); 16-bit weights, no expert map (every used block has
-# an expert), no split, no half tiles. FLATTEN fuses the tile loop with the K loop, so that the
-# software pipeline loads the next tile's operands while this tile's epilogue runs: with one
-# program an SM (the wide tiles' shared memory and accumulators) nothing else overlaps it.
-@triton.jit(do_not_specialize=["num_valid"])
-def gate_up_persistent_kernel(
-    x_ptr, w_ptr, h_ptr, sorted_ptr, expert_ids_ptr, npp_ptr, N, Kd, num_valid, top_k,
-    stride_xm, stride_xk, stride_we, stride_wn, stride_wk, stride_hm, stride_hn,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    EVEN_K: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, USE_PDL: tl.constexpr,
-    FLATTEN: tl.constexpr, b_ptr=None, stride_be=0, stride_bn=0, swiglu_alpha=1.702, swiglu_limit=7.0,
-    HAS_BIAS: tl.constexpr = False, ACTIVATION: tl.constexpr = "silu",
-):
-    pdl_enter(USE_PDL)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    num_m_blocks = tl.cdiv(tl.load(npp_ptr), BLOCK_M)
-    k_tiles = tl.cdiv(Kd, BLOCK_K)
-    offs_k = tl.arange(0, BLOCK_K)
-    for tile in tl.range(tl.program_id(0), num_m_blocks * num_pid_n, tl.num_programs(0), flatten=FLATTEN):
-        pid_m, pid_n = _tile_coords(tile, num_m_blocks, num_pid_n, GROUP_M)
-        e = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
-        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        rows = tl.load(sorted_ptr + offs_m)
-        rmask = rows < num_valid
-        tok = (rows // top_k).to(tl.int64)
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        offs_bn = offs_n % N
-        a_ptrs = x_ptr + tok[:, None] * stride_xm + offs_k[None, :] * stride_xk
-        g_ptrs = w_ptr + e * stride_we + offs_bn[None, :] * stride_wn + offs_k[:, None] * stride_wk
-        u_ptrs = g_ptrs + N * stride_wn
-        acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k in range(0, k_tiles):
-            if EVEN_K:
-                a = tl.load(a_ptrs, mask=rmask[:, None], other=0.0)
-                g = tl.load(g_ptrs)
-                u = tl.load(u_ptrs)
-            else:
-                kmask = offs_k < Kd - k * BLOCK_K
-                a = tl.load(a_ptrs, mask=rmask[:, None] & kmask[None, :], other=0.0)
-                g = tl.load(g_ptrs, mask=kmask[:, None], other=0.0)
-                u = tl.load(u_ptrs, mask=kmask[:, None], other=0.0)
-            acc_g = _dot(a, g, acc_g, PRECISION, UPCAST)
-            acc_u = _dot(a, u, acc_u, PRECISION, UPCAST)
-            a_ptrs += BLOCK_K * stride_xk
-            g_ptrs += BLOCK_K * stride_wk
-            u_ptrs += BLOCK_K * stride_wk
-        _gate_up_epilogue(acc_g, acc_u, e, offs_m, offs_n, offs_bn, pid_n, h_ptr, h_ptr, N, stride_hm, stride_hn,
-                          0, 0, b_ptr, stride_be, stride_bn, swiglu_alpha, swiglu_limit, False, HAS_BIAS, ACTIVATION)
-
-
-@triton.jit(do_not_specialize=["num_valid"])
-def down_persistent_kernel(
-    h_ptr, w_ptr, out_ptr, sorted_ptr, expert_ids_ptr, npp_ptr, topk_w_ptr, N, Kd, num_valid, top_k,
-    stride_hm, stride_hk, stride_we, stride_wn, stride_wk, stride_om, stride_on,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    EVEN_K: tl.constexpr, ATOMIC: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-    USE_PDL: tl.constexpr, FLATTEN: tl.constexpr, b_ptr=None, stride_be=0, stride_bn=0,
-    HAS_BIAS: tl.constexpr = False,
-):
-    pdl_enter(USE_PDL)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    num_m_blocks = tl.cdiv(tl.load(npp_ptr), BLOCK_M)
-    k_tiles = tl.cdiv(Kd, BLOCK_K)
-    offs_k = tl.arange(0, BLOCK_K)
-    for tile in tl.range(tl.program_id(0), num_m_blocks * num_pid_n, tl.num_programs(0), flatten=FLATTEN):
-        pid_m, pid_n = _tile_coords(tile, num_m_blocks, num_pid_n, GROUP_M)
-        m0 = pid_m * BLOCK_M
-        e = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
-        rows, o_ptrs, o_mask = _down_out(out_ptr, m0, pid_n, sorted_ptr, num_valid, N, top_k, stride_om,
-                                         stride_on, BLOCK_M, BLOCK_N, ATOMIC)
-        offs_m = m0 + tl.arange(0, BLOCK_M)
-        offs_bn = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)) % N
-        a_ptrs = h_ptr + offs_m.to(tl.int64)[:, None] * stride_hm + offs_k[None, :] * stride_hk
-        b_ptrs = w_ptr + e * stride_we + offs_bn[None, :] * stride_wn + offs_k[:, None] * stride_wk
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k in range(0, k_tiles):
-            if EVEN_K:
-                a = tl.load(a_ptrs)
-                b = tl.load(b_ptrs)
-            else:
-                kmask = offs_k < Kd - k * BLOCK_K
-                a = tl.load(a_ptrs, mask=kmask[None, :], other=0.0)
-                b = tl.load(b_ptrs, mask=kmask[:, None], other=0.0)
-            acc = _dot(a, b, acc, PRECISION, UPCAST)
-            a_ptrs += BLOCK_K * stride_hk
-            b_ptrs += BLOCK_K * stride_wk
-        if HAS_BIAS:
-            acc += tl.load(b_ptr + e * stride_be + offs_bn * stride_bn).to(tl.float32)[None, :]
-        w = tl.load(topk_w_ptr + rows, mask=rows < num_valid, other=0.0).to(tl.float32)
-        acc = acc * w[:, None]
-        if ATOMIC:
-            tl.atomic_add(o_ptrs, acc, mask=o_mask, sem="relaxed")
-        else:
-            tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=o_mask)

@@ -341,10 +341,10 @@ def test_swap_ab_form_equals_the_plain_one(case, form, run):
 
 def test_swap_ab_needs_mxfp4_weights():
     from kernels.triton_moe import fused_experts_triton
-    x = torch.randn(3, 64)
+    args = (torch.randn(3, 64), torch.randn(4, 64, 64), torch.randn(4, 64, 32), torch.ones(3, 2) / 2,
+            torch.tensor([[0, 1]] * 3, dtype=torch.int32))
     with pytest.raises(ValueError, match="SWAP_AB is for MXFP4 weights"):
-        fused_experts_triton(x, torch.randn(4, 64, 64), torch.randn(4, 64, 32), torch.ones(3, 2) / 2,
-                             torch.tensor([[0, 1]] * 3, dtype=torch.int32), config=dict(SMALL_CFG, SWAP_AB=True))
+        fused_experts_triton(*(t.to(DEV) for t in args), config=dict(SMALL_CFG, SWAP_AB=True))
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["fp16", "fp32"])
@@ -564,3 +564,16 @@ def test_dot_scaled_auto_takes_the_decode_tiles_only(monkeypatch):
     assert form(tile(128, 16, 32), torch.bfloat16) == "bf16" and form(tile(16, 64, 64), torch.float32) == ""
     monkeypatch.setattr(fused, "MXFP4_DOT_SCALED", "0")
     assert form(tile(16, 64, 64), torch.bfloat16) == ""
+
+
+def test_mxfp4_decode_tiles_take_swap_ab():
+    """The untuned MXFP4 decode tiles, and the shipped H100 configs' 16-row ones, run SWAP_AB (1.16-1.22x
+    at 1-64 tokens on an H100); 16-bit weights and taller tiles do not."""
+    from kernels.triton_moe.config import CONFIG_DIR, default_config, split_config
+    assert default_config(1, 32, 2880, 4, "mxfp4")["SWAP_AB"]
+    assert "SWAP_AB" not in default_config(1, 32, 2880, 4, "bf16")
+    assert "SWAP_AB" not in default_config(4096, 32, 2880, 4, "mxfp4")
+    for path in CONFIG_DIR.glob("*dtype=mxfp4.json"):
+        for m, cfg in json.loads(path.read_text()).items():
+            up, down = split_config(cfg)
+            assert up.get("SWAP_AB", False) == down.get("SWAP_AB", False) == (cfg["BLOCK_SIZE_M"] == 16), (path, m)
