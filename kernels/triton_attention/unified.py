@@ -54,10 +54,17 @@ DEFAULT_ROWS = int(os.environ.get("MOE_UNIFIED_ROWS", "64"))
 # launch costs host time, one was faster (§2). MOE_UNIFIED_DECODES_APART=0: one launch (A/B runs).
 DECODES_APART = os.environ.get("MOE_UNIFIED_DECODES_APART", "1") == "1"
 # With decodes apart on CUDA, the decode launch on a side stream, beside the prefill rows' launch rather than
-# before it: the decode rows read K/V (bandwidth), the chunks' tiles compute, so the two can share the
-# GPU; the main stream waits for both (graph-capturable fork and join). MOE_UNIFIED_DECODE_STREAM=1 turns it on.
+# before it: the decode rows read K/V (bandwidth), the chunks' tiles compute, so the two can share the GPU;
+# the main stream waits for both (a graph-capturable fork and join). MOE_UNIFIED_DECODE_STREAM=1 turns it on:
+# on an H100 the Qwen3 mixed step took 2% less, the decode steps beside it 2% more, and mixed lengths tied
+# (BENCHMARKS.md §4).
 DECODE_STREAM = os.environ.get("MOE_UNIFIED_DECODE_STREAM", "0") == "1"
 _SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def decode_stream_on(q: torch.Tensor, decode_stream: bool | None = None) -> bool:
+    """Whether the decode rows' launch goes to the side stream (decode_stream None: DECODE_STREAM)."""
+    return q.is_cuda and (DECODE_STREAM if decode_stream is None else decode_stream)
 
 
 def _side_stream(device: torch.device) -> torch.cuda.Stream:
@@ -208,7 +215,7 @@ def unified_attention_triton(q_THd: torch.Tensor, kv_cache_2NSGd: torch.Tensor, 
         decodes_apart = DECODES_APART
     side = None
     if decodes_apart:
-        if (DECODE_STREAM if decode_stream is None else decode_stream) and q_THd.is_cuda:
+        if decode_stream_on(q_THd, decode_stream):
             main = torch.cuda.current_stream(q_THd.device)
             side = _side_stream(q_THd.device)
             side.wait_stream(main)

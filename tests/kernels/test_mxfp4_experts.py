@@ -502,7 +502,7 @@ def test_real_shapes_gpu(T):
     out = fused_experts_triton_mxfp4(x, q13, q2, s13, s2, tw, ti, **kw)
     ref = fused_experts_torch(x, w13, w2, tw, ti, **kw)
     assert rel(out, ref) < TOL[torch.bfloat16]
-    cfg = get_config(T, 32, 2880, 4, "mxfp4")
+    cfg = {k: v for k, v in get_config(T, 32, 2880, 4, "mxfp4").items() if k != "SWAP_AB"}  # an MXFP4 form
     same = fused_experts_triton(x, w13, w2, tw, ti, config=cfg, **kw)
     assert rel(out, same) < 1e-3
     assert rel(out, kernels.fused_experts(x, q13, q2, tw, ti, w13_scale=s13, w2_scale=s2, **kw)) < 1e-5

@@ -262,3 +262,13 @@ def test_gpu_cuda_graph_replays_a_new_layout(decodes_apart, decode_stream):
         graph.replay()
         torch.cuda.synchronize()
         torch.testing.assert_close(out_s.float().cpu(), reference(batch, torch.bfloat16, None), atol=2e-2, rtol=2e-2)
+
+
+def test_decode_stream_switch(monkeypatch):
+    """The side stream: CUDA only, off by default, MOE_UNIFIED_DECODE_STREAM=1 on; an explicit argument wins."""
+    import kernels.triton_attention.unified as unified
+    cuda_q = type("CudaTensor", (), {"is_cuda": True})()
+    assert unified.DECODE_STREAM is False and not unified.decode_stream_on(cuda_q)
+    assert not unified.decode_stream_on(torch.zeros(1), True), "never on the CPU"
+    monkeypatch.setattr(unified, "DECODE_STREAM", True)
+    assert unified.decode_stream_on(cuda_q) and not unified.decode_stream_on(cuda_q, False)
