@@ -48,6 +48,7 @@ DEFER_SUM_LARGE = os.environ.get("MOE_DEFER_SUM_LARGE", "1") != "0"
 # BLOCK_SIZE_N and BLOCK_SIZE_K >= 64), 1.28-1.38x faster there on an H100 and an H200 (BENCHMARKS.md
 # §1); the kernels' own elsewhere (0.93-0.97x at BLOCK_SIZE_M 64, a tie at 128), and for smaller tiles,
 # whose E2M1 conversion Triton 3.6 fails to lower. MOE_MXFP4_DOT_SCALED=1 / 0: every tile / none (A/B runs).
+# A config's SWAP_AB wins over both (the shipped and default decode tiles: faster than dot_scaled, gemm.py).
 MXFP4_DOT_SCALED = os.environ.get("MOE_MXFP4_DOT_SCALED", "auto")
 
 

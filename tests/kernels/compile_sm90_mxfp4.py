@@ -125,6 +125,7 @@ def compile_variant(which: str, config: str, act: str = "bf16", bias: bool = Tru
               "async_copies_in_loop": loop.count("ttg.async_copy_global_to_local"),
               # registers written to shared memory inside the K loop (a dequantised tile made an MMA operand there)
               "local_stores_in_loop": loop.count("ttg.local_store"),
+              "local_allocs_in_loop": loop.count("ttg.local_alloc"),
               "layout_converts_in_loop": loop.count("ttg.convert_layout")}
     report.update(ptxas_usage(log))
     return report

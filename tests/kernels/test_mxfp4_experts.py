@@ -472,6 +472,25 @@ def test_mxfp4_gemms_compile_for_sm90(upcast):
         assert r["async_copies_in_loop"] >= (3 if name.startswith("gate_up") else 2), (name, r)
 
 
+def test_swap_ab_makes_the_dequantised_tile_a_register_operand():
+    """SWAP_AB compiled for sm_90 at the decode tile (16 rows): the dot becomes wgmma with the
+    dequantised weights as its A operand straight from registers (no shared-memory allocation in the K
+    loop); the plain order stores each dequantised tile to shared memory and runs mma.sync."""
+    pytest.importorskip("triton")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    reports = {}
+    for flag in ([], ["--swap-ab"]):
+        done = subprocess.run([sys.executable, str(COMPILE_SCRIPT), "--configs", "decode", *flag], env=env,
+                              capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+        reports[bool(flag)] = json.loads(done.stdout.strip().splitlines()[-1])
+    for name, swapped in reports[True].items():
+        plain = reports[False][name]
+        assert all(m.startswith("wgmma.mma_async") for m in swapped["mma"]) and swapped["mma"], (name, swapped)
+        assert swapped["local_allocs_in_loop"] == 0 and swapped["spill_store_bytes"] == 0, (name, swapped)
+        assert all(m.startswith("mma.sync") for m in plain["mma"]) and plain["local_allocs_in_loop"] >= 1, (name, plain)
+
+
 # --- on a GPU: real shapes ------------------------------------------------------------------
 
 def _gpt_oss_problem(E, T, K=4, D=2880, F=2880, seed=0):
