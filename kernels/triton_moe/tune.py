@@ -60,7 +60,7 @@ def _block_ms(rows_per_expert: float, wide: bool = False) -> list[int]:
     return [128, 64]
 
 
-def _candidates(bm: int, gate_up: bool, fp8: bool, wide: bool = False):
+def _candidates(bm: int, gate_up: bool, fp8: bool, wide: bool = False, mxfp4: bool = False):
     base = _SMALL if bm <= 16 else _MID if bm <= 64 else _LARGE
     if wide:
         base = base + (_SMALL_WIDE if bm <= 16 else _MID_WIDE if bm <= 64 else _LARGE_WIDE)
@@ -84,6 +84,8 @@ def _candidates(bm: int, gate_up: bool, fp8: bool, wide: bool = False):
         out += [dict(c, SPLIT_K=k, ATOMIC_SUM=a) for c in tiles[:n] for k, a in splits]
     if wide and gate_up and bm <= 16 and not fp8:  # decode: the D range split too (not FP8's)
         out += [dict(c, SPLIT_K=k) for c in tiles[:4] for k in _UP_SPLITS]
+    if mxfp4 and bm <= 16:  # decode tiles: SWAP_AB first (the measured winner there, BENCHMARKS.md §1)
+        out = [dict(c, SWAP_AB=True) for c in tiles[:4]] + out
     return out
 
 
@@ -168,11 +170,12 @@ def kernel_times(fn, calls: int = 5) -> dict[str, float]:
 
 def compose(cfg_up: dict, cfg_down: dict) -> dict:
     """The config file entry of a gate_up and a down launch config (split_config's inverse): the
-    down GEMM's keys under "down", HALF_TILES there too where only gate_up has it."""
+    down GEMM's keys under "down", HALF_TILES and SWAP_AB there too (false) where only gate_up has them."""
     cfg = dict(cfg_up)
     cfg["down"] = {k: v for k, v in cfg_down.items() if k != "BLOCK_SIZE_M"}
-    if cfg_up.get("HALF_TILES") and not cfg_down.get("HALF_TILES"):
-        cfg["down"]["HALF_TILES"] = False
+    for key in ("HALF_TILES", "SWAP_AB"):
+        if cfg_up.get(key) and not cfg_down.get(key):
+            cfg["down"][key] = False
     return cfg
 
 
@@ -194,6 +197,7 @@ def tune_one(E, D, F, K, M, dtype, budget_s, quant_w=None, prior=None, wide=Fals
     is tried first; `default` (the untuned fallback) is timed on the same problems and kept when
     nothing searched beats it."""
     fp8 = quant_w is not None and quant_w[0] == "fp8"
+    mxfp4 = quant_w is not None and quant_w[0] == "mxfp4"
     x, w13, w2, tw, ti = make_problem(E, D, F, K, M, dtype, with_weights=quant_w is None)
     # a few routings, so that consecutive timed calls touch different experts
     n_prob = 4 if M <= 256 else 1
@@ -208,7 +212,7 @@ def tune_one(E, D, F, K, M, dtype, budget_s, quant_w=None, prior=None, wide=Fals
         bms = [prior["BLOCK_SIZE_M"]] + bms
     for i, bm in enumerate(bms):  # each BLOCK_M its share of what is left, at least one candidate each
         t_end = time.monotonic() + (budget_s - (time.monotonic() - t_start)) / (len(bms) - i)
-        ups, downs = _candidates(bm, True, fp8, wide), _candidates(bm, False, fp8, wide)
+        ups, downs = _candidates(bm, True, fp8, wide, mxfp4), _candidates(bm, False, fp8, wide, mxfp4)
         if prior is not None and prior["BLOCK_SIZE_M"] == bm:
             p_up, p_down = split_config(prior)
             p_ups, p_downs = [p_up], [p_down]

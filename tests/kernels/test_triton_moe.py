@@ -353,6 +353,16 @@ def test_tuner_candidates():
             assert all(t in _candidates(bm, gate_up, False, wide=True) for t in tiles), "a variant of a searched tile"
 
 
+def test_tuner_tries_swap_ab_first_on_mxfp4_decode_tiles():
+    from kernels.triton_moe.tune import _candidates
+    for gate_up in (True, False):
+        swapped = [c for c in _candidates(16, gate_up, False, mxfp4=True) if c.get("SWAP_AB")]
+        plain = _candidates(16, gate_up, False)
+        assert swapped and _candidates(16, gate_up, False, mxfp4=True)[:len(swapped)] == swapped
+        assert [{k: v for k, v in c.items() if k != "SWAP_AB"} for c in swapped] == plain[:len(swapped)]
+        assert not any(c.get("SWAP_AB") for c in plain + _candidates(64, gate_up, False, mxfp4=True))
+
+
 def test_tuner_composes_what_split_config_splits():
     from kernels.triton_moe.tune import compose
     up = dict(SMALL_CFG, BLOCK_SIZE_M=64, HALF_TILES=True)
@@ -363,6 +373,9 @@ def test_tuner_composes_what_split_config_splits():
         assert cfgmod.split_config(compose(dict(SMALL_CFG, SPLIT_K=2), down)) == (dict(SMALL_CFG, SPLIT_K=2), down)
     plain = dict(SMALL_CFG, BLOCK_SIZE_M=64)
     assert cfgmod.split_config(compose(plain, dict(plain, HALF_TILES=True))) == (plain, dict(plain, HALF_TILES=True))
+    swap = dict(SMALL_CFG, SWAP_AB=True)
+    for down in (dict(SMALL_CFG), dict(swap)):  # SWAP_AB in gate_up alone, or in both
+        assert cfgmod.split_config(compose(swap, down)) == (swap, dict(down, SWAP_AB=down.get("SWAP_AB", False)))
 
 
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
