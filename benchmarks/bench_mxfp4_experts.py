@@ -135,8 +135,7 @@ def bench_shape(name, shape, Ms, args, rows, device):
         if "down" in cfg:
             cfg["down"] = dict(cfg["down"], **{k: v for k, v in tile.items() if k != "BLOCK_SIZE_M"})
 
-        def call(x, tw, ti):
-            fused.MXFP4_DOT_SCALED = "0"
+        def call(x, tw, ti):  # SWAP_AB tiles never go through tl.dot_scaled, whatever MXFP4_DOT_SCALED says
             return fused_experts_triton_mxfp4(x, w["q13"], w["q2"], w["s13"], w["s2"], tw, ti, **dict(kw, config=cfg))
         return call
 

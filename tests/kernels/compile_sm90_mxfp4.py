@@ -123,10 +123,8 @@ def compile_variant(which: str, config: str, act: str = "bf16", bias: bool = Tru
               "packed_upcast": "0x7f007f00" in ptx.lower(),
               "shared_bytes": compiled.metadata.shared,
               "async_copies_in_loop": loop.count("ttg.async_copy_global_to_local"),
-              # registers written to shared memory inside the K loop (a dequantised tile made an MMA operand there)
-              "local_stores_in_loop": loop.count("ttg.local_store"),
-              "local_allocs_in_loop": loop.count("ttg.local_alloc"),
-              "layout_converts_in_loop": loop.count("ttg.convert_layout")}
+              # shared-memory tiles made inside the K loop (a dequantised tile turned into an MMA operand there)
+              "local_allocs_in_loop": loop.count("ttg.local_alloc")}
     report.update(ptxas_usage(log))
     return report
 
