@@ -31,6 +31,9 @@ Stages:
            hub has them), gpt-oss-120b's (MXFP4) and GLM-4.5-Air's cut to 8 layers (dummy weights):
            decode step at 64 and 256 running requests and an offline throughput run, each against its
            floor. `new-families`: the gpt-oss and GLM shapes alone (--runs to choose).
+  mla-mixed MLA's steps (--runs, e.g. mixed_step mixed decode256): Moonlight-16B-A3B's shape whole (DeepSeek-V3's
+           architecture, 27 layers of 64 experts) and the DeepSeek-V3 cut (--deepseek-layers; 3 for an H100);
+           MOE_MLA_ABSORBED_TOKENS=0 for the eager mixed steps as the A/B's other side.
   hybrid   Qwen3-Next-80B-A3B's shape cut to 24 layers (18 Gated DeltaNet, 6 gated attention; 512 experts top-10
            and a shared one; --hybrid-layers 12 for a GPU of 80 GB), dummy weights: the family runs, floors
            counting each sequence's state read and written per step.
@@ -918,8 +921,23 @@ def qwen3(results: dict, eager: bool, runs: list[str], tp: int = 1, record: bool
     llm.shutdown()
 
 
-# Cut to what fits one H200 in bf16: 1 dense + 3 MoE layers.
+# Cut to what fits one H200 in bf16: 1 dense + 3 MoE layers (deepseek_cut(3) for an H100).
 DEEPSEEK_V3_CUT = {**DEEPSEEK_V3, "num_hidden_layers": 4, "first_k_dense_replace": 1, "max_position_embeddings": 4096}
+
+
+def deepseek_cut(layers: int) -> dict:
+    return {**DEEPSEEK_V3_CUT, "num_hidden_layers": layers}
+
+
+# Moonlight-16B-A3B's shape (moonshotai/Moonlight-16B-A3B's config.json), whole: DeepSeek-V3's architecture
+# (MLA without a query LoRA, sigmoid router) at 27 layers of 64 experts top-6 and 2 shared, ~32 GB of bf16.
+MOONLIGHT_16B = {
+    **DEEPSEEK_V3, "vocab_size": 163840, "hidden_size": 2048, "intermediate_size": 11264, "moe_intermediate_size": 1408,
+    "num_hidden_layers": 27, "num_attention_heads": 16, "num_key_value_heads": 16, "n_shared_experts": 2,
+    "n_routed_experts": 64, "routed_scaling_factor": 2.446, "q_lora_rank": None, "n_group": 1, "topk_group": 1,
+    "num_experts_per_tok": 6, "first_k_dense_replace": 1, "max_position_embeddings": 8192, "rms_norm_eps": 1e-5,
+    "rope_theta": 50000.0, "rope_scaling": None,
+}
 LLAMA4_SCOUT_CUT = {
     "architectures": ["Llama4ForCausalLM"], "model_type": "llama4_text", "vocab_size": 202048,
     "hidden_size": 5120, "intermediate_size": 8192, "intermediate_size_mlp": 16384, "num_hidden_layers": 8,
@@ -1170,7 +1188,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("stages", nargs="+",
                         choices=["parity", "qwen3", "qwen3-tp2", "eager", "families", "families-mixed",
                                  "deepseek-mixed", "new-families", "hybrid", "tp2", "recording", "dp2ep",
-                                 "structured"])
+                                 "structured", "mla-mixed"])
     parser.add_argument("--checkpoints", nargs="*", default=[".gpu_ckpts/qwen3_moe", ".gpu_ckpts/deepseek_v3",
                                                              ".gpu_ckpts/llama4_mm"])
     parser.add_argument("--runs", nargs="*", default=["decode256", "tpot1", "tpot32", "tput_256x2048x512",
@@ -1178,9 +1196,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--parity-batched-tokens", type=int, default=64,
                         help="parity: max_num_batched_tokens (512: whole prompts in one step)")
     parser.add_argument("--only", nargs="*", default=None,
-                        help="new-families: the shapes whose names start so (e.g. gpt-oss-20b-mxfp4)")
+                        help="new-families, mla-mixed: the shapes whose names start so (e.g. gpt-oss-20b-mxfp4)")
     parser.add_argument("--hybrid-layers", type=int, default=24,
                         help="hybrid: the Qwen3-Next cut's depth (24 fits an H200; 12 an H100)")
+    parser.add_argument("--deepseek-layers", type=int, default=4,
+                        help="mla-mixed: the DeepSeek-V3 cut's depth (1 dense + MoE layers; 4 fits an H200, 3 an H100)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
@@ -1204,6 +1224,10 @@ def main(argv: list[str] | None = None) -> int:
             elif stage == "hybrid":  # the Qwen3-Next cut: --runs given, else the family runs
                 shape = (f"qwen3-next-{args.hybrid_layers}L", qwen3_next_cut(args.hybrid_layers))
                 families(results, args.runs if "--runs" in (argv or sys.argv) else FAMILY_RUNS, shapes=(shape,))
+            elif stage == "mla-mixed":  # MLA's steps (--runs): the Moonlight-16B-A3B shape and the DeepSeek-V3 cut
+                families(results, args.runs, only=tuple(args.only) if args.only else None,
+                         shapes=(("moonlight-16b-a3b", MOONLIGHT_16B),
+                                 (f"deepseek-v3-{args.deepseek_layers}L", deepseek_cut(args.deepseek_layers))))
             elif stage == "recording":  # expert-load recording on, off, on again (the spread)
                 for i, record in enumerate((True, False, True, False)):
                     qwen3(results, eager=False, runs=["decode256", "tpot1"], record=record, tag_suffix=f"-{i // 2}")

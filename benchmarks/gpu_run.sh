@@ -101,6 +101,14 @@
 #                 (MOE_FINE_MIXED_SIZES=0), with the shipped configs and with $OUT/configs (TILES_M: the bench's --M;
 #                 TILES_ARGS adds flags, e.g. "--no-grid": the shipped configs, bmm and their kernels only)
 #                 -> $OUT/expert_tiles.json, $OUT/engine_{coarse,shipped,tiles}.json
+#   mla-mixed     MLA's mixed steps from CUDA graphs, MLA_PARTS (default "tests bench engine"): the MLA kernel and layer
+#                 tests, the MLA mixed-graph and eager warm-up engine tests on CUDA; benchmarks/bench_mla_mixed.py (one
+#                 layer's attention of a mixed step, every row absorbed against the prefill rows expanded); then
+#                 gpu_engine_bench.py mla-mixed (Moonlight-16B-A3B's shape, the DeepSeek-V3 cut of MLA_DEEPSEEK_LAYERS,
+#                 default 4, 3 for an H100; MLA_ONLY: the shapes whose names start so; MLA_RUNS, default mixed_step
+#                 mixed decode256) with MOE_MLA_ABSORBED_TOKENS=0
+#                 (mixed steps eager, the expanded prefill rows) and with the default (graphs)
+#                 -> $OUT/mla_mixed.json, $OUT/engine_mla_{eager,graphs}.json
 #   eplb          (two GPUs) benchmarks/eplb_gpu_bench.py: DP2+EP on the Qwen3-30B-A3B shape, a skewed workload,
 #                 balancedness and decode-step time before/after one EPLB rebalance (EPLB_ARGS adds flags) -> $OUT/eplb.json
 set -u
@@ -254,6 +262,18 @@ json.dump(QWEN3_30B_A3B, open(os.path.join(sys.argv[1], 'config.json'), 'w'))" "
            tests/kernels/test_fp8_kv_cache.py tests/kernels/test_fp8_kv_runner_path.py tests/moe/test_kv_cache_fp8.py \
            tests/models/test_kv_cache_scales.py tests/moe/test_prompt_logprobs.py
       step kv-fp8-bench timeout 300 python3 benchmarks/bench_kv_fp8.py --out "$OUT/kv_fp8.json" ;;
+    mla-mixed) parts=" ${MLA_PARTS:-tests bench engine} "
+      [[ $parts == *" tests "* ]] && step mla-tests timeout 300 python3 -m pytest -q -p no:cacheprovider \
+           tests/kernels/test_triton_mla.py tests/moe/test_eager_warm_up.py tests/moe/test_cuda_graphs.py
+      [[ $parts == *" bench "* ]] && step mla-bench timeout 200 python3 benchmarks/bench_mla_mixed.py \
+           --out "$OUT/mla_mixed.json"
+      if [[ $parts == *" engine "* ]]; then
+        for side in eager graphs; do
+          step "mla-mixed $side" env MOE_MLA_ABSORBED_TOKENS=$([ $side = eager ] && echo 0 || echo 2048) timeout 400 \
+               python3 benchmarks/gpu_engine_bench.py mla-mixed --deepseek-layers "${MLA_DEEPSEEK_LAYERS:-4}" \
+               --runs ${MLA_RUNS:-mixed_step mixed decode256} ${MLA_ONLY:+--only $MLA_ONLY} --out "$OUT/engine_mla_$side.json"
+        done
+      fi ;;
     engine-fp8) for dt in auto fp8; do
         step "engine kv $dt" env BENCH_KV_CACHE_DTYPE=$dt timeout 290 python3 benchmarks/gpu_engine_bench.py qwen3 \
              --runs ${FP8_RUNS:-decode256 tpot1 mixed} --out "$OUT/engine_kv_$dt.json"

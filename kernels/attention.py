@@ -61,6 +61,9 @@ class AttentionMetadata:
     seq_lens_t: torch.Tensor | None = None
     max_query_len: int = 0
     decode_only: bool = False
+    # False: the host lists (query_start_loc, seq_lens, decode_seqs, prefill_seqs) are placeholders
+    # that do not describe the step, as in a mixed step's CUDA graph: kernels read the device tensors.
+    host_lists: bool = True
     # Recurrent (linear-attention) layers: each sequence's slot in their state pools [B] int64 and
     # whether its state carries over from earlier steps [B] bool (False: the step starts at position
     # 0, the state reads as zeros); None without such layers (scheduler/kv_cache_spec.py).

@@ -1,6 +1,9 @@
-"""MLA decode in the absorbed form over the paged latent cache, and the latent-cache write.
+"""MLA attention in the absorbed form over the paged latent cache (decode rows, and every row of
+a small mixed step), and the latent-cache write.
 
-Each sequence has one query (at position seq_lens[b] - 1). All H heads share the single latent
+Each row is one query over the first seq_lens[b] keys of its sequence: a decode step's
+sequences, or a mixed step's tokens (table_rows: each token's sequence, mla_token_rows: its causal
+length), which is how MLA's mixed steps run inside CUDA graphs. All H heads share the single latent
 "KV head" (the cache rows [latent | k_pe]), so one program serves a tile of BLOCK_H heads: the
 scores are tl.dot of [BLOCK_H, C] queries against [BLOCK_N, C] cache rows, done as an R part
 plus a P part (C = 576 is no power of two; each part is padded to one with masks), and the
@@ -96,12 +99,12 @@ def write_latent_cache_triton(latent_TC: torch.Tensor, cache_NSC: torch.Tensor, 
 # lengths compile no new variant: only SPLIT (one split or several) does.
 @triton.jit(do_not_specialize=["num_splits", "stride_tb"])
 def _mla_decode_kernel(
-    q_ptr, cache_ptr, tables_ptr, lens_ptr, out_ptr, part_out_ptr, part_lse_ptr,
+    q_ptr, cache_ptr, tables_ptr, rows_ptr, lens_ptr, out_ptr, part_out_ptr, part_lse_ptr,
     H, R, P, qk_scale, num_splits,
     stride_qb, stride_qh, stride_cn, stride_cs, stride_tb, stride_ob, stride_oh, kv_scale,
     S: tl.constexpr, SPLIT: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     R_PAD: tl.constexpr, P_PAD: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, USE_PDL: tl.constexpr,
-    SCALED: tl.constexpr,
+    SCALED: tl.constexpr, ROWS: tl.constexpr,
 ):
     pdl_enter(USE_PDL)
     b = tl.program_id(0)
@@ -127,7 +130,10 @@ def _mla_decode_kernel(
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, R_PAD], dtype=tl.float32)
-    table_row = tables_ptr + b.to(tl.int64) * stride_tb
+    if ROWS:  # query rows of a mixed step: each reads the block-table row of its sequence
+        table_row = tables_ptr + tl.load(rows_ptr + b).to(tl.int64) * stride_tb
+    else:
+        table_row = tables_ptr + b.to(tl.int64) * stride_tb
     for n0 in range(start, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         n_mask = offs_n < end
@@ -199,25 +205,46 @@ def default_num_splits(batch: int, head_tiles: int, max_context: int, device: to
     return max(1, min(want, triton.cdiv(max_context, 256), _MAX_SPLITS))
 
 
+def mla_token_rows(query_start_loc_B1: torch.Tensor, seq_lens_B: torch.Tensor,
+                   num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(table_rows_T, lens_T) of a step's num_tokens query tokens for mla_decode_triton: each
+    token's sequence and its causal context (the keys up to its own position: seq_lens_B[b] minus
+    the sequence's tokens after it). Device ops only, so a CUDA graph captures them; a token of a
+    padding sequence (seq_lens 0) gets length 0."""
+    qsl = query_start_loc_B1
+    t = torch.arange(num_tokens, dtype=qsl.dtype, device=qsl.device)
+    ends = qsl[1:].contiguous()
+    rows = torch.searchsorted(ends, t, right=True).clamp_(max=ends.shape[0] - 1)
+    lens = (seq_lens_B.to(qsl.dtype)[rows] - ends[rows] + t + 1).clamp_(min=0)
+    return rows, lens
+
+
 def mla_decode_triton(q_BHC: torch.Tensor, cache_NSC: torch.Tensor, block_tables_BM: torch.Tensor,
                       seq_lens_B: torch.Tensor, scale: float, kv_lora_rank: int,
                       out_BHR: torch.Tensor | None = None, num_splits: int | None = None,
-                      kv_scale: float = 1.0) -> torch.Tensor:
-    """Absorbed-form MLA decode: one query per sequence over its whole context (seq_lens_B keys,
-    read through block_tables_BM). q_BHC = [q_nope @ W_UK | q_pe]; returns out_BHR (latent
-    outputs, q's dtype unless `out_BHR` is given). Softmax in fp32. kv_scale: an FP8 cache's
-    scale (other caches ignore it)."""
+                      kv_scale: float = 1.0, table_rows_B: torch.Tensor | None = None) -> torch.Tensor:
+    """Absorbed-form MLA decode: one query per row over the first seq_lens_B keys of its
+    sequence, read through block_tables_BM. q_BHC = [q_nope @ W_UK | q_pe]; returns out_BHR
+    (latent outputs, q's dtype unless `out_BHR` is given). Softmax in fp32. kv_scale: an FP8
+    cache's scale (other caches ignore it).
+
+    table_rows_B: each row's block-table row, when rows are not sequences: the query tokens of a
+    mixed step, each with the causal length of its position (mla_token_rows); None: row b
+    reads table row b."""
     if q_BHC.dim() != 3 or cache_NSC.dim() != 3:
         raise ValueError(f"q must be [B, H, C] and cache [N, S, C]; got {tuple(q_BHC.shape)}, {tuple(cache_NSC.shape)}")
     B, H, C = q_BHC.shape
     R = kv_lora_rank
     if cache_NSC.shape[2] != C or not 0 < R < C:
         raise ValueError(f"q head dim {C}, cache row {cache_NSC.shape[2]} and kv_lora_rank {R} do not match")
-    if block_tables_BM.dim() != 2 or block_tables_BM.shape[0] != B or seq_lens_B.shape != (B,):
-        raise ValueError(f"block tables {tuple(block_tables_BM.shape)} / seq_lens {tuple(seq_lens_B.shape)} "
-                         f"do not match {B} sequences")
-    if block_tables_BM.dtype not in (torch.int32, torch.int64) or seq_lens_B.dtype not in (torch.int32, torch.int64):
-        raise ValueError("block tables and seq_lens must be int32 or int64")
+    if block_tables_BM.dim() != 2 or seq_lens_B.shape != (B,) or (
+            block_tables_BM.shape[0] != B if table_rows_B is None else table_rows_B.shape != (B,)):
+        raise ValueError(f"block tables {tuple(block_tables_BM.shape)} / seq_lens {tuple(seq_lens_B.shape)} / "
+                         f"table rows {None if table_rows_B is None else tuple(table_rows_B.shape)} "
+                         f"do not match {B} rows")
+    if any(t is not None and t.dtype not in (torch.int32, torch.int64)
+           for t in (block_tables_BM, seq_lens_B, table_rows_B)):
+        raise ValueError("block tables, seq_lens and table rows must be int32 or int64")
     if q_BHC.stride(2) != 1 or cache_NSC.stride(2) != 1 or block_tables_BM.stride(1) != 1:
         raise ValueError("q, cache and block tables must be contiguous in their last dim")
     if out_BHR is None:
@@ -242,12 +269,13 @@ def mla_decode_triton(q_BHC: torch.Tensor, cache_NSC: torch.Tensor, block_tables
     upcast = _interpreting() and q_BHC.dtype != torch.float32
     fp8 = is_fp8_kv(cache_NSC.dtype)
     _mla_decode_kernel[(B, head_tiles, num_splits)](
-        q_BHC, cache_NSC, block_tables_BM, seq_lens_B, out_BHR, part_out, part_lse,
+        q_BHC, cache_NSC, block_tables_BM, seq_lens_B if table_rows_B is None else table_rows_B, seq_lens_B,
+        out_BHR, part_out, part_lse,
         H, R, C - R, scale * _LOG2E * kv_scale if fp8 else scale * _LOG2E, num_splits,
         q_BHC.stride(0), q_BHC.stride(1), cache_NSC.stride(0), cache_NSC.stride(1), block_tables_BM.stride(0),
         out_BHR.stride(0), out_BHR.stride(1), float(kv_scale),
-        S=S, SPLIT=num_splits > 1, SCALED=fp8, BLOCK_H=block_h, BLOCK_N=block_n, R_PAD=R_PAD, P_PAD=P_PAD,
-        PRECISION="ieee" if q_BHC.dtype == torch.float32 else "tf32", UPCAST=upcast,
+        S=S, SPLIT=num_splits > 1, SCALED=fp8, ROWS=table_rows_B is not None, BLOCK_H=block_h, BLOCK_N=block_n,
+        R_PAD=R_PAD, P_PAD=P_PAD, PRECISION="ieee" if q_BHC.dtype == torch.float32 else "tf32", UPCAST=upcast,
         num_warps=warps, num_stages=2, **pdl_launch(q_BHC))
     if num_splits > 1:
         _mla_merge_kernel[(B * H,)](part_out, part_lse, out_BHR, H, R, out_BHR.stride(0), out_BHR.stride(1),

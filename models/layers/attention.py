@@ -17,6 +17,7 @@ model dtype ignore them.
 from __future__ import annotations
 
 import os
+import sys
 
 import torch
 from torch import nn
@@ -48,11 +49,12 @@ def use_triton_attention(x: torch.Tensor) -> bool:
     return HAVE_TRITON_ATTENTION and x.is_cuda
 
 
-def mixed_steps_graph_safe(layers: list[nn.Module]) -> bool:
-    """Whether a forward through these attention layers replays from a CUDA graph for any mixed
-    batch of its captured size: the unified kernel reads the whole layout from device tensors
-    (MLA's prefill and the varlen prefill kernel take host lengths)."""
-    return UNIFIED_ATTENTION and bool(layers) and all(isinstance(layer, Attention) for layer in layers)
+def mixed_graph_max_tokens(layers: list[nn.Module]) -> int:
+    """The largest mixed step (tokens) whose forward through these attention layers may replay from a
+    CUDA graph: each layer's `max_mixed_graph_tokens` (the unified kernel reads the whole layout from
+    device tensors at any size; MLA up to the steps it runs wholly absorbed; the varlen prefill
+    kernel takes host lengths: 0), the least of them; 0 without attention layers."""
+    return min((getattr(layer, "max_mixed_graph_tokens", 0) for layer in layers), default=0)
 
 
 class Attention(nn.Module):
@@ -81,6 +83,12 @@ class Attention(nn.Module):
         # An FP8 cache's per-tensor scales (stored = fp8(x / scale)); the loader sets checkpoint values.
         self.k_scale = 1.0
         self.v_scale = 1.0
+
+    @property
+    def max_mixed_graph_tokens(self) -> int:
+        """Mixed steps of any size replay graphs through the unified kernel; none through the
+        varlen prefill kernel (host lengths)."""
+        return sys.maxsize if UNIFIED_ATTENTION else 0
 
     @property
     def kv_cache_key(self):

@@ -8,9 +8,13 @@ kv_b_proj's K rows, output latent projected with its V rows); both forms give th
 
 Two paths with the same result: the torch reference (kernels/mla_attention.py) on the CPU or
 with a forced `mode`, and on CUDA (mode "auto") the Triton kernels (kernels/triton_attention):
-decode rows absorbed through the split-KV `mla_decode_triton` (graph-capturable on a
-decode-only step), prefill rows expanded with one context gather, one kv_b_proj linear and one
-`varlen_attention_triton` call for all of them.
+decode rows absorbed through the split-KV `mla_decode_triton`; prefill rows expanded with one
+context gather, one kv_b_proj linear and one `varlen_attention_triton` call for all of them,
+eagerly (host lengths). A mixed step's CUDA graph runs every row absorbed instead (each token a row
+of its causal length, the layout read from device tensors alone): the runner replays it for steps
+of little prefill attention (`mixed_graph_fits`), since the absorbed form costs ~3x the FLOPs of
+the expanded one a (query, key) pair of a long chunk (the expanded form makes each context row's
+per-head keys once; the absorbed one dots every query with the 576-wide latent row).
 
 Heads are split across TP ranks (q_b_proj / q_proj and kv_b_proj column-parallel, o_proj
 row-parallel); the down projections and the cache row are replicated.
@@ -24,6 +28,7 @@ Dn qk_nope_head_dim, Dv v_head_dim, Q q_lora_rank.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -39,6 +44,13 @@ from models.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowPara
 from models.layers.norm import RMSNorm
 from models.layers.rotary import get_rope
 from models.layers.rotary_yarn import yarn_softmax_scale
+
+# A mixed step replays a CUDA graph (every query row absorbed) when it has at most ABSORBED_MAX_TOKENS
+# tokens (the largest mixed graph; MOE_MLA_ABSORBED_TOKENS, 0: none) and its prefill chunks at most
+# ABSORBED_MAX_HEAD_PAIRS (query, key) pairs times this rank's heads (MOE_MLA_ABSORBED_HEAD_PAIRS);
+# other mixed steps run eagerly, their prefill rows expanded.
+ABSORBED_MAX_TOKENS = int(os.environ.get("MOE_MLA_ABSORBED_TOKENS", "2048"))
+ABSORBED_MAX_HEAD_PAIRS = int(float(os.environ.get("MOE_MLA_ABSORBED_HEAD_PAIRS", "16e6")))
 
 # transformers builds q_a_layernorm / kv_a_layernorm with the default epsilon, whatever rms_norm_eps says.
 _LATENT_NORM_EPS = 1e-6
@@ -91,6 +103,18 @@ class MLAAttention(nn.Module):
 
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
         return (num_blocks, block_size, self.cfg.kv_lora_rank + self.cfg.qk_rope_head_dim)
+
+    @property
+    def max_mixed_graph_tokens(self) -> int:
+        """The largest mixed step a graph captures (mode "auto"'s GPU path runs it absorbed)."""
+        return ABSORBED_MAX_TOKENS if self.mode == "auto" else 0
+
+    def mixed_graph_fits(self, num_tokens_B: np.ndarray, seq_lens_B: np.ndarray) -> bool:
+        """Whether a mixed step (new tokens and context per sequence, host arrays) may replay a graph:
+        its prefill chunks' (query, key) pairs times the heads within ABSORBED_MAX_HEAD_PAIRS."""
+        chunks = num_tokens_B > 1
+        pairs = int(np.dot(num_tokens_B[chunks], seq_lens_B[chunks]))
+        return pairs * self.num_local_heads <= ABSORBED_MAX_HEAD_PAIRS
 
     def _queries(self, x: torch.Tensor) -> torch.Tensor:
         if self.cfg.q_lora_rank is None:
@@ -152,6 +176,14 @@ class MLAAttention(nn.Module):
             # device tensors only, so this runs inside a CUDA graph.
             return self._decode_triton(q_nope, q_pe, meta.seq_lens_t, meta.block_tables_BM)
         T, H, Dv = q_nope.shape[0], q_nope.shape[1], self.cfg.v_head_dim
+        if not meta.host_lists:
+            # A mixed step's graph: every token a row of its causal length reading its sequence's
+            # table row, from device tensors only; the first MLA layer derives them for the rest.
+            rows = meta.derived.get("mla_rows")
+            if rows is None:
+                from kernels.triton_attention.mla_decode import mla_token_rows
+                rows = meta.derived["mla_rows"] = mla_token_rows(meta.query_start_loc_t, meta.seq_lens_t, T)
+            return self._decode_triton(q_nope, q_pe, rows[1], meta.block_tables_BM, table_rows_T=rows[0])
         out_THDv = q_nope.new_empty(T, H, Dv)
         if meta.prefill_seqs:
             self._prefill_triton(q_nope, q_pe, meta, out_THDv)
@@ -162,14 +194,15 @@ class MLAAttention(nn.Module):
         return out_THDv
 
     def _decode_triton(self, q_nope_BHD: torch.Tensor, q_pe_BHP: torch.Tensor, seq_lens_B: torch.Tensor,
-                       block_tables_BM: torch.Tensor) -> torch.Tensor:
-        """Absorbed form: q_nope @ W_UK, latent attention over the cache rows, then @ W_UV^T."""
+                       block_tables_BM: torch.Tensor, table_rows_T: torch.Tensor | None = None) -> torch.Tensor:
+        """Absorbed form: q_nope @ W_UK, latent attention over the cache rows, then @ W_UV^T.
+        table_rows_T: each row's block-table row (rows are a mixed step's tokens), else row b's."""
         from kernels.triton_attention.mla_decode import mla_decode_triton
         w_uk, w_uv = self._kv_b_parts()  # [H, Dn, R], [H, Dv, R]
         q_lat_HBR = torch.bmm(q_nope_BHD.transpose(0, 1), w_uk)
         q_BHC = torch.cat((q_lat_HBR.transpose(0, 1), q_pe_BHP), dim=-1)
         out_BHR = mla_decode_triton(q_BHC, self.kv_cache, block_tables_BM, seq_lens_B, self.scale,
-                                    self.cfg.kv_lora_rank, kv_scale=self.k_scale)
+                                    self.cfg.kv_lora_rank, kv_scale=self.k_scale, table_rows_B=table_rows_T)
         return torch.bmm(out_BHR.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)  # [B, H, Dv]
 
     def _prefill_triton(self, q_nope: torch.Tensor, q_pe: torch.Tensor, meta: AttentionMetadata,

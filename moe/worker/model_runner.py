@@ -32,7 +32,7 @@ from all2all import low_latency_for_auto
 from kernels.attention import AttentionMetadata
 from kernels.fla_gated_delta import fla_prefill_available
 from kernels.host_to_device import host_to_device
-from models.layers.attention import mixed_steps_graph_safe, use_triton_attention
+from models.layers.attention import mixed_graph_max_tokens, use_triton_attention
 from models.layers.moe import DispatchStep
 from models.parallel.state import get_parallel_state, pp_recv, pp_send
 from moe.expert_load.counters import ExpertLoadCounters
@@ -206,11 +206,15 @@ class ModelRunner:
                         "syncs with the host): steps run eagerly")
         self.state_group: int | None = None  # the recurrent KV-cache group's index (set with the cache)
         self.use_cuda_graphs = graphs_ok and not enforce_eager and device.type == "cuda"
-        # Mixed steps replay graphs where attention reads its whole layout from device tensors (the
-        # unified kernel; MLA's prefill reads host lengths) and no token dispatcher sizes its work
-        # on the host.
-        self.use_mixed_graphs = self.use_cuda_graphs and MIXED_GRAPHS and not ep and mixed_steps_graph_safe(
-            model.attention_layers())
+        # Mixed steps of up to this many tokens replay graphs: where attention reads its whole layout
+        # from device tensors (the unified kernel at any size, MLA while it runs every row absorbed)
+        # and no token dispatcher sizes its work on the host. Larger steps run eagerly.
+        self.mixed_graph_tokens = mixed_graph_max_tokens(model.attention_layers()) \
+            if self.use_cuda_graphs and MIXED_GRAPHS and not ep else 0
+        self.use_mixed_graphs = self.mixed_graph_tokens > 0
+        # Attention that graphs only some mixed steps says which (MLA: those of little prefill attention).
+        self.mixed_graph_fits = next((layer.mixed_graph_fits for layer in model.attention_layers()
+                                      if hasattr(layer, "mixed_graph_fits")), None)
         if self.use_mixed_graphs and model.recurrent_layers() and fla_prefill_available():
             # fla-core's chunked prefill sizes its grid on the host (kernels/fla_gated_delta.py)
             self.use_mixed_graphs = False
@@ -319,11 +323,12 @@ class ModelRunner:
         sizes = self._capture_sizes()
         if not sizes or self.buffers is None or not self.kv_caches:
             return
-        if not self.use_mixed_graphs:
-            self.warm_up_eager_steps()
+        max_tokens = self.limits[2]
+        if not self.use_mixed_graphs or self.mixed_graph_fits is not None or self.mixed_graph_tokens < max_tokens:
+            self.warm_up_eager_steps()  # some mixed steps run eagerly
         pool = None
         if self.use_mixed_graphs:
-            self.mixed_graphs = StepGraphs(default_mixed_sizes(self.limits[2]))
+            self.mixed_graphs = StepGraphs(default_mixed_sizes(min(max_tokens, self.mixed_graph_tokens)))
             pool = self.mixed_graphs.capture(self._upload_mixed_padding, self._mixed_graph_forward, self.device,
                                              "mixed steps of tokens", pool)
         self.graphs = StepGraphs(sizes)
@@ -331,8 +336,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def warm_up_eager_steps(self) -> None:
-        """Where mixed steps run eagerly (MLA's prefill, expert parallelism), compile their kernels
-        now rather than inside the first requests' steps: Triton compiles a variant per expert
+        """Where mixed steps run eagerly (expert parallelism; MLA's of much prefill attention), compile
+        their kernels now rather than inside the first requests' steps: Triton compiles a variant per expert
         config bucket and integer specialisation, seconds each (measured on DeepSeek-V3: ~18 s
         of the first 400 mixed requests). One forward per mixed-graph token count (three short
         of it: real steps rarely are multiples of 16), at the full budget and two with short
@@ -345,11 +350,9 @@ class ModelRunner:
         max_chunk = min(max_model_len - 1, blocks * self.block_size - 1)
         sizes = {t - 3 if t > 64 else t for t in default_mixed_sizes(max_tokens, fine=False)} | {max_tokens}
         # chunks of 16 and 32 tokens: the varlen prefill kernel's smaller tiles (MLA)
-        sizes = sorted(sizes | {t for t in (7 + 16, 7 + 32) if t < max_tokens})
+        sizes = sorted(t for t in sizes | {t for t in (7 + 16, 7 + 32) if t < max_tokens} if t >= 8)
         start = time.perf_counter()
-        for t in sizes:
-            if t < 8 or max_chunk < 1:
-                continue
+        for t in sizes if max_chunk >= 1 else ():
             self.dispatch_step.max_tokens = t  # every rank runs the same steps
             self._run_batch(StepBatch.warm_up(t, 7, max_chunk, self.block_size, self.num_kv_groups), counted=False)
         if self.device.type == "cuda":
@@ -386,7 +389,8 @@ class ModelRunner:
         """The model on a mixed step of t tokens read from the step buffers (what a graph captures:
         the attention kernels read only the device layout, not the host lists given here)."""
         buf, b = self.buffers, self.mixed_graph_seqs
-        meta = buffer_metadata(buf, self.num_kv_groups, t, b, t, [0] * (b + 1), [0] * b, decode_only=False)
+        meta = buffer_metadata(buf, self.num_kv_groups, t, b, t, [0] * (b + 1), [0] * b, decode_only=False,
+                               host_lists=False)
         self._attach_state(meta)
         input_ids = self._input_ids(buf.dev_view("input_ids", t), buf.dev_view("pending_src", t))
         return self._forward(input_ids, buf.dev_view("positions", t), meta)
@@ -583,7 +587,8 @@ class ModelRunner:
                 not self.graphs_need_capacity or self.dispatch_step.max_tokens <= self.dispatch_step.capacity):
             graphs, size = self.graphs, self.graphs.padded_size(B)
             padded = None if size is None else (size, size)
-        elif not batch.decode_only and self.mixed_graphs is not None and not with_images:
+        elif not batch.decode_only and self.mixed_graphs is not None and not with_images and (
+                self.mixed_graph_fits is None or self.mixed_graph_fits(batch.num_tokens_B, batch.seq_lens_B)):
             graphs, size = self.mixed_graphs, self.mixed_graphs.padded_size(T)
             padded = None if size is None else (size, self.mixed_graph_seqs)
         meta = upload(self.buffers, batch, self.block_size, padded, metadata=padded is None, num_valid=num_valid)

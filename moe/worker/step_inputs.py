@@ -256,9 +256,10 @@ def upload(buf: StepBuffers, batch: StepBatch, block_size: int, padded: tuple[in
 
 
 def buffer_metadata(buf: StepBuffers, num_groups: int, t: int, b: int, max_query_len: int, qsl: list[int],
-                    seq_lens: list[int], decode_only: bool) -> AttentionMetadata:
+                    seq_lens: list[int], decode_only: bool, host_lists: bool = True) -> AttentionMetadata:
     """Metadata over the first t tokens and b sequences of the step buffers (what a CUDA graph
-    captures: the same views are read at every replay)."""
+    captures: the same views are read at every replay). host_lists=False: qsl and seq_lens are a
+    graph's placeholders (AttentionMetadata.host_lists)."""
     if decode_only:
         decode, prefill = list(range(len(seq_lens))), []
     else:
@@ -267,7 +268,7 @@ def buffer_metadata(buf: StepBuffers, num_groups: int, t: int, b: int, max_query
     qsl_t, seq_lens_t = buf.dev_view("query_start_loc", b + 1), buf.dev_view("seq_lens", b)
     metas = [AttentionMetadata(qsl, seq_lens, buf.tables[g][:b], buf.dev_view(f"slots{g}", t), decode, prefill,
                                query_start_loc_t=qsl_t, seq_lens_t=seq_lens_t, max_query_len=max_query_len,
-                               decode_only=decode_only)
+                               decode_only=decode_only, host_lists=host_lists)
              for g in range(num_groups)]
     return _grouped(metas)
 

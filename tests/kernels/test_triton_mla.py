@@ -18,7 +18,8 @@ triton = pytest.importorskip("triton")
 import models.layers.mla_attention as mla_layer  # noqa: E402
 from kernels.attention import AttentionMetadata  # noqa: E402
 from kernels.mla_attention import mla_absorbed_torch, write_latent_cache  # noqa: E402
-from kernels.triton_attention.mla_decode import mla_decode_triton, write_latent_cache_triton  # noqa: E402
+from kernels.triton_attention.mla_decode import (mla_decode_triton, mla_token_rows,  # noqa: E402
+                                                 write_latent_cache_triton)
 from kernels.triton_attention.varlen import varlen_attention_triton  # noqa: E402
 from models.config import RopeConfig  # noqa: E402
 from models.layers.mla_attention import MLAAttention, MLAConfig  # noqa: E402
@@ -127,8 +128,38 @@ def test_mla_decode_rejects_bad_shapes():
     tables = torch.zeros(2, 2, dtype=torch.int32, device=DEV)
     with pytest.raises(ValueError, match="kv_lora_rank"):
         mla_decode_triton(q, cache, tables, torch.ones(2, dtype=torch.int32, device=DEV), 1.0, 24)
-    with pytest.raises(ValueError, match="do not match 2 sequences"):
+    with pytest.raises(ValueError, match="do not match 2 rows"):
         mla_decode_triton(q, cache, tables, torch.ones(3, dtype=torch.int32, device=DEV), 1.0, 16)
+
+
+@needs_triton_device
+@pytest.mark.parametrize("splits", [1, 3])
+def test_mla_decode_rows_read_their_sequences_tables(splits):
+    """table_rows: several rows (a mixed step's tokens) read one sequence's block table, each its own
+    length; the same as each row having that table row of its own."""
+    lens, S, H, R, P = [13, 6, 0], 4, 3, 32, 16
+    poisoned, clean, tables = paged_cache(lens, S, R + P, extra_blocks=3, dtype=torch.float32, seed=11)
+    rows = [0, 0, 0, 1, 0, 2, 1]
+    row_lens = [11, 12, 13, 6, 1, 0, 3]
+    q = torch.randn(len(rows), H, R + P, generator=torch.Generator().manual_seed(4)).to(DEV)
+    rows_t = torch.tensor(rows, dtype=torch.int32, device=DEV)
+    out = mla_decode_triton(q, poisoned, tables, torch.tensor(row_lens, dtype=torch.int32, device=DEV), 0.3, R,
+                            num_splits=splits, table_rows_B=rows_t)
+    ref = decode_reference(q, clean, tables[rows_t.long()], row_lens, 0.3, R)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="table rows"):
+        mla_decode_triton(q, poisoned, tables, torch.ones(len(rows), dtype=torch.int32, device=DEV), 0.3, R,
+                          table_rows_B=rows_t[:-1])
+
+
+def test_mla_token_rows_give_each_token_its_sequence_and_causal_length():
+    # a decode (context 8), a chunk of 3 over 4 cached tokens, a fresh prompt of 2, then padding
+    # sequences of context 0: one of a token, the last holding the rest (as a mixed graph pads)
+    qsl = torch.tensor([0, 1, 4, 6, 7, 10], dtype=torch.int32)
+    seq_lens = torch.tensor([8, 7, 2, 0, 0], dtype=torch.int32)
+    rows, lens = mla_token_rows(qsl, seq_lens, 10)
+    assert rows.tolist() == [0, 1, 1, 1, 2, 2, 3, 4, 4, 4]
+    assert lens.tolist() == [8, 5, 6, 7, 1, 2, 0, 0, 0, 0]
 
 
 def varlen_reference(q, k, v, ns, lks, scale):
@@ -176,9 +207,11 @@ def test_varlen_rejects_mismatched_heads():
 
 # --- the MLA layer: GPU path against the torch path --------------------------------------------
 
-def run_layer_both_paths(monkeypatch, cfg, dtype, block_size, num_blocks, steps, device, tol):
+def run_layer_both_paths(monkeypatch, cfg, dtype, block_size, num_blocks, steps, device, tol, graph_layout=False):
     """The same layer and inputs through the torch path and the Triton path, step by step
-    (each path with its own cache); a final decode-only step is padded to 2 more rows."""
+    (each path with its own cache); a final decode-only step is padded to 2 more rows.
+    graph_layout: the Triton path's mixed steps as a mixed step's CUDA graph runs them (host lists
+    marked placeholders: every row absorbed)."""
     torch.manual_seed(0)
     layer = MLAAttention(cfg)
     with torch.no_grad():
@@ -196,6 +229,7 @@ def run_layer_both_paths(monkeypatch, cfg, dtype, block_size, num_blocks, steps,
             decode_only = all(n == 1 for n in new)
             pad = len(new) + 2 if decode_only and use_triton else None
             meta, positions = mla_step_metadata(new, cached, block_size, num_blocks, device, pad_to=pad)
+            meta.host_lists = not (graph_layout and use_triton and not decode_only)
             if pad:
                 x = torch.cat((x, torch.randn(2, cfg.hidden_size, generator=gen).to(device, dtype)))
             with torch.no_grad():
@@ -214,11 +248,20 @@ LAYER_STEPS = [([5, 1, 9, 3], [0, 0, 0, 0]), ([1, 6, 1, 1], [5, 1, 9, 3]), ([1, 
 
 
 @needs_triton_device
-def test_mla_layer_triton_path_matches_torch_path(monkeypatch):
+@pytest.mark.parametrize("graph_layout", [False, True])
+def test_mla_layer_triton_path_matches_torch_path(monkeypatch, graph_layout):
+    """The GPU path's mixed steps eagerly (prefill rows expanded) and as their CUDA graph runs them
+    (every row absorbed from the device layout; steps 1 and 2: 18 and 9 tokens)."""
+    import kernels.triton_attention.mla_decode as mla_decode
+    absorbed = []
+    real_rows = mla_decode.mla_token_rows
+    monkeypatch.setattr(mla_decode, "mla_token_rows",
+                        lambda qsl, lens, T: absorbed.append(T) or real_rows(qsl, lens, T))
     rope = RopeConfig(10000.0, "yarn", 4.0, 16, {"mscale": 0.707, "mscale_all_dim": 1.0})
     cfg = MLAConfig(hidden_size=40, num_heads=3, q_lora_rank=24, kv_lora_rank=20, qk_nope_head_dim=12,
                     qk_rope_head_dim=8, v_head_dim=10, max_position_embeddings=256, rope=rope)
-    run_layer_both_paths(monkeypatch, cfg, torch.float32, 4, 64, LAYER_STEPS, DEV, tol=1e-5)
+    run_layer_both_paths(monkeypatch, cfg, torch.float32, 4, 64, LAYER_STEPS, DEV, tol=1e-5, graph_layout=graph_layout)
+    assert absorbed == ([18, 9] if graph_layout else [])
 
 
 def test_cpu_tensors_take_the_torch_path():
@@ -291,4 +334,5 @@ def test_mla_layer_gpu_path_deepseek_dims(monkeypatch):
     cfg = MLAConfig(hidden_size=512, num_heads=16, q_lora_rank=256, kv_lora_rank=512, qk_nope_head_dim=128,
                     qk_rope_head_dim=64, v_head_dim=128, max_position_embeddings=16384, rope=rope)
     steps = [([300, 1, 40], [0, 0, 0]), ([1, 200, 1], [300, 1, 40]), ([1, 1, 1], [301, 201, 41])]
-    run_layer_both_paths(monkeypatch, cfg, torch.bfloat16, 16, 128, steps, DEV, tol=2e-2)
+    for graph_layout, tol in ((False, 2e-2), (True, 3e-2)):  # absorbed: q @ W_UK rounded to bf16, 576-wide dots
+        run_layer_both_paths(monkeypatch, cfg, torch.bfloat16, 16, 128, steps, DEV, tol=tol, graph_layout=graph_layout)

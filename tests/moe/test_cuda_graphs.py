@@ -89,6 +89,25 @@ def test_default_mixed_sizes():
     assert default_mixed_sizes(2000, fine=False)[-2:] == [1536, 2000]
 
 
+def test_mixed_graph_max_tokens_is_the_least_of_the_attention_layers(monkeypatch):
+    """Unified attention graphs mixed steps of any size, MLA up to the steps it runs absorbed, the
+    varlen prefill kernel and MLA's forced modes none."""
+    import sys
+
+    import models.layers.attention as attention
+    import models.layers.mla_attention as mla
+    from models.config import RopeConfig
+    cfg = mla.MLAConfig(hidden_size=16, num_heads=2, q_lora_rank=None, kv_lora_rank=8, qk_nope_head_dim=4,
+                        qk_rope_head_dim=4, v_head_dim=4, max_position_embeddings=64, rope=RopeConfig(10000.0))
+    gqa, latent = attention.Attention(4, 8, 2, 0.3), mla.MLAAttention(cfg)
+    assert attention.mixed_graph_max_tokens([gqa, gqa]) == sys.maxsize
+    assert attention.mixed_graph_max_tokens([gqa, latent]) == mla.ABSORBED_MAX_TOKENS == 2048
+    assert attention.mixed_graph_max_tokens([]) == 0
+    assert attention.mixed_graph_max_tokens([gqa, mla.MLAAttention(cfg, mode="expanded")]) == 0
+    monkeypatch.setattr(attention, "UNIFIED_ATTENTION", False)
+    assert attention.mixed_graph_max_tokens([gqa]) == 0
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 @pytest.mark.parametrize("mixed_sizes", [None, [16, 32]])  # [16, 32]: larger steps fall back to eager
 def test_mixed_step_graphs_give_the_eager_tokens(mixed_sizes, monkeypatch):
@@ -126,6 +145,59 @@ def test_mixed_step_graphs_give_the_eager_tokens(mixed_sizes, monkeypatch):
     assert preempted > 0, "the KV cache was large enough to never preempt: the test lost its edge case"
     compared = sum(_agree_until_a_near_tie(g, e) for g, e in zip(outs[False], outs[True]))
     assert compared >= sum(p.max_tokens for p in params) // 4  # the comparison reached far enough
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_mla_mixed_step_graphs_give_the_tokens_of_expanded_eager_steps(tmp_path, monkeypatch):
+    """DeepSeek-V3 (MLA): mixed steps of little prefill attention replay graphs with every query row
+    absorbed, the others run eagerly with their prefill rows expanded (both kinds in one run), and
+    the tokens and logprobs are those of eager steps alone (the expanded form), up to a near-tie;
+    chunked prefill across the token buckets, prefix hits, requests finishing mid-batch."""
+    import random
+
+    import models.layers.mla_attention as mla
+    from moe import LLM, SamplingParams
+    from tests.factories_deepseek import make_deepseek_v3_checkpoint
+    path = make_deepseek_v3_checkpoint(str(tmp_path / "ds"))
+    rng = random.Random(4)
+    shared = [rng.randrange(1, 500) for _ in range(40)]
+    prompts = [{"prompt_token_ids": shared + [rng.randrange(1, 500) for _ in range(n)]} for n in (3, 30, 61)]
+    prompts += [{"prompt_token_ids": [rng.randrange(1, 500) for _ in range(n)]} for n in (1, 9, 70, 5, 17, 90)]
+    params = [SamplingParams(temperature=0.0, max_tokens=6 + 3 * i, logprobs=2, ignore_eos=True)
+              for i in range(len(prompts))]
+    outs, replays, fits = {}, [], []
+    for eager in (True, False):
+        with LLM(path, device="cuda", dtype="float32", enforce_eager=eager, max_num_seqs=4, max_num_batched_tokens=64,
+                 max_model_len=192, gpu_memory_utilization=0.2) as llm:
+            runner = llm.llm_engine.executor.runner
+            assert (runner.mixed_graphs is None) == eager
+            if not eager:
+                layer = runner.model.attention_layers()[0]
+                # a chunk of 64 new tokens over 64 cached ones is past the limit; short chunks are not
+                monkeypatch.setattr(mla, "ABSORBED_MAX_HEAD_PAIRS", 64 * 64 * layer.num_local_heads - 1)
+                real_replay, real_fits = runner.mixed_graphs.replay, runner.mixed_graph_fits
+                runner.mixed_graphs.replay = lambda t: replays.append(t) or real_replay(t)
+                runner.mixed_graph_fits = lambda n, lens: fits.append(real_fits(n, lens)) or fits[-1]
+            outs[eager] = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert replays and fits.count(True) == len(replays), "no mixed step replayed a graph"
+    assert False in fits, "no mixed step ran eagerly beside the graphs: the test lost its edge case"
+    # fp32: the two forms differ in the last bits only, so only ties within 1e-3 end a comparison
+    compared = sum(_agree_until_a_near_tie(g, e, margin=1e-3) for g, e in zip(outs[False], outs[True]))
+    assert compared >= sum(p.max_tokens for p in params) // 4  # the comparison reached far enough
+
+
+def test_mla_mixed_graph_fits_counts_the_chunks_pairs_times_heads(monkeypatch):
+    import numpy as np
+
+    import models.layers.mla_attention as mla
+    from models.config import RopeConfig
+    cfg = mla.MLAConfig(hidden_size=16, num_heads=4, q_lora_rank=None, kv_lora_rank=8, qk_nope_head_dim=4,
+                        qk_rope_head_dim=4, v_head_dim=4, max_position_embeddings=64, rope=RopeConfig(10000.0))
+    layer = mla.MLAAttention(cfg)
+    monkeypatch.setattr(mla, "ABSORBED_MAX_HEAD_PAIRS", 4 * (100 * 300 + 20 * 20))
+    n, lens = np.array([1, 1, 100, 20]), np.array([5000, 7000, 300, 20])  # decode rows do not count
+    assert layer.mixed_graph_fits(n, lens)
+    assert not layer.mixed_graph_fits(n, lens + np.array([0, 0, 0, 1]))
 
 
 def _agree_until_a_near_tie(graphs_out, eager_out, margin: float = 0.02) -> int:

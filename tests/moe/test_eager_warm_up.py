@@ -1,6 +1,6 @@
 """The warm-up of eagerly run mixed steps (ModelRunner.warm_up_eager_steps): its step layout, that
 it leaves no trace (requests, expert load, later outputs), and on a GPU that the first real
-mixed steps of a model whose mixed steps run eagerly (MLA) compile no Triton kernel."""
+mixed steps of a model whose larger mixed steps run eagerly (MLA) compile no Triton kernel."""
 from __future__ import annotations
 
 import numpy as np
@@ -47,27 +47,30 @@ def test_warm_up_runs_every_size_and_leaves_no_trace():
         runner._run_batch = record
         before = llm.get_expert_load().counts.sum()
         runner.warm_up_eager_steps()
-        runner._run_batch = real
         # chunks of 16 and 32, 64, then three short of 128 and of the budget (200), and the
         # budget: chunks of at most max_model_len - 1 tokens
         assert ran == [(23, 16, False), (39, 32, False), (64, 57, False), (125, 95, False), (197, 95, False),
                        (200, 95, False)]
+        runner._run_batch = real
         assert llm.get_expert_load().counts.sum() == before
         assert runner.requests == {}
         got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert got == want
 
 
-def test_gpu_first_mixed_steps_compile_nothing_after_the_warm_up(tmp_path):
-    """DeepSeek-V3 (MLA) runs mixed steps eagerly; with the warm-up at start-up, mixed steps of
-    sizes the warm-up did not run (odd token counts, several chunks, decode rows of longer
-    contexts) compile no new Triton kernel."""
+def test_gpu_first_mixed_steps_compile_nothing_after_the_warm_up(tmp_path, monkeypatch):
+    """DeepSeek-V3 (MLA) runs mixed steps of more than its largest mixed graph (64 tokens here) or
+    of much prefill attention eagerly; with the warm-up at start-up, mixed steps of sizes the
+    warm-up did not run (odd token counts, several chunks, decode rows of longer contexts) compile
+    no new Triton kernel, nor do those that replay the mixed graphs."""
     import torch
     if not torch.cuda.is_available():
         pytest.skip("needs a GPU")
     import triton
 
+    import models.layers.mla_attention as mla
     from tests.factories_deepseek import make_deepseek_v3_checkpoint
+    monkeypatch.setattr(mla, "ABSORBED_MAX_TOKENS", 64)
     path = make_deepseek_v3_checkpoint(str(tmp_path / "ds"))
     rng = np.random.default_rng(3)
     prompts = [{"prompt_token_ids": rng.integers(1, 500, int(n)).tolist()} for n in rng.integers(20, 300, 24)]
@@ -75,7 +78,7 @@ def test_gpu_first_mixed_steps_compile_nothing_after_the_warm_up(tmp_path):
     with LLM(path, device="cuda", dtype="bfloat16", max_num_seqs=16, max_num_batched_tokens=512,
              max_model_len=512, gpu_memory_utilization=0.3) as llm:
         runner = llm.llm_engine.executor.runner
-        assert runner.use_cuda_graphs and runner.mixed_graphs is None  # MLA: mixed steps eager
+        assert runner.use_cuda_graphs and runner.mixed_graphs.sizes == [64]  # MLA: larger mixed steps eager
         llm.generate(prompts[:1], SamplingParams(max_tokens=2), use_tqdm=False)  # sampling kernels
         compiled = []
         triton.knobs.runtime.jit_cache_hook = lambda *a, **k: compiled.append(k.get("repr", a)) and False
