@@ -1,7 +1,8 @@
-"""MLA attention of a mixed step, the two forms of models/layers/mla_attention.py's GPU path: every
-query row absorbed through the split-KV kernel (each token a row of its causal length: what a
-mixed step's CUDA graph captures) against the prefill rows expanded (context gather, kv_b_proj,
-varlen attention; eager steps) beside the absorbed decode rows. One layer's attention core (no
+"""MLA attention of a mixed step, the forms of models/layers/mla_attention.py's GPU path: every query
+row absorbed (what a mixed step's CUDA graph captures), the chunks' tokens a split-KV program each
+(`absorbed`, MOE_MLA_CHUNK_ROWS=0) or packed 32 / 64 rows a program (`packed32`, `packed64`:
+kernels/triton_attention/mla_chunks.py), against the prefill rows expanded (context gather,
+kv_b_proj, varlen attention; eager steps) beside the absorbed decode rows. One layer's attention core (no
 projections: the same in both), bf16, eager launches timed with triton.testing.do_bench, the
 per-forward layout derivation done once beforehand (the layers of a forward share it).
 
@@ -62,17 +63,18 @@ def time_step(layer, decodes: int, decode_ctx: int, chunks: list, device: str,
     head_pairs = H * sum(n * (n + c) for n, c in chunks)
     out = {"tokens": T, "decodes": decodes, "decode_ctx": decode_ctx, "chunks": chunks, "head_pairs": head_pairs,
            "graph_fits": head_pairs <= mla.ABSORBED_MAX_HEAD_PAIRS}
-    for form in ("expanded", "absorbed"):
+    for form, chunk_rows in (("expanded", 0), ("absorbed", 0), ("packed32", 32), ("packed64", 64)):
+        mla.CHUNK_ROWS = chunk_rows
         meta, _ = mla_step_metadata(new, cached, S, layer.kv_cache.shape[0], device)
         meta.host_lists = form == "expanded"  # as a mixed step's graph marks its placeholders
         run = lambda: layer._attend_triton(q_nope, q_pe, meta)  # noqa: E731
         result = run()  # compiles, and derives the forward's layout once
         out[f"{form}_us"] = round(1e3 * triton.testing.do_bench(run, warmup=10, rep=60), 1)
         out[f"{form}_out"] = result.float()
-    diff = (out.pop("absorbed_out") - out["expanded_out"]).norm() / out["expanded_out"].norm()
-    out.pop("expanded_out")
-    out["rel_diff"] = float(diff)
-    out["absorbed_over_expanded"] = round(out["absorbed_us"] / out["expanded_us"], 3)
+    ref = out.pop("expanded_out")
+    for form in ("absorbed", "packed32", "packed64"):
+        out[f"{form}_rel_diff"] = float((out.pop(f"{form}_out") - ref).norm() / ref.norm())
+        out[f"{form}_over_expanded"] = round(out[f"{form}_us"] / out["expanded_us"], 3)
     return out
 
 

@@ -205,17 +205,20 @@ def default_num_splits(batch: int, head_tiles: int, max_context: int, device: to
     return max(1, min(want, triton.cdiv(max_context, 256), _MAX_SPLITS))
 
 
-def mla_token_rows(query_start_loc_B1: torch.Tensor, seq_lens_B: torch.Tensor,
-                   num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+def mla_token_rows(query_start_loc_B1: torch.Tensor, seq_lens_B: torch.Tensor, num_tokens: int,
+                   chunks_apart: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(table_rows_T, lens_T) of a step's num_tokens query tokens for mla_decode_triton: each
     token's sequence and its causal context (the keys up to its own position: seq_lens_B[b] minus
     the sequence's tokens after it). Device ops only, so a CUDA graph captures them; a token of a
-    padding sequence (seq_lens 0) gets length 0."""
+    padding sequence (seq_lens 0) gets length 0, and so does a token of a chunk (a sequence of
+    several new tokens) with chunks_apart: mla_chunks.py's kernel computes those rows."""
     qsl = query_start_loc_B1
     t = torch.arange(num_tokens, dtype=qsl.dtype, device=qsl.device)
     ends = qsl[1:].contiguous()
     rows = torch.searchsorted(ends, t, right=True).clamp_(max=ends.shape[0] - 1)
     lens = (seq_lens_B.to(qsl.dtype)[rows] - ends[rows] + t + 1).clamp_(min=0)
+    if chunks_apart:
+        lens = torch.where(ends[rows] - qsl[:-1][rows] > 1, 0, lens)
     return rows, lens
 
 

@@ -51,6 +51,9 @@ from models.layers.rotary_yarn import yarn_softmax_scale
 # other mixed steps run eagerly, their prefill rows expanded.
 ABSORBED_MAX_TOKENS = int(os.environ.get("MOE_MLA_ABSORBED_TOKENS", "2048"))
 ABSORBED_MAX_HEAD_PAIRS = int(float(os.environ.get("MOE_MLA_ABSORBED_HEAD_PAIRS", "16e6")))
+# In those graphs the chunks' tokens packed into programs of MOE_MLA_CHUNK_ROWS tokens x heads
+# (kernels/triton_attention/mla_chunks.py; 0: a program per token, as decode rows).
+CHUNK_ROWS = int(os.environ.get("MOE_MLA_CHUNK_ROWS", "64"))
 
 # transformers builds q_a_layernorm / kv_a_layernorm with the default epsilon, whatever rms_norm_eps says.
 _LATENT_NORM_EPS = 1e-6
@@ -177,13 +180,7 @@ class MLAAttention(nn.Module):
             return self._decode_triton(q_nope, q_pe, meta.seq_lens_t, meta.block_tables_BM)
         T, H, Dv = q_nope.shape[0], q_nope.shape[1], self.cfg.v_head_dim
         if not meta.host_lists:
-            # A mixed step's graph: every token a row of its causal length reading its sequence's
-            # table row, from device tensors only; the first MLA layer derives them for the rest.
-            rows = meta.derived.get("mla_rows")
-            if rows is None:
-                from kernels.triton_attention.mla_decode import mla_token_rows
-                rows = meta.derived["mla_rows"] = mla_token_rows(meta.query_start_loc_t, meta.seq_lens_t, T)
-            return self._decode_triton(q_nope, q_pe, rows[1], meta.block_tables_BM, table_rows_T=rows[0])
+            return self._mixed_graph_triton(q_nope, q_pe, meta)
         out_THDv = q_nope.new_empty(T, H, Dv)
         if meta.prefill_seqs:
             self._prefill_triton(q_nope, q_pe, meta, out_THDv)
@@ -194,16 +191,42 @@ class MLAAttention(nn.Module):
         return out_THDv
 
     def _decode_triton(self, q_nope_BHD: torch.Tensor, q_pe_BHP: torch.Tensor, seq_lens_B: torch.Tensor,
-                       block_tables_BM: torch.Tensor, table_rows_T: torch.Tensor | None = None) -> torch.Tensor:
-        """Absorbed form: q_nope @ W_UK, latent attention over the cache rows, then @ W_UV^T.
-        table_rows_T: each row's block-table row (rows are a mixed step's tokens), else row b's."""
+                       block_tables_BM: torch.Tensor) -> torch.Tensor:
+        """Absorbed form: q_nope @ W_UK, latent attention over the cache rows, then @ W_UV^T."""
         from kernels.triton_attention.mla_decode import mla_decode_triton
-        w_uk, w_uv = self._kv_b_parts()  # [H, Dn, R], [H, Dv, R]
+        out_BHR = mla_decode_triton(self._absorbed_queries(q_nope_BHD, q_pe_BHP), self.kv_cache, block_tables_BM,
+                                    seq_lens_B, self.scale, self.cfg.kv_lora_rank, kv_scale=self.k_scale)
+        return self._absorbed_outputs(out_BHR)
+
+    def _mixed_graph_triton(self, q_nope: torch.Tensor, q_pe: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """A mixed step as its CUDA graph runs it, from device tensors only: every token absorbed, the
+        decode rows through the split-KV kernel (a row reading its sequence's block-table row), then
+        the chunks' tokens packed (CHUNK_ROWS; 0: they too a row each, of their causal length).
+        The first MLA layer of the forward derives the rows for the rest."""
+        from kernels.triton_attention.mla_chunks import mla_chunks_triton
+        from kernels.triton_attention.mla_decode import mla_decode_triton, mla_token_rows
+        rows = meta.derived.get("mla_rows")
+        if rows is None:
+            rows = meta.derived["mla_rows"] = mla_token_rows(meta.query_start_loc_t, meta.seq_lens_t, q_nope.shape[0],
+                                                             chunks_apart=CHUNK_ROWS > 0)
+        q_THC = self._absorbed_queries(q_nope, q_pe)
+        out_THR = mla_decode_triton(q_THC, self.kv_cache, meta.block_tables_BM, rows[1], self.scale,
+                                    self.cfg.kv_lora_rank, kv_scale=self.k_scale, table_rows_B=rows[0])
+        if CHUNK_ROWS > 0:
+            mla_chunks_triton(q_THC, self.kv_cache, meta.block_tables_BM, meta.query_start_loc_t, meta.seq_lens_t,
+                              self.scale, self.cfg.kv_lora_rank, out_THR, kv_scale=self.k_scale, rows=CHUNK_ROWS)
+        return self._absorbed_outputs(out_THR)
+
+    def _absorbed_queries(self, q_nope_BHD: torch.Tensor, q_pe_BHP: torch.Tensor) -> torch.Tensor:
+        """[q_nope @ W_UK | q_pe]: [B, H, R + P]."""
+        w_uk = self._kv_b_parts()[0]  # [H, Dn, R]
         q_lat_HBR = torch.bmm(q_nope_BHD.transpose(0, 1), w_uk)
-        q_BHC = torch.cat((q_lat_HBR.transpose(0, 1), q_pe_BHP), dim=-1)
-        out_BHR = mla_decode_triton(q_BHC, self.kv_cache, block_tables_BM, seq_lens_B, self.scale,
-                                    self.cfg.kv_lora_rank, kv_scale=self.k_scale, table_rows_B=table_rows_T)
-        return torch.bmm(out_BHR.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)  # [B, H, Dv]
+        return torch.cat((q_lat_HBR.transpose(0, 1), q_pe_BHP), dim=-1)
+
+    def _absorbed_outputs(self, out_BHR: torch.Tensor) -> torch.Tensor:
+        """Latent outputs projected with W_UV: [B, H, Dv]."""
+        w_uv = self._kv_b_parts()[1]  # [H, Dv, R]
+        return torch.bmm(out_BHR.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
 
     def _prefill_triton(self, q_nope: torch.Tensor, q_pe: torch.Tensor, meta: AttentionMetadata,
                         out_THDv: torch.Tensor) -> None:

@@ -18,6 +18,7 @@ triton = pytest.importorskip("triton")
 import models.layers.mla_attention as mla_layer  # noqa: E402
 from kernels.attention import AttentionMetadata  # noqa: E402
 from kernels.mla_attention import mla_absorbed_torch, write_latent_cache  # noqa: E402
+from kernels.triton_attention.mla_chunks import mla_chunks_triton  # noqa: E402
 from kernels.triton_attention.mla_decode import (mla_decode_triton, mla_token_rows,  # noqa: E402
                                                  write_latent_cache_triton)
 from kernels.triton_attention.varlen import varlen_attention_triton  # noqa: E402
@@ -152,6 +153,34 @@ def test_mla_decode_rows_read_their_sequences_tables(splits):
                           table_rows_B=rows_t[:-1])
 
 
+@needs_triton_device
+@pytest.mark.parametrize("rows", [16, 64])
+def test_mla_chunks_match_reference_and_leave_the_other_rows(rows):
+    """Chunks (fresh, over cached keys, crossing token tiles, of 2 tokens) packed BQ tokens a
+    program: each row sees the keys up to its position; decode rows and a padding sequence of
+    several tokens (context 0) are left as they were."""
+    S, H, R, P = 4, 3, 32, 16
+    new = [1, 7, 1, 13, 2, 3]
+    cached = [8, 0, 3, 9, 5, 0]
+    lens = [c + n for c, n in zip(cached, new)]
+    lens[-1] = 0  # padding
+    poisoned, clean, tables = paged_cache(lens, S, R + P, extra_blocks=3, dtype=torch.float32, seed=21)
+    T = sum(new)
+    qsl = np.concatenate([[0], np.cumsum(new)])
+    q = torch.randn(T, H, R + P, generator=torch.Generator().manual_seed(5)).to(DEV)
+    out = torch.full((T, H, R), 7.0, device=DEV)
+    mla_chunks_triton(q, poisoned, tables, torch.tensor(qsl, dtype=torch.int32, device=DEV),
+                      torch.tensor(lens, dtype=torch.int32, device=DEV), 0.3, R, out, rows=rows)
+    for b, n in enumerate(new):
+        toks = range(qsl[b], qsl[b + 1])
+        if n == 1 or lens[b] == 0:
+            assert (out[list(toks)] == 7.0).all(), f"sequence {b}'s rows were written"
+            continue
+        causal = [lens[b] - n + i + 1 for i in range(n)]
+        ref = decode_reference(q[list(toks)], clean, tables[[b] * n], causal, 0.3, R)
+        torch.testing.assert_close(out[list(toks)], ref, atol=1e-5, rtol=1e-5)
+
+
 def test_mla_token_rows_give_each_token_its_sequence_and_causal_length():
     # a decode (context 8), a chunk of 3 over 4 cached tokens, a fresh prompt of 2, then padding
     # sequences of context 0: one of a token, the last holding the rest (as a mixed graph pads)
@@ -160,6 +189,7 @@ def test_mla_token_rows_give_each_token_its_sequence_and_causal_length():
     rows, lens = mla_token_rows(qsl, seq_lens, 10)
     assert rows.tolist() == [0, 1, 1, 1, 2, 2, 3, 4, 4, 4]
     assert lens.tolist() == [8, 5, 6, 7, 1, 2, 0, 0, 0, 0]
+    assert mla_token_rows(qsl, seq_lens, 10, chunks_apart=True)[1].tolist() == [8] + [0] * 9  # decode rows only
 
 
 def varlen_reference(q, k, v, ns, lks, scale):
@@ -248,15 +278,17 @@ LAYER_STEPS = [([5, 1, 9, 3], [0, 0, 0, 0]), ([1, 6, 1, 1], [5, 1, 9, 3]), ([1, 
 
 
 @needs_triton_device
-@pytest.mark.parametrize("graph_layout", [False, True])
-def test_mla_layer_triton_path_matches_torch_path(monkeypatch, graph_layout):
+@pytest.mark.parametrize("graph_layout, chunk_rows", [(False, 64), (True, 0), (True, 16), (True, 64)])
+def test_mla_layer_triton_path_matches_torch_path(monkeypatch, graph_layout, chunk_rows):
     """The GPU path's mixed steps eagerly (prefill rows expanded) and as their CUDA graph runs them
-    (every row absorbed from the device layout; steps 1 and 2: 18 and 9 tokens)."""
+    (every row absorbed from the device layout, the chunks a row a token or packed; steps 1 and 2:
+    18 and 9 tokens)."""
     import kernels.triton_attention.mla_decode as mla_decode
+    monkeypatch.setattr(mla_layer, "CHUNK_ROWS", chunk_rows)
     absorbed = []
     real_rows = mla_decode.mla_token_rows
     monkeypatch.setattr(mla_decode, "mla_token_rows",
-                        lambda qsl, lens, T: absorbed.append(T) or real_rows(qsl, lens, T))
+                        lambda qsl, lens, T, **kw: absorbed.append(T) or real_rows(qsl, lens, T, **kw))
     rope = RopeConfig(10000.0, "yarn", 4.0, 16, {"mscale": 0.707, "mscale_all_dim": 1.0})
     cfg = MLAConfig(hidden_size=40, num_heads=3, q_lora_rank=24, kv_lora_rank=20, qk_nope_head_dim=12,
                     qk_rope_head_dim=8, v_head_dim=10, max_position_embeddings=256, rope=rope)
