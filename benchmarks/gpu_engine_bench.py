@@ -716,6 +716,7 @@ def host_parts(llm: LLM, num_decodes: int = 256, chunk: int = 512, prompt_len: i
         for _ in range(4):
             engine.step()
         out = {"decode": per_step(lambda: [engine.step() for _ in range(steps)])}
+        engine.abort_request(["p0"])  # a free seat (max_num_seqs): each new prompt gets in beside the decodes
         _mixed_steps(engine, "host-warm-up", steps, chunk, seed=9)  # new prompts, their sizes
         out["mixed"] = per_step(lambda: _mixed_steps(engine, "host-timed", steps, chunk, seed=10))
         out["steps_each"] = steps
@@ -761,6 +762,7 @@ def host_profile(llm: LLM, num_decodes: int = 256, chunk: int = 512, prompt_len:
     for _ in range(4):
         engine.step()
     out = {"decode": profiled(lambda: [engine.step() for _ in range(steps)])}
+    engine.abort_request(["p0"])  # a free seat, as host_parts
     _mixed_steps(engine, "hostprof-warm-up", steps, chunk, seed=11)
     out["mixed"] = profiled(lambda: _mixed_steps(engine, "hostprof-timed", steps, chunk, seed=12))
     out["steps_each"] = steps

@@ -117,6 +117,8 @@ def mla_chunks_triton(q_THC: torch.Tensor, cache_NSC: torch.Tensor, block_tables
                          f"{tuple(block_tables_BM.shape)} do not match {B} sequences")
     if q_THC.stride(2) != 1 or cache_NSC.stride(2) != 1 or block_tables_BM.stride(1) != 1 or out_THR.stride(2) != 1:
         raise ValueError("q, cache, block tables and out must be contiguous in their last dim")
+    if rows < 16 or rows & (rows - 1):
+        raise ValueError(f"rows (tokens x heads a program, MOE_MLA_CHUNK_ROWS) must be a power of two >= 16: {rows}")
     if T == 0 or B == 0:
         return out_THR
     block_q, block_h = chunk_tiles(H, rows)

@@ -181,6 +181,14 @@ def test_mla_chunks_match_reference_and_leave_the_other_rows(rows):
         torch.testing.assert_close(out[list(toks)], ref, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("rows", [8, 48])
+def test_mla_chunks_refuse_rows_that_are_no_tile(rows):
+    q, cache = torch.zeros(4, 2, 24), torch.zeros(4, 4, 24)
+    with pytest.raises(ValueError, match="power of two"):
+        mla_chunks_triton(q, cache, torch.zeros(1, 2, dtype=torch.int32), torch.tensor([0, 4], dtype=torch.int32),
+                          torch.tensor([4], dtype=torch.int32), 1.0, 16, torch.zeros(4, 2, 16), rows=rows)
+
+
 def test_mla_token_rows_give_each_token_its_sequence_and_causal_length():
     # a decode (context 8), a chunk of 3 over 4 cached tokens, a fresh prompt of 2, then padding
     # sequences of context 0: one of a token, the last holding the rest (as a mixed graph pads)
