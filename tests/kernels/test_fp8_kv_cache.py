@@ -285,9 +285,11 @@ def test_mla_write_and_decode_read_fp8(dtype, splits):
     assert (out[lens.index(0)] == 0).all()
 
 
-def mla_layer_outputs(monkeypatch, cfg, cache_dtype, use_triton, steps, block_size=4, num_blocks=64, k_scale=0.25):
+def mla_layer_outputs(monkeypatch, cfg, cache_dtype, use_triton, steps, block_size=4, num_blocks=64, k_scale=0.25,
+                      graph_layout=False):
     """The MLA layer's outputs over `steps` (new tokens, cached tokens per sequence) with a cache of
-    cache_dtype, through its torch path or its Triton path."""
+    cache_dtype, through its torch path or its Triton path (graph_layout: mixed steps as their CUDA
+    graph runs them, every row absorbed, the chunks packed)."""
     torch.manual_seed(0)
     layer = MLAAttention(cfg)
     with torch.no_grad():
@@ -302,6 +304,7 @@ def mla_layer_outputs(monkeypatch, cfg, cache_dtype, use_triton, steps, block_si
     for new, cached in steps:
         x = torch.randn(sum(new), cfg.hidden_size, generator=gen).to(DEV)
         meta, positions = mla_step_metadata(new, cached, block_size, num_blocks, DEV)
+        meta.host_lists = not (graph_layout and not meta.decode_only)
         with torch.no_grad():
             outs.append(layer(positions, x, meta).cpu())
     return outs
@@ -312,15 +315,16 @@ MLA_STEPS = [([5, 1, 9, 3], [0, 0, 0, 0]), ([1, 6, 1, 1], [5, 1, 9, 3]), ([1, 1,
 
 @needs_triton_device
 @pytest.mark.parametrize("dtype", FP8)
-def test_mla_layer_fp8_both_paths(monkeypatch, dtype):
+@pytest.mark.parametrize("graph_layout", [False, True])
+def test_mla_layer_fp8_both_paths(monkeypatch, dtype, graph_layout):
     """The layer over an FP8 cache: the Triton path (latent write, varlen prefill over the
-    dequantised context, absorbed decode) equals the torch path; both stay near the fp32-cache
-    output but not on it."""
+    dequantised context, absorbed decode; or, as a mixed step's graph, every row absorbed and the
+    chunks packed) equals the torch path; both stay near the fp32-cache output but not on it."""
     rope = RopeConfig(10000.0, "yarn", 4.0, 16, {"mscale": 0.707, "mscale_all_dim": 1.0})
     cfg = MLAConfig(hidden_size=40, num_heads=3, q_lora_rank=24, kv_lora_rank=20, qk_nope_head_dim=12,
                     qk_rope_head_dim=8, v_head_dim=10, max_position_embeddings=256, rope=rope)
     torch_path = mla_layer_outputs(monkeypatch, cfg, dtype, False, MLA_STEPS)
-    triton_path = mla_layer_outputs(monkeypatch, cfg, dtype, True, MLA_STEPS)
+    triton_path = mla_layer_outputs(monkeypatch, cfg, dtype, True, MLA_STEPS, graph_layout=graph_layout)
     exact = mla_layer_outputs(monkeypatch, cfg, torch.float32, False, MLA_STEPS)
     for step, (a, b, c) in enumerate(zip(triton_path, torch_path, exact)):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4, msg=f"step {step}")
