@@ -1,5 +1,5 @@
-"""MLA attention in the absorbed form over the paged latent cache (decode rows, and every row of
-a small mixed step), and the latent-cache write.
+"""MLA attention in the absorbed form over the paged latent cache (decode rows, also those of a
+mixed step's CUDA graph), and the latent-cache write.
 
 Each row is one query over the first seq_lens[b] keys of its sequence: a decode step's
 sequences, or a mixed step's tokens (table_rows: each token's sequence, mla_token_rows: its causal
