@@ -8,8 +8,9 @@ Mixed steps (prefill chunks, with or without decodes): one graph per token count
 max_num_seqs + 1 sequences. A step of T tokens replays the graph of the smallest captured count
 t >= T; its padding tokens form sequences of context 0 after the real ones (attention writes
 zeros for them). Only where every attention launch reads its layout from device tensors alone
-(the unified kernel of models/layers/attention.py; MLA up to the step size it runs wholly
-absorbed, larger steps eagerly), and not under expert parallelism.
+(the unified kernel of models/layers/attention.py; MLA, every row absorbed, for steps of up to
+2048 tokens whose chunks hold little attention, MLAAttention.mixed_graph_fits: other steps run
+eagerly), and not under expert parallelism.
 The graphs read their inputs from the runner's StepBuffers, so a replay needs only the upload
 that every step does anyway.
 """
