@@ -108,24 +108,33 @@ def test_mixed_graph_max_tokens_is_the_least_of_the_attention_layers(monkeypatch
     assert attention.mixed_graph_max_tokens([gqa]) == 0
 
 
+def _mixed_step_prompts(seed: int, vocab: int) -> tuple[list[dict], list]:
+    """Prompts whose steps mix prefill chunks with decodes: three sharing a 40-token prefix (prefix
+    hits), six of their own; greedy, 2 logprobs, outputs of different lengths (requests finish mid-run)."""
+    import random
+
+    from moe import SamplingParams
+    rng = random.Random(seed)
+    shared = [rng.randrange(1, vocab) for _ in range(40)]
+    prompts = [{"prompt_token_ids": shared + [rng.randrange(1, vocab) for _ in range(n)]} for n in (3, 30, 61)]
+    prompts += [{"prompt_token_ids": [rng.randrange(1, vocab) for _ in range(n)]} for n in (1, 9, 70, 5, 17, 90)]
+    params = [SamplingParams(temperature=0.0, max_tokens=6 + 3 * i, logprobs=2, ignore_eos=True)
+              for i in range(len(prompts))]
+    return prompts, params
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 @pytest.mark.parametrize("mixed_sizes", [None, [16, 32]])  # [16, 32]: larger steps fall back to eager
 def test_mixed_step_graphs_give_the_eager_tokens(mixed_sizes, monkeypatch):
     """Steps that mix prefill chunks with decodes replay the mixed graphs (chunked prefill across
     token buckets, shared prefixes hitting the cache, requests finishing mid-batch, preemption
     with a small KV cache) and give the eager tokens and logprobs (up to a near-tie)."""
-    import random
 
     import moe.worker.model_runner as model_runner
-    from moe import LLM, SamplingParams
+    from moe import LLM
     if mixed_sizes is not None:
         monkeypatch.setattr(model_runner, "default_mixed_sizes", lambda max_tokens: mixed_sizes)
-    rng = random.Random(2)
-    shared = [rng.randrange(1, 512) for _ in range(40)]
-    prompts = [{"prompt_token_ids": shared + [rng.randrange(1, 512) for _ in range(n)]} for n in (3, 30, 61)]
-    prompts += [{"prompt_token_ids": [rng.randrange(1, 512) for _ in range(n)]} for n in (1, 9, 70, 5, 17, 90)]
-    params = [SamplingParams(temperature=0.0, max_tokens=6 + 3 * i, logprobs=2, ignore_eos=True)
-              for i in range(len(prompts))]
+    prompts, params = _mixed_step_prompts(seed=2, vocab=512)
     outs, replays = {}, {}
     for eager in (True, False):
         with LLM("tiny-qwen3-moe", device="cuda", dtype="float32", enforce_eager=eager, max_num_seqs=4,
@@ -153,18 +162,12 @@ def test_mla_mixed_step_graphs_give_the_tokens_of_expanded_eager_steps(tmp_path,
     absorbed, the others run eagerly with their prefill rows expanded (both kinds in one run), and
     the tokens and logprobs are those of eager steps alone (the expanded form), up to a near-tie;
     chunked prefill across the token buckets, prefix hits, requests finishing mid-batch."""
-    import random
 
     import models.layers.mla_attention as mla
-    from moe import LLM, SamplingParams
+    from moe import LLM
     from tests.factories_deepseek import make_deepseek_v3_checkpoint
     path = make_deepseek_v3_checkpoint(str(tmp_path / "ds"))
-    rng = random.Random(4)
-    shared = [rng.randrange(1, 500) for _ in range(40)]
-    prompts = [{"prompt_token_ids": shared + [rng.randrange(1, 500) for _ in range(n)]} for n in (3, 30, 61)]
-    prompts += [{"prompt_token_ids": [rng.randrange(1, 500) for _ in range(n)]} for n in (1, 9, 70, 5, 17, 90)]
-    params = [SamplingParams(temperature=0.0, max_tokens=6 + 3 * i, logprobs=2, ignore_eos=True)
-              for i in range(len(prompts))]
+    prompts, params = _mixed_step_prompts(seed=4, vocab=500)
     outs, replays, fits = {}, [], []
     for eager in (True, False):
         with LLM(path, device="cuda", dtype="float32", enforce_eager=eager, max_num_seqs=4, max_num_batched_tokens=64,
