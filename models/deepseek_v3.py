@@ -119,20 +119,26 @@ class DeepseekV3Gate(nn.Module):
         return self._route(logits_TE, e_score_correction_bias_E=self.e_score_correction_bias)
 
 
+def deepseek_mlp(cfg, layer_idx: int, moe_parallel: MoEParallelConfig | None) -> nn.Module:
+    """A layer's MLP in DeepSeek-V3's form (GLM-4.5 shares it): past the first_k_dense_replace dense
+    layers, the sigmoid router with correction bias and groups, the routed experts (FP8 where the
+    checkpoint's are) and the shared ones."""
+    if not cfg.is_moe_layer(layer_idx):
+        return SwiGLUMLP(cfg.hidden_size, cfg.intermediate_size)
+    gate = DeepseekV3Gate(cfg)
+    shared = (SwiGLUMLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts)
+              if cfg.n_shared_experts else None)
+    experts = FusedMoE(cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size, moe_parallel,
+                       fp8_block=experts_fp8_block(cfg.fp8, layer_idx))
+    return MoEBlock(gate=gate, router_fn=gate.route, experts=experts, shared_experts=shared)
+
+
 class DeepseekV3DecoderLayer(PreNormDecoderLayer):
     def __init__(self, cfg: DeepseekV3Config, layer_idx: int, attn_mode: str = "auto",
                  moe_parallel: MoEParallelConfig | None = None) -> None:
         super().__init__()
         self.self_attn = MLAAttention(cfg.mla(), attn_mode)
-        if cfg.is_moe_layer(layer_idx):
-            gate = DeepseekV3Gate(cfg)
-            shared = (SwiGLUMLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts)
-                      if cfg.n_shared_experts else None)
-            experts = FusedMoE(cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size, moe_parallel,
-                               fp8_block=experts_fp8_block(cfg.fp8, layer_idx))
-            self.mlp = MoEBlock(gate=gate, router_fn=gate.route, experts=experts, shared_experts=shared)
-        else:
-            self.mlp = SwiGLUMLP(cfg.hidden_size, cfg.intermediate_size)
+        self.mlp = deepseek_mlp(cfg, layer_idx, moe_parallel)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 

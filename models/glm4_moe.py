@@ -16,13 +16,12 @@ from torch import nn
 
 from kernels.attention import AttentionMetadata
 from models.config import ModelConfig, check_moe_fields, hf_get
-from models.deepseek_v3 import DeepseekV3Gate
-from models.fp8 import Fp8BlockConfig, attach_fp8_scales, block_fp8_params, experts_fp8_block
+from models.deepseek_v3 import deepseek_mlp
+from models.fp8 import Fp8BlockConfig, attach_fp8_scales, block_fp8_params
 from models.layers.attention import Attention
 from models.layers.decoder import DecoderForCausalLM, DecoderStack, PreNormDecoderLayer
 from models.layers.linear import QKVParallelLinear, RowParallelLinear
-from models.layers.mlp import SwiGLUMLP
-from models.layers.moe import FusedMoE, MoEBlock, MoEParallelConfig
+from models.layers.moe import MoEParallelConfig
 from models.layers.norm import RMSNorm
 from models.layers.rotary import get_rope
 from models.loader import EXPERT_RULES, GATE_UP_RULES, NameRule, QKV_RULES
@@ -124,15 +123,7 @@ class Glm4MoeDecoderLayer(PreNormDecoderLayer):
     def __init__(self, cfg: Glm4MoeConfig, layer_idx: int, moe_parallel: MoEParallelConfig | None = None) -> None:
         super().__init__()
         self.self_attn = Glm4MoeAttention(cfg)
-        if cfg.is_moe_layer(layer_idx):
-            gate = DeepseekV3Gate(cfg)  # the same router maths and checkpoint names as DeepSeek-V3's
-            shared = (SwiGLUMLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts)
-                      if cfg.n_shared_experts else None)
-            experts = FusedMoE(cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size, moe_parallel,
-                               fp8_block=experts_fp8_block(cfg.fp8, layer_idx))
-            self.mlp = MoEBlock(gate=gate, router_fn=gate.route, experts=experts, shared_experts=shared)
-        else:
-            self.mlp = SwiGLUMLP(cfg.hidden_size, cfg.intermediate_size)
+        self.mlp = deepseek_mlp(cfg, layer_idx, moe_parallel)  # DeepSeek-V3's router maths and checkpoint names
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
