@@ -3,6 +3,9 @@ KV-cache group. A step only appends the blocks the scheduler added, and the batc
 fancy-index gather of its rows, instead of rebuilding [B, max_blocks] from Python lists each step.
 
 Tables and the row count grow on demand (doubling), so no size needs to be known up front.
+
+On CUDA a copy of the tables lives on the device (moe/worker/step_buffers.py): every write is also
+logged (`take_writes`), so that a step uploads only the blocks added since the last one.
 """
 from __future__ import annotations
 
@@ -10,10 +13,13 @@ import numpy as np
 
 
 class BlockTables:
-    def __init__(self, num_groups: int, rows: int = 64, cols: int = 64) -> None:
+    def __init__(self, num_groups: int, rows: int = 64, cols: int = 64, log_writes: bool = False) -> None:
+        """log_writes: keep the log that take_writes empties (a device copy follows the tables)."""
         self.tables = [np.zeros((rows, cols), dtype=np.int64) for _ in range(num_groups)]
         self.lens = [np.zeros(rows, dtype=np.int64) for _ in range(num_groups)]
         self._free: list[int] = list(range(rows - 1, -1, -1))
+        # (group, row, first column, block ids) of each write since the last take_writes
+        self._writes: list[tuple[int, int, int, list[int]]] | None = [] if log_writes else None
 
     @property
     def num_groups(self) -> int:
@@ -37,6 +43,19 @@ class BlockTables:
             self._grow_cols(group, n + k)
         self.tables[group][row, n:n + k] = ids
         self.lens[group][row] = n + k
+        if self._writes is not None:
+            self._writes.append((group, row, n, ids))
+
+    def take_writes(self) -> list[tuple[int, int, int, list[int]]]:
+        """The writes since the last call, oldest first: (group, row, first column, block ids)."""
+        if self._writes is None:
+            raise RuntimeError("these block tables keep no log of their writes (log_writes=False)")
+        writes, self._writes = self._writes, []
+        return writes
+
+    @property
+    def num_rows(self) -> int:
+        return self.tables[0].shape[0]
 
     def remove(self, row: int) -> None:
         self._free.append(row)

@@ -272,7 +272,8 @@ class ModelRunner:
         self.num_kv_groups = len(groups)
         self.requests.clear()  # their blocks belonged to the previous cache
         self.images.holding.clear()
-        self.block_tables = BlockTables(len(groups))
+        on_device = self.gpu_inputs and self.limits is not None  # the step buffers keep a device copy
+        self.block_tables = BlockTables(len(groups), log_writes=on_device)
         # Rows are reused lowest-first, so they stay below the most requests held at once (max_num_seqs):
         # a CUDA graph's view of this tensor never needs it to grow (twice that, to spare).
         rows = max(64, 2 * self.limits[0] + 2 if self.limits else 0)
@@ -301,14 +302,14 @@ class ModelRunner:
             slots = groups[self.state_group].num_blocks + extra
             for name, (shape, dtype) in layer.state_shapes(slots).items():
                 setattr(layer, name, torch.zeros(shape, dtype=dtype, device=self.device))
-        if self.gpu_inputs and self.limits is not None:
+        if on_device:
             max_num_seqs, max_model_len, max_tokens = self.limits
             sizes = self._capture_sizes()
             # The profiling forward packs the token budget into sequences of max_model_len; a mixed
             # step's graph has a padding sequence beyond max_num_seqs.
             max_seqs = max(max_num_seqs + self.use_mixed_graphs, max(sizes, default=1), -(-max_tokens // max_model_len))
             self.buffers = StepBuffers(self.device, max(max_tokens, max_seqs), max_seqs,
-                                       -(-max_model_len // self.block_size) + 1, len(groups))
+                                       -(-max_model_len // self.block_size) + 1, len(groups), runner_rows=rows)
             if self.counters is not None:  # the count of real rows goes up with the inputs: no fill launch
                 self.counters.num_valid = self.buffers.dev_view("num_valid", 1)
 
@@ -379,6 +380,7 @@ class ModelRunner:
         """The model on b decode rows read from the step buffers (what a graph captures)."""
         buf = self.buffers
         self.dispatch_step.max_tokens = b  # every rank captures the same sizes in the same order
+        buf.gather_tables(b)
         meta = buffer_metadata(buf, self.num_kv_groups, b, b, 1, list(range(b + 1)), [1] * b, decode_only=True)
         self._attach_state(meta)
         input_ids = self._input_ids(buf.dev_view("input_ids", b), buf.dev_view("pending_src", b))
@@ -389,6 +391,7 @@ class ModelRunner:
         """The model on a mixed step of t tokens read from the step buffers (what a graph captures:
         the attention kernels read only the device layout, not the host lists given here)."""
         buf, b = self.buffers, self.mixed_graph_seqs
+        buf.gather_tables(b)
         meta = buffer_metadata(buf, self.num_kv_groups, t, b, t, [0] * (b + 1), [0] * b, decode_only=False,
                                host_lists=False)
         self._attach_state(meta)
@@ -445,6 +448,8 @@ class ModelRunner:
         grown = torch.zeros(2 * (row + 1), dtype=torch.int64, device=self.device)
         grown[:len(self.last_sampled_R)] = self.last_sampled_R
         self.last_sampled_R = grown
+        if self.buffers is not None:  # the device block tables too
+            self.buffers.grow_rows(len(grown))
 
     def _sampling_batch(self, states: list[RequestState], seq_lens: list[int],
                         req_ids: list[str] | None = None, prev: PendingStep | None = None) -> SamplingBatch:
@@ -569,7 +574,7 @@ class ModelRunner:
         T, B = len(batch.input_ids_T), len(batch.req_ids)
         num_valid = None if self.counters is None else T if counted else 0  # a graph's padding rows: not counted
         self._check_pending(batch, prev)
-        if self.buffers is None or not self.buffers.fits(T, B, max(t.shape[1] for t in batch.tables)):
+        if self.buffers is None or not self.buffers.fits(T, B, batch.max_blocks()):
             if num_valid is not None:
                 self.counters.set_num_valid(num_valid)
             meta = host_metadata(batch, self.device, self.block_size, device_fields=self.gpu_inputs)

@@ -56,7 +56,9 @@ class StepBatch:
     input_ids_T: np.ndarray
     positions_T: np.ndarray
     row_T: np.ndarray              # sequence of each token
-    tables: list[np.ndarray]       # per KV-cache group [B, m]
+    # Per KV-cache group [B, m]: given (a synthetic batch), or None: read from `source` by rows_B
+    # when asked (block_table), since the GPU path gathers them on the device instead.
+    tables: list[np.ndarray] | None
     sample_rows: list[int]         # sequences that produce a token this step
     # Async scheduling: per token, the runner row whose last sampled token is its input id, when
     # the host does not know it yet (the step in flight samples it; its input_ids_T entry is 0 until
@@ -65,10 +67,32 @@ class StepBatch:
     rows_B: np.ndarray | None = None  # each sequence's row of the runner (BlockTables, last-sampled tokens)
     # The recurrent group's index: its tables hold one state slot per sequence, no per-token slots.
     state_group: int | None = None
+    source: BlockTables | None = None  # the runner's tables, rows_B its rows (a built batch)
+    _gathered: dict = field(default_factory=dict, repr=False)
 
     @property
     def decode_only(self) -> bool:
         return len(self.input_ids_T) == len(self.req_ids)
+
+    @property
+    def num_groups(self) -> int:
+        return self.source.num_groups if self.tables is None else len(self.tables)
+
+    def block_table(self, group: int) -> np.ndarray:
+        """[B, m] block table of one group, m = the sequences' longest (padding is stale, never read)."""
+        if self.tables is not None:
+            return self.tables[group]
+        if group not in self._gathered:
+            self._gathered[group] = self.source.gather(group, self.rows_B)
+        return self._gathered[group]
+
+    def max_blocks(self) -> int:
+        """The longest block table of the step, over every group."""
+        if self.tables is not None:
+            return max(t.shape[1] for t in self.tables)
+        if not len(self.rows_B):
+            return 0
+        return max(int(lens[self.rows_B].max()) for lens in self.source.lens)
 
     @classmethod
     def build(cls, so: SchedulerOutput, requests: dict[str, RequestState], tables: BlockTables,
@@ -111,11 +135,10 @@ class StepBatch:
                 pending_src[at] = src
             row = np.repeat(np.arange(len(states)), n)
             positions = np.arange(T) - qsl[:-1][row] + computed[row]
-        block_tables = [tables.gather(g, rows) for g in range(tables.num_groups)]
         # Rows that reach the end of their known tokens (async: past it) produce a next token.
         sample_rows = np.nonzero(seq_lens >= known)[0].tolist()
-        return cls(req_ids, states, n, qsl, seq_lens, input_ids, positions, row, block_tables, sample_rows,
-                   pending_src, rows, state_group)
+        return cls(req_ids, states, n, qsl, seq_lens, input_ids, positions, row, None, sample_rows,
+                   pending_src, rows, state_group, tables)
 
     @classmethod
     def one_token(cls, blocks: list[int]) -> "StepBatch":
@@ -184,8 +207,11 @@ class StepBatch:
         """Cache slot of each token through one group's block table (-1, none, in the recurrent group)."""
         if group == self.state_group:
             return np.full(len(self.positions_T), -1, dtype=np.int64)
-        table = self.tables[group]
-        return table[self.row_T, self.positions_T // block_size] * block_size + self.positions_T % block_size
+        if self.tables is not None:
+            table, row_T = self.tables[group], self.row_T
+        else:  # straight from the runner's table: no [B, m] gather
+            table, row_T = self.source.tables[group], self.rows_B[self.row_T]
+        return table[row_T, self.positions_T // block_size] * block_size + self.positions_T % block_size
 
 
 def host_metadata(batch: StepBatch, device: torch.device, block_size: int, device_fields: bool) -> AttentionMetadata:
@@ -195,9 +221,9 @@ def host_metadata(batch: StepBatch, device: torch.device, block_size: int, devic
     decode = np.nonzero(batch.num_tokens_B == 1)[0]
     layout = dict(query_start_loc=qsl.tolist(), seq_lens=seq_lens.tolist(), decode_seqs=decode.tolist(),
                   prefill_seqs=np.nonzero(batch.num_tokens_B != 1)[0].tolist())
-    metas = [AttentionMetadata(block_tables_BM=host_to_device(table, device),
+    metas = [AttentionMetadata(block_tables_BM=host_to_device(batch.block_table(g), device),
                                slot_mapping_T=host_to_device(batch.slots(g, block_size), device), **layout)
-             for g, table in enumerate(batch.tables)]
+             for g in range(batch.num_groups)]
     _add_decode_rows(metas, batch, device, block_size)
     if device_fields:
         for meta in metas:
@@ -241,18 +267,40 @@ def upload(buf: StepBuffers, batch: StepBatch, block_size: int, padded: tuple[in
     if batch.sample_rows:
         buf.host_view("sample_rows", len(sample_idx))[:] = batch.sample_rows_R()
         sizes["sample_rows"] = len(sample_idx)
-    for g, table in enumerate(batch.tables):
+    for g in range(batch.num_groups):
         _fill(buf.host_view(f"slots{g}", t), batch.slots(g, block_size), -1)
         sizes[f"slots{g}"] = t
-        buf.upload_tables(g, table)
+    num_writes = _stage_tables(buf, batch, b, sizes)
     buf.upload(sizes)
+    buf.apply_table_writes(num_writes)
     if not metadata:
-        return None
-    meta = buffer_metadata(buf, len(batch.tables), t, b, int(batch.num_tokens_B.max(initial=1)),
+        return None  # the graph gathers the block tables itself
+    buf.gather_tables(b)
+    meta = buffer_metadata(buf, batch.num_groups, t, b, int(batch.num_tokens_B.max(initial=1)),
                            batch.query_start_loc.tolist(), batch.seq_lens_B.tolist(), batch.decode_only)
     if not batch.decode_only and not padded:  # an eager mixed batch: its decode rows for MLA's absorbed path
         _add_decode_rows(meta.group_metas or [meta], batch, buf.device, block_size)
     return meta
+
+
+def _stage_tables(buf: StepBuffers, batch: StepBatch, b: int, sizes: dict[str, int]) -> int:
+    """Each sequence's row of the device block tables and the writes that bring them up to date:
+    the blocks the runner's tables gained since the last upload, or a synthetic batch's whole
+    tables, into scratch rows. Padding sequences (context 0, nothing read) take row 0."""
+    B = len(batch.req_ids)
+    rows = buf.host_view("table_rows", b)
+    if batch.source is not None:
+        if B and int(batch.rows_B.max()) >= buf.runner_rows:
+            raise RuntimeError(f"runner row {int(batch.rows_B.max())} is past the {buf.runner_rows} rows of the "
+                               "device block tables")
+        rows[:B] = batch.rows_B + buf.max_seqs
+        writes, scratch = batch.source.take_writes(), False
+    else:
+        rows[:B] = np.arange(B)
+        writes, scratch = [(g, i, 0, table[i]) for g, table in enumerate(batch.tables) for i in range(B)], True
+    rows[B:] = 0
+    sizes["table_rows"] = b
+    return buf.stage_table_writes(writes, scratch, sizes)
 
 
 def buffer_metadata(buf: StepBuffers, num_groups: int, t: int, b: int, max_query_len: int, qsl: list[int],
@@ -281,7 +329,8 @@ def _add_decode_rows(metas: list[AttentionMetadata], batch: StepBatch, device: t
     if not len(decode):
         return
     nblk = -(-int(batch.seq_lens_B[decode].max()) // block_size)
-    for meta, table in zip(metas, batch.tables):
+    for g, meta in enumerate(metas):
+        table = batch.block_table(g)
         meta.decode_token_idx = host_to_device(batch.query_start_loc[decode], device)
         meta.decode_seq_lens = host_to_device(batch.seq_lens_B[decode], device)
         meta.decode_block_tables = host_to_device(np.ascontiguousarray(table[decode, :nblk]), device)

@@ -27,3 +27,20 @@ def test_many_rows():
     rows = [t.add([[i, i + 1000]]) for i in range(100)]
     assert len(set(rows)) == 100
     assert t.gather(0, np.array(rows)).tolist() == [[i, i + 1000] for i in range(100)]
+
+
+def test_writes_are_logged_for_the_device_copy():
+    """With log_writes every add and extend is logged once, in order, and take_writes empties the log;
+    without it nothing is kept (a CPU runner never takes them)."""
+    import pytest
+    t = BlockTables(num_groups=2, rows=2, cols=2, log_writes=True)
+    a = t.add([[5, 6], []])
+    t.extend(a, 1, [9])
+    t.extend(a, 0, [])
+    assert t.take_writes() == [(0, a, 0, [5, 6]), (1, a, 0, [9])]
+    t.extend(a, 0, [7])
+    assert t.take_writes() == [(0, a, 2, [7])] and t.take_writes() == []
+    quiet = BlockTables(num_groups=1)
+    quiet.add([[1]])
+    with pytest.raises(RuntimeError, match="no log"):
+        quiet.take_writes()

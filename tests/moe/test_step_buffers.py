@@ -1,5 +1,5 @@
 """The reused step buffers: host views write where uploads read, every asked prefix moves in one
-copy, and block tables land in the corner of their [max_seqs, max_blocks] tensor."""
+copy, and block tables follow the runner's on the device, gathered per step by row."""
 import numpy as np
 import pytest
 import torch
@@ -47,10 +47,80 @@ def test_pending_rows_go_up_with_the_inputs():
         batch.check_pending(None)
 
 
-def test_tables_go_to_the_corner():
-    buf = StepBuffers(torch.device("cpu"), max_tokens=4, max_seqs=3, max_blocks=4, num_groups=1)
-    buf.upload_tables(0, np.array([[5, 6], [7, 8]], dtype=np.int64))
-    assert buf.tables[0].tolist() == [[5, 6, 0, 0], [7, 8, 0, 0], [0, 0, 0, 0]]
+def test_device_tables_follow_the_runner_tables():
+    """The device copy of the runner's block tables gets only the blocks added since the last upload
+    (a freed row taken by a new request: its new blocks win), and each step gathers its sequences'
+    rows by table_rows, as a CUDA graph's capture of gather_tables does at replay."""
+    from moe.worker.block_tables import BlockTables
+    from moe.worker.step_inputs import upload
+    tables = BlockTables(num_groups=2, rows=4, cols=2, log_writes=True)
+    buf = StepBuffers(torch.device("cpu"), max_tokens=16, max_seqs=4, max_blocks=6, num_groups=2, runner_rows=8)
+    a, b, c = tables.add([[5, 6], [1]]), tables.add([[7], [2]]), tables.add([[9, 10, 11], [3, 4]])
+    batch = _built_batch(tables, [c, a])
+    upload(buf, batch, 4)
+    assert buf.tables[0][:2, :3].tolist() == [[9, 10, 11], [5, 6, 0]]
+    assert buf.tables[1][:2, :2].tolist() == [[3, 4], [1, 0]]
+    staged = []
+    stage = buf.stage_table_writes
+    buf.stage_table_writes = lambda writes, *args: staged.append(len(writes)) or stage(writes, *args)
+    tables.extend(a, 0, [12])
+    tables.remove(b)
+    d = tables.add([[20, 21], [22]])  # b's row again, other blocks
+    tables.remove(d)
+    e = tables.add([[30], [31]])  # and once more before any upload: the last write wins
+    assert e == b
+    upload(buf, _built_batch(tables, [a, e, c]), 4, padded=(4, 4), metadata=False)
+    assert staged == [5]  # a's new block, then d's and e's in each group: the writes since the last upload
+    assert buf.tables[0][:2, :3].tolist() == [[9, 10, 11], [5, 6, 0]]  # a graph's replay gathers them
+    buf.gather_tables(4)
+    got = [buf.tables[g][:3].tolist() for g in range(2)]
+    assert [r[:3] for r in got[0]] == [[5, 6, 12], [30, 21, 0], [9, 10, 11]]
+    assert [r[:2] for r in got[1]] == [[1, 0], [31, 0], [3, 4]]
+    assert buf.dev_view("table_rows", 4).tolist()[3] == 0  # a padding sequence: any row, never read
+    assert buf.runner_rows == 8
+    buf.grow_rows(20)  # more runner rows: what the device holds is kept
+    assert buf.runner_rows == 20 and buf.row_tables[0, 4 + a, :3].tolist() == [5, 6, 12]
+
+
+def test_many_table_writes_go_up_apart():
+    """More writes than the span holds (a prompt of many blocks) go up on their own, to the same tables."""
+    from moe.worker.block_tables import BlockTables
+    from moe.worker.step_inputs import upload
+    tables = BlockTables(num_groups=1, rows=4, cols=4, log_writes=True)
+    buf = StepBuffers(torch.device("cpu"), max_tokens=64, max_seqs=4, max_blocks=20, num_groups=1,
+                      runner_rows=4, max_table_writes=8)
+    a, b = tables.add([list(range(100, 115))]), tables.add([[7, 8]])
+    upload(buf, _built_batch(tables, [b, a]), 4)
+    assert buf.tables[0][0, :2].tolist() == [7, 8] and buf.tables[0][1, :15].tolist() == list(range(100, 115))
+    tables.extend(b, 0, [9])
+    upload(buf, _built_batch(tables, [b]), 4)
+    assert buf.tables[0][0, :3].tolist() == [7, 8, 9]
+
+
+def test_a_synthetic_batch_takes_scratch_rows():
+    """A batch with tables of its own (warm-up, the dummy step) writes them to scratch rows, not
+    over any request's."""
+    from moe.worker.block_tables import BlockTables
+    from moe.worker.step_inputs import StepBatch, upload
+    tables = BlockTables(num_groups=1, rows=4, cols=4, log_writes=True)
+    buf = StepBuffers(torch.device("cpu"), max_tokens=8, max_seqs=3, max_blocks=4, num_groups=1, runner_rows=4)
+    a = tables.add([[5, 6]])
+    upload(buf, _built_batch(tables, [a]), 4)
+    upload(buf, StepBatch.one_token([42]), 4)
+    assert buf.tables[0][0, 0].item() == 42 and buf.row_tables[0, 3 + a, :2].tolist() == [5, 6]
+    upload(buf, _built_batch(tables, [a]), 4)
+    assert buf.tables[0][0, :2].tolist() == [5, 6]
+
+
+def _built_batch(tables, rows, block_size=4):
+    """A decode step of the given runner rows, each at the end of its shortest group's blocks."""
+    from moe.worker.step_inputs import StepBatch
+    rows = np.asarray(rows)
+    seq_lens = np.min([lens[rows] for lens in tables.lens], axis=0) * block_size
+    B = len(rows)
+    return StepBatch([f"r{r}" for r in rows], [], np.ones(B, dtype=np.int64), np.arange(B + 1), seq_lens,
+                     np.zeros(B, dtype=np.int64), seq_lens - 1, np.arange(B), None, list(range(B)), rows_B=rows,
+                     source=tables)
 
 
 def _batch(seqs, block_size=4):
