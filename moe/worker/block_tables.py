@@ -53,10 +53,6 @@ class BlockTables:
         writes, self._writes = self._writes, []
         return writes
 
-    @property
-    def num_rows(self) -> int:
-        return self.tables[0].shape[0]
-
     def remove(self, row: int) -> None:
         self._free.append(row)
 
