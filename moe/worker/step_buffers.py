@@ -94,9 +94,16 @@ class StepBuffers:
             return 0
         G, R, M = self.row_tables.shape
         base = 0 if scratch else self.max_seqs
-        index = np.concatenate([np.arange(len(ids)) + ((g * R + base + row) * M + col) for g, row, col, ids in writes])
-        ids = np.concatenate([np.asarray(ids, dtype=np.int64) for *_, ids in writes])
-        if len({(g, row) for g, row, *_ in writes}) < len(writes):  # a row written twice: keep the last
+        index: list[int] = []
+        ids: list[int] = []
+        rows = set()
+        for g, row, col, blocks in writes:  # a decode step: a few writes of one block each
+            start = (g * R + base + row) * M + col
+            index.extend(range(start, start + len(blocks)))
+            ids.extend(blocks)
+            rows.add((g, row))
+        index, ids = np.asarray(index, dtype=np.int64), np.asarray(ids, dtype=np.int64)
+        if len(rows) < len(writes):  # a row written twice: keep the last
             _, last = np.unique(index[::-1], return_index=True)
             keep = len(index) - 1 - last
             index, ids = index[keep], ids[keep]
