@@ -680,7 +680,7 @@ def host_parts(llm: LLM, num_decodes: int = 256, chunk: int = 512, prompt_len: i
                            (runner.model, "compute_logits", "logits_launch")):
         wrap(obj, name, key)
     if runner.buffers is not None:  # inside upload: the wait for the last upload's copies, and the copies
-        for name, key in (("begin", "upload_wait"), ("upload_tables", "upload_tables"), ("upload", "upload_copy")):
+        for name, key in (("begin", "upload_wait"), ("stage_table_writes", "upload_tables"), ("upload", "upload_copy")):
             wrap(runner.buffers, name, key)
     wrap(runner, "sample_deferred", "sample_deferred")
     for graphs, key in ((runner.graphs, "decode_graph_replay"), (runner.mixed_graphs, "mixed_graph_replay")):
