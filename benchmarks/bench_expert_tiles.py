@@ -30,25 +30,6 @@ TILES = [(64, 64, 64, 4, 3), (64, 128, 64, 8, 3), (128, 64, 64, 4, 4), (128, 64,
          (128, 128, 64, 8, 3), (128, 128, 64, 8, 4)]
 
 
-# SWAP_AB (weights the MMA's A operand, the tokens its narrow side): (gate_up tile, down tile), each
-# (BLOCK_N, BLOCK_K, num_warps, num_stages) or None = the shipped config's; BLOCK_M stays the shipped one's
-SWAP_VARIANTS = [(None, None), (None, (256, 64, 8, 3)), ((128, 64, 8, 3), (256, 64, 8, 3)),
-                 (None, (128, 128, 4, 3)), (None, (256, 64, 8, 4)), ((128, 64, 4, 3), (128, 64, 4, 3))]
-
-
-def swap_config(shipped: dict, variant) -> dict:
-    """The shipped config with SWAP_AB in both GEMMs and the variant's tiles."""
-    up, down = variant
-    cfg = {k: v for k, v in shipped.items() if k != "down"}
-    cfg["down"] = dict(shipped.get("down", {}))
-    for target, tile in ((cfg, up), (cfg["down"], down)):
-        if tile is not None:
-            target.update(BLOCK_SIZE_N=tile[0], BLOCK_SIZE_K=tile[1], num_warps=tile[2], num_stages=tile[3])
-    cfg["SWAP_AB"] = True
-    cfg["down"]["SWAP_AB"] = True
-    return cfg
-
-
 def tile_config(tile, half: bool) -> dict:
     bm, bn, bk, w, s = tile
     cfg = {"BLOCK_SIZE_M": bm, "BLOCK_SIZE_N": bn, "BLOCK_SIZE_K": bk, "GROUP_SIZE_M": 8, "num_warps": w,
@@ -67,8 +48,6 @@ def main() -> None:
     p.add_argument("--write-configs", default=None, help="folder for the config file (see above)")
     p.add_argument("--grid", action=argparse.BooleanOptionalAction, default=True,
                    help="time the grid of tiles (--no-grid: the shipped config, bmm and their kernels only)")
-    p.add_argument("--swap-ab", action="store_true",
-                   help="also time SWAP_AB variants of the shipped config (SWAP_VARIANTS)")
     args = p.parse_args()
 
     import torch
@@ -101,8 +80,6 @@ def main() -> None:
         rows = [dict(timed(shipped), name="shipped")]
         if shipped["BLOCK_SIZE_M"] >= 32:
             rows.append(dict(timed(dict(shipped, HALF_TILES=True)), name="shipped half"))
-        for variant in SWAP_VARIANTS if args.swap_ab else ():
-            rows.append(dict(timed(swap_config(shipped, variant)), name=f"swap {variant}"))
         for tile in TILES if args.grid else ():
             for half in (False, True):
                 rows.append(dict(timed(tile_config(tile, half)), name=f"{tile}{' half' if half else ''}"))

@@ -20,8 +20,8 @@ an expert's last block with no rows in its upper half runs a tile of BLOCK_SIZE_
 Optional top-level "SPLIT_K": n > 1, the gate_up GEMM alone (not FP8): n programs share one tile's D
 range, adding into a zeroed fp32 buffer that one more launch turns into h (bias, activation): for
 steps of a few tokens, whose few gate_up tiles each loop over all of D.
-Optional "SWAP_AB": true (top level or under "down"; 16-bit or MXFP4 weights, not FP8): the GEMM computes the
-transposed product, its weight tile the MMA's A operand and the rows its narrow N side (gemm.py).
+Optional "SWAP_AB": true (top level or under "down", MXFP4 weights only): the GEMM computes the transposed
+product, its dequantised weight tile the MMA's A operand and the rows its narrow N side (gemm.py).
 """
 from __future__ import annotations
 

@@ -108,8 +108,8 @@ def _run(x_TD, w13_EFD, w2_EDF, topk_weights_TK, topk_ids_TK, expert_map_E, cfg,
         return x_TD.new_zeros(0, D)
     up, down = split_config(cfg)
     BM = up["BLOCK_SIZE_M"]
-    if fp8 is not None and (up.get("SWAP_AB") or down.get("SWAP_AB")):
-        raise ValueError(f"SWAP_AB is for 16-bit or MXFP4 weights, not FP8, got {cfg}")
+    if mxfp4 is None and (up.get("SWAP_AB") or down.get("SWAP_AB")):
+        raise ValueError(f"SWAP_AB is for MXFP4 weights, got {cfg}")
     if T == 1 and expert_map_E is None and DIRECT_ALIGN:
         sorted_ids, expert_ids, npp = one_row_blocks(topk_ids_TK, BM)
     else:
@@ -156,7 +156,7 @@ def _run(x_TD, w13_EFD, w2_EDF, topk_weights_TK, topk_ids_TK, expert_map_E, cfg,
     # SWAP_AB: the tiles dequantised here, as the MMA's A operand (never tl.dot_scaled)
     mx_up, mx_down = ({"W_MXFP4": True, "SWAP_AB": True, "MXFP4_SCALED": ""} if c.get("SWAP_AB") else
                       {"W_MXFP4": True, "MXFP4_SCALED": mxfp4_dot_scaled(c, x_TD.dtype)} for c in (up, down)) \
-        if use_mxfp4 else ({"SWAP_AB": True} if c.get("SWAP_AB") else {} for c in (up, down))
+        if use_mxfp4 else ({}, {})  # nothing extra otherwise: the same compiled kernels
     for c in (up, down):
         if c.get("HALF_TILES") and BM < 32:
             raise ValueError(f"HALF_TILES needs BLOCK_SIZE_M >= 32 (tiles of BLOCK_SIZE_M / 2 >= 16 rows), got {cfg}")

@@ -36,11 +36,10 @@ FP8 scales' arguments). Each K step loads the [BLOCK_N, BLOCK_K/2] bytes and [BL
 scales, dequantises them in registers to the activation dtype (mxfp4.py) and runs the same dot;
 BLOCK_K must be a multiple of 32 and Kd of 32, biases and both activations work as above. The
 scales (too narrow a load for the pipeliner's async copies) are loaded one step ahead, by hand.
-SWAP_AB (constexpr; 16-bit or MXFP4 weights, not FP8): each step computes acc^T += W_tile @ x_tile^T
-instead, the accumulator [BLOCK_N, rows] transposed once before the epilogue: the weights are the
-MMA's A operand (Hopper's wgmma reads A from registers, B only from shared memory, so the plain
-order stores every dequantised MXFP4 tile to shared memory first), and a tile's few rows its N side
-(wgmma's M side is 64 rows at least; its N side may be 8).
+SWAP_AB (constexpr, MXFP4): each step computes acc^T += W_tile @ x_tile^T instead, the accumulator
+[BLOCK_N, rows] transposed once before the epilogue: the dequantised weights, made in registers, are
+the MMA's A operand (Hopper's wgmma reads A from registers, B only from shared memory, so the plain
+order stores every dequantised tile to shared memory first), and a step's few rows its N side.
 """
 from __future__ import annotations
 
@@ -135,8 +134,6 @@ def _gate_up_rows(
         u_sc = g_sc + N * stride_wsn
         g_e8 = load_mxfp4_scales(g_sc, tl.minimum(Kd, k_last * BLOCK_K) - k0, BLOCK_K)
         u_e8 = load_mxfp4_scales(u_sc, tl.minimum(Kd, k_last * BLOCK_K) - k0, BLOCK_K)
-    elif SWAP_AB:  # [BLOCK_N, BLOCK_K] tiles, the MMA's A operand
-        g_ptrs = w_ptr + e * stride_we + offs_bn[:, None] * stride_wn + (k0 + offs_k)[None, :] * stride_wk
     else:
         g_ptrs = w_ptr + e * stride_we + offs_bn[None, :] * stride_wn + (k0 + offs_k)[:, None] * stride_wk
     u_ptrs = g_ptrs + N * stride_wn
@@ -144,8 +141,8 @@ def _gate_up_rows(
         xs_ptrs = xs_ptr + tok * stride_xsm
         gs_ptrs = ws_ptr + e * stride_wse + (offs_bn // GN) * stride_wsn
         us_ptrs = ws_ptr + e * stride_wse + ((offs_bn + N) // GN) * stride_wsn
-    if SWAP_AB:  # the transposed product, weights the MMA's A operand (see gemm.py's docstring)
-        tl.static_assert(not USE_FP8 and MXFP4_SCALED == "", "SWAP_AB: 16-bit or dequantised MXFP4 tiles")
+    if SWAP_AB:  # MXFP4: the transposed product, weights the MMA's A operand (see gemm.py's docstring)
+        tl.static_assert(W_MXFP4 and MXFP4_SCALED == "", "SWAP_AB is for MXFP4 tiles dequantised here")
         acc_g = tl.zeros((BLOCK_N, ROWS), dtype=tl.float32)
         acc_u = tl.zeros((BLOCK_N, ROWS), dtype=tl.float32)
     else:
@@ -175,10 +172,9 @@ def _gate_up_rows(
             u = tl.load(u_ptrs)
         else:
             kmask = offs_k < Kd - k * BLOCK_K
-            wmask = kmask[None, :] if SWAP_AB else kmask[:, None]
             a = tl.load(a_ptrs, mask=rmask[:, None] & kmask[None, :], other=0.0)
-            g = tl.load(g_ptrs, mask=wmask, other=0.0)
-            u = tl.load(u_ptrs, mask=wmask, other=0.0)
+            g = tl.load(g_ptrs, mask=kmask[:, None], other=0.0)
+            u = tl.load(u_ptrs, mask=kmask[:, None], other=0.0)
         if USE_FP8:
             kg = (k * BLOCK_K) // GK
             a_s = tl.load(xs_ptrs + kg * stride_xsk, mask=rmask, other=0.0)
@@ -369,8 +365,6 @@ def _down_rows(
         b_sc = ws_ptr + e * stride_wse + offs_bn[:, None] * stride_wsn \
             + (k0 // 32 + tl.arange(0, BLOCK_K // 32))[None, :] * stride_wsk
         b_e8 = load_mxfp4_scales(b_sc, tl.minimum(Kd, k_last * BLOCK_K) - k0, BLOCK_K)
-    elif SWAP_AB:  # [BLOCK_N, BLOCK_K] tiles, the MMA's A operand
-        b_ptrs = w_ptr + e * stride_we + offs_bn[:, None] * stride_wn + (k0 + offs_k)[None, :] * stride_wk
     else:
         b_ptrs = w_ptr + e * stride_we + offs_bn[None, :] * stride_wn \
             + (k0 + offs_k)[:, None] * stride_wk
@@ -378,7 +372,7 @@ def _down_rows(
         hs_ptrs = hs_ptr + offs_m * stride_hsm
         bs_ptrs = ws_ptr + e * stride_wse + (offs_bn // GN) * stride_wsn
     if SWAP_AB:
-        tl.static_assert(not USE_FP8 and MXFP4_SCALED == "", "SWAP_AB: 16-bit or dequantised MXFP4 tiles")
+        tl.static_assert(W_MXFP4 and MXFP4_SCALED == "", "SWAP_AB is for MXFP4 tiles dequantised here")
         acc = tl.zeros((BLOCK_N, ROWS), dtype=tl.float32)
     else:
         acc = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
@@ -401,7 +395,7 @@ def _down_rows(
         else:
             kmask = offs_k < Kd - k * BLOCK_K
             a = tl.load(a_ptrs, mask=kmask[None, :], other=0.0)
-            b = tl.load(b_ptrs, mask=kmask[None, :] if SWAP_AB else kmask[:, None], other=0.0)
+            b = tl.load(b_ptrs, mask=kmask[:, None], other=0.0)
         if USE_FP8:
             kg = (k * BLOCK_K) // GK
             a_s = tl.load(hs_ptrs + kg * stride_hsk)

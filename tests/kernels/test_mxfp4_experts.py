@@ -339,6 +339,12 @@ def test_swap_ab_form_equals_the_plain_one(case, form, run):
     assert rel(swapped, plain) < 1e-3
 
 
+def test_swap_ab_needs_mxfp4_weights():
+    from kernels.triton_moe import fused_experts_triton
+    args = (torch.randn(3, 64), torch.randn(4, 64, 64), torch.randn(4, 64, 32), torch.ones(3, 2) / 2,
+            torch.tensor([[0, 1]] * 3, dtype=torch.int32))
+    with pytest.raises(ValueError, match="SWAP_AB is for MXFP4 weights"):
+        fused_experts_triton(*(t.to(DEV) for t in args), config=dict(SMALL_CFG, SWAP_AB=True))
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["fp16", "fp32"])
