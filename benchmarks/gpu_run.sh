@@ -109,6 +109,10 @@
 #                 mixed decode256) with MOE_MLA_ABSORBED_TOKENS=0
 #                 (mixed steps eager, the expanded prefill rows) and with the default (graphs)
 #                 -> $OUT/mla_mixed.json, $OUT/engine_mla_{eager,graphs}.json
+#   ncu           Nsight Compute over a Qwen3 mixed step's heaviest kernels (benchmarks/ncu_mixed_step.py): the expert
+#                 GEMMs at 768 and 2048 tokens beside cuBLAS bmm, and the attention of 255 decodes + a 512-token chunk
+#                 (DRAM throughput, occupancy, warp stalls; needs a machine whose ncu reads the counters)
+#                 -> $OUT/ncu_{768,2048,attention}.log
 #   eplb          (two GPUs) benchmarks/eplb_gpu_bench.py: DP2+EP on the Qwen3-30B-A3B shape, a skewed workload,
 #                 balancedness and decode-step time before/after one EPLB rebalance (EPLB_ARGS adds flags) -> $OUT/eplb.json
 set -u
@@ -321,6 +325,16 @@ json.dump(QWEN3_30B_A3B, open(os.path.join(sys.argv[1], 'config.json'), 'w'))" "
            --runs ${TILES_RUNS:-mixed mixed_step} --out "$OUT/engine_shipped.json"
       step engine-tiles env MOE_KERNEL_CONFIG_DIR="$CFG" timeout 200 python3 benchmarks/gpu_engine_bench.py qwen3 \
            --runs ${TILES_RUNS:-mixed mixed_step} --out "$OUT/engine_tiles.json" ;;
+    ncu) NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+      SECTIONS=(--section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section WarpStateStats
+                --section LaunchStats)
+      for M in 768 2048; do
+        step ncu-experts-$M timeout 150 "$NCU" --clock-control none --kernel-name regex:"gate_up_kernel|down_kernel|nvjet" \
+             --launch-skip 4 --launch-count 4 "${SECTIONS[@]}" --log-file "$OUT/ncu_$M.log" \
+             python3 benchmarks/ncu_mixed_step.py experts $M
+      done
+      step ncu-attention timeout 150 "$NCU" --clock-control none --kernel-name regex:"unified|decode" --launch-skip 4 \
+           --launch-count 4 "${SECTIONS[@]}" --log-file "$OUT/ncu_attention.log" python3 benchmarks/ncu_mixed_step.py attention ;;
     eplb) step eplb timeout 580 python3 benchmarks/eplb_gpu_bench.py --out "$OUT/eplb.json" ${EPLB_ARGS:-} ;;
     *) echo "unknown stage $stage" | tee -a "$LOG" ;;
   esac
