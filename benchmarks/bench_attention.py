@@ -179,12 +179,15 @@ def bench_mixed(torch, do_bench, prefill, unified, reference, num_decodes, ctx, 
 
 SWEEP_PREFILL = [{"BLOCK_M": m, "BLOCK_N": n, "num_warps": w, "num_stages": s}
                  for m, n, w, s in ((64, 64, 4, 2), (128, 64, 8, 2), (128, 64, 4, 3), (128, 128, 8, 2),
-                                    (64, 128, 4, 2), (128, 32, 4, 3))]
+                                    (64, 128, 4, 2), (128, 32, 4, 3), (128, 64, 8, 3), (64, 64, 4, 3),
+                                    (64, 32, 4, 3), (128, 32, 8, 3))]
 SWEEP_SPLITS = (1, 2, 4, 8, 16, 32)
 # Unified kernel: (rows per tile, i.e. block_q * H/G; BLOCK_N, num_warps, num_stages).
 SWEEP_UNIFIED = [(rows, {"BLOCK_N": n, "num_warps": w, "num_stages": st})
                  for rows, n, w, st in ((16, 64, 4, 2), (16, 32, 4, 3), (16, 128, 4, 2), (32, 64, 4, 2),
-                                        (64, 64, 4, 2), (64, 64, 8, 2), (64, 128, 8, 2), (128, 64, 8, 2))]
+                                        (64, 64, 4, 2), (64, 64, 8, 2), (64, 128, 8, 2), (128, 64, 8, 2),
+                                        (64, 64, 4, 3), (64, 64, 4, 4), (64, 32, 4, 3), (64, 32, 4, 4),
+                                        (64, 64, 8, 3), (128, 64, 8, 3))]
 
 
 def main():

@@ -21,6 +21,10 @@ LOG2E_JIT = tl.constexpr(LOG2E)  # the same inside kernels
 # Running max before any key is seen: finite so that a row whose keys are all masked so far
 # gives exp2(-inf - NEG_BIG) = 0 instead of NaN from (-inf) - (-inf).
 NEG_BIG = tl.constexpr(-1.0e30)
+# attend_context reads each key tile's cache blocks one tile ahead, so that the tile's K/V copies start without
+# waiting for a block-table read: on an H100 the varlen prefill kernel took 11-17% less, the unified kernel's
+# chunk tiles 3% less (BENCHMARKS.md §2). MOE_ATTN_BLOCK_PREFETCH=0: in the tile's own step (A/B runs).
+BLOCK_PREFETCH = tl.constexpr(os.environ.get("MOE_ATTN_BLOCK_PREFETCH", "1") == "1")
 
 
 @triton.jit
@@ -28,6 +32,16 @@ def _dot(a, b, acc, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     if UPCAST:  # the CPU interpreter computes bf16 dots wrongly (triton 3.9); fp32 is exact there
         return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
     return tl.dot(a, b, acc, input_precision=PRECISION)
+
+
+@triton.jit
+def tile_blocks(bt_row_ptr, stride_btm, k0, k_end, S: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr):
+    """The cache block of each key k0 .. k0+BLOCK_N-1 (int64; with MASKED, 0 for keys >= k_end,
+    whose table entries are not read)."""
+    kpos = k0 + tl.arange(0, BLOCK_N)
+    if MASKED:
+        return tl.load(bt_row_ptr + (kpos // S) * stride_btm, mask=kpos < k_end, other=0).to(tl.int64)
+    return tl.load(bt_row_ptr + (kpos // S) * stride_btm).to(tl.int64)
 
 
 @triton.jit
@@ -43,12 +57,20 @@ def attend_key_tile(acc, m_i, l_i, q, kv_ptr, bt_row_ptr, stride_btm, kv_head, v
     every row (the caller guarantees it), so no mask is built.
     Scores are in log2 units (scale_log2 = scale * log2(e)), the state is fp32.
     """
+    blk = tile_blocks(bt_row_ptr, stride_btm, k0, k_end, S, BLOCK_N, MASKED)
+    return attend_blocks(acc, m_i, l_i, q, kv_ptr, blk, kv_head, v_offset, stride_blk, stride_tok, k0, qpos, row_lo,
+                         k_end, scale_log2, dd, S, BLOCK_N, HEAD_DIM, D_PAD, MASKED, USE_LO, PRECISION, UPCAST)
+
+
+@triton.jit
+def attend_blocks(acc, m_i, l_i, q, kv_ptr, blk, kv_head, v_offset, stride_blk, stride_tok, k0, qpos, row_lo, k_end,
+                  scale_log2, dd, S: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+                  D_PAD: tl.constexpr, MASKED: tl.constexpr, USE_LO: tl.constexpr,
+                  PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """attend_key_tile with the key tile's cache blocks `blk` (tile_blocks) given."""
     kpos = k0 + tl.arange(0, BLOCK_N)
     if MASKED:
         k_ok = kpos < k_end
-        blk = tl.load(bt_row_ptr + (kpos // S) * stride_btm, mask=k_ok, other=0).to(tl.int64)
-    else:
-        blk = tl.load(bt_row_ptr + (kpos // S) * stride_btm).to(tl.int64)
     # Each key row is d contiguous elements of one cache slot.
     row_off = blk * stride_blk + (kpos % S).to(tl.int64) * stride_tok + kv_head * HEAD_DIM
     ptrs = kv_ptr + row_off[:, None] + dd[None, :]
@@ -147,16 +169,32 @@ def attend_context(q, qpos, q_first, num_queries, L, chunk_size, window, kv_ptr,
             acc, m_i, l_i = attend_key_tile(acc, m_i, l_i, q, kv_ptr, bt_row_ptr, stride_btm, kv_head, v_offset,
                                             stride_blk, stride_tok, k0, qpos, row_lo, L, scale_log2, dd,
                                             S, BLOCK_N, HEAD_DIM, D_PAD, True, True, PRECISION, UPCAST)
-    for k0 in range(k_mask_end, k_free, BLOCK_N):
-        acc, m_i, l_i = attend_key_tile(acc, m_i, l_i, q, kv_ptr, bt_row_ptr, stride_btm, kv_head, v_offset,
-                                        stride_blk, stride_tok, k0, qpos, row_lo, L, scale_log2, dd,
-                                        S, BLOCK_N, HEAD_DIM, D_PAD, False, USE_CHUNK or USE_WINDOW, PRECISION,
-                                        UPCAST)
-    for k0 in range(k_free, q_last + 1, BLOCK_N):
-        acc, m_i, l_i = attend_key_tile(acc, m_i, l_i, q, kv_ptr, bt_row_ptr, stride_btm, kv_head, v_offset,
-                                        stride_blk, stride_tok, k0, qpos, row_lo, L, scale_log2, dd,
-                                        S, BLOCK_N, HEAD_DIM, D_PAD, True, USE_CHUNK or USE_WINDOW, PRECISION,
-                                        UPCAST)
+    if BLOCK_PREFETCH:
+        # The next key tile's cache blocks are read while this tile computes (see BLOCK_PREFETCH).
+        blk = tile_blocks(bt_row_ptr, stride_btm, k_mask_end, L, S, BLOCK_N, True)
+        for k0 in range(k_mask_end, k_free, BLOCK_N):
+            blk_next = tile_blocks(bt_row_ptr, stride_btm, k0 + BLOCK_N, L, S, BLOCK_N, True)
+            acc, m_i, l_i = attend_blocks(acc, m_i, l_i, q, kv_ptr, blk, kv_head, v_offset, stride_blk, stride_tok,
+                                          k0, qpos, row_lo, L, scale_log2, dd, S, BLOCK_N, HEAD_DIM, D_PAD, False,
+                                          USE_CHUNK or USE_WINDOW, PRECISION, UPCAST)
+            blk = blk_next
+        for k0 in range(k_free, q_last + 1, BLOCK_N):
+            blk_next = tile_blocks(bt_row_ptr, stride_btm, k0 + BLOCK_N, L, S, BLOCK_N, True)
+            acc, m_i, l_i = attend_blocks(acc, m_i, l_i, q, kv_ptr, blk, kv_head, v_offset, stride_blk, stride_tok,
+                                          k0, qpos, row_lo, L, scale_log2, dd, S, BLOCK_N, HEAD_DIM, D_PAD, True,
+                                          USE_CHUNK or USE_WINDOW, PRECISION, UPCAST)
+            blk = blk_next
+    else:
+        for k0 in range(k_mask_end, k_free, BLOCK_N):
+            acc, m_i, l_i = attend_key_tile(acc, m_i, l_i, q, kv_ptr, bt_row_ptr, stride_btm, kv_head, v_offset,
+                                            stride_blk, stride_tok, k0, qpos, row_lo, L, scale_log2, dd,
+                                            S, BLOCK_N, HEAD_DIM, D_PAD, False, USE_CHUNK or USE_WINDOW, PRECISION,
+                                            UPCAST)
+        for k0 in range(k_free, q_last + 1, BLOCK_N):
+            acc, m_i, l_i = attend_key_tile(acc, m_i, l_i, q, kv_ptr, bt_row_ptr, stride_btm, kv_head, v_offset,
+                                            stride_blk, stride_tok, k0, qpos, row_lo, L, scale_log2, dd,
+                                            S, BLOCK_N, HEAD_DIM, D_PAD, True, USE_CHUNK or USE_WINDOW, PRECISION,
+                                            UPCAST)
     if USE_SINKS:
         acc, m_i, l_i = join_sink(acc, m_i, l_i, tl.load(sinks_ptr + head).to(tl.float32) * LOG2E_JIT)
     return acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]

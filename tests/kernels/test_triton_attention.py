@@ -8,10 +8,15 @@ Legend: T query tokens, B sequences, H query heads, G KV heads, d head dim, N bl
 """
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
+import triton.language as tl
 
 from kernels.attention import AttentionMetadata, paged_attention_torch, write_kv_cache
 from kernels.triton_attention.decode import paged_attention_decode_triton
@@ -167,6 +172,40 @@ def test_prefill_small_tiles_cross_blocks_and_chunks(chunk, S):
     seqs = [(0, 40), (21, 19), (37, 3), (50, 1), (6, 33)]
     batch = Batch(seqs, 4, 2, d=24, S=S, chunk=chunk, seed=3, table_dtype=torch.int64)  # d padded to 32
     assert_close(batch.prefill(SMALL), batch.ref, torch.float32)
+
+
+@pytest.mark.skipif(not INTERPRET, reason="flips a compile-time switch: the interpreter reads it at run time")
+@pytest.mark.parametrize("chunk,window", [(None, None), (3, None), (None, 9)])
+def test_prefill_same_with_and_without_block_prefetch(monkeypatch, chunk, window):
+    """The key tiles' cache blocks read one tile ahead (the default) or in the tile's own step
+    (MOE_ATTN_BLOCK_PREFETCH=0): the same output, over contexts of many tiles whose last prefetch
+    runs past the block table's used entries."""
+    import kernels.triton_attention.common as common
+    seqs = [(0, 40), (21, 19), (37, 3), (50, 1), (6, 33)]
+    batch = Batch(seqs, 4, 2, d=24, S=5, chunk=chunk, seed=4)
+    outs = []
+    for prefetch in (True, False):
+        monkeypatch.setattr(common, "BLOCK_PREFETCH", tl.constexpr(prefetch))
+        outs.append(paged_attention_prefill_triton(batch.q, batch.cache, batch.tables, batch.qsl_t, batch.seq_lens_t,
+                                                   batch.max_q, batch.scale, chunk, config=SMALL,
+                                                   sliding_window=window))
+    torch.testing.assert_close(outs[0], outs[1], atol=0, rtol=0)
+    if window is None:
+        assert_close(outs[0], batch.ref, torch.float32)
+
+
+def test_prefill_and_unified_compile_for_sm90_without_spills():
+    """Compiled for sm_90 (no GPU needed), with the block tables read a key tile ahead and in the
+    tile's own step: both key loops of both kernels compile (the interpreter runs no compiler) and
+    spill nothing at the shipped configs."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, str(Path(__file__).with_name("compile_sm90_attention.py"))], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert set(report) == {f"{k}/{w}" for k in ("unified", "prefill") for w in ("ahead", "in_step")}, report
+    for name, r in report.items():
+        assert r["spill_store_bytes"] == 0 and 0 < r["registers"] <= 255, (name, r)
 
 
 def test_prefill_bf16_and_matches_torch_reference():
