@@ -31,8 +31,10 @@ PREFILLS = ((8, 1024), (1, 8192))  # (sequences, new tokens each), no cached con
 # (decodes, their mean context, chunk, cached tokens before it): an offline batch's steps, and the
 # serving steps at a few requests per second (a few dozen decodes beside a new prompt; one cached
 # token keeps the reference on its paged path).
+# The chunk alone (no decode rows): the unified kernel's tiles apart from the decode kernel, which --sweep's
+# configs also set (BLOCK_N).
 MIXED_STEPS = ((256, 600, 512, 1000), (64, 600, 2048, 1000), (16, 400, 512, 1), (32, 400, 512, 1),
-               (64, 400, 1024, 1))
+               (64, 400, 1024, 1), (0, 0, 512, 1000), (0, 0, 2048, 1000))
 
 
 def paged_cache(torch, lens, seed=0):
