@@ -265,7 +265,7 @@ def owned_leftovers():
 def two_api_servers(model_dir, tmp_path_factory, owned_leftovers):
     # Started by the reclaim test, after it killed mm_server.
     srv = Server(model_dir, str(tmp_path_factory.mktemp("log") / "serve2.log"),
-                 extra=["--api-server-count", "2", "--shutdown-timeout", "2", "--max-model-len", "1024", *SHM_FLAGS])
+                 extra=["--api-server-count", "2", "--shutdown-timeout", "1", "--max-model-len", "2048", *SHM_FLAGS])
     yield srv
     srv.stop()
 
@@ -302,8 +302,12 @@ def test_killed_api_process_is_restarted_and_the_other_serves_meanwhile(two_api_
     assert not leftovers([apis[0]]), "the dead API process's store is removed at once"
 
 
+# Tokens of the long requests: at ~1.5 ms a token here (the tiny model, three requests), three times the drain.
+LONG = 2000
+
+
 def test_sigterm_drains_then_ends_the_rest_and_exits_clean(two_api_servers):
-    """--shutdown-timeout 2: a short stream in flight finishes; a long stream ends with an error
+    """--shutdown-timeout 1: a short stream in flight finishes; a long stream ends with an error
     event and [DONE], a long request and one whose body never completes get a JSON 503; new requests
     get a JSON 503; the service exits within seconds, leaving nothing in /tmp or /dev/shm."""
     srv = two_api_servers
@@ -322,10 +326,10 @@ def test_sigterm_drains_then_ends_the_rest_and_exits_clean(two_api_servers):
                     got[name].append(line[len("data: "):])
 
     def long_request():
-        got["long"] = complete(srv.url, max_tokens=1000)
+        got["long"] = complete(srv.url, max_tokens=LONG)
 
     started = first_tokens(srv.url)
-    threads = [threading.Thread(target=stream, args=("long_stream", 1000)), threading.Thread(target=long_request),
+    threads = [threading.Thread(target=stream, args=("long_stream", LONG)), threading.Thread(target=long_request),
                threading.Thread(target=stream, args=("short_stream", 20))]
     for t in threads:
         t.start()
@@ -364,7 +368,7 @@ def test_sigterm_drains_then_ends_the_rest_and_exits_clean(two_api_servers):
     assert got["long_stream_status"] == 200 and events[-1] == "[DONE]", events[-3:]
     error = json.loads(events[-2])["error"]
     assert error["type"] == "ServiceUnavailableError" and error["code"] == 503
-    assert 2 < len(events) < 1000, "the stream was cut short"
+    assert 2 < len(events) < LONG, "the stream was cut short"
     assert srv.proc.wait(15) == 0
     assert time.monotonic() - sent_at < 10
     assert wait_for(lambda: not any(_running(p) for p in pids), 10), "every process of the service exits"

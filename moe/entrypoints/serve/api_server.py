@@ -56,8 +56,6 @@ from moe.gc_freeze import freeze_startup_heap, release_frozen_heap
 
 logger = logging.getLogger("moe.entrypoints.serve")
 
-_DISCONNECT_POLL_S = 0.25  # how often a request that has not started its response checks its client
-
 API_KEY_ENV_VARS = ("MOE_API_KEY", "VLLM_API_KEY")  # read in this order when --api-key is not given
 # The most samples (n) per request, read in this order; VLLM_MAX_N_SEQUENCES is vLLM's name.
 MAX_N_ENV_VARS = ("MOE_MAX_N_SEQUENCES", "VLLM_MAX_N_SEQUENCES")
@@ -94,6 +92,13 @@ async def _until_stopped(agen, drain: Drain):
             step.cancel()
             await asyncio.gather(step, return_exceptions=True)
         await agen.aclose()
+
+
+async def _client_hangs_up(request) -> None:
+    """Returns when the client of `request` (a starlette Request whose body is read already, so that
+    the next ASGI message is the disconnect) hangs up."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 def build_app(args: EngineArgs, served_model_name: str | None = None, api_key: str | None = None,
@@ -171,21 +176,25 @@ def build_app(args: EngineArgs, served_model_name: str | None = None, api_key: s
 
     async def respond(handler, body, request: Request):
         check_model(body.model)
-        # Until the response starts, a client that hangs up cancels the work (its requests are
-        # aborted); once streaming, the stream's own cancellation does that.
+        # Until the response starts, a client that hangs up cancels the work at once (its requests
+        # are aborted); once streaming, the stream's own cancellation does that.
         task = asyncio.create_task(handler.create(body))
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=_DISCONNECT_POLL_S)
-            if done:
-                break
-            if drain.stop.is_set():  # shutting down, and the drain's time is up
-                task.cancel()
-                await asyncio.gather(task, return_exceptions=True)
+        hung_up = asyncio.create_task(_client_hangs_up(request))
+        stopped = asyncio.create_task(drain.stop.wait())  # shutting down, and the drain's time is up
+        try:
+            await asyncio.wait({task, hung_up, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            task.cancel()
+            raise
+        finally:
+            for waiter in (hung_up, stopped):
+                waiter.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            if drain.stop.is_set():
                 return JSONResponse(drain.error(), status_code=503, headers={"connection": "close"})
-            if await request.is_disconnected():
-                task.cancel()
-                await asyncio.gather(task, return_exceptions=True)
-                return Response(status_code=499)
+            return Response(status_code=499)
         result = task.result()
         if isinstance(result, dict):
             return JSONResponse(result)
