@@ -14,7 +14,7 @@
 #   bench-short   the kernel bench on the rows that fall short, with $OUT/configs if present
 #   bench-full    the whole kernel bench (moe bench kernel; vLLM beside ours if benchmarks/vllm_kernel/ is carried) -> $OUT/kernel.json
 #   gpu-tests     the CUDA tests of the attention, MLA, fused small kernels and vLLM-kernel adapter
-#   bench-attn    benchmarks/bench_attention.py -> $OUT/attention.json
+#   bench-attn    benchmarks/bench_attention.py (ATTN_ARGS adds flags, e.g. "--mixed-only --sweep") -> $OUT/attention.json
 #   ds-flash      benchmarks/deepspeed_flash_probe.py: DeepSpeed-FastGen's blocked flash attention beside the
 #                 Triton kernels (carry .dsk/libblockedflash.so.xz) -> $OUT/deepspeed_flash.json
 #   ab            A/B of environment switches: AB_VAR=1 / 0 / 1 / 0 (a fresh process each; AB_VAR=A,B sets
@@ -179,7 +179,7 @@ for stage in "$@"; do
              --runs ${AB_RUNS:-tpot1} --out "$OUT/ab/${i}_$(echo "$AB_VAR" | tr ',' '-')_$v.json"
       done ;;
     ds-flash) step ds-flash timeout 560 python3 benchmarks/deepspeed_flash_probe.py --out "$OUT/deepspeed_flash.json" ;;
-    bench-attn) step bench-attn timeout 200 python3 benchmarks/bench_attention.py --out "$OUT/attention.json" ;;
+    bench-attn) step bench-attn timeout 300 python3 benchmarks/bench_attention.py ${ATTN_ARGS:-} --out "$OUT/attention.json" ;;
     bench-fused) step bench-fused timeout 150 python3 benchmarks/bench_fused.py --out "$OUT/fused.json" ;;
     kernel-vllm) step kernel-vllm timeout 240 python3 -m moe.bench.kernel --no-baselines --no-deepspeed \
            --no-ceilings --rows qwen3-30b-a3b:1,64,256,4096 deepseek-v3:8,256 llama4-scout:1,1024 \
