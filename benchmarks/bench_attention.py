@@ -37,20 +37,38 @@ MIXED_STEPS = ((256, 600, 512, 1000), (64, 600, 2048, 1000), (16, 400, 512, 1), 
                (64, 400, 1024, 1), (0, 0, 512, 1000), (0, 0, 2048, 1000))
 
 
-def paged_cache(torch, lens, seed=0):
+def paged_cache(torch, lens, seed=0, device="cuda"):
     """Random bf16 cache holding the given context lengths in shuffled blocks.
     Returns (cache [2, N, S, G, d], block tables [B, max_blocks] int32)."""
-    gen = torch.Generator(device="cuda").manual_seed(seed)
+    gen = torch.Generator(device=device).manual_seed(seed)
     nblk = [-(-L // S) for L in lens]
     N = sum(nblk)
-    cache = torch.randn(2, N, S, G, D, device="cuda", dtype=torch.bfloat16, generator=gen)
-    perm = torch.randperm(N, device="cuda", generator=gen).to(torch.int32)
-    tables = torch.zeros(len(lens), max(nblk), dtype=torch.int32, device="cuda")
+    cache = torch.randn(2, N, S, G, D, device=device, dtype=torch.bfloat16, generator=gen)
+    perm = torch.randperm(N, device=device, generator=gen).to(torch.int32)
+    tables = torch.zeros(len(lens), max(nblk), dtype=torch.int32, device=device)
     start = 0
     for b, n in enumerate(nblk):
         tables[b, :n] = perm[start:start + n]
         start += n
     return cache, tables
+
+
+def mixed_case(torch, num_decodes, ctx, chunk, cached, device="cuda"):
+    """A mixed step's attention inputs: num_decodes decode rows with contexts ctx +- 20% (seeded) and
+    one chunk of `chunk` new tokens over `cached` ones, the batch's last sequence. Returns
+    (q [T, H, d], cache, block tables, query_start_loc, seq_lens) on the device, and the context
+    lengths and query_start_loc as host lists."""
+    gen = torch.Generator().manual_seed(num_decodes * chunk)
+    lens = torch.randint(int(ctx * 0.8), int(ctx * 1.2) + 1, (num_decodes,), generator=gen).tolist()
+    lens.append(cached + chunk)
+    cache, tables = paged_cache(torch, lens, seed=num_decodes + chunk, device=device)
+    qsl_host = [0]
+    for n in [1] * num_decodes + [chunk]:
+        qsl_host.append(qsl_host[-1] + n)
+    q = torch.randn(qsl_host[-1], H, D, device=device, dtype=torch.bfloat16)
+    qsl = torch.tensor(qsl_host, dtype=torch.int32, device=device)
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=device)
+    return (q, cache, tables, qsl, seq_lens), lens, qsl_host
 
 
 def gathered_kv(torch, cache, tables, lens):
@@ -128,21 +146,11 @@ def bench_mixed(torch, do_bench, prefill, unified, reference, num_decodes, ctx, 
     row in its tiles, and with the decode rows in the decode kernel's launch)."""
     from kernels.attention import AttentionMetadata
 
-    gen = torch.Generator().manual_seed(num_decodes * chunk)
-    lens = torch.randint(int(ctx * 0.8), int(ctx * 1.2) + 1, (num_decodes,), generator=gen).tolist()
-    lens.append(cached + chunk)
-    new = [1] * num_decodes + [chunk]
-    cache, tables = paged_cache(torch, lens, seed=num_decodes + chunk)
-    qsl_host = [0]
-    for n in new:
-        qsl_host.append(qsl_host[-1] + n)
+    (q, cache, tables, qsl, seq_lens), lens, qsl_host = mixed_case(torch, num_decodes, ctx, chunk, cached)
     T = qsl_host[-1]
-    q = torch.randn(T, H, D, device="cuda", dtype=torch.bfloat16)
-    qsl = torch.tensor(qsl_host, dtype=torch.int32, device="cuda")
-    seq_lens = torch.tensor(lens, dtype=torch.int32, device="cuda")
     out_p, out_u, out_t = torch.empty_like(q), torch.empty_like(q), torch.empty_like(q)
     scale = D ** -0.5
-    max_q = max(new)
+    max_q = max(1, chunk)
     t_prefill = do_bench(lambda: prefill(q, cache, tables, qsl, seq_lens, max_q, scale, out_THd=out_p),
                          warmup=10, rep=50, return_mode="median") * 1e-3
     t_unified = do_bench(lambda: unified(q, cache, tables, qsl, seq_lens, scale, out_THd=out_u, block_q=block_q,

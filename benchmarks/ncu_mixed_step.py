@@ -49,23 +49,14 @@ def experts(M: int) -> None:
 
 def attention() -> None:
     import torch
-    from bench_attention import D, H, paged_cache
+    from bench_attention import D, mixed_case
 
     from kernels.triton_attention.unified import unified_attention_triton
 
-    decodes, ctx, chunk, cached = 255, 540, 512, 1000
-    gen = torch.Generator().manual_seed(0)
-    lens = torch.randint(int(ctx * 0.8), int(ctx * 1.2) + 1, (decodes,), generator=gen).tolist() + [cached + chunk]
-    cache, tables = paged_cache(torch, lens)
-    qsl = [0]
-    for n in [1] * decodes + [chunk]:
-        qsl.append(qsl[-1] + n)
-    q = torch.randn(qsl[-1], H, D, device="cuda", dtype=torch.bfloat16)
-    qsl_t = torch.tensor(qsl, dtype=torch.int32, device="cuda")
-    lens_t = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    (q, cache, tables, qsl, lens), _, _ = mixed_case(torch, 255, 540, 512, 1000)
     out = torch.empty_like(q)
     for _ in range(3):
-        unified_attention_triton(q, cache, tables, qsl_t, lens_t, D ** -0.5, out_THd=out, decodes_apart=True)
+        unified_attention_triton(q, cache, tables, qsl, lens, D ** -0.5, out_THd=out, decodes_apart=True)
     torch.cuda.synchronize()
 
 
