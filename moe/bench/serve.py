@@ -7,6 +7,9 @@ tokenises them) when a tokenizer is at hand: --tokenizer, else --model or the se
 (/v1/models) when it is a local folder with tokenizer.json; the text is random tokens decoded and
 adjusted until it encodes to exactly the length asked. Without a tokenizer (or with
 --prompt-format token-ids) the prompts are random token ids below --vocab-size.
+ShareGPT (--dataset-name sharegpt --dataset-path FILE): recorded conversations' first turns as
+text, each asking for its answer's token count (or --sharegpt-output-len), chosen by vLLM's rules
+(moe/bench/datasets.py); they need the tokenizer.
 Requests arrive at --request-rate per second (inf: all at once; else Poisson, or gamma with
 --burstiness), at most --max-concurrency in flight. Every request streams, so the client sees
 each token's arrival: TTFT (first token), TPOT ((e2e - TTFT) / (output tokens - 1)), ITL (between
@@ -24,6 +27,8 @@ import time
 from dataclasses import dataclass, field
 
 import numpy as np
+
+from moe.bench.datasets import DATASETS, check_dataset_args, sharegpt_requests
 
 METRICS = ("ttft", "tpot", "itl", "e2el")
 
@@ -49,7 +54,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"),
                    help="the server's API key, sent as 'Authorization: Bearer KEY' (default: $OPENAI_API_KEY)")
     p.add_argument("--model", default=None, help="served model name (default: the server's first model)")
-    p.add_argument("--dataset-name", default="random", choices=["random"], help="the prompts: random tokens")
+    p.add_argument("--dataset-name", default="random", choices=DATASETS,
+                   help="the prompts: random tokens, or a ShareGPT file's conversations (--dataset-path)")
+    p.add_argument("--dataset-path", default=None, help="the dataset's file (sharegpt: a ShareGPT JSON file)")
+    p.add_argument("--sharegpt-output-len", type=int, default=None,
+                   help="sharegpt: tokens to generate per request (default: each answer's length)")
+    p.add_argument("--no-oversample", action="store_true",
+                   help="sharegpt: send only the conversations that pass, when fewer than --num-prompts")
     p.add_argument("--num-prompts", type=int, default=100, help="requests to send")
     p.add_argument("--random-input-len", type=int, default=1024, help="prompt tokens per request")
     p.add_argument("--random-output-len", type=int, default=128, help="tokens to generate per request")
@@ -108,6 +119,17 @@ def random_requests(args: argparse.Namespace, tokenizer=None) -> list[tuple[str 
     return [(_text_of_length(tokenizer, rng, pieces, n_in), n_out) for n_in, n_out in lengths]
 
 
+def dataset_requests(args: argparse.Namespace, tokenizer=None) -> list[tuple[str | list[int], int]]:
+    """(prompt, output length) per request of the chosen dataset."""
+    if args.dataset_name == "random":
+        return random_requests(args, tokenizer)
+    if tokenizer is None:
+        raise ValueError(f"--dataset-name {args.dataset_name} needs the model's tokenizer (to count the prompts' "
+                         "tokens): pass --tokenizer FOLDER, and not --prompt-format token-ids")
+    return [(r.prompt, r.output_len) for r in sharegpt_requests(
+        args.dataset_path, args.num_prompts, tokenizer, args.seed, args.sharegpt_output_len, not args.no_oversample)]
+
+
 def _round_trip_tokens(tokenizer) -> list[int]:
     """Token ids whose text alone encodes back to them (no special tokens, no partial UTF-8)."""
     backend = tokenizer.backend
@@ -149,8 +171,9 @@ def find_tokenizer(args: argparse.Namespace, server_root: str | None):
         tok = load_tokenizer(folder) if folder and os.path.isdir(folder) else None
         if tok is not None:
             return tok
-    if args.prompt_format == "text":
-        raise ValueError("--prompt-format text needs a tokenizer: pass --tokenizer FOLDER")
+    if args.prompt_format == "text" or args.dataset_name != "random":
+        what = "--prompt-format text" if args.prompt_format == "text" else f"--dataset-name {args.dataset_name}"
+        raise ValueError(f"{what} needs a tokenizer: pass --tokenizer FOLDER")
     print("no tokenizer found (--tokenizer): sending random token ids as the prompts")
     return None
 
@@ -225,7 +248,7 @@ async def run_benchmark(args: argparse.Namespace) -> dict:
         served = _first_model(await http.get("/v1/models"), base, bool(args.api_key))
         model = args.model or served["id"]
         tokenizer = find_tokenizer(args, served.get("root"))
-        requests = random_requests(args, tokenizer)
+        requests = dataset_requests(args, tokenizer)
         sem = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
         bar = tqdm(total=len(requests), disable=args.disable_tqdm, desc="requests")
 
@@ -247,6 +270,7 @@ async def run_benchmark(args: argparse.Namespace) -> dict:
         bar.close()
     summary = summarize(args, model, results, duration)
     summary["prompt_format"] = "token-ids" if tokenizer is None else "text"
+    summary["dataset_name"] = args.dataset_name
     return summary
 
 
@@ -314,6 +338,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.request_rate <= 0 or (args.max_concurrency is not None and args.max_concurrency < 1):
         raise ValueError("--request-rate must be > 0 and --max-concurrency >= 1")
     check_range_ratio(args.random_range_ratio)
+    check_dataset_args(args.dataset_name, args.dataset_path)
     _raise_open_files_limit()  # one connection per request in flight
     summary = asyncio.run(run_benchmark(args))
     print_summary(summary)

@@ -7,6 +7,10 @@ uniformly in [len * (1 - R), len * (1 + R)] (at least 1) with a random.Random(--
 `moe bench serve` draws them (moe.bench.serve.sample_lengths); R = 0 (the default): every
 request exactly --input-len and --output-len. The result counts the tokens actually used.
 
+`--dataset-name sharegpt --dataset-path FILE`: recorded conversations instead (vLLM's ShareGPT
+rules, moe/bench/datasets.py): each request the first turn of one, as text, generating its answer's
+token count (`--output-len` fixes that instead); --input-len and --random-range-ratio do not apply.
+
 Defaults are sized for the CPU and the built-in tiny model (a few seconds). The CPU workload of
 BENCHMARKS.md §6 is `--num-prompts 64 --input-len 128 --output-len 64 --dtype
 float32 --no-enable-prefix-caching`; on a GPU, e.g. `--model CKPT --load-format dummy
@@ -20,23 +24,40 @@ import time
 
 from moe.bench.engine_workload import (add_engine_args, engine_kwargs_from_args, environment, random_token_requests,
                                        write_json)
+from moe.bench.datasets import DATASETS, check_dataset_args, sharegpt_requests
 from moe.bench.serve import check_range_ratio
 
+DEFAULT_INPUT_LEN, DEFAULT_OUTPUT_LEN = 32, 16  # the random dataset's, sized for the CPU and the tiny model
 
-def run_throughput(engine_kwargs: dict, input_len: int, output_len: int, num_prompts: int, seed: int = 0,
-                   use_tqdm: bool = False, range_ratio: float = 0.0) -> dict:
+
+def run_throughput(engine_kwargs: dict, input_len: int | None, output_len: int | None, num_prompts: int,
+                   seed: int = 0, use_tqdm: bool = False, range_ratio: float = 0.0, dataset_name: str = "random",
+                   dataset_path: str | None = None, oversample: bool = True) -> dict:
     """Build an LLM from `engine_kwargs` (with "model"), run the workload once, return vLLM's
-    throughput fields plus token counts, the per-request lengths asked for and where it ran."""
+    throughput fields plus token counts, the per-request lengths asked for and where it ran.
+    The random dataset needs input_len and output_len; sharegpt reads dataset_path (output_len,
+    when given, fixes every request's output length)."""
     from moe import LLM, SamplingParams
 
-    if output_len < 1:
+    check_dataset_args(dataset_name, dataset_path)  # before the engine starts
+    if dataset_name == "random" and (input_len is None or output_len is None):
+        raise ValueError("the random dataset needs input_len and output_len")
+    if output_len is not None and output_len < 1:
         raise ValueError(f"output_len must be >= 1, got {output_len}")
-    check_range_ratio(range_ratio)  # before the engine starts
+    check_range_ratio(range_ratio)
     kwargs = dict(engine_kwargs)
     llm = LLM(kwargs.pop("model"), **kwargs)
     try:
-        requests = random_token_requests(num_prompts, input_len, output_len, llm.llm_engine.model_config.vocab_size,
-                                         seed, range_ratio)
+        if dataset_name == "random":
+            requests = random_token_requests(num_prompts, input_len, output_len,
+                                             llm.llm_engine.model_config.vocab_size, seed, range_ratio)
+        else:
+            tokenizer = llm.get_tokenizer()
+            if tokenizer is None:
+                raise ValueError(f"--dataset-name {dataset_name} needs the model's tokenizer (tokenizer.json) to "
+                                 "count the prompts' tokens")
+            requests = [(r.prompt, r.output_len) for r in sharegpt_requests(
+                dataset_path, num_prompts, tokenizer, seed, output_len, oversample)]
         params = [SamplingParams(n=1, temperature=1.0, top_p=1.0, ignore_eos=True, max_tokens=n_out)
                   for _, n_out in requests]
         start = time.perf_counter()
@@ -47,7 +68,7 @@ def run_throughput(engine_kwargs: dict, input_len: int, output_len: int, num_pro
     prompt_tokens = sum(len(o.prompt_token_ids) for o in outputs)
     output_tokens = sum(len(c.token_ids) for o in outputs for c in o.outputs)
     total = prompt_tokens + output_tokens
-    input_lens = [len(p["prompt_token_ids"]) for p, _ in requests]
+    input_lens = [len(o.prompt_token_ids) for o in outputs]
     output_lens = [n for _, n in requests]
     return {
         "elapsed_time": elapsed,
@@ -59,7 +80,7 @@ def run_throughput(engine_kwargs: dict, input_len: int, output_len: int, num_pro
         "tokens_per_second": total / elapsed,
         "output_tokens_per_second": output_tokens / elapsed,
         "workload": {"input_len": input_len, "output_len": output_len, "num_prompts": num_prompts, "seed": seed,
-                     "dataset_name": "random", "random_range_ratio": range_ratio,
+                     "dataset_name": dataset_name, "dataset_path": dataset_path, "random_range_ratio": range_ratio,
                      "input_lens": input_lens, "output_lens": output_lens},
         "engine_kwargs": engine_kwargs,
         **environment(engine_kwargs),
@@ -69,10 +90,16 @@ def run_throughput(engine_kwargs: dict, input_len: int, output_len: int, num_pro
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="moe bench throughput", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--dataset-name", choices=["random"], default="random",
-                   help="random: uniform random token ids (the only dataset)")
-    p.add_argument("--input-len", type=int, default=32, help="prompt tokens per request (default: %(default)s)")
-    p.add_argument("--output-len", type=int, default=16, help="generated tokens per request (default: %(default)s)")
+    p.add_argument("--dataset-name", choices=DATASETS, default="random",
+                   help="random: uniform random token ids; sharegpt: a ShareGPT file's conversations (--dataset-path)")
+    p.add_argument("--dataset-path", default=None, help="the dataset's file (sharegpt: a ShareGPT JSON file)")
+    p.add_argument("--no-oversample", action="store_true",
+                   help="sharegpt: run only the conversations that pass, when fewer than --num-prompts")
+    p.add_argument("--input-len", type=int, default=None,
+                   help=f"prompt tokens per request (random; default: {DEFAULT_INPUT_LEN})")
+    p.add_argument("--output-len", type=int, default=None,
+                   help=f"generated tokens per request (random; default: {DEFAULT_OUTPUT_LEN}; sharegpt: "
+                        "each answer's length unless given)")
     p.add_argument("--random-range-ratio", type=float, default=0.0,
                    help="per-request lengths drawn uniformly in [len * (1 - r), len * (1 + r)], r in [0, 1) "
                         "(default: %(default)s: every request exactly --input-len / --output-len)")
@@ -88,10 +115,16 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         check_range_ratio(args.random_range_ratio)
+        check_dataset_args(args.dataset_name, args.dataset_path)
     except ValueError as e:
         parser.error(str(e))
+    if args.dataset_name == "random":
+        args.input_len = DEFAULT_INPUT_LEN if args.input_len is None else args.input_len
+        args.output_len = DEFAULT_OUTPUT_LEN if args.output_len is None else args.output_len
     r = run_throughput(engine_kwargs_from_args(args), args.input_len, args.output_len, args.num_prompts,
-                       seed=args.seed, use_tqdm=not args.disable_tqdm, range_ratio=args.random_range_ratio)
+                       seed=args.seed, use_tqdm=not args.disable_tqdm, range_ratio=args.random_range_ratio,
+                       dataset_name=args.dataset_name, dataset_path=args.dataset_path,
+                       oversample=not args.no_oversample)
     print(f"Throughput: {r['requests_per_second']:.2f} requests/s, {r['tokens_per_second']:.2f} total tokens/s, "
           f"{r['output_tokens_per_second']:.2f} output tokens/s")
     print(f"Total num prompt tokens:  {r['total_prompt_tokens']}\nTotal num output tokens:  {r['total_output_tokens']}")

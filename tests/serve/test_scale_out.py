@@ -94,6 +94,31 @@ def test_bench_serve_against_the_server(server, tmp_path, monkeypatch, capsys):
     assert "Serving Benchmark Result" in capsys.readouterr().out
 
 
+def test_bench_serve_sharegpt_sends_each_prompt_for_its_answers_length(server, model_dir, tmp_path, monkeypatch):
+    from moe.bench.datasets import sharegpt_requests
+    from moe.engine.tokenizer import load_tokenizer
+    from moe.entrypoints.cli import main
+    from tests.serve.helpers import API_KEY
+
+    monkeypatch.setenv("OPENAI_API_KEY", API_KEY)
+    data = [{"conversations": [{"from": "human", "value": f"Question {i}: " + "why is the sky blue " * (1 + i % 3)},
+                               {"from": "gpt", "value": "Because of the light " * (1 + i % 4)}]} for i in range(8)]
+    path = tmp_path / "sharegpt.json"
+    path.write_text(json.dumps(data))
+    want = sharegpt_requests(str(path), 5, load_tokenizer(model_dir), seed=3)
+    before = scrape_metrics(server.url)
+    rc = main(["bench", "serve", "--base-url", server.url, "--dataset-name", "sharegpt", "--dataset-path", str(path),
+               "--num-prompts", "5", "--seed", "3", "--request-rate", "50", "--disable-tqdm", "--save-result",
+               "--result-dir", str(tmp_path), "--result-filename", "r.json"])
+    assert rc == 0
+    result = json.loads((tmp_path / "r.json").read_text())
+    assert result["completed"] == 5 and result["dataset_name"] == "sharegpt" and result["prompt_format"] == "text"
+    assert result["total_input_tokens"] == sum(r.prompt_len for r in want)  # as the server counted them
+    assert result["total_output_tokens"] == sum(r.output_len for r in want) and len({r.output_len for r in want}) > 1
+    assert scrape_metrics(server.url)["moe:generation_tokens_total"] - before["moe:generation_tokens_total"] == \
+        sum(r.output_len for r in want)
+
+
 def test_sigterm_drains_in_flight_requests_then_exits(server):
     """Keep last: the server is stopped here. A stream in flight when SIGTERM arrives still ends
     with all its tokens and [DONE]; then every process exits."""
