@@ -31,6 +31,7 @@ import numpy as np
 from moe.bench.datasets import DATASETS, check_dataset_args, sharegpt_requests
 
 METRICS = ("ttft", "tpot", "itl", "e2el")
+BACKENDS = ("vllm", "openai", "openai-chat")  # vllm and openai: the completions API
 
 
 @dataclass
@@ -50,7 +51,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--base-url", default=None, help="server URL (default: http://HOST:PORT)")
     p.add_argument("--host", default="127.0.0.1", help="server address (without --base-url)")
     p.add_argument("--port", type=int, default=8000, help="server port (without --base-url)")
-    p.add_argument("--endpoint", default="/v1/completions", help="the completions endpoint the requests go to")
+    p.add_argument("--backend", default="vllm", choices=BACKENDS,
+                   help="the API the requests use: vllm / openai, the completions API (prompt); openai-chat, the "
+                        "chat completions API (the prompt as one user message)")
+    p.add_argument("--endpoint", default=None, help="the endpoint the requests go to (default: /v1/completions, "
+                   "or /v1/chat/completions with --backend openai-chat)")
     p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"),
                    help="the server's API key, sent as 'Authorization: Bearer KEY' (default: $OPENAI_API_KEY)")
     p.add_argument("--model", default=None, help="served model name (default: the server's first model)")
@@ -85,6 +90,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
     p.add_argument("--timeout", type=float, default=600.0, help="per-request timeout in seconds")
     return p
+
+
+def resolve_endpoint(args: argparse.Namespace) -> str:
+    """The endpoint of --backend, or --endpoint when it is one of that API's."""
+    chat = args.backend == "openai-chat"
+    if args.endpoint is None:
+        return "/v1/chat/completions" if chat else "/v1/completions"
+    if chat != args.endpoint.rstrip("/").endswith("chat/completions"):
+        raise ValueError(f"--endpoint {args.endpoint} is not an endpoint of --backend {args.backend}: "
+                         + ("the chat API's ends with chat/completions" if chat else
+                            "for the chat completions API pass --backend openai-chat"))
+    return args.endpoint
 
 
 def check_range_ratio(range_ratio: float) -> None:
@@ -180,8 +197,12 @@ def find_tokenizer(args: argparse.Namespace, server_root: str | None):
 
 async def _one_request(http, args, model: str, prompt: str | list[int], output_len: int) -> RequestResult:
     res = RequestResult(prompt_len=0 if isinstance(prompt, str) else len(prompt))
-    body = {"model": model, "prompt": prompt, "max_tokens": output_len, "temperature": 0.0, "ignore_eos": True,
+    body = {"model": model, "max_tokens": output_len, "temperature": 0.0, "ignore_eos": True,
             "stream": True, "stream_options": {"include_usage": True}}
+    if args.backend == "openai-chat":  # a chunk's tokens arrive as its choice's delta: counted the same
+        body["messages"] = [{"role": "user", "content": prompt}]
+    else:
+        body["prompt"] = prompt
     start = time.perf_counter()
     last = start
     try:
@@ -248,6 +269,9 @@ async def run_benchmark(args: argparse.Namespace) -> dict:
         served = _first_model(await http.get("/v1/models"), base, bool(args.api_key))
         model = args.model or served["id"]
         tokenizer = find_tokenizer(args, served.get("root"))
+        if tokenizer is None and args.backend == "openai-chat":
+            raise ValueError("--backend openai-chat sends text messages: it needs a tokenizer (--tokenizer FOLDER), "
+                             "not token-id prompts")
         requests = dataset_requests(args, tokenizer)
         sem = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
         bar = tqdm(total=len(requests), disable=args.disable_tqdm, desc="requests")
@@ -271,6 +295,7 @@ async def run_benchmark(args: argparse.Namespace) -> dict:
     summary = summarize(args, model, results, duration)
     summary["prompt_format"] = "token-ids" if tokenizer is None else "text"
     summary["dataset_name"] = args.dataset_name
+    summary["backend"], summary["endpoint"] = args.backend, args.endpoint
     return summary
 
 
@@ -339,6 +364,7 @@ def main(argv: list[str] | None = None) -> int:
         raise ValueError("--request-rate must be > 0 and --max-concurrency >= 1")
     check_range_ratio(args.random_range_ratio)
     check_dataset_args(args.dataset_name, args.dataset_path)
+    args.endpoint = resolve_endpoint(args)
     _raise_open_files_limit()  # one connection per request in flight
     summary = asyncio.run(run_benchmark(args))
     print_summary(summary)

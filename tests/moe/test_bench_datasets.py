@@ -132,3 +132,20 @@ def test_throughput_command_line_refuses_a_lone_dataset_flag(argv, says, capsys)
     with pytest.raises(SystemExit) as e:
         throughput.main(argv + ["--device", "cpu"])
     assert e.value.code == 2 and says in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("backend, endpoint, want", [
+    ("vllm", None, "/v1/completions"), ("openai", "/v1/completions", "/v1/completions"),
+    ("openai-chat", None, "/v1/chat/completions"), ("openai-chat", "/v2/chat/completions", "/v2/chat/completions"),
+    ("openai-chat", "/v1/completions", "ends with chat/completions"),
+    ("vllm", "/v1/chat/completions", "pass --backend openai-chat"),
+])
+def test_bench_serve_backend_picks_its_endpoint(backend, endpoint, want):
+    from moe.bench import serve
+
+    args = serve.build_parser().parse_args(["--backend", backend] + (["--endpoint", endpoint] if endpoint else []))
+    if want.startswith("/"):
+        assert serve.resolve_endpoint(args) == want
+    else:
+        with pytest.raises(ValueError, match=want):
+            serve.resolve_endpoint(args)

@@ -117,6 +117,16 @@ def test_bench_serve_sharegpt_sends_each_prompt_for_its_answers_length(server, m
     assert result["total_output_tokens"] == sum(r.output_len for r in want) and len({r.output_len for r in want}) > 1
     assert scrape_metrics(server.url)["moe:generation_tokens_total"] - before["moe:generation_tokens_total"] == \
         sum(r.output_len for r in want)
+    # the same requests through the chat completions API: each prompt one user message in the chat template
+    rc = main(["bench", "serve", "--base-url", server.url, "--backend", "openai-chat", "--dataset-name", "sharegpt",
+               "--dataset-path", str(path), "--num-prompts", "5", "--seed", "3", "--disable-tqdm", "--save-result",
+               "--result-dir", str(tmp_path), "--result-filename", "chat.json"])
+    assert rc == 0
+    chat = json.loads((tmp_path / "chat.json").read_text())
+    assert chat["completed"] == 5 and chat["endpoint"] == "/v1/chat/completions"
+    assert chat["total_output_tokens"] == result["total_output_tokens"]
+    assert chat["total_input_tokens"] > result["total_input_tokens"]  # the template's tokens around each prompt
+    assert 0 < chat["median_ttft_ms"] and 0 < chat["median_tpot_ms"]
 
 
 def test_sigterm_drains_in_flight_requests_then_exits(server):
