@@ -34,16 +34,20 @@ def engine_kwargs_from_args(args: argparse.Namespace) -> dict:
 
 
 def random_token_requests(num_prompts: int, input_len: int, output_len: int, vocab_size: int, seed: int,
-                          range_ratio: float = 0.0) -> list[tuple[dict, int]]:
+                          range_ratio: float = 0.0, prefix_len: int = 0) -> list[tuple[dict, int]]:
     """(prompt, output length) per request: the lengths drawn by moe.bench.serve.sample_lengths
-    (`input_len` and `output_len` exactly when range_ratio is 0), then each prompt's uniform random
-    token ids below vocab_size, all from one random.Random(seed)."""
-    if num_prompts < 1 or input_len < 1 or output_len < 1:
-        raise ValueError(f"need num_prompts, input_len and output_len >= 1, got {num_prompts}, {input_len} and "
-                         f"{output_len}")
+    (`input_len` and `output_len` exactly when range_ratio is 0), then `prefix_len` uniform random
+    token ids that begin every prompt (vLLM's --random-prefix-len: a shared prefix, which prefix
+    caching reuses), then each prompt's own uniform random token ids below vocab_size, all from one
+    random.Random(seed)."""
+    if num_prompts < 1 or input_len < 1 or output_len < 1 or prefix_len < 0:
+        raise ValueError(f"need num_prompts, input_len and output_len >= 1 and prefix_len >= 0, got {num_prompts}, "
+                         f"{input_len}, {output_len} and {prefix_len}")
     rng = random.Random(seed)
     lengths = sample_lengths(rng, num_prompts, input_len, output_len, range_ratio)
-    return [({"prompt_token_ids": [rng.randrange(vocab_size) for _ in range(n_in)]}, n_out) for n_in, n_out in lengths]
+    prefix = [rng.randrange(vocab_size) for _ in range(prefix_len)]
+    return [({"prompt_token_ids": prefix + [rng.randrange(vocab_size) for _ in range(n_in)]}, n_out)
+            for n_in, n_out in lengths]
 
 
 def random_prompts(num_prompts: int, input_len: int, vocab_size: int, seed: int) -> list[dict]:

@@ -71,6 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--random-output-len", type=int, default=128, help="tokens to generate per request")
     p.add_argument("--random-range-ratio", type=float, default=0.0,
                    help="lengths drawn uniformly in [len * (1 - r), len * (1 + r)]")
+    p.add_argument("--random-prefix-len", type=int, default=0,
+                   help="tokens of one random prefix that begins every prompt, before its --random-input-len own "
+                        "(the server's prefix cache reuses it)")
     p.add_argument("--request-rate", type=float, default=float("inf"), help="requests per second (inf: all at once)")
     p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of the arrivals (1: Poisson)")
     p.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight (default: no limit)")
@@ -130,10 +133,15 @@ def random_requests(args: argparse.Namespace, tokenizer=None) -> list[tuple[str 
     rng = random.Random(args.seed)
     lengths = sample_lengths(rng, args.num_prompts, args.random_input_len, args.random_output_len,
                              args.random_range_ratio)
+    n_pre = args.random_prefix_len
     if tokenizer is None:
-        return [([rng.randrange(1, args.vocab_size) for _ in range(n_in)], n_out) for n_in, n_out in lengths]
+        prefix = [rng.randrange(1, args.vocab_size) for _ in range(n_pre)]
+        return [(prefix + [rng.randrange(1, args.vocab_size) for _ in range(n_in)], n_out) for n_in, n_out in lengths]
     pieces = _round_trip_tokens(tokenizer)
-    return [(_text_of_length(tokenizer, rng, pieces, n_in), n_out) for n_in, n_out in lengths]
+    # The prefix as the tokens of one text, so that every prompt starts with the same ones (up to a
+    # merge where the prompt's own text begins).
+    prefix = tokenizer.encode(_text_of_length(tokenizer, rng, pieces, n_pre)) if n_pre else []
+    return [(_text_of_length(tokenizer, rng, pieces, n_pre + n_in, prefix), n_out) for n_in, n_out in lengths]
 
 
 def dataset_requests(args: argparse.Namespace, tokenizer=None) -> list[tuple[str | list[int], int]]:
@@ -160,10 +168,12 @@ def _round_trip_tokens(tokenizer) -> list[int]:
     return good
 
 
-def _text_of_length(tokenizer, rng: random.Random, pieces: list[int], n: int, rounds: int = 30) -> str:
-    """Random text that the server's tokenizer encodes (as it encodes a prompt) to n tokens:
-    random tokens decoded, re-encoded (neighbours may merge), then cut or topped up, until exact."""
-    ids = [rng.choice(pieces) for _ in range(n)]
+def _text_of_length(tokenizer, rng: random.Random, pieces: list[int], n: int, start: list[int] = (),
+                    rounds: int = 30) -> str:
+    """Random text that the server's tokenizer encodes (as it encodes a prompt) to n tokens, the
+    first ones `start`: tokens decoded, re-encoded (neighbours may merge), then cut or topped up at
+    the end, until exact."""
+    ids = list(start) + [rng.choice(pieces) for _ in range(n - len(start))]
     for _ in range(rounds):
         text = tokenizer.decode(ids)
         got = tokenizer.encode(text)
@@ -358,8 +368,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     # httpx logs every request at INFO (the `moe` command logs INFO): hundreds of lines of noise.
     logging.getLogger("httpx").setLevel(logging.WARNING)
-    if args.num_prompts < 1 or args.random_input_len < 1 or args.random_output_len < 1:
-        raise ValueError("--num-prompts, --random-input-len and --random-output-len must be >= 1")
+    if args.num_prompts < 1 or args.random_input_len < 1 or args.random_output_len < 1 or args.random_prefix_len < 0:
+        raise ValueError("--num-prompts, --random-input-len and --random-output-len must be >= 1, "
+                         "--random-prefix-len >= 0")
     if args.request_rate <= 0 or (args.max_concurrency is not None and args.max_concurrency < 1):
         raise ValueError("--request-rate must be > 0 and --max-concurrency >= 1")
     check_range_ratio(args.random_range_ratio)

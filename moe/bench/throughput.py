@@ -5,7 +5,9 @@ temperature 1.0), all submitted to one `LLM.generate`; the time is that call's.
 `--random-range-ratio R` (vLLM's flag, in [0, 1)) draws each request's input and output length
 uniformly in [len * (1 - R), len * (1 + R)] (at least 1) with a random.Random(--seed), as
 `moe bench serve` draws them (moe.bench.serve.sample_lengths); R = 0 (the default): every
-request exactly --input-len and --output-len. The result counts the tokens actually used.
+request exactly --input-len and --output-len. `--random-prefix-len P`: every prompt begins with the
+same P random tokens (prefix caching reuses them), then its own. The result counts the tokens
+actually used.
 
 `--dataset-name sharegpt --dataset-path FILE`: recorded conversations instead (vLLM's ShareGPT
 rules, moe/bench/datasets.py): each request the first turn of one, as text, generating its answer's
@@ -32,14 +34,17 @@ DEFAULT_INPUT_LEN, DEFAULT_OUTPUT_LEN = 32, 16  # the random dataset's, sized fo
 
 def run_throughput(engine_kwargs: dict, input_len: int | None, output_len: int | None, num_prompts: int,
                    seed: int = 0, use_tqdm: bool = False, range_ratio: float = 0.0, dataset_name: str = "random",
-                   dataset_path: str | None = None, oversample: bool = True) -> dict:
+                   dataset_path: str | None = None, oversample: bool = True, prefix_len: int = 0) -> dict:
     """Build an LLM from `engine_kwargs` (with "model"), run the workload once, return vLLM's
     throughput fields plus token counts, the per-request lengths asked for and where it ran.
     The random dataset needs input_len and output_len; sharegpt reads dataset_path (output_len,
-    when given, fixes every request's output length)."""
+    when given, fixes every request's output length). prefix_len: random tokens that begin every
+    prompt of the random dataset (its input_len more follow)."""
     from moe import LLM, SamplingParams
 
     check_dataset_args(dataset_name, dataset_path)  # before the engine starts
+    if prefix_len < 0 or (prefix_len and dataset_name != "random"):
+        raise ValueError(f"--random-prefix-len must be >= 0, and is for the random dataset only, got {prefix_len}")
     if dataset_name == "random" and (input_len is None or output_len is None):
         raise ValueError("the random dataset needs input_len and output_len")
     if output_len is not None and output_len < 1:
@@ -50,7 +55,7 @@ def run_throughput(engine_kwargs: dict, input_len: int | None, output_len: int |
     try:
         if dataset_name == "random":
             requests = random_token_requests(num_prompts, input_len, output_len,
-                                             llm.llm_engine.model_config.vocab_size, seed, range_ratio)
+                                             llm.llm_engine.model_config.vocab_size, seed, range_ratio, prefix_len)
         else:
             tokenizer = llm.get_tokenizer()
             if tokenizer is None:
@@ -81,6 +86,7 @@ def run_throughput(engine_kwargs: dict, input_len: int | None, output_len: int |
         "output_tokens_per_second": output_tokens / elapsed,
         "workload": {"input_len": input_len, "output_len": output_len, "num_prompts": num_prompts, "seed": seed,
                      "dataset_name": dataset_name, "dataset_path": dataset_path, "random_range_ratio": range_ratio,
+                     "random_prefix_len": prefix_len,
                      "input_lens": input_lens, "output_lens": output_lens},
         "engine_kwargs": engine_kwargs,
         **environment(engine_kwargs),
@@ -103,6 +109,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--random-range-ratio", type=float, default=0.0,
                    help="per-request lengths drawn uniformly in [len * (1 - r), len * (1 + r)], r in [0, 1) "
                         "(default: %(default)s: every request exactly --input-len / --output-len)")
+    p.add_argument("--random-prefix-len", "--prefix-len", type=int, default=0,
+                   help="random: tokens of one random prefix that begins every prompt, before its --input-len own "
+                        "(prefix caching reuses it; default: %(default)s)")
     p.add_argument("--num-prompts", type=int, default=16, help="requests (default: %(default)s)")
     p.add_argument("--output-json", default=None, help="write the result as JSON here")
     p.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
@@ -124,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     r = run_throughput(engine_kwargs_from_args(args), args.input_len, args.output_len, args.num_prompts,
                        seed=args.seed, use_tqdm=not args.disable_tqdm, range_ratio=args.random_range_ratio,
                        dataset_name=args.dataset_name, dataset_path=args.dataset_path,
-                       oversample=not args.no_oversample)
+                       oversample=not args.no_oversample, prefix_len=args.random_prefix_len)
     print(f"Throughput: {r['requests_per_second']:.2f} requests/s, {r['tokens_per_second']:.2f} total tokens/s, "
           f"{r['output_tokens_per_second']:.2f} output tokens/s")
     print(f"Total num prompt tokens:  {r['total_prompt_tokens']}\nTotal num output tokens:  {r['total_output_tokens']}")

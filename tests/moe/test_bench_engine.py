@@ -4,6 +4,7 @@ throughput's --random-range-ratio (per-request lengths, as `moe bench serve` dra
 from __future__ import annotations
 
 import json
+import random
 
 import pytest
 
@@ -66,7 +67,7 @@ def test_throughput_range_ratio_varies_the_lengths_and_counts_them(cache_dir):
     # one definition with `moe bench serve`: the same seed draws the same lengths there
     import argparse
     args = argparse.Namespace(seed=3, num_prompts=n, random_input_len=L_in, random_output_len=L_out,
-                              random_range_ratio=R, vocab_size=500)
+                              random_range_ratio=R, random_prefix_len=0, vocab_size=500)
     assert [(len(p), o) for p, o in serve.random_requests(args)] == list(zip(ins, outs))
 
 
@@ -91,6 +92,40 @@ def test_invalid_range_ratio_is_refused(ratio, capsys):
     with pytest.raises(SystemExit) as exc:
         throughput.main(["--model", "/nonexistent", "--random-range-ratio", str(ratio)])
     assert exc.value.code == 2 and "--random-range-ratio must lie in [0, 1)" in capsys.readouterr().err
+
+
+def test_random_prefix_len_begins_every_prompt_with_the_same_tokens(cache_dir):
+    from moe.bench.engine_workload import random_token_requests
+
+    r = throughput.run_throughput(ENGINE, input_len=6, output_len=2, num_prompts=5, seed=4, range_ratio=0.5,
+                                  prefix_len=20)
+    w = r["workload"]
+    assert w["random_prefix_len"] == 20 and all(20 + 3 <= n <= 20 + 9 for n in w["input_lens"])
+    assert r["total_prompt_tokens"] == sum(w["input_lens"])
+    prompts = [p["prompt_token_ids"] for p, _ in random_token_requests(5, 6, 2, 500, 4, 0.5, prefix_len=20)]
+    assert [len(p) for p in prompts] == w["input_lens"]
+    assert all(p[:20] == prompts[0][:20] for p in prompts) and len({tuple(p[20:]) for p in prompts}) == 5
+    # without a prefix: the lengths drawn as before (the prefix's tokens are drawn after them)
+    plain = random_token_requests(5, 6, 2, 500, 4, 0.5)
+    assert [len(p["prompt_token_ids"]) + 20 for p, _ in plain] == w["input_lens"]
+    with pytest.raises(ValueError, match="random dataset only"):
+        throughput.run_throughput({"model": "/nonexistent"}, None, None, 2, dataset_name="sharegpt",
+                                  dataset_path="x.json", prefix_len=4)
+
+
+def test_bench_serve_random_prefix_len_text_and_token_ids(cache_dir):
+    from models.tiny import ensure_tiny_model
+    from moe.engine.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(ensure_tiny_model("tiny-qwen3-moe"))
+    args = serve.build_parser().parse_args(["--num-prompts", "8", "--random-input-len", "30", "--random-output-len",
+                                            "4", "--random-prefix-len", "40", "--random-range-ratio", "0.5"])
+    ids = [tok.encode(p) for p, _ in serve.random_requests(args, tok)]
+    own = [n for n, _ in serve.sample_lengths(random.Random(0), 8, 30, 4, 0.5)]
+    assert [len(x) for x in ids] == [40 + n for n in own]  # as the server will count them
+    assert sum(x[:40] == ids[0][:40] for x in ids) >= 7  # the same first 40 (a merge at the seam may differ)
+    token_ids = [p for p, _ in serve.random_requests(args)]
+    assert [len(p) for p in token_ids] == [40 + n for n in own] and all(p[:40] == token_ids[0][:40] for p in token_ids)
 
 
 def test_run_latency_times_every_iteration(cache_dir):
