@@ -17,6 +17,8 @@ offline run and every server of the inf mode use --seed; a warm-up before a time
 requests of 8 tokens) uses other prompts (--seed + 1000), and the rates of --request-rates, on one
 server, use --seed + i for the i-th rate: no timed prompt is in the prefix cache from an earlier
 run (the totals of the rows differ a little: the lengths are drawn anew, from the same ranges).
+With --dataset-path FILE (a ShareGPT JSON file) the requests are its conversations instead, chosen as
+`moe bench serve --dataset-name sharegpt` chooses them, each generating its answer's token count.
 A checkpoint folder without tokenizer.json (a config-only dummy) gets the built-in tiny model's
 tokenizer (--tokenizer overrides; the summary records which). Every phase runs in a process of
 its own (the GPU is free between them), bounded by a timeout and by --deadline-s for the whole
@@ -93,8 +95,14 @@ def pick_tokenizer(checkpoint: str, tokenizer: str | None) -> str:
 
 def workload_args(args: argparse.Namespace, seed: int | None = None, num_prompts: int | None = None,
                   output_len: int | None = None) -> list[str]:
-    """The random workload in moe bench serve's flags (the offline phase parses the same); seed,
-    num_prompts and output_len override the command line's."""
+    """The workload in moe bench serve's flags (the offline phase parses the same); seed,
+    num_prompts and output_len override the command line's (with --dataset-path, output_len fixes the
+    conversations' output lengths; None: each answer's)."""
+    if args.dataset_path:
+        return ["--dataset-name", "sharegpt", "--dataset-path", os.path.abspath(args.dataset_path),
+                "--num-prompts", str(num_prompts or args.num_prompts),
+                "--seed", str(args.seed if seed is None else seed),
+                *(["--sharegpt-output-len", str(output_len)] if output_len else [])]
     return ["--num-prompts", str(num_prompts or args.num_prompts), "--random-input-len", str(args.input_len),
             "--random-output-len", str(output_len or args.output_len),
             "--random-range-ratio", str(args.random_range_ratio), "--seed", str(args.seed if seed is None else seed)]
@@ -123,7 +131,7 @@ def offline_worker(argv: list[str]) -> int:
     """`serve_gpu_bench.py offline-worker OUT_JSON TOKENIZER [workload flags] -- MODEL [engine flags]`."""
     from moe import LLM, SamplingParams
     from moe.bench.engine_workload import add_engine_args, engine_kwargs_from_args
-    from moe.bench.serve import build_parser as bench_parser, random_requests
+    from moe.bench.serve import build_parser as bench_parser, dataset_requests
     from moe.engine.tokenizer import Tokenizer
 
     split = argv.index("--")
@@ -133,11 +141,11 @@ def offline_worker(argv: list[str]) -> int:
     engine_cli = argv[split + 1:]
     kwargs = engine_kwargs_from_args(engine_parser.parse_args(["--model", engine_cli[0], *engine_cli[1:]]))
     tokenizer = Tokenizer(tokenizer_dir)
-    requests = random_requests(bench_parser().parse_args(workload), tokenizer)
+    requests = dataset_requests(bench_parser().parse_args(workload), tokenizer)
     warm_args = bench_parser().parse_args(workload)
     warm_args.seed += WARMUP_SEED  # prompts of their own: none of the timed run's in the prefix cache
     warm_args.num_prompts = min(warm_args.num_prompts, WARMUP_PROMPTS)
-    warmup = [p for p, _ in random_requests(warm_args, tokenizer)]
+    warmup = [p for p, _ in dataset_requests(warm_args, tokenizer)]
     t0 = time.perf_counter()
     llm = LLM(kwargs.pop("model"), **kwargs)
     start_s = time.perf_counter() - t0
@@ -373,6 +381,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--random-range-ratio", type=float, default=0.0,
                    help="each request's input and output length drawn in [len * (1 - r), len * (1 + r)], r in [0, 1)")
+    p.add_argument("--dataset-path", default=None,
+                   help="a ShareGPT JSON file: its conversations instead of random prompts, each generating its "
+                        "answer's length (moe bench serve --dataset-name sharegpt; --input-len, --output-len and "
+                        "--random-range-ratio do not apply; warm-ups take other conversations)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--api-server-counts", type=int, nargs="+", default=None,
                    help="API processes of each server configuration (default: 1 and 4; 1 with --request-rates)")
@@ -408,7 +420,8 @@ def main(argv: list[str] | None = None) -> int:
     summary: dict = {"checkpoint": args.checkpoint, "tokenizer": tokenizer, "engine_args": engine_cli,
                      "workload": {"num_prompts": args.num_prompts, "input_len": args.input_len,
                                   "output_len": args.output_len, "random_range_ratio": args.random_range_ratio,
-                                  "seed": args.seed, "request_rate": "inf", "prompts": "text"},
+                                  "seed": args.seed, "request_rate": "inf", "prompts": "text",
+                                  "dataset_path": args.dataset_path},
                      "offline": None, "configs": {}}
     if args.request_rates:
         return run_rates_mode(args, summary, engine_cli, tokenizer, deadline)
