@@ -35,6 +35,8 @@ PREFILLS = ((8, 1024), (1, 8192))  # (sequences, new tokens each), no cached con
 # configs also set (BLOCK_N).
 MIXED_STEPS = ((256, 600, 512, 1000), (64, 600, 2048, 1000), (16, 400, 512, 1), (32, 400, 512, 1),
                (64, 400, 1024, 1), (0, 0, 512, 1000), (0, 0, 2048, 1000))
+# --chunk-rows: the chunk alone beside the target mixed step (`gpu_run.sh unified-tiles`)
+CHUNK_STEPS = ((0, 0, 512, 1000), (0, 0, 2048, 1000), (256, 600, 512, 1000))
 
 
 def paged_cache(torch, lens, seed=0, device="cuda"):
@@ -200,11 +202,29 @@ SWEEP_UNIFIED = [(rows, {"BLOCK_N": n, "num_warps": w, "num_stages": st})
                                         (64, 64, 8, 3), (128, 64, 8, 3), (64, 32, 4, 2), (64, 16, 4, 3))]
 
 
+def pick_unified_tile(results: list[dict], margin: float = 0.96) -> str | None:
+    """From a --sweep's rows: the unified kernel's (BLOCK_N, num_warps, num_stages) at the default 64-row
+    tiles that is fastest on the chunk-alone rows, as MOE_UNIFIED_TILE's "N,W,S", when it takes less
+    than `margin` of the default's time on every one of them; else None."""
+    alone = [r for r in results if r.get("kind") == "mixed" and r["decodes"] == 0]
+    base = {r["chunk"]: r["unified_us"] for r in alone if r["config"] is None}
+    times: dict[tuple, dict] = {}
+    for r in alone:
+        if r["config"] is not None and r["block_q"] == 64 // (H // G):
+            c = r["config"]
+            times.setdefault((c["BLOCK_N"], c["num_warps"], c["num_stages"]), {})[r["chunk"]] = r["unified_us"]
+    better = [(sum(t[c] / base[c] for c in base), tile) for tile, t in times.items()
+              if base and t.keys() == base.keys() and all(t[c] < margin * base[c] for c in base)]
+    return ",".join(map(str, min(better)[1])) if better else None
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default=None, help="write the results as JSON here")
     parser.add_argument("--sweep", action="store_true", help="also time prefill tile configs / decode splits")
     parser.add_argument("--mixed-only", action="store_true", help="only the mixed steps")
+    parser.add_argument("--chunk-rows", action="store_true",
+                        help="of the mixed steps only the chunk alone (512 and 2048 tokens) and the target step")
     args = parser.parse_args()
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repo root, for `kernels`
 
@@ -234,7 +254,7 @@ def main():
             rows += [bench_prefill(torch, do_bench, F, paged_attention_prefill_triton, nseq, n, c)
                      for c in SWEEP_PREFILL]
     mixed = []
-    for step in MIXED_STEPS:
+    for step in CHUNK_STEPS if args.chunk_rows else MIXED_STEPS:
         kernels = (paged_attention_prefill_triton, unified_attention_triton, paged_attention_torch)
         mixed.append(bench_mixed(torch, do_bench, *kernels, *step))
         if args.sweep:

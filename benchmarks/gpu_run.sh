@@ -15,6 +15,12 @@
 #   bench-full    the whole kernel bench (moe bench kernel; vLLM beside ours if benchmarks/vllm_kernel/ is carried) -> $OUT/kernel.json
 #   gpu-tests     the CUDA tests of the attention, MLA, fused small kernels and vLLM-kernel adapter
 #   bench-attn    benchmarks/bench_attention.py (ATTN_ARGS adds flags, e.g. "--mixed-only --sweep") -> $OUT/attention.json
+#   unified-tiles the unified attention kernel's key tile / warps / stages: bench_attention.py --mixed-only --sweep
+#                 --chunk-rows (the chunk alone, 512 and 2048 tokens over 1000 cached, and the target mixed step), then,
+#                 when a config beats the shipped one by 4% on both chunk rows (pick_unified_tile), gpu_engine_bench.py
+#                 qwen3 --runs mixed_step mixed shipped / MOE_UNIFIED_TILE=that one, alternating, TILE_ROUNDS (4) processes
+#                 (BENCH_QWEN3_LAYERS: default 24 on a GPU under 100 GB, else 48)
+#                 -> $OUT/attention_chunk_sweep.json, $OUT/unified_tile.txt, $OUT/tiles_ab/
 #   ds-flash      benchmarks/deepspeed_flash_probe.py: DeepSpeed-FastGen's blocked flash attention beside the
 #                 Triton kernels (carry .dsk/libblockedflash.so.xz) -> $OUT/deepspeed_flash.json
 #   ab            A/B of environment switches: AB_VAR=1 / 0 / 1 / 0 (a fresh process each; AB_VAR=A,B sets
@@ -177,6 +183,20 @@ for stage in "$@"; do
         sets=$(echo "$AB_VAR" | tr ',' '\n' | sed "s/\$/=$v/" | tr '\n' ' ')
         step "ab $i $sets" env $sets timeout 290 python3 benchmarks/gpu_engine_bench.py ${AB_STAGE:-qwen3} \
              --runs ${AB_RUNS:-tpot1} --out "$OUT/ab/${i}_$(echo "$AB_VAR" | tr ',' '-')_$v.json"
+      done ;;
+    unified-tiles) mkdir -p "$OUT/tiles_ab"
+      step unified-sweep timeout 300 python3 benchmarks/bench_attention.py --mixed-only --sweep --chunk-rows \
+           --out "$OUT/attention_chunk_sweep.json"
+      python3 -c "import json, sys; sys.path.insert(0, 'benchmarks'); from bench_attention import pick_unified_tile
+print(pick_unified_tile(json.load(open(sys.argv[1]))['results']) or '')" "$OUT/attention_chunk_sweep.json" \
+           > "$OUT/unified_tile.txt" || : > "$OUT/unified_tile.txt"
+      tile=$(cat "$OUT/unified_tile.txt"); echo "unified tile: ${tile:-none (no sweep, or none beats the shipped one)}" | tee -a "$LOG"
+      [ -n "$tile" ] && big=$(python3 -c "import torch; print(torch.cuda.get_device_properties(0).total_memory > 100e9)")
+      layers=${BENCH_QWEN3_LAYERS:-$([ "${big:-}" = True ] && echo 48 || echo 24)}
+      for i in $(seq 1 $([ -n "$tile" ] && echo "${TILE_ROUNDS:-4}" || echo 0)); do
+        if (( i % 2 )); then sets=(); name=shipped; else sets=(MOE_UNIFIED_TILE="$tile"); name=${tile//,/-}; fi
+        step "tiles $i $name" env BENCH_QWEN3_LAYERS="$layers" "${sets[@]}" timeout 200 python3 \
+             benchmarks/gpu_engine_bench.py qwen3 --runs mixed_step mixed --out "$OUT/tiles_ab/${i}_$name.json"
       done ;;
     ds-flash) step ds-flash timeout 560 python3 benchmarks/deepspeed_flash_probe.py --out "$OUT/deepspeed_flash.json" ;;
     bench-attn) step bench-attn timeout 300 python3 benchmarks/bench_attention.py ${ATTN_ARGS:-} --out "$OUT/attention.json" ;;

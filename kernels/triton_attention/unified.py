@@ -59,6 +59,25 @@ DECODES_APART = os.environ.get("MOE_UNIFIED_DECODES_APART", "1") == "1"
 # on an H100 the Qwen3 mixed step took 2% less, the decode steps beside it 2% more, and mixed lengths tied
 # (BENCHMARKS.md §4).
 DECODE_STREAM = os.environ.get("MOE_UNIFIED_DECODE_STREAM", "0") == "1"
+
+
+def parse_tile(text: str | None) -> dict | None:
+    """MOE_UNIFIED_TILE="BLOCK_N,num_warps,num_stages" (A/B runs, e.g. 32,4,3): the key tile, warps and
+    pipeline stages of this kernel's tiles, in place of the default (64 keys, 4 warps, 2 stages; 32 keys
+    above head dim 128). The decode kernel's launch beside it keeps its own. None when unset."""
+    if not text:
+        return None
+    try:
+        n, w, s = (int(x) for x in text.split(","))
+    except ValueError:
+        raise ValueError(f"MOE_UNIFIED_TILE must be BLOCK_N,num_warps,num_stages (e.g. 32,4,3), got {text!r}") from None
+    if n < 16 or n & (n - 1) or w not in (1, 2, 4, 8) or s < 1:
+        raise ValueError(f"MOE_UNIFIED_TILE={text!r}: BLOCK_N must be a power of two >= 16, num_warps 1, 2, 4 or "
+                         "8, num_stages >= 1")
+    return {"BLOCK_N": n, "num_warps": w, "num_stages": s}
+
+
+TILE = parse_tile(os.environ.get("MOE_UNIFIED_TILE"))
 _SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
 
 
@@ -170,7 +189,7 @@ def unified_attention_triton(q_THd: torch.Tensor, kv_cache_2NSGd: torch.Tensor, 
     block_tables_BM: [B, max_blocks] int32/int64. query_start_loc_B1: [B+1], seq_lens_B: [B]
     int32/int64, on the device; only their shapes are read on the host (CUDA-graph safe).
     block_q: query tokens per tile (None: default_block_q). config: optional BLOCK_N / num_warps /
-    num_stages (tuning).
+    num_stages (tuning; MOE_UNIFIED_TILE sets this kernel's, not the decode launch's).
     decodes_apart: the sequences of one query run in the split-KV decode kernel (a second
     launch, graph-safe too) instead of a tile here padded to BLOCK_M rows for one token's HG
     heads; None = DECODES_APART. decode_stream: that launch on a side stream, concurrent with this
@@ -205,7 +224,8 @@ def unified_attention_triton(q_THd: torch.Tensor, kv_cache_2NSGd: torch.Tensor, 
     if block_q < 1:
         raise ValueError(f"block_q must be >= 1, got {block_q}")
     d_pad = head_dim_pad(d)
-    cfg = {"BLOCK_N": 64 if d_pad <= 128 else 32, "num_warps": 4, "num_stages": 2, **(config or {})}
+    cfg = {"BLOCK_N": 64 if d_pad <= 128 else 32, "num_warps": 4, "num_stages": 2,
+           **(TILE if TILE is not None and not invariant else {}), **(config or {})}
     precision, upcast = dot_flags(q_THd.dtype)
     N = kv_cache_2NSGd.shape[1]
     fp8 = is_fp8_kv(kv_cache_2NSGd.dtype)

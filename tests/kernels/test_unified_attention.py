@@ -272,3 +272,36 @@ def test_decode_stream_switch(monkeypatch):
     assert not unified.decode_stream_on(torch.zeros(1), True), "never on the CPU"
     monkeypatch.setattr(unified, "DECODE_STREAM", True)
     assert unified.decode_stream_on(cuda_q) and not unified.decode_stream_on(cuda_q, False)
+
+
+@pytest.mark.parametrize("tile", ["32,4,3", "16,4,3"])
+def test_tile_switch_sets_this_kernels_tiles_only(tile, monkeypatch):
+    """MOE_UNIFIED_TILE (A/B runs): the same results with other key tiles and stages, whatever the
+    decode rows' launch; an explicit config still wins."""
+    import kernels.triton_attention.unified as unified
+    assert unified.TILE is None  # unset: the defaults
+    monkeypatch.setattr(unified, "TILE", unified.parse_tile(tile))
+    kernel, launches = unified._unified_kernel, []
+
+    class Recorded:  # the launch's keyword arguments, then the real launch
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                launches.append({k: kw[k] for k in ("BLOCK_N", "num_warps", "num_stages")})
+                return kernel[grid](*args, **kw)
+            return launch
+    monkeypatch.setattr(unified, "_unified_kernel", Recorded())
+    for decodes_apart in (False, True):
+        run_case(MIXED, 8, 2, d=32, S=16, dtype=torch.bfloat16, config=None, seed=9, decodes_apart=decodes_apart)
+    run_case(MIXED, 8, 2, d=32, S=16, seed=9)  # an explicit config
+    assert launches == [unified.parse_tile(tile)] * 2 + [SMALL]
+
+
+@pytest.mark.parametrize("text, says", [("32,4", "must be BLOCK_N,num_warps,num_stages"),
+                                        ("a,b,c", "must be BLOCK_N,num_warps,num_stages"),
+                                        ("48,4,2", "power of two"), ("32,3,2", "num_warps"), ("32,4,0", "num_stages")])
+def test_tile_switch_refuses_bad_values(text, says):
+    from kernels.triton_attention.unified import parse_tile
+
+    with pytest.raises(ValueError, match=says):
+        parse_tile(text)
+    assert parse_tile("32,8,3") == {"BLOCK_N": 32, "num_warps": 8, "num_stages": 3} and parse_tile("") is None
