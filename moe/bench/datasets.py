@@ -75,14 +75,15 @@ def is_valid_lengths(prompt_len: int, output_len: int, check_output: bool = True
 
 
 def sharegpt_requests(path: str, num_prompts: int, tokenizer, seed: int = 0, output_len: int | None = None,
-                      oversample: bool = True) -> list[DatasetRequest]:
+                      oversample: bool = True, pairs: list[tuple[str, str]] | None = None) -> list[DatasetRequest]:
     """num_prompts requests from a ShareGPT file (the module's rules); `tokenizer` has encode(text)
-    -> ids. output_len: a fixed output length instead of each answer's."""
+    -> ids. output_len: a fixed output length instead of each answer's. pairs: the file's
+    load_sharegpt, when already read (a whole ShareGPT file takes seconds to parse)."""
     if num_prompts < 1:
         raise ValueError(f"--num-prompts must be >= 1, got {num_prompts}")
     if output_len is not None and output_len < 1:
         raise ValueError(f"the fixed output length must be >= 1, got {output_len}")
-    pairs = load_sharegpt(path)
+    pairs = list(load_sharegpt(path) if pairs is None else pairs)
     rng = random.Random(seed)
     rng.shuffle(pairs)
     requests: list[DatasetRequest] = []

@@ -26,7 +26,7 @@ import time
 
 from moe.bench.engine_workload import (add_engine_args, engine_kwargs_from_args, environment, random_token_requests,
                                        write_json)
-from moe.bench.datasets import DATASETS, check_dataset_args, sharegpt_requests
+from moe.bench.datasets import DATASETS, check_dataset_args, load_sharegpt, sharegpt_requests
 from moe.bench.serve import check_range_ratio
 
 DEFAULT_INPUT_LEN, DEFAULT_OUTPUT_LEN = 32, 16  # the random dataset's, sized for the CPU and the tiny model
@@ -50,6 +50,7 @@ def run_throughput(engine_kwargs: dict, input_len: int | None, output_len: int |
     if output_len is not None and output_len < 1:
         raise ValueError(f"output_len must be >= 1, got {output_len}")
     check_range_ratio(range_ratio)
+    pairs = load_sharegpt(dataset_path) if dataset_name == "sharegpt" else None  # a bad file: before the engine
     kwargs = dict(engine_kwargs)
     llm = LLM(kwargs.pop("model"), **kwargs)
     try:
@@ -62,7 +63,7 @@ def run_throughput(engine_kwargs: dict, input_len: int | None, output_len: int |
                 raise ValueError(f"--dataset-name {dataset_name} needs the model's tokenizer (tokenizer.json) to "
                                  "count the prompts' tokens")
             requests = [(r.prompt, r.output_len) for r in sharegpt_requests(
-                dataset_path, num_prompts, tokenizer, seed, output_len, oversample)]
+                dataset_path, num_prompts, tokenizer, seed, output_len, oversample, pairs)]
         params = [SamplingParams(n=1, temperature=1.0, top_p=1.0, ignore_eos=True, max_tokens=n_out)
                   for _, n_out in requests]
         start = time.perf_counter()

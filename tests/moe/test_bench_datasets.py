@@ -124,6 +124,14 @@ def test_throughput_on_sharegpt_runs_each_prompt_for_its_answers_length(cache_di
     assert fixed["workload"]["output_lens"] == [3] * 4 and fixed["total_output_tokens"] == 12
 
 
+def test_throughput_refuses_a_bad_file_before_the_engine_starts(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with pytest.raises(ValueError, match="is not a ShareGPT JSON file"):  # no model at this path: not loaded
+        throughput.run_throughput({"model": "/nonexistent"}, None, None, 2, dataset_name="sharegpt",
+                                  dataset_path=str(bad))
+
+
 @pytest.mark.parametrize("argv, says", [
     (["--dataset-path", "x.json"], "pass --dataset-name sharegpt"),
     (["--dataset-name", "sharegpt"], "needs --dataset-path"),
