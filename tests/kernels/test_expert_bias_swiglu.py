@@ -16,7 +16,7 @@ import torch
 
 import kernels
 from kernels import cpu_experts, cpu_native
-from tests.kernels.triton_marks import CUDA, DEV, INTERPRET
+from tests.kernels.triton_marks import CUDA, DEV, INTERPRET, kernel_grid
 
 ALPHA, LIMIT = 1.702, 7.0  # gpt-oss's defaults
 SMALL_LIMIT = 0.75  # gate_up ~ N(0, 2) here: a good share of both gate and up is clamped
@@ -166,11 +166,13 @@ def oracle(c, **kw):
 
 # --- every backend against the oracle -------------------------------------------------------
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("case", list(CASES))
-@pytest.mark.parametrize("activation", ["silu", "swigluoai"])
-@pytest.mark.parametrize("biases", [False, True], ids=["nobias", "bias"])
-@pytest.mark.parametrize("backend", BACKENDS)
+NAIVE_AXES = ({"nobias": False, "bias": True}, {"silu": "silu", "swigluoai": "swigluoai"}, {c: c for c in CASES},
+              {"fp32": torch.float32, "bf16": torch.bfloat16})
+
+
+@pytest.mark.parametrize("backend,biases,activation,case,dtype",
+                         kernel_grid({b: b for b in BACKENDS if b != "triton"}, *NAIVE_AXES, cover="all")
+                         + kernel_grid({"triton": "triton"}, *NAIVE_AXES))
 def test_backends_match_naive_loop(backend, biases, activation, case, dtype, run):
     c = make_case(case, dtype, biases, seed=len(case))
     act = {} if activation == "silu" else {"activation": activation, "swiglu_alpha": ALPHA,

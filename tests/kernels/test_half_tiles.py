@@ -14,7 +14,7 @@ pytest.importorskip("triton")
 from kernels.reference import fused_experts_torch  # noqa: E402
 from kernels.triton_moe import fused_experts_triton, fused_experts_triton_fp8  # noqa: E402
 from kernels.triton_moe.align import align_tokens_torch  # noqa: E402
-from tests.kernels.triton_marks import DEV, INTERPRET, needs_triton_device  # noqa: E402
+from tests.kernels.triton_marks import DEV, INTERPRET, kernel_grid, needs_triton_device  # noqa: E402
 
 CFG = {"BLOCK_SIZE_M": 32, "BLOCK_SIZE_N": 16, "BLOCK_SIZE_K": 16, "GROUP_SIZE_M": 2, "num_warps": 4,
        "num_stages": 1}
@@ -63,9 +63,9 @@ def test_routing_makes_every_kind_of_block():
 
 
 @needs_triton_device
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("half", HALF, ids=["both", "gate_up", "down"])
-@pytest.mark.parametrize("down", DOWNS, ids=["plain", "atomic", "split2"])
+@pytest.mark.parametrize("down,half,dtype", kernel_grid(dict(zip(["plain", "atomic", "split2"], DOWNS)),
+                                                        dict(zip(["both", "gate_up", "down"], HALF)),
+                                                        {"fp32": torch.float32, "bf16": torch.bfloat16}))
 def test_half_tiles_match_reference(dtype, half, down, poisoned_empty):
     x, w13, w2, tw, ti = inputs(dtype)
     out = fused_experts_triton(x, w13, w2, tw, ti, config=with_down(half, down))

@@ -33,7 +33,7 @@ from kernels import reference_mxfp4
 from kernels.reference import fused_experts_torch
 from models import mxfp4 as models_mxfp4
 from tests.kernels.test_expert_bias_swiglu import make_routing
-from tests.kernels.triton_marks import CUDA, DEV, INTERPRET, needs_cuda, needs_triton_device
+from tests.kernels.triton_marks import CUDA, DEV, INTERPRET, kernel_grid, needs_cuda, needs_triton_device
 
 TOL = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 2e-2}
 SMALL_LIMIT = 0.75  # swigluoai's limit here: a good share of gate and up is clamped
@@ -244,10 +244,13 @@ def _act(activation):
     return {} if activation == "silu" else {"activation": activation, "swiglu_limit": SMALL_LIMIT}
 
 
-@pytest.mark.parametrize("case", list(CASES))
-@pytest.mark.parametrize("activation", ["silu", "swigluoai"])
-@pytest.mark.parametrize("biases", [False, True], ids=["nobias", "bias"])
-@pytest.mark.parametrize("backend", ["torch", "reference", "triton"])
+BIASES, ACTIVATIONS = {"nobias": False, "bias": True}, {"silu": "silu", "swigluoai": "swigluoai"}
+
+
+@pytest.mark.parametrize("backend,biases,activation,case",
+                         kernel_grid({"torch": "torch", "reference": "reference"}, BIASES, ACTIVATIONS,
+                                     {c: c for c in CASES}, cover="all")
+                         + kernel_grid({"triton": "triton"}, BIASES, ACTIVATIONS, {c: c for c in CASES}))
 def test_backends_match_reference_on_dequantised_weights(backend, biases, activation, case, run):
     c = make_case(case, biases=biases, seed=len(case) + 3 * biases)
     out, deferred = run(backend, c, defer_sum=case == "defer", **_act(activation))
@@ -298,9 +301,9 @@ def test_triton_split_k_gate_up(case, split, run):
     assert rel(out, same) < 1e-6  # fp32 atomics: the order of the adds may differ
 
 
-@pytest.mark.parametrize("down", [{}, {"SPLIT_K": 2}], ids=["plain", "split2"])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case,dtype,down", kernel_grid({c: c for c in CASES},
+                                                         {"bf16": torch.bfloat16, "fp16": torch.float16},
+                                                         {"plain": {}, "split2": {"SPLIT_K": 2}}))
 def test_dot_scaled_form_equals_the_kernels_dequantisation(case, dtype, down, run, monkeypatch):
     """MOE_MXFP4_DOT_SCALED: the tiles through tl.dot_scaled give what the kernels' own
     dequantisation gives (the same weight values; exactly under the interpreter), and both the
@@ -321,11 +324,13 @@ def test_dot_scaled_form_equals_the_kernels_dequantisation(case, dtype, down, ru
         assert rel(outs[True], outs[False]) < 1e-3
 
 
-@pytest.mark.parametrize("form", [{"SWAP_AB": True}, {"SWAP_AB": True, "down": {"ATOMIC_SUM": True}},
-                                  {"SWAP_AB": True, "down": {"SPLIT_K": 2}}, {"SWAP_AB": True, "SPLIT_K": 2},
-                                  {"down": {"SWAP_AB": True}}],
-                         ids=["both", "atomic", "split-down", "split-gate_up", "down-only"])
-@pytest.mark.parametrize("case", list(CASES))
+SWAP_FORMS = {"both": {"SWAP_AB": True}, "atomic": {"SWAP_AB": True, "down": {"ATOMIC_SUM": True}},
+              "split-down": {"SWAP_AB": True, "down": {"SPLIT_K": 2}}, "split-gate_up": {"SWAP_AB": True, "SPLIT_K": 2},
+              "down-only": {"down": {"SWAP_AB": True}}}
+
+
+# each form on one case and each case under one form in the interpreter (the product on a GPU)
+@pytest.mark.parametrize("case,form", kernel_grid({c: c for c in CASES}, SWAP_FORMS, cover="values"))
 def test_swap_ab_form_equals_the_plain_one(case, form, run):
     """SWAP_AB (the transposed product, the dequantised weights as the MMA's A operand): the plain
     order's result, with biases, swigluoai, masked K / N, an expert map, split-K and atomics."""

@@ -22,6 +22,7 @@ from kernels.attention import AttentionMetadata, paged_attention_torch, write_kv
 from kernels.triton_attention.decode import paged_attention_decode_triton
 from kernels.triton_attention.kv_cache import write_kv_cache_triton
 from kernels.triton_attention.prefill import paged_attention_prefill_triton
+from tests.kernels.triton_marks import kernel_grid
 
 CUDA = torch.cuda.is_available()
 DEV = "cuda" if CUDA else "cpu"
@@ -245,9 +246,13 @@ def decode_case(lens, H, G, d, S, chunk=None, dtype=torch.float32, seed=0):
     return batch, q.to(DEV), ref
 
 
-@pytest.mark.parametrize("H,G", [(4, 4), (8, 2), (8, 1)])
-@pytest.mark.parametrize("num_splits,fused_merge", [(1, None), (3, True), (3, False), (None, True), (None, False)])
-def test_decode_splits_and_padded_rows(H, G, num_splits, fused_merge):
+# under the interpreter each GQA layout with one split form, each split form with one layout
+@pytest.mark.parametrize("heads,splits", kernel_grid(
+    {"4-4": (4, 4), "8-2": (8, 2), "8-1": (8, 1)},
+    {"1": (1, None), "3-fused": (3, True), "3-kernel": (3, False), "auto-fused": (None, True),
+     "auto-kernel": (None, False)}, cover="values"))
+def test_decode_splits_and_padded_rows(heads, splits):
+    (H, G), (num_splits, fused_merge) = heads, splits
     lens = [37, 0, 1, 16, 17, 64, 0, 50]
     batch, q, ref = decode_case(lens, H, G, d=16, S=4, seed=H * G)
     out = torch.full_like(q, POISON)

@@ -18,7 +18,7 @@ from kernels.triton_moe import (align_tokens, align_tokens_torch, fused_experts_
 from kernels.triton_moe import config as cfgmod  # noqa: E402
 from tests.kernels.fp8_interpreter_cast import interpreter_e4m3, interpreter_qdq_groups  # noqa: E402
 
-from tests.kernels.triton_marks import CUDA, DEV, INTERPRET, needs_triton_device  # noqa: E402
+from tests.kernels.triton_marks import CUDA, DEV, INTERPRET, kernel_grid, needs_triton_device  # noqa: E402
 SMALL_CFG = {"BLOCK_SIZE_M": 16, "BLOCK_SIZE_N": 16, "BLOCK_SIZE_K": 16, "GROUP_SIZE_M": 2,
              "num_warps": 4, "num_stages": 1}
 
@@ -69,12 +69,16 @@ def check_alignment(ids, E, bm, emap, path):
             assert torch.all(s[blk * bm + len(rows):(blk + 1) * bm] == R)
 
 
+ALIGN_CASES = [(1, 1, 1, 16, False), (1, 8, 16, 16, False), (37, 2, 5, 16, False), (64, 4, 8, 32, False),
+               (300, 2, 3, 16, False), (9, 3, 6, 16, True), (700, 2, 33, 64, True), (1500, 2, 250, 16, False)]
+
+
+# The ranked path's programs each read every id (quadratic under the interpreter): its case of 250
+# experts takes 400 tokens, still 13 programs over 13 chunks of ids, not 1500.
 @needs_triton_device
-@pytest.mark.parametrize("path", ["ranked", "small", "large"])
-@pytest.mark.parametrize("T,K,E,bm,with_map", [
-    (1, 1, 1, 16, False), (1, 8, 16, 16, False), (37, 2, 5, 16, False), (64, 4, 8, 32, False),
-    (300, 2, 3, 16, False), (9, 3, 6, 16, True), (700, 2, 33, 64, True),
-    (1500, 2, 250, 16, False)])
+@pytest.mark.parametrize("T,K,E,bm,with_map,path", [
+    (*case, path) if path != "ranked" or case[0] != 1500 else (400, *case[1:], path)
+    for path in ("ranked", "small", "large") for case in ALIGN_CASES])
 def test_alignment_matches_torch(path, T, K, E, bm, with_map, monkeypatch):
     monkeypatch.setattr("kernels.triton_moe.align.SMALL_CHUNK_ROWS", 64)  # several chunks
     g = torch.Generator().manual_seed(T * 31 + E)
@@ -165,13 +169,20 @@ def test_deferred_sum_beyond_the_moe_sum_range(large, monkeypatch):
 DOWN_VARIANTS = [{"ATOMIC_SUM": True}, {"SPLIT_K": 2}, {"SPLIT_K": 3}]
 
 
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def shapes(*TDFEK):
+    return {"-".join(map(str, s)): s for s in TDFEK}
+
+
 @needs_triton_device
-@pytest.mark.parametrize("T,D,F,E,K", [
-    (1, 32, 16, 4, 2), (19, 40, 24, 4, 2), (33, 24, 40, 1, 1), (40, 32, 48, 8, 3)])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("down", DOWN_VARIANTS)
-def test_atomic_sum_and_split_k_match_reference(T, D, F, E, K, dtype, down):
+@pytest.mark.parametrize("shape,dtype,down", kernel_grid(
+    shapes((1, 32, 16, 4, 2), (19, 40, 24, 4, 2), (33, 24, 40, 1, 1), (40, 32, 48, 8, 3)), DTYPES,
+    {"atomic": DOWN_VARIANTS[0], "split2": DOWN_VARIANTS[1], "split3": DOWN_VARIANTS[2]}))
+def test_atomic_sum_and_split_k_match_reference(shape, dtype, down):
     """SPLIT_K 3 over F=40..48 with BLOCK_K 16 leaves the last split a partial (or no) tile."""
+    T, D, F, E, K = shape
     x, w13, w2, tw, ti = make_inputs(T, D, F, E, K, dtype, seed=5,
                                      empty_expert=E - 1 if E > 2 else None)
     cfg = dict(SMALL_CFG, down=down)
@@ -182,13 +193,14 @@ def test_atomic_sum_and_split_k_match_reference(T, D, F, E, K, dtype, down):
 
 
 @needs_triton_device
-@pytest.mark.parametrize("T,D,F,E,K", [(1, 32, 16, 4, 2), (19, 40, 24, 4, 2), (40, 48, 40, 8, 3)])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("split,down", [(2, {}), (3, {"SPLIT_K": 2}), (8, {})])
-def test_gate_up_split_k_matches_reference(T, D, F, E, K, dtype, split, down):
+@pytest.mark.parametrize("shape,dtype,split_down", kernel_grid(
+    shapes((1, 32, 16, 4, 2), (19, 40, 24, 4, 2), (40, 48, 40, 8, 3)), DTYPES,
+    {"split2": (2, {}), "split3-down2": (3, {"SPLIT_K": 2}), "split8": (8, {})}))
+def test_gate_up_split_k_matches_reference(shape, dtype, split_down):
     """gate_up's D range over SPLIT_K programs, then the activation launch: D=40 with BLOCK_K 16
     leaves a split a partial tile, SPLIT_K 3 over D=48 an exact one, 8 (capped at the tiles) every
     tile its own split; an expert with no rows; with the down GEMM plain or split."""
+    (T, D, F, E, K), (split, down) = shape, split_down
     x, w13, w2, tw, ti = make_inputs(T, D, F, E, K, dtype, seed=6, empty_expert=E - 1 if E > 2 else None)
     out = fused_experts_triton(x, w13, w2, tw, ti, config=dict(SMALL_CFG, SPLIT_K=split, down=down))
     ref = fused_experts_torch(x, w13, w2, tw, ti)

@@ -17,7 +17,7 @@ import models.layers.attention as attention_layer
 from kernels.attention import paged_attention_torch
 from kernels.triton_attention.unified import num_tile_slots, unified_attention_triton
 from tests.kernels.attention_cases import PagedBatch, paged_batch
-from tests.kernels.triton_marks import DEV, needs_cuda, needs_triton_device
+from tests.kernels.triton_marks import DEV, kernel_grid, needs_cuda, needs_triton_device
 
 pytestmark = needs_triton_device
 SMALL = {"BLOCK_N": 16, "num_warps": 4, "num_stages": 1}  # several key tiles per sequence
@@ -57,10 +57,13 @@ def run_case(seqs, H, G, d, S, chunk=None, dtype=torch.float32, block_q=None, co
     torch.testing.assert_close(out.float().cpu(), reference(batch, dtype, chunk), atol=TOL[dtype], rtol=TOL[dtype])
 
 
-@pytest.mark.parametrize("H,G", [(4, 4), (4, 2), (8, 2)])  # GQA 1, 2, 4: 16, 8, 4 queries a tile
-@pytest.mark.parametrize("chunk", [None, 8])  # chunks smaller than most contexts
-@pytest.mark.parametrize("decodes_apart", [False, True])  # one-query sequences in the decode kernel
-def test_mixed_batch(H, G, chunk, decodes_apart):
+# GQA 1, 2, 4 (16, 8, 4 queries a tile); chunks smaller than most contexts; decodes_apart: one-query
+# sequences in the decode kernel
+@pytest.mark.parametrize("heads,chunk,decodes_apart", kernel_grid({"4-4": (4, 4), "4-2": (4, 2), "8-2": (8, 2)},
+                                                                  {"None": None, "8": 8},
+                                                                  {"False": False, "True": True}))
+def test_mixed_batch(heads, chunk, decodes_apart):
+    H, G = heads
     run_case(MIXED, H, G, d=16, S=4, chunk=chunk, seed=H + G, decodes_apart=decodes_apart)
 
 

@@ -2,6 +2,7 @@
 tests/kernels/conftest.py turns on when there is no GPU)."""
 from __future__ import annotations
 
+import itertools
 import os
 
 import pytest
@@ -12,3 +13,32 @@ DEV = "cuda" if CUDA else "cpu"
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 needs_triton_device = pytest.mark.skipif(not (CUDA or INTERPRET), reason="no GPU and TRITON_INTERPRET is not set")
 needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+
+
+def kernel_grid(*axes: dict, cover: str = "pairs") -> list:
+    """Parameter combinations of a Triton kernel test, each axis {id: value}: on a GPU (milliseconds a
+    combination) every combination; under the interpreter (seconds a combination) a covering subset:
+    cover="pairs", every pair of values of any two axes in some combination; "values", every value of
+    every axis in some combination; "all", every combination there too. For axes that select
+    independent parts of a kernel; the GPU stages run the whole product."""
+    sizes = [len(a) for a in axes]
+    rows = list(itertools.product(*map(range, sizes)))
+    if INTERPRET and not CUDA and len(axes) > 1 and cover != "all":
+        rows = _covering_rows(sizes, pairs=cover == "pairs")
+    names, values = [list(a) for a in axes], [list(a.values()) for a in axes]
+    return [pytest.param(*(v[i] for v, i in zip(values, row)), id="-".join(n[i] for n, i in zip(names, row)))
+            for row in rows]
+
+
+def _covering_rows(sizes: list[int], pairs: bool) -> list[tuple[int, ...]]:
+    if not pairs:  # combination i takes value i of each axis, cycling the shorter ones
+        return [tuple(i % n for n in sizes) for i in range(max(sizes))]
+    axes = range(len(sizes))
+    todo = {(a, x, b, y) for a in axes for b in axes if a < b for x in range(sizes[a]) for y in range(sizes[b])}
+    rows = []
+    while todo:  # greedily, the combination that covers the most pairs still missing (the first on ties)
+        row = max(itertools.product(*map(range, sizes)),
+                  key=lambda r: sum((a, r[a], b, r[b]) in todo for a in axes for b in axes if a < b))
+        rows.append(row)
+        todo -= {(a, row[a], b, row[b]) for a in axes for b in axes if a < b}
+    return rows
