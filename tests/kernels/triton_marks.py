@@ -1,5 +1,7 @@
 """Where the Triton kernel tests run: on a GPU, or on the CPU through the interpreter (which
-tests/kernels/conftest.py turns on when there is no GPU)."""
+tests/kernels/conftest.py turns on when there is no GPU), and which combinations of their parameters
+run there (kernel_grid: the interpreter takes seconds a combination, so CI runs a covering subset of a
+cross product and the GPU stages the whole of it)."""
 from __future__ import annotations
 
 import itertools
