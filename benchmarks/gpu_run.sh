@@ -5,6 +5,8 @@
 #   bash benchmarks/gpu_run.sh fp8 kernel-tests deepspeed tune bench-short
 #   bash benchmarks/gpu_run.sh parallel-fp8 bench-full          # parallel-fp8 needs 2 GPUs
 #
+# On a GPU under 100 GB the Qwen3 shape's engine runs take 24 layers (BENCH_QWEN3_LAYERS=24) unless it is set.
+#
 # Stages:
 #   fp8           CUDA tests of FP8 expert serving (seam + DeepSeek-V3 FP8 checkpoint)
 #   kernel-tests  every test of the Triton kernel and of the deepspeed backend on the GPU
@@ -19,7 +21,6 @@
 #                 --chunk-rows (the chunk alone, 512 and 2048 tokens over 1000 cached, and the target mixed step), then,
 #                 when a config beats the shipped one by 4% on both chunk rows (pick_unified_tile), gpu_engine_bench.py
 #                 qwen3 --runs mixed_step mixed shipped / MOE_UNIFIED_TILE=that one, alternating, TILE_ROUNDS (4) processes
-#                 (BENCH_QWEN3_LAYERS: default 24 on a GPU under 100 GB, else 48)
 #                 -> $OUT/attention_chunk_sweep.json, $OUT/unified_tile.txt, $OUT/tiles_ab/
 #   ds-flash      benchmarks/deepspeed_flash_probe.py: DeepSpeed-FastGen's blocked flash attention beside the
 #                 Triton kernels (carry .dsk/libblockedflash.so.xz) -> $OUT/deepspeed_flash.json
@@ -132,6 +133,12 @@ step() { echo "=== $1 ($(date +%T))" | tee -a "$LOG"; shift; "$@" 2>&1 | tee -a 
     xz -dc .dsk/libdeepspeedft.so.xz > /tmp/libdeepspeedft.so
 [ -f /tmp/libdeepspeedft.so ] && export MOE_DEEPSPEED_FT_LIB=/tmp/libdeepspeedft.so
 CFG="$OUT/configs"
+# The Qwen3 shape's engine runs on a GPU under 100 GB: 24 layers (gpu_engine_bench.py's BENCH_QWEN3_LAYERS), whose
+# KV cache holds 256 running requests as an H200's holds the 48 layers' (48 on 80 GB: preemptions); an H200: 48.
+if [ -z "${BENCH_QWEN3_LAYERS:-}" ] && python3 -c "import sys, torch
+sys.exit(not torch.cuda.is_available() or torch.cuda.get_device_properties(0).total_memory > 100e9)" 2>/dev/null; then
+  export BENCH_QWEN3_LAYERS=24; echo "BENCH_QWEN3_LAYERS=24 (a GPU under 100 GB)" | tee -a "$LOG"
+fi
 # PYTHONPATH with transformers >= 5.23 (Llama-4 multimodal): the carried .whl-hf wheels when the
 # machine's own is older or missing.
 hf_path() {
@@ -191,11 +198,9 @@ for stage in "$@"; do
 print(pick_unified_tile(json.load(open(sys.argv[1]))['results']) or '')" "$OUT/attention_chunk_sweep.json" \
            > "$OUT/unified_tile.txt" || : > "$OUT/unified_tile.txt"
       tile=$(cat "$OUT/unified_tile.txt"); echo "unified tile: ${tile:-none (no sweep, or none beats the shipped one)}" | tee -a "$LOG"
-      [ -n "$tile" ] && big=$(python3 -c "import torch; print(torch.cuda.get_device_properties(0).total_memory > 100e9)")
-      layers=${BENCH_QWEN3_LAYERS:-$([ "${big:-}" = True ] && echo 48 || echo 24)}
       for i in $(seq 1 $([ -n "$tile" ] && echo "${TILE_ROUNDS:-4}" || echo 0)); do
         if (( i % 2 )); then sets=(); name=shipped; else sets=(MOE_UNIFIED_TILE="$tile"); name=${tile//,/-}; fi
-        step "tiles $i $name" env BENCH_QWEN3_LAYERS="$layers" "${sets[@]}" timeout 200 python3 \
+        step "tiles $i $name" env "${sets[@]}" timeout 200 python3 \
              benchmarks/gpu_engine_bench.py qwen3 --runs mixed_step mixed --out "$OUT/tiles_ab/${i}_$name.json"
       done ;;
     ds-flash) step ds-flash timeout 560 python3 benchmarks/deepspeed_flash_probe.py --out "$OUT/deepspeed_flash.json" ;;
