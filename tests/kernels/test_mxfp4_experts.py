@@ -245,12 +245,13 @@ def _act(activation):
 
 
 BIASES, ACTIVATIONS = {"nobias": False, "bias": True}, {"silu": "silu", "swigluoai": "swigluoai"}
+CASE_IDS = {c: c for c in CASES}
 
 
 @pytest.mark.parametrize("backend,biases,activation,case",
                          kernel_grid({"torch": "torch", "reference": "reference"}, BIASES, ACTIVATIONS,
-                                     {c: c for c in CASES}, cover="all")
-                         + kernel_grid({"triton": "triton"}, BIASES, ACTIVATIONS, {c: c for c in CASES}))
+                                     CASE_IDS, cover="all")
+                         + kernel_grid({"triton": "triton"}, BIASES, ACTIVATIONS, CASE_IDS))
 def test_backends_match_reference_on_dequantised_weights(backend, biases, activation, case, run):
     c = make_case(case, biases=biases, seed=len(case) + 3 * biases)
     out, deferred = run(backend, c, defer_sum=case == "defer", **_act(activation))
@@ -301,7 +302,7 @@ def test_triton_split_k_gate_up(case, split, run):
     assert rel(out, same) < 1e-6  # fp32 atomics: the order of the adds may differ
 
 
-@pytest.mark.parametrize("case,dtype,down", kernel_grid({c: c for c in CASES},
+@pytest.mark.parametrize("case,dtype,down", kernel_grid(CASE_IDS,
                                                          {"bf16": torch.bfloat16, "fp16": torch.float16},
                                                          {"plain": {}, "split2": {"SPLIT_K": 2}}))
 def test_dot_scaled_form_equals_the_kernels_dequantisation(case, dtype, down, run, monkeypatch):
@@ -330,7 +331,7 @@ SWAP_FORMS = {"both": {"SWAP_AB": True}, "atomic": {"SWAP_AB": True, "down": {"A
 
 
 # each form on one case and each case under one form in the interpreter (the product on a GPU)
-@pytest.mark.parametrize("case,form", kernel_grid({c: c for c in CASES}, SWAP_FORMS, cover="values"))
+@pytest.mark.parametrize("case,form", kernel_grid(CASE_IDS, SWAP_FORMS, cover="values"))
 def test_swap_ab_form_equals_the_plain_one(case, form, run):
     """SWAP_AB (the transposed product, the dequantised weights as the MMA's A operand): the plain
     order's result, with biases, swigluoai, masked K / N, an expert map, split-K and atomics."""

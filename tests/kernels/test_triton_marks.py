@@ -38,3 +38,8 @@ def test_the_product_on_a_gpu_and_a_subset_only_under_the_interpreter(monkeypatc
     first = params[0]
     assert first.id == "a-x-p" and first.values == (1, "X", None)
     assert len({p.id for p in params}) == want
+
+
+def test_an_unknown_cover_is_refused():
+    with pytest.raises(ValueError, match="cover must be"):
+        marks.kernel_grid({"a": 1}, {"x": 2}, cover="pair")

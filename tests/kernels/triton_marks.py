@@ -23,6 +23,8 @@ def kernel_grid(*axes: dict, cover: str = "pairs") -> list:
     cover="pairs", every pair of values of any two axes in some combination; "values", every value of
     every axis in some combination; "all", every combination there too. For axes that select
     independent parts of a kernel; the GPU stages run the whole product."""
+    if cover not in ("pairs", "values", "all"):
+        raise ValueError(f"cover must be 'pairs', 'values' or 'all', got {cover!r}")
     sizes = [len(a) for a in axes]
     rows = list(itertools.product(*map(range, sizes)))
     if INTERPRET and not CUDA and len(axes) > 1 and cover != "all":
@@ -32,15 +34,19 @@ def kernel_grid(*axes: dict, cover: str = "pairs") -> list:
             for row in rows]
 
 
+def _pairs(row: tuple[int, ...]) -> set[tuple[int, int, int, int]]:
+    """(axis a, its value, axis b, its value) for every two axes a < b of a combination."""
+    return {(a, row[a], b, row[b]) for a, b in itertools.combinations(range(len(row)), 2)}
+
+
 def _covering_rows(sizes: list[int], pairs: bool) -> list[tuple[int, ...]]:
     if not pairs:  # combination i takes value i of each axis, cycling the shorter ones
         return [tuple(i % n for n in sizes) for i in range(max(sizes))]
-    axes = range(len(sizes))
-    todo = {(a, x, b, y) for a in axes for b in axes if a < b for x in range(sizes[a]) for y in range(sizes[b])}
+    every = list(itertools.product(*map(range, sizes)))
+    todo = set().union(*map(_pairs, every))
     rows = []
     while todo:  # greedily, the combination that covers the most pairs still missing (the first on ties)
-        row = max(itertools.product(*map(range, sizes)),
-                  key=lambda r: sum((a, r[a], b, r[b]) in todo for a in axes for b in axes if a < b))
+        row = max(every, key=lambda r: len(_pairs(r) & todo))
         rows.append(row)
-        todo -= {(a, row[a], b, row[b]) for a in axes for b in axes if a < b}
+        todo -= _pairs(row)
     return rows
