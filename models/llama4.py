@@ -293,8 +293,8 @@ class Llama4ForCausalLM(nn.Module):
         return merge_image_features(self.embed_input_ids(input_ids), input_ids, self.encode_images(pixel_values),
                                     self.image_token_id)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self._lm.lm_head.compute_logits(hidden)
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        return self._lm.lm_head.compute_logits(hidden, out)
 
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn.attn for layer in self._lm.model.stage_layers()]

@@ -118,8 +118,8 @@ class DecoderForCausalLM(nn.Module):
         stage's IntermediateTensors for the next one."""
         return self.model(input_ids, positions, meta, intermediate_tensors)
 
-    def compute_logits(self, hidden):
-        return self.lm_head.compute_logits(hidden)
+    def compute_logits(self, hidden, out=None):
+        return self.lm_head.compute_logits(hidden, out)
 
     def attention_layers(self) -> list[nn.Module]:
         """This pipeline stage's attention layers (`self_attn.attn` of each decoder layer)."""

@@ -47,6 +47,15 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     """Logits = hidden @ weight.T, gathered over the TP group and trimmed to the vocabulary."""
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = batch_invariant.dense(hidden, self.weight)
-        return tp_all_gather_last_dim(logits)[..., :self.vocab_size]
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """out: [rows, vocabulary] to write the logits into (one rank only: a CUDA graph's static
+        buffer, the same memory at every replay)."""
+        if out is None:
+            logits = batch_invariant.dense(hidden, self.weight)
+            return tp_all_gather_last_dim(logits)[..., :self.vocab_size]
+        if self.tp_size > 1 or out.shape != (hidden.shape[0], self.per_rank):
+            raise ValueError(f"logits into a [{hidden.shape[0]}, {self.per_rank}] buffer on one rank, got "
+                             f"{list(out.shape)} at tensor-parallel size {self.tp_size}")
+        if batch_invariant.enabled():
+            return out.copy_(batch_invariant.dense(hidden, self.weight))
+        return torch.matmul(hidden, self.weight.t(), out=out)  # F.linear's product, into out

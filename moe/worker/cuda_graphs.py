@@ -12,7 +12,9 @@ zeros for them). Only where every attention launch reads its layout from device 
 2048 tokens whose chunks hold little attention, MLAAttention.mixed_graph_fits: other steps run
 eagerly), and not under expert parallelism.
 The graphs read their inputs from the runner's StepBuffers, so a replay needs only the upload
-that every step does anyway.
+that every step does anyway. On one rank (no tensor parallelism) they end with the LM head over the
+step's sample rows, into one logits buffer all of them write (ModelRunner._with_logits): the
+sampler reads it after the replay.
 """
 from __future__ import annotations
 
@@ -28,6 +30,8 @@ logger = logging.getLogger("moe.worker.cuda_graphs")
 
 
 MIXED_GRAPHS = os.environ.get("MOE_MIXED_GRAPHS", "1") != "0"  # 0: mixed steps run eagerly (A/B runs)
+# 0: the LM head runs eagerly after a replay, not inside the graphs (A/B runs)
+GRAPH_LOGITS = os.environ.get("MOE_GRAPH_LOGITS", "1") != "0"
 # 0: the coarser mixed-step token counts (default_mixed_sizes(fine=False); A/B runs)
 FINE_MIXED_SIZES = os.environ.get("MOE_FINE_MIXED_SIZES", "1") != "0"
 

@@ -38,7 +38,7 @@ from models.parallel.state import get_parallel_state, pp_recv, pp_send
 from moe.expert_load.counters import ExpertLoadCounters
 from moe.multimodal.encoder_runner import EncoderRunner
 from moe.worker.block_tables import BlockTables
-from moe.worker.cuda_graphs import MIXED_GRAPHS, StepGraphs, default_capture_sizes, default_mixed_sizes
+from moe.worker.cuda_graphs import GRAPH_LOGITS, MIXED_GRAPHS, StepGraphs, default_capture_sizes, default_mixed_sizes
 from moe.worker.grammar_mask import grammar_mask_inputs
 from moe.worker.prompt_logprobs import (PromptLogprobs, PromptLogprobsTracker, assemble_prompt_logprobs,
                                         stage_prompt_logprobs)
@@ -173,6 +173,11 @@ class ModelRunner:
         # this step's sample rows / their runner rows on the device (_run_batch; step-buffer views made when asked)
         self._sample_idx: torch.Tensor | None = None
         self._step_sample_rows: torch.Tensor | None = None
+        # The graphs' logits of the sampled rows (made with them on one rank: GRAPH_LOGITS), written
+        # at every replay; _step_logits: this step's, when it replayed a graph.
+        self.graph_logits: torch.Tensor | None = None
+        self._step_logits: torch.Tensor | None = None
+        self._graph_logit_rows = 0  # its rows (0: the graphs end at the hidden states)
         self.kv_caches: list[torch.Tensor] = []
         # The caches' storage dtype: the model's, or an FP8 one (kv_cache_dtype="fp8" / "fp8_e5m2",
         # EngineArgs.resolve_kv_cache_dtype), which holds twice a bf16 cache's blocks in its memory.
@@ -278,7 +283,7 @@ class ModelRunner:
         # a CUDA graph's view of this tensor never needs it to grow (twice that, to spare).
         rows = max(64, 2 * self.limits[0] + 2 if self.limits else 0)
         self.last_sampled_R = torch.zeros(rows, dtype=torch.int64, device=self.device)
-        self.graphs = self.mixed_graphs = None  # captured over the previous cache tensors
+        self.graphs = self.mixed_graphs = self.graph_logits = None  # captured over the previous cache tensors
         # the scheduler's, in every group of blocks
         self.num_kv_blocks = min((g.num_blocks for g in groups if not g.recurrent), default=0)
         self.state_group = next((i for i, g in enumerate(groups) if g.recurrent), None)
@@ -327,9 +332,13 @@ class ModelRunner:
         max_tokens = self.limits[2]
         if not self.use_mixed_graphs or self.mixed_graph_fits is not None or self.mixed_graph_tokens < max_tokens:
             self.warm_up_eager_steps()  # some mixed steps run eagerly
+        mixed_sizes = default_mixed_sizes(min(max_tokens, self.mixed_graph_tokens)) if self.use_mixed_graphs else []
+        self.graph_logits = None
+        self._graph_logit_rows = max(sizes + [min(t, self.mixed_graph_seqs) for t in mixed_sizes]) \
+            if GRAPH_LOGITS and get_parallel_state().tp_size == 1 else 0
         pool = None
         if self.use_mixed_graphs:
-            self.mixed_graphs = StepGraphs(default_mixed_sizes(min(max_tokens, self.mixed_graph_tokens)))
+            self.mixed_graphs = StepGraphs(mixed_sizes)
             pool = self.mixed_graphs.capture(self._upload_mixed_padding, self._mixed_graph_forward, self.device,
                                              "mixed steps of tokens", pool)
         self.graphs = StepGraphs(sizes)
@@ -384,7 +393,7 @@ class ModelRunner:
         meta = buffer_metadata(buf, self.num_kv_groups, b, b, 1, list(range(b + 1)), [1] * b, decode_only=True)
         self._attach_state(meta)
         input_ids = self._input_ids(buf.dev_view("input_ids", b), buf.dev_view("pending_src", b))
-        return self._forward(input_ids, buf.dev_view("positions", b), meta)
+        return self._with_logits(self._forward(input_ids, buf.dev_view("positions", b), meta), b)
 
     @torch.inference_mode()
     def _mixed_graph_forward(self, t: int) -> torch.Tensor:
@@ -396,7 +405,22 @@ class ModelRunner:
                                host_lists=False)
         self._attach_state(meta)
         input_ids = self._input_ids(buf.dev_view("input_ids", t), buf.dev_view("pending_src", t))
-        return self._forward(input_ids, buf.dev_view("positions", t), meta)
+        return self._with_logits(self._forward(input_ids, buf.dev_view("positions", t), meta), min(t, b))
+
+    def _with_logits(self, hidden: torch.Tensor, rows: int) -> torch.Tensor:
+        """A graph's forward ends with the logits of its first `rows` sample rows (the step buffers'
+        sample_idx, padded with token 0 by upload) in graph_logits: a replay then needs no LM-head
+        launch. The buffer is made outside the graphs' pool, by the first warm-up forward (not
+        captured), at the most rows of any graph, so every graph writes the same memory."""
+        if not self._graph_logit_rows or hidden is None:
+            return hidden
+        last = hidden.index_select(0, self.buffers.dev_view("sample_idx", rows))
+        if self.graph_logits is None:
+            probe = self.model.compute_logits(last[:1])
+            self.graph_logits = torch.empty(self._graph_logit_rows, probe.shape[-1], dtype=probe.dtype,
+                                            device=self.device)
+        self.model.compute_logits(last, out=self.graph_logits[:rows])
+        return hidden
 
     def release(self) -> None:
         """Drop the KV cache, the CUDA graphs (their memory pool) and the step buffers."""
@@ -406,6 +430,7 @@ class ModelRunner:
             for name in layer.state_shapes(0):
                 setattr(layer, name, None)
         self.kv_caches, self.graphs, self.buffers, self.last_sampled_R = [], None, None, None
+        self.mixed_graphs = self.graph_logits = None
         self.requests.clear()
         self.images.holding.clear()
         self.prompt_logprobs.active.clear()
@@ -451,7 +476,7 @@ class ModelRunner:
         if self.buffers is not None:  # the device block tables too
             self.buffers.grow_rows(len(grown))
 
-    def _sampling_batch(self, states: list[RequestState], seq_lens: list[int],
+    def _sampling_batch(self, states: list[RequestState], seq_lens: list[int] | np.ndarray,
                         req_ids: list[str] | None = None, prev: PendingStep | None = None) -> SamplingBatch:
         """seq_lens: each row's context after the step, so the token sampled now is output number
         seq_len - num_prompt_tokens (also with async scheduling, where token_ids lags; prev, the step
@@ -459,6 +484,7 @@ class ModelRunner:
         if all(s.plain_greedy for s in states):  # the common case: one pass, nothing to upload
             return SamplingBatch(temperature_B=None, top_k_B=None, top_p_B=None, min_p_B=None, seeds=None,
                                  all_greedy=True, max_num_logprobs=-1)
+        seq_lens = seq_lens.tolist() if isinstance(seq_lens, np.ndarray) else seq_lens
         dev = self.device
         params = [s.params for s in states]
         num_out = [L - s.num_prompt_tokens for s, L in zip(states, seq_lens)]
@@ -573,6 +599,7 @@ class ModelRunner:
         prev: the step in flight whose sampled tokens are this batch's pending inputs (async)."""
         T, B = len(batch.input_ids_T), len(batch.req_ids)
         num_valid = None if self.counters is None else T if counted else 0  # a graph's padding rows: not counted
+        self._step_logits = None
         self._check_pending(batch, prev)
         if self.buffers is None or not self.buffers.fits(T, B, batch.max_blocks()):
             if num_valid is not None:
@@ -599,7 +626,9 @@ class ModelRunner:
         meta = upload(self.buffers, batch, self.block_size, padded, metadata=padded is None, num_valid=num_valid)
         self._sample_idx = self._step_sample_rows = None  # views of the step buffers, made when asked
         if padded is not None:  # the graph reads the pending inputs itself
-            return graphs.replay(padded[0])[:T]
+            hidden = graphs.replay(padded[0])[:T]
+            self._step_logits = self.graph_logits
+            return hidden
         input_ids = self.buffers.dev_view("input_ids", T)
         if batch.pending_src_T is not None:
             input_ids = self._input_ids(input_ids, self.buffers.dev_view("pending_src", T))
@@ -686,19 +715,25 @@ class ModelRunner:
         sample_rows = batch.sample_rows
         if not sample_rows or hidden is None:
             return PendingStep(batch, None, routed=routed) if routed is not None else None
-        if len(sample_rows) == hidden.shape[0]:  # every token samples (decode-only)
-            last = hidden
+        if self._step_logits is not None:  # the graph's replay computed them
+            logits = self._step_logits[:len(sample_rows)]
         else:
-            if self._sample_idx is None:
-                self._sample_idx = self.buffers.dev_view("sample_idx", len(sample_rows))
-            last = hidden.index_select(0, self._sample_idx)  # uploaded with the step's inputs: no sync
-        logits = self.model.compute_logits(last)  # a TP collective: every TP rank of the stage
+            if len(sample_rows) == hidden.shape[0]:  # every token samples (decode-only)
+                last = hidden
+            else:
+                if self._sample_idx is None:
+                    self._sample_idx = self.buffers.dev_view("sample_idx", len(sample_rows))
+                last = hidden.index_select(0, self._sample_idx)  # uploaded with the step's inputs: no sync
+            logits = self.model.compute_logits(last)  # a TP collective: every TP rank of the stage
         if not self.is_driver:
             return PendingStep(batch, None, routed=routed) if routed is not None else None
-        states = batch.states
-        sample_states = [states[i] for i in sample_rows]
-        sample_ids = [batch.req_ids[i] for i in sample_rows]
-        sampling = self._sampling_batch(sample_states, batch.seq_lens_B[sample_rows].tolist(), sample_ids, prev)
+        if len(sample_rows) == len(batch.states):  # every sequence samples (sample_rows ascend)
+            sample_states, sample_ids, seq_lens = batch.states, batch.req_ids, batch.seq_lens_B
+        else:
+            sample_states = [batch.states[i] for i in sample_rows]
+            sample_ids = [batch.req_ids[i] for i in sample_rows]
+            seq_lens = batch.seq_lens_B[sample_rows]
+        sampling = self._sampling_batch(sample_states, seq_lens, sample_ids, prev)
         deferred = DeferredSampling(batch, logits, sampling, sample_ids, self._sample_rows_R(batch), prompt_finals,
                                     routed)
         return deferred if so.deferred_grammar_ids else self.sample_deferred(deferred, so)

@@ -262,8 +262,10 @@ def upload(buf: StepBuffers, batch: StepBatch, block_size: int, padded: tuple[in
     qsl[B + 1 + ones:] = t
     _fill(buf.host_view("seq_lens", b), batch.seq_lens_B, 0)
     sample_idx = batch.sample_token_rows()
-    buf.host_view("sample_idx", len(sample_idx))[:] = sample_idx
-    sizes["sample_idx"] = len(sample_idx)
+    # a graph's LM head reads min(t, b) rows (ModelRunner._with_logits): its padding ones read token 0
+    num_idx = min(t, b) if padded else len(sample_idx)
+    _fill(buf.host_view("sample_idx", num_idx), sample_idx, 0)
+    sizes["sample_idx"] = num_idx
     if batch.sample_rows:
         buf.host_view("sample_rows", len(sample_idx))[:] = batch.sample_rows_R()
         sizes["sample_rows"] = len(sample_idx)

@@ -38,21 +38,32 @@ def test_capture_sizes_flag():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
-def test_graphs_give_the_eager_tokens():
+@pytest.mark.parametrize("graph_logits", [True, False])  # the LM head inside the graphs, or after a replay
+def test_graphs_give_the_eager_tokens(graph_logits, monkeypatch):
     import random
 
+    import moe.worker.model_runner as model_runner
     from moe import LLM, SamplingParams
+    monkeypatch.setattr(model_runner, "GRAPH_LOGITS", graph_logits)
     rng = random.Random(0)
     prompts = [{"prompt_token_ids": [rng.randrange(1, 512) for _ in range(n)]} for n in (1, 9, 33, 70, 5)]
-    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-    outs = {}
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2)
+    outs, logprobs = {}, {}
     for eager in (True, False):
         with LLM("tiny-qwen3-moe", device="cuda", dtype="float32", enforce_eager=eager, max_num_seqs=4,
                  gpu_memory_utilization=0.2) as llm:
-            graphs = llm.llm_engine.executor.runner.graphs
+            runner = llm.llm_engine.executor.runner
+            graphs = runner.graphs
             assert (graphs is None) == eager and (eager or sorted(graphs.graphs) == [1, 2, 4])
-            outs[eager] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+            assert (runner.graph_logits is not None) == (graph_logits and not eager)
+            done = llm.generate(prompts, params, use_tqdm=False)
+            outs[eager] = [o.outputs[0].token_ids for o in done]
+            logprobs[eager] = [[[step[t].logprob for t in sorted(step)] for step in o.outputs[0].logprobs]
+                               for o in done]
     assert len(outs[False]) == len(prompts) and outs[False] == outs[True]
+    got = torch.tensor([lp for steps in logprobs[False] for step in steps for lp in step])
+    want = torch.tensor([lp for steps in logprobs[True] for step in steps for lp in step])
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")

@@ -149,9 +149,13 @@ def test_mixed_graph_padding_layout():
     assert buf.dev_view("slots0", 10).tolist()[7:] == [-1] * 3
     assert buf.dev_view("positions", 10).tolist() == batch.positions_T.tolist() + [0] * 3
     assert meta.block_tables_BM.shape == (6, 4) and not meta.decode_only
+    # The graph's LM head reads min(t, b) sample rows: the real ones, then token 0.
+    assert buf.dev_view("sample_idx", 6).tolist() == [0, 5, 6, 0, 0, 0]
     # More padding tokens than spare sequences: the last one holds the rest.
     meta = upload(buf, batch, 4, padded=(16, 5))
     assert meta.query_start_loc_t.tolist() == [0, 1, 6, 7, 8, 16]
+    upload(buf, _batch([(0, 9), (2, 1)]), 4, padded=(16, 5))  # a later step's rows replace the earlier's
+    assert buf.dev_view("sample_idx", 5).tolist() == [8, 9, 0, 0, 0]
     # No padding token: the spare sequences are empty.
     meta = upload(buf, batch, 4, padded=(7, 6))
     assert meta.query_start_loc_t.tolist() == [0, 1, 6, 7, 7, 7, 7]
@@ -162,7 +166,7 @@ def test_decode_graph_padding_layout():
     buf = StepBuffers(torch.device("cpu"), max_tokens=8, max_seqs=8, max_blocks=4, num_groups=1)
     meta = upload(buf, _batch([(3, 1), (7, 1)]), 4, padded=(4, 4))
     assert meta.query_start_loc_t.tolist() == [0, 1, 2, 3, 4] and meta.seq_lens_t.tolist() == [4, 8, 0, 0]
-    assert meta.decode_only
+    assert meta.decode_only and buf.dev_view("sample_idx", 4).tolist() == [0, 1, 0, 0]
 
 
 def test_padding_that_cannot_hold_the_step_is_refused():
