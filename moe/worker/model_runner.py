@@ -428,7 +428,8 @@ class ModelRunner:
         """A graph's forward ends with the logits of its first `rows` sample rows (the step buffers'
         sample_idx, padded with token 0 by upload) in graph_logits: a replay then needs no LM-head
         launch. The buffer is made outside the graphs' pool, by the first warm-up forward (not
-        captured), at the most rows of any graph, so every graph writes the same memory."""
+        captured), at the most rows of any graph, so every graph writes the same memory. A replayed
+        step that samples nothing (a prompt's middle chunk alone) computes them all the same."""
         if not self._graph_logit_rows or hidden is None:
             return hidden
         last = hidden.index_select(0, self.buffers.dev_view("sample_idx", rows))
