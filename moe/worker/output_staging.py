@@ -1,7 +1,6 @@
 """Pinned host memory and CUDA events for a step's sampled outputs on their way to the host, reused
-from step to step: a fresh pinned allocation and event for every output of every step cost the
-host more than the copy itself (ModelRunner's PendingStep takes them, and gives them back once it
-has read its outputs)."""
+from step to step instead of a fresh pinned allocation and event for each output of each step
+(ModelRunner's PendingStep takes them, and gives them back once it has read its outputs)."""
 from __future__ import annotations
 
 import torch

@@ -100,7 +100,6 @@ class StepBatch:
         req_ids = list(so.num_scheduled_tokens)
         states = [requests[r] for r in req_ids]
         n = np.fromiter(so.num_scheduled_tokens.values(), dtype=np.int64, count=len(req_ids))
-        # list comprehensions, not generators into np.fromiter: ~20% less host time at 256 requests
         computed = np.array([s.num_computed_tokens for s in states], dtype=np.int64)
         qsl = np.zeros(len(req_ids) + 1, dtype=np.int64)
         np.cumsum(n, out=qsl[1:])
