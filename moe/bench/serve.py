@@ -87,7 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt-format", default="auto", choices=["auto", "text", "token-ids"],
                    help="auto: text when a tokenizer is found, else token ids")
     p.add_argument("--save-result", action="store_true", help="write the results as JSON")
-    p.add_argument("--result-dir", default=".", help="folder of the --save-result file")
+    p.add_argument("--result-dir", default=".", help="folder of the --save-result file (made if missing)")
     p.add_argument("--result-filename", default=None,
                    help="name of the --save-result file (default: moe-bench-serve-DATE-TIME.json)")
     p.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
@@ -377,6 +377,8 @@ def main(argv: list[str] | None = None) -> int:
     check_dataset_args(args.dataset_name, args.dataset_path)
     args.endpoint = resolve_endpoint(args)
     _raise_open_files_limit()  # one connection per request in flight
+    if args.save_result:  # made (or refused) now, not after the run
+        os.makedirs(args.result_dir, exist_ok=True)
     summary = asyncio.run(run_benchmark(args))
     print_summary(summary)
     if args.save_result:

@@ -81,9 +81,9 @@ def test_bench_serve_against_the_server(server, tmp_path, monkeypatch, capsys):
     rc = main(["bench", "serve", "--base-url", server.url, "--num-prompts", "6", "--random-input-len", "8",
                "--random-output-len", "4", "--request-rate", "50", "--max-concurrency", "3", "--disable-tqdm",
                "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99", "--save-result",
-               "--result-dir", str(tmp_path), "--result-filename", "r.json"])
+               "--result-dir", str(tmp_path / "new"), "--result-filename", "r.json"])  # a folder made for it
     assert rc == 0
-    result = json.loads((tmp_path / "r.json").read_text())
+    result = json.loads((tmp_path / "new" / "r.json").read_text())
     assert result["completed"] == 6 and result["failed"] == 0 and result["model_id"] == MODEL_NAME
     assert result["prompt_format"] == "text"  # the tokenizer of the server's model root, as vLLM sends text
     assert result["total_input_tokens"] == 6 * 8 and result["total_output_tokens"] == 6 * 4
@@ -109,9 +109,9 @@ def test_bench_serve_sharegpt_sends_each_prompt_for_its_answers_length(server, m
     before = scrape_metrics(server.url)
     rc = main(["bench", "serve", "--base-url", server.url, "--dataset-name", "sharegpt", "--dataset-path", str(path),
                "--num-prompts", "5", "--seed", "3", "--request-rate", "50", "--disable-tqdm", "--save-result",
-               "--result-dir", str(tmp_path), "--result-filename", "r.json"])
+               "--result-dir", str(tmp_path / "new"), "--result-filename", "r.json"])  # a folder made for it
     assert rc == 0
-    result = json.loads((tmp_path / "r.json").read_text())
+    result = json.loads((tmp_path / "new" / "r.json").read_text())
     assert result["completed"] == 5 and result["dataset_name"] == "sharegpt" and result["prompt_format"] == "text"
     assert result["total_input_tokens"] == sum(r.prompt_len for r in want)  # as the server counted them
     assert result["total_output_tokens"] == sum(r.output_len for r in want) and len({r.output_len for r in want}) > 1
