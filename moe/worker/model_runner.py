@@ -729,12 +729,8 @@ class ModelRunner:
             logits = self.model.compute_logits(last)  # a TP collective: every TP rank of the stage
         if not self.is_driver:
             return PendingStep(batch, None, routed=routed) if routed is not None else None
-        if len(sample_rows) == len(batch.states):  # every sequence samples (sample_rows ascend)
-            sample_states, sample_ids, seq_lens = batch.states, batch.req_ids, batch.seq_lens_B
-        else:
-            sample_states = [batch.states[i] for i in sample_rows]
-            sample_ids = [batch.req_ids[i] for i in sample_rows]
-            seq_lens = batch.seq_lens_B[sample_rows]
+        sample_ids, sample_states = batch.sampling_requests
+        seq_lens = batch.seq_lens_B if len(sample_rows) == len(batch.states) else batch.seq_lens_B[sample_rows]
         sampling = self._sampling_batch(sample_states, seq_lens, sample_ids, prev)
         deferred = DeferredSampling(batch, logits, sampling, sample_ids, self._sample_rows_R(batch), prompt_finals,
                                     routed)
@@ -769,11 +765,7 @@ class ModelRunner:
             top_ids, top_vals = got.get("top_ids"), got.get("top_vals")
         if pending.prompt_starts:
             out.prompt_logprobs = assemble_prompt_logprobs(got, pending.prompt_starts)
-        req_ids, states, rows = batch.req_ids, batch.states, batch.sample_rows
-        if len(rows) == len(states):  # every sequence sampled (sample_rows ascend)
-            sample_ids, sample_states = req_ids, states
-        else:
-            sample_ids, sample_states = [req_ids[i] for i in rows], [states[i] for i in rows]
+        sample_ids, sample_states = batch.sampling_requests  # made by launch: the same lists
         for state, token in zip(sample_states, sampled):
             state.token_ids.append(token)  # a state dropped meanwhile (finished, preempted) is unused
         out.sampled = {req_id: [token] for req_id, token in zip(sample_ids, sampled)}

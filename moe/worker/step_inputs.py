@@ -7,6 +7,7 @@ Legend: T tokens of the step, B sequences, m the longest block table of the step
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -194,6 +195,14 @@ class StepBatch:
             by_row = {int(r): req_id for r, req_id in zip(self.rows_B, self.req_ids)}
             raise RuntimeError(f"requests {[by_row[int(r)] for r in missing]} wait for tokens that the step in "
                                "flight does not sample")
+
+    @functools.cached_property
+    def sampling_requests(self) -> tuple[list[str], list[RequestState]]:
+        """The ids and states of the sequences in sample_rows: the batch's own lists when every
+        sequence samples (sample_rows then is 0..B-1)."""
+        if len(self.sample_rows) == len(self.states):
+            return self.req_ids, self.states
+        return [self.req_ids[i] for i in self.sample_rows], [self.states[i] for i in self.sample_rows]
 
     def sample_rows_R(self) -> np.ndarray:
         """The runner row of each sequence in sample_rows."""
