@@ -49,7 +49,7 @@ class Request:
                  "eos_token_ids", "stop_token_ids", "ignore_eos", "min_tokens", "sampling_params",
                  "arrival_time", "status", "num_computed_tokens", "num_cached_tokens", "num_preemptions",
                  "stop_reason", "block_hashes", "stopping_tokens", "mm_items", "num_output_placeholders",
-                 "skip_reading_prefix_cache", "use_structured_output")
+                 "skip_reading_prefix_cache", "use_structured_output", "max_num_tokens")
 
     def __init__(
         self,
@@ -71,6 +71,8 @@ class Request:
         self.num_prompt_tokens = len(self.prompt_token_ids)
         self.all_token_ids = list(prompt_token_ids)
         self.max_tokens = max_tokens
+        # The length at which it ends: max_tokens outputs (the scheduler also caps it at max_model_len).
+        self.max_num_tokens = self.num_prompt_tokens + max_tokens
         self.eos_token_ids = tuple(eos_token_ids)
         self.stop_token_ids = tuple(stop_token_ids)
         self.ignore_eos = ignore_eos

@@ -78,6 +78,7 @@ class Scheduler:
             if too_big:
                 raise ValueError(f"an image of request {request.request_id!r} has {too_big[0]} embeddings, more than "
                                  f"the encoder cache holds ({self.encoder.capacity})")
+        request.max_num_tokens = min(request.num_prompt_tokens + request.max_tokens, self.config.max_model_len)
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
@@ -153,34 +154,36 @@ class Scheduler:
         allocate, runner_knows = self.kv.allocate_slots, self._runner_knows
         cached_ids, cached_blocks, cached_computed = (cached_reqs.req_ids, cached_reqs.new_block_ids,
                                                       cached_reqs.num_computed_tokens)
-        placeholders, max_model_len = cfg.async_scheduling, cfg.max_model_len
+        placeholders, hold_structured = cfg.async_scheduling, not cfg.defer_grammar_masks
         # allocate_slots' common case, inline: one KV group, the last block has room for the new
         # tokens and the step fills no block (which prefix caching would register).
         kv = self.kv
         held_blocks = kv.req_to_blocks if not kv.local else None
         block_size, caching = kv.block_size, kv.enable_caching
-        i = 0
-        while i < len(self.running) and budget > 0:
-            request = self.running[i]
-            num_tokens = len(request.all_token_ids) + request.num_output_placeholders  # known and in flight
-            num_new = min(num_tokens - request.num_computed_tokens, budget)
-            if num_new <= 0 or (request.num_output_placeholders and (
-                    (request.use_structured_output and not cfg.defer_grammar_masks)
-                    or num_tokens - request.num_prompt_tokens >= request.max_tokens or num_tokens >= max_model_len)):
+        running = self.running
+        for request in running:  # a preemption pops from the end: the loop stops before those
+            if budget <= 0:
+                break
+            in_flight = request.num_output_placeholders
+            num_tokens = len(request.all_token_ids) + in_flight  # known and in flight
+            computed = request.num_computed_tokens
+            num_new = num_tokens - computed
+            if num_new > budget:
+                num_new = budget
+            if num_new <= 0 or (in_flight and ((request.use_structured_output and hold_structured)
+                                               or num_tokens >= request.max_num_tokens)):
                 # Nothing to compute (sync: cannot happen after update), or async: the tokens in
                 # flight finish it (max_tokens, max_model_len), or its grammar mask needs the token in
                 # flight. Keep the order.
-                i += 1
                 continue
             to_encode = None
             if request.mm_items:
-                num_new, to_encode = encoder.plan(request, request.num_computed_tokens, num_new, encoder_budget)
+                num_new, to_encode = encoder.plan(request, computed, num_new, encoder_budget)
                 if num_new <= 0:  # its next image waits for room in the encoder cache
-                    i += 1
                     continue
             req_id = request.request_id
             blocks = held_blocks.get(req_id) if held_blocks is not None else None
-            end = request.num_computed_tokens + num_new
+            end = computed + num_new
             if blocks is not None and end <= len(blocks) * block_size and not (caching and end % block_size == 0):
                 new_blocks = NO_NEW_BLOCKS
             else:
@@ -188,7 +191,7 @@ class Scheduler:
                     new_blocks = allocate(request, num_new)
                     if new_blocks is not None:
                         break
-                    victim = self.running.pop()  # the most recently arrived running request
+                    victim = running.pop()  # the most recently arrived running request
                     self._preempt(victim)
                     preempted.add(victim.request_id)
                     if victim is request:
@@ -204,13 +207,12 @@ class Scheduler:
                 # Per group; the common decode step adds no block anywhere and sends ().
                 cached_blocks.append([[b.block_id for b in g] for g in new_blocks] if new_blocks and any(new_blocks)
                                      else ())
-                cached_computed.append(request.num_computed_tokens)
-                request.num_computed_tokens += num_new
+                cached_computed.append(computed)
+                request.num_computed_tokens = end
             else:
                 self._record(request, new_blocks, num_new, new_reqs, cached_reqs)
-            if placeholders and request.num_computed_tokens == num_tokens:  # _add_placeholder, inline
-                request.num_output_placeholders += 1
-            i += 1
+            if placeholders and end == num_tokens:  # _add_placeholder, inline
+                request.num_output_placeholders = in_flight + 1
 
         # Then waiting requests in arrival order (preempted ones were put back at the front),
         # unless this step had to preempt: the pool is too tight to admit more. Those whose
@@ -305,10 +307,10 @@ class Scheduler:
         reached the end of their known tokens (partial prefill chunks sample nothing).
         """
         outputs = []
-        requests, max_model_len = self.requests, self.config.max_model_len
+        requests, running_status = self.requests, RequestStatus.RUNNING
         for req_id, new_tokens in sampled.items():
             request = requests.get(req_id)
-            if request is None or request.status != RequestStatus.RUNNING or not new_tokens:
+            if request is None or request.status is not running_status or not new_tokens:
                 continue  # aborted while the step ran
             if len(new_tokens) == 1:  # the usual case: one token, no list to build
                 appended = new_tokens
@@ -319,8 +321,7 @@ class Scheduler:
                 all_ids.append(token)
                 status = None
                 # _check_stop only where it may stop: a stopping token, or a length reached
-                if token in request.stopping_tokens or len(all_ids) - request.num_prompt_tokens >= request.max_tokens \
-                        or len(all_ids) >= max_model_len:
+                if token in request.stopping_tokens or len(all_ids) >= request.max_num_tokens:
                     status = self._check_stop(request, token)
                 if status is not None:
                     self.running.remove(request)
