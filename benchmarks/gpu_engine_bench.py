@@ -654,7 +654,7 @@ def host_parts(llm: LLM, num_decodes: int = 256, chunk: int = 512, prompt_len: i
     and the output side; `launch` holds build, upload, pending-token fill, replay or forward,
     logits and sampling inputs (`upload` holds upload_wait, the wait for the last upload's copies,
     upload_tables and upload_copy; `sample_deferred` the sampler's launch and the step's read-back
-    copies, staging_copy; no logits_launch where the graphs hold the LM head); `collect` waits for
+    copies; no logits_launch where the graphs hold the LM head); `collect` waits for
     the tokens of the step before. `gc` counts the
     garbage collector's passes in the timed steps (all, and full ones) with their total and
     longest ms (moe.gc_freeze keeps the start-up heap out of them)."""
@@ -684,8 +684,6 @@ def host_parts(llm: LLM, num_decodes: int = 256, chunk: int = 512, prompt_len: i
         for name, key in (("begin", "upload_wait"), ("stage_table_writes", "upload_tables"), ("upload", "upload_copy")):
             wrap(runner.buffers, name, key)
     wrap(runner, "sample_deferred", "sample_deferred")
-    if runner.staging is not None:  # inside sample_deferred: the sampled tokens' copy to pinned memory
-        wrap(runner.staging, "copy_of", "staging_copy")
     for graphs, key in ((runner.graphs, "decode_graph_replay"), (runner.mixed_graphs, "mixed_graph_replay")):
         if graphs is not None:
             wrap(graphs, "replay", key)

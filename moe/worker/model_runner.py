@@ -40,7 +40,6 @@ from moe.multimodal.encoder_runner import EncoderRunner
 from moe.worker.block_tables import BlockTables
 from moe.worker.cuda_graphs import GRAPH_LOGITS, MIXED_GRAPHS, StepGraphs, default_capture_sizes, default_mixed_sizes
 from moe.worker.grammar_mask import grammar_mask_inputs
-from moe.worker.output_staging import PinnedStaging
 from moe.worker.prompt_logprobs import (PromptLogprobs, PromptLogprobsTracker, assemble_prompt_logprobs,
                                         stage_prompt_logprobs)
 from moe.worker.routed_experts import RoutedExpertsCapture
@@ -85,19 +84,15 @@ class ModelRunnerOutput:
         return outputs
 
 
-_SAMPLER_OUTPUTS = frozenset(("sampled", "logprob", "rank", "top_ids", "top_vals"))
-
-
 class PendingStep:
     """A launched step whose sampled tokens (and logprobs) may still be on their way
     (ModelRunner.launch). On CUDA they are copied to pinned memory right after sampling, so waiting
     for them does not wait for a later step queued behind."""
 
     def __init__(self, batch: StepBatch, result, prompt_finals: dict | None = None,
-                 routed: tuple[torch.Tensor, list[int]] | None = None, staging: PinnedStaging | None = None) -> None:
+                 routed: tuple[torch.Tensor, list[int]] | None = None) -> None:
         """result None: a step that samples nothing here and only reports its routing (routed: the
-        step's [T, L, K] routed ids and their layers). staging: where the sampler's outputs are
-        copied to on CUDA (else fresh pinned tensors)."""
+        step's [T, L, K] routed ids and their layers)."""
         self.batch = batch
         self.sampled_B = result.sampled_B if result is not None else None
         # the runner rows whose tokens it samples
@@ -114,19 +109,13 @@ class PendingStep:
             outputs.update(prompt)
         self._outputs = {k: t for k, t in outputs.items() if t is not None}
         self._ready = None
-        self._staging, self._staged = staging, []  # the staging buffers this step holds
-        self._lists = None
         if any(t.is_cuda for t in self._outputs.values()):
             staged = {}
             for k, t in self._outputs.items():
-                if staging is not None and k in _SAMPLER_OUTPUTS:  # read once into lists: the buffer goes back
-                    staged[k], raw = staging.copy_of(t)
-                    self._staged.append(raw)
-                else:
-                    staged[k] = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-                    staged[k].copy_(t, non_blocking=True)
+                staged[k] = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+                staged[k].copy_(t, non_blocking=True)
             self._outputs = staged
-            self._ready = staging.event() if staging is not None else torch.cuda.Event()
+            self._ready = torch.cuda.Event()
             self._ready.record()
         elif "routed" in self._outputs:  # the step buffer is reused by the next forward
             self._outputs["routed"] = self._outputs["routed"].clone()
@@ -141,14 +130,9 @@ class PendingStep:
     def lists(self) -> dict[str, list]:
         """The step's outputs as lists: sampled, and logprob / rank / top_ids / top_vals when asked;
         routed (the routed expert ids) as a numpy array."""
-        if self._lists is None:
-            if self._ready is not None:
-                self._ready.synchronize()
-            self._lists = {k: t.numpy() if k == "routed" else t.tolist() for k, t in self._outputs.items()}
-            if self._staging is not None and self._ready is not None:
-                self._staging.give_back(self._staged, self._ready)
-                self._staged, self._ready, self._outputs = [], None, {}
-        return self._lists
+        if self._ready is not None:
+            self._ready.synchronize()
+        return {k: t.numpy() if k == "routed" else t.tolist() for k, t in self._outputs.items()}
 
 
 class DeferredSampling:
@@ -192,7 +176,6 @@ class ModelRunner:
         # The graphs' logits of the sampled rows (made with them on one rank: GRAPH_LOGITS), written
         # at every replay; _step_logits: this step's, when it replayed a graph.
         self.graph_logits: torch.Tensor | None = None
-        self.staging = PinnedStaging() if device.type == "cuda" else None  # the sampled tokens' way to the host
         self._step_logits: torch.Tensor | None = None
         self._graph_logit_rows = 0  # its rows (0: the graphs end at the hidden states)
         self.kv_caches: list[torch.Tensor] = []
@@ -765,7 +748,7 @@ class ModelRunner:
         result = sample(step.logits, sampling)
         # the tokens a next step's pending inputs read (async scheduling), in stream order before it
         self.last_sampled_R.index_copy_(0, step.sample_rows_R, result.sampled_B)
-        return PendingStep(step.batch, result, step.prompt_finals, step.routed, self.staging)
+        return PendingStep(step.batch, result, step.prompt_finals, step.routed)
 
     def collect(self, pending: PendingStep) -> ModelRunnerOutput:
         """Wait for a launched step's tokens, append them to the request states, and return them."""
