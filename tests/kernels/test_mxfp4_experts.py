@@ -448,34 +448,48 @@ def test_bad_arguments_name_the_tensor():
 
 # --- compiled for sm_90 (no GPU needed) -----------------------------------------------------
 
-@pytest.mark.parametrize("upcast", ["packed", "fp32"])
-def test_mxfp4_gemms_compile_for_sm90(upcast):
+def _compile_reports(runs: list[tuple[list[str], dict]]) -> list[dict]:
+    """compile_sm90_mxfp4.py once per (arguments, extra environment), the runs side by side (each
+    compiles on one core): their reports, in order."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    procs = [subprocess.Popen([sys.executable, str(COMPILE_SCRIPT), *args], env=env | extra, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for args, extra in runs]
+    reports = []
+    try:
+        for proc in procs:
+            out, err = proc.communicate(timeout=300)
+            assert proc.returncode == 0, err[-3000:]
+            reports.append(json.loads(out.strip().splitlines()[-1]))
+    finally:
+        for proc in procs:
+            proc.kill()
+    return reports
+
+
+def test_mxfp4_gemms_compile_for_sm90():
     """gate_up (bias, swigluoai; also split-K) and down (split-K, atomic, bias) with W_MXFP4 at gpt-oss's shape
     (K = 2880: the masked last K step) and the decode / prefill default configs, with the kernels'
-    own dequantisation (either upcast form, MOE_MXFP4_UPCAST) and through tl.dot_scaled (MXFP4_SCALED):
-    compiled, the dot a bf16 MMA (mma.sync at BLOCK_M 16, wgmma at 128), the weight bytes loaded by the
-    pipeliner's async copies, no fp32 multiply flushing subnormals (the exact dequantisation relies on
-    that), the packed form's bf16x2 fmas where asked for."""
+    own dequantisation in either upcast form (MOE_MXFP4_UPCAST packed / fp32) and through tl.dot_scaled
+    (MXFP4_SCALED; compiled once: it upcasts on its own, whatever the form): compiled, the dot a bf16 MMA
+    (mma.sync at BLOCK_M 16, wgmma at 128), the weight bytes loaded by the pipeliner's async copies, no
+    fp32 multiply flushing subnormals (the exact dequantisation relies on that), the packed form's bf16x2
+    fmas where asked for."""
     pytest.importorskip("triton")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"MOE_MXFP4_UPCAST": upcast}
-    done = subprocess.run([sys.executable, str(COMPILE_SCRIPT), "--scaled"], env=env, capture_output=True,
-                          text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    report = json.loads(done.stdout.strip().splitlines()[-1])
-    assert set(report) == {f"{g}/{c}/bf16/{form}" for g in ("gate_up", "down") for c in ("decode", "prefill")
-                           for form in ("mxfp4", "mxfp4_scaled")} | {
-        f"gate_up_split4/decode/bf16/{form}" for form in ("mxfp4", "mxfp4_scaled")}
-    for name, r in report.items():
-        assert r["compiled"] and not r["ftz_f32_mul"], (name, r)
-        # tl.dot_scaled upcasts on its own; the kernels' own dequantisation takes the form asked for
-        assert r["packed_upcast"] == (upcast == "packed" and not name.endswith("_scaled")), (name, r)
-        if name.endswith("_scaled"):  # tl.dot_scaled: the compiler's upcast picks its own MMA (bf16 operands)
-            mma = "wgmma.mma_async" if "/prefill/" in name else ""
-        else:
-            mma = "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" if "/decode/" in name else "wgmma.mma_async"
-        assert any(m.startswith(mma) and "bf16" in m for m in r["mma"]), (name, r["mma"])
-        # the weight bytes stay pipelined (with the activations): gate_up's a, gate, up; down's a, w2
-        assert r["async_copies_in_loop"] >= (3 if name.startswith("gate_up") else 2), (name, r)
+    reports = _compile_reports([(["--scaled"], {"MOE_MXFP4_UPCAST": "packed"}), ([], {"MOE_MXFP4_UPCAST": "fp32"})])
+    for upcast, report, forms in zip(("packed", "fp32"), reports, (("mxfp4", "mxfp4_scaled"), ("mxfp4",))):
+        assert set(report) == {f"{g}/{c}/bf16/{form}" for g in ("gate_up", "down") for c in ("decode", "prefill")
+                               for form in forms} | {f"gate_up_split4/decode/bf16/{form}" for form in forms}
+        for name, r in report.items():
+            assert r["compiled"] and not r["ftz_f32_mul"], (upcast, name, r)
+            # tl.dot_scaled upcasts on its own; the kernels' own dequantisation takes the form asked for
+            assert r["packed_upcast"] == (upcast == "packed" and not name.endswith("_scaled")), (upcast, name, r)
+            if name.endswith("_scaled"):  # tl.dot_scaled: the compiler's upcast picks its own MMA (bf16 operands)
+                mma = "wgmma.mma_async" if "/prefill/" in name else ""
+            else:
+                mma = "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" if "/decode/" in name else "wgmma.mma_async"
+            assert any(m.startswith(mma) and "bf16" in m for m in r["mma"]), (upcast, name, r["mma"])
+            # the weight bytes stay pipelined (with the activations): gate_up's a, gate, up; down's a, w2
+            assert r["async_copies_in_loop"] >= (3 if name.startswith("gate_up") else 2), (upcast, name, r)
 
 
 def test_swap_ab_makes_the_dequantised_tile_a_register_operand():
@@ -483,15 +497,10 @@ def test_swap_ab_makes_the_dequantised_tile_a_register_operand():
     dequantised weights as its A operand straight from registers (no shared-memory allocation in the K
     loop); the plain order stores each dequantised tile to shared memory and runs mma.sync."""
     pytest.importorskip("triton")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    reports = {}
-    for flag in ([], ["--swap-ab"]):
-        done = subprocess.run([sys.executable, str(COMPILE_SCRIPT), "--configs", "decode", *flag], env=env,
-                              capture_output=True, text=True, timeout=300)
-        assert done.returncode == 0, done.stderr[-3000:]
-        reports[bool(flag)] = json.loads(done.stdout.strip().splitlines()[-1])
-    for name, swapped in reports[True].items():
-        plain = reports[False][name]
+    plain_report, swapped_report = _compile_reports([(["--configs", "decode"], {}),
+                                                     (["--configs", "decode", "--swap-ab"], {})])
+    for name, swapped in swapped_report.items():
+        plain = plain_report[name]
         assert all(m.startswith("wgmma.mma_async") for m in swapped["mma"]) and swapped["mma"], (name, swapped)
         assert swapped["local_allocs_in_loop"] == 0 and swapped["spill_store_bytes"] == 0, (name, swapped)
         assert all(m.startswith("mma.sync") for m in plain["mma"]) and plain["local_allocs_in_loop"] >= 1, (name, plain)
