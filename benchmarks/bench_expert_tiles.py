@@ -8,6 +8,10 @@ config and bmm the device time of each kernel they launch (torch.profiler).
     python benchmarks/bench_expert_tiles.py --out gpu_out/expert_tiles.json [--M 1024 2048 4096] \
         [--write-configs gpu_out/configs]
 
+--down-tma: instead of the grid, the down GEMM's tiles (DOWN_TILES, the shipped gate_up unchanged) with and without
+TMA (config "TMA" under "down": h and the weights through TMA descriptors), each with the down kernel's own device
+time, the measure of that switch.
+
 --write-configs writes the config file of this shape into that folder: the shipped configs, with each
 bucket of --M whose best grid config beat the shipped one by more than 3% replaced by it.
 
@@ -30,6 +34,22 @@ TILES = [(64, 64, 64, 4, 3), (64, 128, 64, 8, 3), (128, 64, 64, 4, 4), (128, 64,
          (128, 128, 64, 8, 3), (128, 128, 64, 8, 4)]
 
 
+# (BLOCK_N, BLOCK_K, num_warps, num_stages) of the down GEMM for --down-tma
+DOWN_TILES = [(128, 64, 4, 3), (128, 64, 4, 4), (128, 128, 4, 3), (128, 128, 8, 3), (256, 64, 8, 3), (64, 128, 4, 4),
+              (256, 128, 8, 3)]
+
+
+def down_variants(shipped: dict) -> list[tuple[str, dict]]:
+    """(name, config) of the shipped gate_up beside each down tile, pointer loads and TMA, HALF_TILES off in down."""
+    downs = [("shipped down", dict(shipped.get("down", {}), HALF_TILES=False))]
+    downs += [(str(t), {"BLOCK_SIZE_N": t[0], "BLOCK_SIZE_K": t[1], "num_warps": t[2], "num_stages": t[3],
+                        "GROUP_SIZE_M": 8, "HALF_TILES": False}) for t in DOWN_TILES]
+    out = []
+    for name, down in downs:
+        out += [(name, dict(shipped, down=down)), (name + " tma", dict(shipped, down=dict(down, TMA=True)))]
+    return out
+
+
 def tile_config(tile, half: bool) -> dict:
     bm, bn, bk, w, s = tile
     cfg = {"BLOCK_SIZE_M": bm, "BLOCK_SIZE_N": bn, "BLOCK_SIZE_K": bk, "GROUP_SIZE_M": 8, "num_warps": w,
@@ -46,6 +66,7 @@ def main() -> None:
     p.add_argument("--topk", type=int, default=8)
     p.add_argument("--out", default=None)
     p.add_argument("--write-configs", default=None, help="folder for the config file (see above)")
+    p.add_argument("--down-tma", action="store_true", help="the down GEMM's tiles with and without TMA (see above)")
     p.add_argument("--grid", action=argparse.BooleanOptionalAction, default=True,
                    help="time the grid of tiles (--no-grid: the shipped config, bmm and their kernels only)")
     args = p.parse_args()
@@ -78,9 +99,16 @@ def main() -> None:
                 return {"config": cfg, "error": f"{type(e).__name__}: {str(e)[:200]}"}
 
         rows = [dict(timed(shipped), name="shipped")]
-        if shipped["BLOCK_SIZE_M"] >= 32:
+        if args.down_tma:
+            for name, cfg in down_variants(shipped):
+                row = dict(timed(cfg), name=name)
+                if "us" in row:  # the down kernel's own device time
+                    times = kernel_times(lambda: _run(x, w13, w2, tw, ti, None, cfg))
+                    row["down_us"] = next((v for k, v in times.items() if k.startswith("down_kernel")), None)
+                rows.append(row)
+        elif shipped["BLOCK_SIZE_M"] >= 32:
             rows.append(dict(timed(dict(shipped, HALF_TILES=True)), name="shipped half"))
-        for tile in TILES if args.grid else ():
+        for tile in TILES if args.grid and not args.down_tma else ():
             for half in (False, True):
                 rows.append(dict(timed(tile_config(tile, half)), name=f"{tile}{' half' if half else ''}"))
         m_e = max(1, M * K // E)  # cuBLAS: the same rows, evenly spread
@@ -102,7 +130,8 @@ def main() -> None:
             configs[M] = best["config"]
         print(json.dumps({k: v for k, v in row.items() if k not in ("configs", "kernels_us")}), flush=True)
         print("  kernels (µs a call): " + json.dumps(split), flush=True)
-        print("  " + "  ".join(f"{r['name']}: {r.get('us', 'ERR')}" for r in rows), flush=True)
+        print("  " + "  ".join(f"{r['name']}: {r.get('us', 'ERR')}" + (f" (down {r['down_us']})" if r.get("down_us")
+                                                                           else "") for r in rows), flush=True)
         x = w13 = w2 = a = hh = None
         torch.cuda.empty_cache()
     if args.out:

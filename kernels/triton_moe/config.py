@@ -20,6 +20,8 @@ an expert's last block with no rows in its upper half runs a tile of BLOCK_SIZE_
 Optional top-level "SPLIT_K": n > 1, the gate_up GEMM alone (not FP8): n programs share one tile's D
 range, adding into a zeroed fp32 buffer that one more launch turns into h (bias, activation): for
 steps of a few tokens, whose few gate_up tiles each loop over all of D.
+Optional "TMA": true under "down" (16/32-bit weights, no HALF_TILES there): the down GEMM reads h and its
+weights through TMA descriptors (Hopper; elsewhere it loads them by pointer, gemm.py).
 Optional "SWAP_AB": true (top level or under "down", MXFP4 weights only): the GEMM computes the transposed
 product, its dequantised weight tile the MMA's A operand and the rows its narrow N side (gemm.py).
 """

@@ -88,6 +88,28 @@ def one_row_blocks(topk_ids_TK: torch.Tensor, block_m: int):
     return consts[0], topk_ids_TK.reshape(-1), consts[1]
 
 
+def tma_descriptors(h_PF: torch.Tensor, w2_EDF: torch.Tensor, block_m: int, block_n: int, block_k: int):
+    """The down GEMM's TMA descriptors (config "TMA" under "down"): h [P, F] in [block_m, block_k]
+    tiles and w2 [E, D, F] viewed as [E * D, F] in [block_n, block_k] tiles; None where TMA cannot read
+    them (before Hopper, off the GPU without the interpreter, rows not stacked, or not 16-byte aligned),
+    and the GEMM loads its tiles by pointer."""
+    dev = h_PF.device
+    if dev.type == "cuda":
+        if torch.cuda.get_device_capability(dev)[0] < 9:
+            return None
+    elif os.environ.get("TRITON_INTERPRET") != "1":
+        return None
+    E, D, F = w2_EDF.shape
+    size = h_PF.element_size()
+    aligned = all(t.data_ptr() % 16 == 0 and t.stride(-1) == 1 and (t.stride(-2) * size) % 16 == 0
+                  for t in (h_PF, w2_EDF))
+    if not aligned or w2_EDF.stride(0) != D * w2_EDF.stride(1) or block_k * size < 16:
+        return None
+    from triton.tools.tensor_descriptor import TensorDescriptor
+    return (TensorDescriptor(h_PF, list(h_PF.shape), [h_PF.stride(0), 1], [block_m, block_k]),
+            TensorDescriptor(w2_EDF, [E * D, F], [w2_EDF.stride(1), 1], [block_n, block_k]))
+
+
 def _bias_args(bias: torch.Tensor | None) -> dict:
     """The kernels' bias keywords: pointer and strides, HAS_BIAS (nothing extra when None)."""
     if bias is None:
@@ -157,6 +179,8 @@ def _run(x_TD, w13_EFD, w2_EDF, topk_weights_TK, topk_ids_TK, expert_map_E, cfg,
     mx_up, mx_down = ({"W_MXFP4": True, "SWAP_AB": True, "MXFP4_SCALED": ""} if c.get("SWAP_AB") else
                       {"W_MXFP4": True, "MXFP4_SCALED": mxfp4_dot_scaled(c, x_TD.dtype)} for c in (up, down)) \
         if use_mxfp4 else ({}, {})  # nothing extra otherwise: the same compiled kernels
+    if down.get("TMA") and (use_fp8 or use_mxfp4 or down.get("HALF_TILES")):
+        raise ValueError(f"the down GEMM's TMA tiles are for 16/32-bit weights, without HALF_TILES, got {cfg}")
     for c in (up, down):
         if c.get("HALF_TILES") and BM < 32:
             raise ValueError(f"HALF_TILES needs BLOCK_SIZE_M >= 32 (tiles of BLOCK_SIZE_M / 2 >= 16 rows), got {cfg}")
@@ -197,8 +221,9 @@ def _run(x_TD, w13_EFD, w2_EDF, topk_weights_TK, topk_ids_TK, expert_map_E, cfg,
     else:
         out = torch.empty(T * K, D, dtype=out_dtype, device=dev)
     grid = (n_mb * triton.cdiv(D, down["BLOCK_SIZE_N"]), split)
+    tma = tma_descriptors(h, w2_EDF, BM, down["BLOCK_SIZE_N"], down["BLOCK_SIZE_K"]) if down.get("TMA") else None
     down_kernel[grid](
-        h, w2_EDF, out, sorted_ids, expert_ids, npp, topk_w, h_scale, w2_scale,
+        *((h, w2_EDF) if tma is None else tma), out, sorted_ids, expert_ids, npp, topk_w, h_scale, w2_scale,
         D, F, T * K, K, n_mb,
         h.stride(0), h.stride(1), *w2_EDF.stride(), out.stride(0), out.stride(1),
         hs_strides[0], hs_strides[1], *ws2_strides[:3],
@@ -207,7 +232,7 @@ def _run(x_TD, w13_EFD, w2_EDF, topk_weights_TK, topk_ids_TK, expert_map_E, cfg,
         EVEN_K=F % down["BLOCK_SIZE_K"] == 0, SPLIT_K=split, ATOMIC=atomic,
         PRECISION=precision, UPCAST=upcast,
         num_warps=down["num_warps"], num_stages=down["num_stages"], **pdl, **_bias_args(w2_bias), **mx_down,
-        **half_down)
+        **half_down, **({} if tma is None else {"TMA": True}))
     if atomic:
         return out.to(out_dtype)  # no copy for fp32
     if K == 1:

@@ -40,6 +40,12 @@ SWAP_AB (constexpr, MXFP4): each step computes acc^T += W_tile @ x_tile^T instea
 [BLOCK_N, rows] transposed once before the epilogue: the dequantised weights, made in registers, are
 the MMA's A operand (Hopper's wgmma reads A from registers, B only from shared memory, so the plain
 order stores every dequantised tile to shared memory first), and a step's few rows its N side.
+
+TMA (constexpr, the down GEMM, 16/32-bit): h_ptr and w_ptr are TMA descriptors (Hopper's tensor memory
+accelerator), h over [P, F] with block [BLOCK_M, BLOCK_K] and the weights viewed as [E * D, F] with block
+[BLOCK_N, BLOCK_K]: each K step's two tiles are bulk asynchronous copies, not per-thread vector loads (h
+is in sorted order, so a block's rows are contiguous). Columns past F read as zeros; a tile past an
+expert's last output column reads the next expert's rows, whose columns are never stored.
 """
 from __future__ import annotations
 
@@ -338,7 +344,7 @@ def _down_rows(
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GN: tl.constexpr, GK: tl.constexpr,
     USE_FP8: tl.constexpr, EVEN_K: tl.constexpr, SPLIT_K: tl.constexpr, ATOMIC: tl.constexpr,
     PRECISION: tl.constexpr, UPCAST: tl.constexpr, b_ptr, stride_be, stride_bn, HAS_BIAS: tl.constexpr,
-    W_MXFP4: tl.constexpr, MXFP4_SCALED: tl.constexpr, SWAP_AB: tl.constexpr,
+    W_MXFP4: tl.constexpr, MXFP4_SCALED: tl.constexpr, SWAP_AB: tl.constexpr, TMA: tl.constexpr,
 ):
     """out for sorted rows m0 .. m0 + ROWS - 1 (all of expert e >= 0) and output-column tile pid_n."""
     rows, o_ptrs, o_mask = _down_out(out_ptr, m0, pid_n, sorted_ptr, num_valid, N, top_k, stride_om, stride_on,
@@ -357,8 +363,12 @@ def _down_rows(
     k0 = k_first * BLOCK_K
     offs_bn = offs_n % N
     offs_k = tl.arange(0, BLOCK_K)
-    a_ptrs = h_ptr + offs_m.to(tl.int64)[:, None] * stride_hm + (k0 + offs_k)[None, :] * stride_hk
-    if W_MXFP4:  # [BLOCK_N, BLOCK_K/2] bytes and [BLOCK_N, BLOCK_K/32] scales a step
+    if not TMA:
+        a_ptrs = h_ptr + offs_m.to(tl.int64)[:, None] * stride_hm + (k0 + offs_k)[None, :] * stride_hk
+    if TMA:  # no pointers: the descriptors take tile coordinates, the weight tile's first row in the [E * N, Kd] view
+        tl.static_assert(not (USE_FP8 or W_MXFP4), "TMA tiles are 16/32-bit")
+        w_row = (e * N + pid_n * BLOCK_N).to(tl.int32)
+    elif W_MXFP4:  # [BLOCK_N, BLOCK_K/2] bytes and [BLOCK_N, BLOCK_K/32] scales a step
         tl.static_assert(not USE_FP8 and BLOCK_K % 32 == 0, "MXFP4 needs BLOCK_K % 32 == 0, no FP8")
         b_ptrs = w_ptr + e * stride_we + offs_bn[:, None] * stride_wn \
             + (k0 // 2 + tl.arange(0, BLOCK_K // 2))[None, :] * stride_wk
@@ -377,7 +387,10 @@ def _down_rows(
     else:
         acc = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
     for k in range(k_first, k_last):
-        if W_MXFP4:
+        if TMA:
+            a = h_ptr.load([m0, k * BLOCK_K])
+            b = w_ptr.load([w_row, k * BLOCK_K]).T
+        elif W_MXFP4:
             if EVEN_K:
                 a = tl.load(a_ptrs)
             else:
@@ -407,12 +420,13 @@ def _down_rows(
             acc = _dot(b, tl.trans(a), acc, PRECISION, UPCAST)
         else:
             acc = _dot(a, b, acc, PRECISION, UPCAST)
-        a_ptrs += BLOCK_K * stride_hk
         if W_MXFP4:
+            a_ptrs += BLOCK_K * stride_hk
             b_ptrs += (BLOCK_K // 2) * stride_wk
             b_sc += (BLOCK_K // 32) * stride_wsk  # the next step's scales, in flight until it
             b_e8 = load_mxfp4_scales(b_sc, tl.minimum(Kd, k_last * BLOCK_K) - (k + 1) * BLOCK_K, BLOCK_K)
-        else:
+        elif not TMA:
+            a_ptrs += BLOCK_K * stride_hk
             b_ptrs += BLOCK_K * stride_wk
     if SWAP_AB:
         acc = tl.trans(acc)
@@ -442,7 +456,7 @@ def down_kernel(
     PRECISION: tl.constexpr, UPCAST: tl.constexpr, USE_PDL: tl.constexpr,
     b_ptr=None, stride_be=0, stride_bn=0, HAS_BIAS: tl.constexpr = False,
     W_MXFP4: tl.constexpr = False, MXFP4_SCALED: tl.constexpr = "", HALF_TILES: tl.constexpr = False,
-    SWAP_AB: tl.constexpr = False,
+    SWAP_AB: tl.constexpr = False, TMA: tl.constexpr = False,
 ):
     pdl_enter(USE_PDL)
     pid_m, pid_n = _block_coords(num_m_blocks, N, BLOCK_N, GROUP_M)
@@ -463,7 +477,7 @@ def down_kernel(
             stride_hm, stride_hk, stride_we, stride_wn, stride_wk, stride_om, stride_on,
             stride_hsm, stride_hsk, stride_wse, stride_wsn, stride_wsk, BLOCK_N, BLOCK_K, GN, GK, USE_FP8, EVEN_K,
             SPLIT_K, ATOMIC, PRECISION, UPCAST, b_ptr, stride_be, stride_bn, HAS_BIAS, W_MXFP4, MXFP4_SCALED,
-            SWAP_AB)
+            SWAP_AB, TMA)
     else:
         _down_rows(
             m0, BLOCK_M, e, pid_n,
@@ -471,5 +485,5 @@ def down_kernel(
             stride_hm, stride_hk, stride_we, stride_wn, stride_wk, stride_om, stride_on,
             stride_hsm, stride_hsk, stride_wse, stride_wsn, stride_wsk, BLOCK_N, BLOCK_K, GN, GK, USE_FP8, EVEN_K,
             SPLIT_K, ATOMIC, PRECISION, UPCAST, b_ptr, stride_be, stride_bn, HAS_BIAS, W_MXFP4, MXFP4_SCALED,
-            SWAP_AB)
+            SWAP_AB, TMA)
 

@@ -6,6 +6,10 @@ small awkward shapes; with a GPU the same tests run on it, plus real-shape tests
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -208,6 +212,66 @@ def test_gate_up_split_k_matches_reference(shape, dtype, split_down):
     assert rel(out, ref) < TOL[dtype]
     if dtype == torch.float32:  # the partial sums add up to the unsplit GEMM's (fp32, up to their order)
         assert rel(out, fused_experts_triton(x, w13, w2, tw, ti, config=dict(SMALL_CFG, down=down))) < 1e-6
+
+
+@needs_triton_device
+@pytest.mark.parametrize("shape,dtype,down", kernel_grid(
+    shapes((19, 40, 24, 4, 2), (33, 24, 40, 1, 1), (40, 48, 40, 8, 3)), DTYPES,
+    {"plain": {}, "atomic": {"ATOMIC_SUM": True}, "split2": {"SPLIT_K": 2}}))
+def test_down_tma_tiles_match_pointer_tiles(shape, dtype, down):
+    """The down GEMM's tiles through TMA descriptors: F=24 / 40 with BLOCK_K 16 leaves a partial last
+    tile (zeros past F), D=40 with BLOCK_N 16 a tile reading the next expert's rows (never stored), an
+    expert with no rows; the same sums as the pointer loads' (fp32: the same order)."""
+    from kernels.triton_moe.fused import tma_descriptors
+    T, D, F, E, K = shape
+    x, w13, w2, tw, ti = make_inputs(T, D, F, E, K, dtype, seed=8, empty_expert=E - 1 if E > 2 else None)
+    h = torch.empty(64, F, dtype=dtype, device=DEV)
+    assert tma_descriptors(h, w2, 16, 16, 16) is not None, "TMA runs here (Hopper, or the interpreter)"
+    out = fused_experts_triton(x, w13, w2, tw, ti, config=dict(SMALL_CFG, down=dict(down, TMA=True)))
+    plain = fused_experts_triton(x, w13, w2, tw, ti, config=dict(SMALL_CFG, down=down))
+    assert out.shape == (T, D) and out.dtype == dtype
+    assert rel(out, fused_experts_torch(x, w13, w2, tw, ti)) < TOL[dtype]
+    assert rel(out, plain) < (1e-6 if dtype == torch.float32 else TOL[dtype])
+
+
+def test_down_tma_descriptors_only_where_tma_reads():
+    from kernels.triton_moe.fused import tma_descriptors
+    h, w2 = torch.empty(32, 24, device=DEV), torch.empty(4, 40, 24, device=DEV)
+    if CUDA or INTERPRET:
+        assert tma_descriptors(h, w2, 16, 16, 16) is not None
+    assert tma_descriptors(torch.empty(32, 23, device=DEV), w2, 16, 16, 16) is None, "rows of 92 bytes"
+    assert tma_descriptors(h, torch.empty(4, 40, 23, device=DEV), 16, 16, 16) is None
+    assert tma_descriptors(h, w2[:, :20], 16, 16, 16) is None, "the experts' rows not stacked"
+
+
+def test_down_tma_compiles_to_bulk_tensor_copies_for_sm90():
+    """For an H100/H200 (no GPU needed): the TMA form's K loop moves its tiles with bulk tensor copies and
+    no per-thread async copies, into wgmma as the pointer form does, without spills."""
+    script = Path(__file__).with_name("compile_sm90_down_tma.py")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    pointers, tma = report["pointers"], report["tma"]
+    assert pointers["bulk_tensor_copies"] == 0 and pointers["async_copies"] > 0
+    assert tma["bulk_tensor_copies"] > 0 and tma["async_copies"] == 0
+    assert tma["wgmma"] > 0 and pointers["wgmma"] > 0
+    assert tma["spill_store_bytes"] in (0, None)
+
+
+@pytest.mark.parametrize("weights", ["fp8", "half_tiles"])
+def test_down_tma_refuses_quantised_weights_and_half_tiles(weights):
+    from kernels.triton_moe.fused import _run
+    x, w13, w2, tw, ti = make_inputs(3, 128, 128, 2, 1, torch.float32)
+    if weights == "fp8":
+        q = torch.zeros_like(w13, dtype=torch.float8_e4m3fn)
+        args, kw = (x, q, q[:, :128], tw, ti, None, dict(FP8_CFG, down={"TMA": True})), \
+            {"fp8": (torch.ones(2, 2, 1), torch.ones(2, 1, 1))}
+    else:
+        cfg = dict(SMALL_CFG, BLOCK_SIZE_M=32, down={"TMA": True, "HALF_TILES": True})
+        args, kw = (x, w13, w2, tw, ti, None, cfg), {}
+    with pytest.raises(ValueError, match="TMA tiles"):
+        _run(*args, **kw)
 
 
 def test_fp8_gate_up_refuses_a_split():
@@ -464,7 +528,18 @@ def test_real_shapes_split_k_gpu(E, D, F, K, split, T):
 
 
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
-@pytest.mark.parametrize("down", [{}, {"SPLIT_K": 2}])
+@pytest.mark.parametrize("E,D,F,K", [(128, 2048, 768, 8), (16, 5120, 8192, 1)])
+@pytest.mark.parametrize("T", [64, 1000, 4096])
+def test_real_shapes_down_tma_gpu(E, D, F, K, T):
+    x, w13, w2, tw, ti = make_inputs(T, D, F, E, K, torch.bfloat16, seed=T + 2)
+    cfg = {"BLOCK_SIZE_M": 64, "BLOCK_SIZE_N": 64, "BLOCK_SIZE_K": 64, "GROUP_SIZE_M": 8, "num_warps": 4,
+           "num_stages": 3, "down": {"BLOCK_SIZE_N": 128, "TMA": True}}
+    out = fused_experts_triton(x, w13, w2, tw, ti, config=cfg)
+    assert rel(out, fused_experts_torch(x, w13, w2, tw, ti)) < 1e-2
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("down", [{}, {"SPLIT_K": 2}, {"TMA": True}])
 def test_cuda_graph_capture_gpu(down):
     x, w13, w2, tw, ti = make_inputs(33, 256, 128, 8, 2, torch.bfloat16)
     cfg = {"BLOCK_SIZE_M": 16, "BLOCK_SIZE_N": 64, "BLOCK_SIZE_K": 64, "GROUP_SIZE_M": 1,
