@@ -107,7 +107,7 @@ def compile_variant(which: str, config: str, act: str = "bf16", bias: bool = Tru
     else:
         kernel = down_kernel
         atomic = split_k > 1
-        constexprs.update(SPLIT_K=split_k, ATOMIC=atomic)
+        constexprs.update(SPLIT_K=split_k, ATOMIC=atomic, TMA=False)
         pointers.update(h_ptr=act, out_ptr="fp32" if atomic else act)
     if not bias:
         constexprs["b_ptr"] = None
