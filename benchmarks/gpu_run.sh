@@ -106,7 +106,8 @@
 #                 tiles, each with and without HALF_TILES, against the shipped configs; the winners into $OUT/configs),
 #                 then gpu_engine_bench.py qwen3 --runs ${TILES_RUNS:-mixed mixed_step} with the coarser mixed-graph sizes
 #                 (MOE_FINE_MIXED_SIZES=0), with the shipped configs and with $OUT/configs (TILES_M: the bench's --M;
-#                 TILES_ARGS adds flags, e.g. "--no-grid": the shipped configs, bmm and their kernels only)
+#                 TILES_ARGS adds flags, e.g. "--no-grid": the shipped configs, bmm and their kernels only; "--down-tma":
+#                 the down GEMM's tiles with and without TMA in place of the grid)
 #                 -> $OUT/expert_tiles.json, $OUT/engine_{coarse,shipped,tiles}.json
 #   mla-mixed     MLA's mixed steps from CUDA graphs, MLA_PARTS (default "tests bench engine"): the MLA kernel and layer
 #                 tests, the MLA mixed-graph and eager warm-up engine tests on CUDA; benchmarks/bench_mla_mixed.py (one
