@@ -363,19 +363,19 @@ def _down_rows(
     k0 = k_first * BLOCK_K
     offs_bn = offs_n % N
     offs_k = tl.arange(0, BLOCK_K)
-    if not TMA:
-        a_ptrs = h_ptr + offs_m.to(tl.int64)[:, None] * stride_hm + (k0 + offs_k)[None, :] * stride_hk
-    if TMA:  # no pointers: the descriptors take tile coordinates, the weight tile's first row in the [E * N, Kd] view
+    if TMA:  # the descriptors take tile coordinates: the weight tile's first row in the [E * N, Kd] view
         tl.static_assert(not (USE_FP8 or W_MXFP4), "TMA tiles are 16/32-bit")
         w_row = (e * N + pid_n * BLOCK_N).to(tl.int32)
-    elif W_MXFP4:  # [BLOCK_N, BLOCK_K/2] bytes and [BLOCK_N, BLOCK_K/32] scales a step
+    else:
+        a_ptrs = h_ptr + offs_m.to(tl.int64)[:, None] * stride_hm + (k0 + offs_k)[None, :] * stride_hk
+    if W_MXFP4:  # [BLOCK_N, BLOCK_K/2] bytes and [BLOCK_N, BLOCK_K/32] scales a step
         tl.static_assert(not USE_FP8 and BLOCK_K % 32 == 0, "MXFP4 needs BLOCK_K % 32 == 0, no FP8")
         b_ptrs = w_ptr + e * stride_we + offs_bn[:, None] * stride_wn \
             + (k0 // 2 + tl.arange(0, BLOCK_K // 2))[None, :] * stride_wk
         b_sc = ws_ptr + e * stride_wse + offs_bn[:, None] * stride_wsn \
             + (k0 // 32 + tl.arange(0, BLOCK_K // 32))[None, :] * stride_wsk
         b_e8 = load_mxfp4_scales(b_sc, tl.minimum(Kd, k_last * BLOCK_K) - k0, BLOCK_K)
-    else:
+    elif not TMA:
         b_ptrs = w_ptr + e * stride_we + offs_bn[None, :] * stride_wn \
             + (k0 + offs_k)[:, None] * stride_wk
     if USE_FP8:
