@@ -470,9 +470,12 @@ def down_kernel(
                                           BLOCK_M, BLOCK_N, ATOMIC)
             tl.store(o_ptrs, tl.zeros((BLOCK_M, BLOCK_N), dtype=out_ptr.dtype.element_ty), mask=o_mask)
         return
+    # Without HALF_TILES the branch below is still compiled by Triton before 3.9 (half_tile's False is not a
+    # constant there), so it gets the full tile: TMA's descriptors have blocks of BLOCK_M rows only.
+    HALF_M: tl.constexpr = BLOCK_M // 2 if HALF_TILES else BLOCK_M
     if half_tile(sorted_ptr, m0, num_valid, BLOCK_M, HALF_TILES):
         _down_rows(
-            m0, BLOCK_M // 2, e, pid_n,
+            m0, HALF_M, e, pid_n,
             h_ptr, w_ptr, out_ptr, sorted_ptr, topk_w_ptr, hs_ptr, ws_ptr, N, Kd, num_valid, top_k,
             stride_hm, stride_hk, stride_we, stride_wn, stride_wk, stride_om, stride_on,
             stride_hsm, stride_hsk, stride_wse, stride_wsn, stride_wsk, BLOCK_N, BLOCK_K, GN, GK, USE_FP8, EVEN_K,
