@@ -432,6 +432,20 @@ def test_tuner_candidates():
             assert all(t in _candidates(bm, gate_up, False, wide=True) for t in tiles), "a variant of a searched tile"
 
 
+def test_tuner_tries_tma_down_tiles_on_hopper_wide_search_only():
+    from kernels.triton_moe.tune import _TMA_VARIANTS, _candidates
+    for bm in (16, 32, 64, 128):
+        tma = [c for c in _candidates(bm, False, False, wide=True, tma=True) if c.get("TMA")]
+        assert len(tma) == (_TMA_VARIANTS if bm >= 64 else 0)
+        plain = _candidates(bm, False, False, wide=True)
+        assert [{k: v for k, v in c.items() if k != "TMA"} for c in tma] == plain[:len(tma)]
+        assert not any(c.get("TMA") and c.get("HALF_TILES") for c in _candidates(bm, False, False, True, tma=True))
+        assert not any(c.get("TMA") for c in plain + _candidates(bm, True, False, wide=True, tma=True)
+                       + _candidates(bm, False, True, wide=True, tma=True)
+                       + _candidates(bm, False, False, wide=True, mxfp4=True, tma=True)
+                       + _candidates(bm, False, False, tma=True)), "down, 16-bit, wide search only"
+
+
 def test_tuner_tries_swap_ab_first_on_mxfp4_decode_tiles():
     from kernels.triton_moe.tune import _candidates
     for gate_up in (True, False):
