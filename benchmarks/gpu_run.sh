@@ -13,6 +13,9 @@
 #                 (8 pytest-xdist workers: each test compiles its own kernels)
 #   deepspeed     benchmarks/deepspeed_probe.py (loads .dsk/libdeepspeedft.so.xz if carried)
 #   tune          `moe tune-moe --wide` on the short decode rows -> $OUT/configs
+#   tune-mixed    `moe tune-moe --wide` on the Qwen3 shape's mixed- and prefill-step buckets (TUNE_M, default 768-4096;
+#                 TUNE_BUDGET_S) -> $OUT/configs, then gpu_engine_bench.py qwen3 --runs mixed mixed_step with the shipped
+#                 configs and with $OUT/configs -> $OUT/tune_mixed.json, $OUT/engine_{shipped,tuned}.json
 #   bench-short   the kernel bench on the rows that fall short, with $OUT/configs if present
 #   bench-full    the whole kernel bench (moe bench kernel; vLLM beside ours if benchmarks/vllm_kernel/ is carried) -> $OUT/kernel.json
 #   gpu-tests     the CUDA tests of the attention, MLA, fused small kernels and vLLM-kernel adapter
@@ -175,6 +178,14 @@ for stage in "$@"; do
            --topk 8 --M 8 64 --wide --budget-s 130 --out-dir "$CFG"
       step tune-llama4 timeout 80 python3 -m kernels.triton_moe.tune --E 16 --D 5120 --F 8192 \
            --topk 1 --M 1 --wide --budget-s 50 --out-dir "$CFG" ;;
+    tune-mixed) mkdir -p "$CFG"
+      step tune-mixed timeout 280 python3 -m kernels.triton_moe.tune --E 128 --D 2048 --F 768 --topk 8 --wide \
+           --M ${TUNE_M:-768 1024 1536 2048 3072 4096} --budget-s ${TUNE_BUDGET_S:-220} --out-dir "$CFG" \
+           --report "$OUT/tune_mixed.json"
+      step engine-shipped timeout 150 python3 benchmarks/gpu_engine_bench.py qwen3 --runs mixed mixed_step \
+           --out "$OUT/engine_shipped.json"
+      step engine-tuned env MOE_KERNEL_CONFIG_DIR="$CFG" timeout 150 python3 benchmarks/gpu_engine_bench.py qwen3 \
+           --runs mixed mixed_step --out "$OUT/engine_tuned.json" ;;
     bench-short) [ -d "$CFG" ] && export MOE_KERNEL_CONFIG_DIR="$CFG"
       step bench-short timeout 200 python3 -m moe.bench.kernel --no-ceilings --profile \
            --no-baselines --no-deepspeed --fp8-shapes \
