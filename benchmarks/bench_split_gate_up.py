@@ -87,7 +87,7 @@ def main() -> int:
                     got = _run(x, w13, w2, tw, ti, None, cfg, **extra).float()
                     row["rel_err"][name] = float((got - want).norm() / want.norm())
                     fns = [lambda p=p, cfg=cfg: _run(p[0], w13, w2, p[3], p[4], None, cfg, **extra) for p in problems]
-                    row["us"][name] = round(time_calls(fns, M, reps=20) * 1e3, 2)
+                    row["us"][name] = round(time_calls(fns, reps=20) * 1e3, 2)
                 except Exception as e:  # out of resources etc.
                     row["us"][name] = f"{type(e).__name__}: {str(e)[:120]}"
             timed = {k: v for k, v in row["us"].items() if isinstance(v, float)}

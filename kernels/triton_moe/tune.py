@@ -150,15 +150,12 @@ def time_events(fns, reps: int = 10) -> float:
     return ts[len(ts) // 2]
 
 
-def time_calls(fns, M: int, reps: int = 20) -> float:
-    """CUDA-graph replay at every size: eager events time the host's launches too, which at mixed-step
-    sizes take longer than the kernels and vary by ±15% between identical configs (H100, 2048 tokens:
-    798 – 976 µs for ~605 µs of kernels). Events only for a call that cannot be captured."""
-    try:
-        return time_graph(fns, reps)
-    except RuntimeError:  # a path that syncs the host
-        torch.cuda.synchronize()
-        return time_events(fns, max(5, reps // 2))
+def time_calls(fns, reps: int = 20) -> float:
+    """Median ms of one call, by CUDA-graph replay at every size (time_graph). Eager CUDA events would time
+    the host's launches too, which at mixed-step sizes outlast the kernels and vary by ±15% between
+    identical configs (H100, 2048 tokens: 798 – 976 µs for ~605 µs of kernels). A call that cannot be
+    captured raises RuntimeError; time_events is the caller's fallback."""
+    return time_graph(fns, reps)
 
 
 def kernel_times(fn, calls: int = 5) -> dict[str, float]:
@@ -189,7 +186,7 @@ def compose(cfg_up: dict, cfg_down: dict) -> dict:
     return cfg
 
 
-def _time_split(cfg_up, cfg_down, problems, quant_w, M):
+def _time_split(cfg_up, cfg_down, problems, quant_w):
     """quant_w: None (16-bit weights in the problems) or (kind, (q13, q2), (s13, s2)), kind "fp8"
     or "mxfp4"."""
     cfg = compose(cfg_up, cfg_down)
@@ -199,7 +196,7 @@ def _time_split(cfg_up, cfg_down, problems, quant_w, M):
             kind, (q13, q2), scales = quant_w
             return lambda: _run(x, q13, q2, tw, ti, None, cfg, **{kind: scales})
         return lambda: _run(x, w13, w2, tw, ti, None, cfg)
-    return time_calls([mk(*p) for p in problems], M, reps=14)
+    return time_calls([mk(*p) for p in problems], reps=14)
 
 
 def tune_one(E, D, F, K, M, dtype, budget_s, quant_w=None, prior=None, wide=False, default=None):
@@ -241,7 +238,7 @@ def tune_one(E, D, F, K, M, dtype, budget_s, quant_w=None, prior=None, wide=Fals
             if time.monotonic() > t_end and t_up < float("inf"):
                 break
             try:
-                t = _time_split(c, downs[0], problems, quant_w, M)
+                t = _time_split(c, downs[0], problems, quant_w)
             except Exception as e:  # out of resources etc.
                 print(f"  skip {c}: {type(e).__name__}")
                 continue
@@ -252,7 +249,7 @@ def tune_one(E, D, F, K, M, dtype, budget_s, quant_w=None, prior=None, wide=Fals
             if time.monotonic() > t_end:
                 break
             try:
-                t = _time_split(up_best, c, problems, quant_w, M)
+                t = _time_split(up_best, c, problems, quant_w)
             except Exception as e:
                 print(f"  skip {c}: {type(e).__name__}")
                 continue
@@ -264,7 +261,7 @@ def tune_one(E, D, F, K, M, dtype, budget_s, quant_w=None, prior=None, wide=Fals
     t_default = None
     if default is not None:  # the untuned fallback competes too: a short search can miss its tile
         up, down = split_config(default)
-        t_default = _time_split(up, down, problems, quant_w, M)
+        t_default = _time_split(up, down, problems, quant_w)
         if t_default < best[1]:
             best = (dict(default), t_default)
     shown = "" if t_default is None else f" (default config {t_default * 1e3:.1f} us)"

@@ -4,8 +4,8 @@ Shapes: qwen3-30b-a3b, deepseek-v3, llama4-scout; M in 1..16384. Contenders: the
 (alignment included), vLLM's fused_moe_kernel with vLLM's H200 configs in the same run (when
 benchmarks/fetch_vllm_kernel.py has fetched it, see moe/bench/vllm_kernel.py), the torch
 reference (per-expert loop), torch._grouped_mm with its torch sort/gather/scatter, and FP8
-block-quantised rows for deepseek-v3. CUDA-graph replay for
-M <= 1024, CUDA events above; medians. Each row also checks correctness on fresh random inputs
+block-quantised rows for deepseek-v3. CUDA-graph replay at every M (CUDA events for a contender that
+cannot be captured, labelled so); medians. Each row also checks correctness on fresh random inputs
 (‖out − ref‖/‖ref‖ in fp32) and reports floor/time, the floor being the larger of
 (bytes of the experts touched + activations) / 4.8 TB/s and FLOPs / 700 TFLOP/s.
 
@@ -135,7 +135,7 @@ def time_alignment_paths(rts, E, F, K, M, reps) -> dict:
     out = {}
     for path in ("ranked", "small", "large"):
         out[f"align_{path}_us"] = 1e3 * time_calls(
-            [lambda ti=ti: align_tokens(ti, E, bm, path=path) for _, ti in rts], M, reps=reps)
+            [lambda ti=ti: align_tokens(ti, E, bm, path=path) for _, ti in rts], reps=reps)
     return out
 
 
@@ -182,7 +182,7 @@ def bench_shape(name, Ms, args, rows):
             row["rel_err_triton"] = rel_err(fused_experts_triton(xc, w13, w2, twc, tic), ref)
             row["triton_us"] = 1e3 * time_calls(
                 [lambda tw=tw, ti=ti: fused_experts_triton(x, w13, w2, tw, ti) for tw, ti in rts],
-                M, reps=args.reps)
+                reps=args.reps)
             if args.profile:
                 row["triton_kernels_us"] = kernel_breakdown(
                     [lambda tw=tw, ti=ti: fused_experts_triton(x, w13, w2, tw, ti)
@@ -195,7 +195,7 @@ def bench_shape(name, Ms, args, rows):
                     row["rel_err_vllm"] = rel_err(args.vllm(xc, w13, w2, twc, tic), ref)
                     row["vllm_config"] = args.vllm.config(M, E, F, K)[1]
                     row["vllm_us"] = 1e3 * time_calls(
-                        [lambda tw=tw, ti=ti: args.vllm(x, w13, w2, tw, ti) for tw, ti in rts], M, reps=args.reps)
+                        [lambda tw=tw, ti=ti: args.vllm(x, w13, w2, tw, ti) for tw, ti in rts], reps=args.reps)
                 except Exception as e:  # report, do not stop the bench
                     row["vllm_error"] = f"{type(e).__name__}: {e}"[:300]
             if ds is not None:
@@ -203,7 +203,7 @@ def bench_shape(name, Ms, args, rows):
                     row["rel_err_deepspeed"] = rel_err(ds(xc, w13, w2, twc, tic), ref)
                     dfns = [lambda tw=tw, ti=ti: ds(x, w13, w2, tw, ti) for tw, ti in rts]
                     try:
-                        row["deepspeed_us"] = 1e3 * time_calls(dfns, M, reps=args.reps)
+                        row["deepspeed_us"] = 1e3 * time_calls(dfns, reps=args.reps)
                     except RuntimeError:  # not capturable: time it with events
                         torch.cuda.synchronize()
                         row["deepspeed_us"] = 1e3 * time_events(dfns, reps=args.reps)
@@ -217,7 +217,7 @@ def bench_shape(name, Ms, args, rows):
                     gfns = [lambda tw=tw, ti=ti: grouped_mm_experts(x, w13, w2, tw, ti)
                             for tw, ti in rts]
                     try:
-                        row["grouped_mm_us"] = 1e3 * time_calls(gfns, M, reps=args.reps)
+                        row["grouped_mm_us"] = 1e3 * time_calls(gfns, reps=args.reps)
                     except RuntimeError:  # its internals copy from the host: not capturable
                         torch.cuda.synchronize()
                         row["grouped_mm_us"] = 1e3 * time_events(gfns, reps=args.reps)
@@ -240,7 +240,7 @@ def bench_shape(name, Ms, args, rows):
                     out8, fused_experts_torch(xc, w13, w2, twc, tic))
                 row["fp8_us"] = 1e3 * time_calls(
                     [lambda tw=tw, ti=ti: fused_experts_triton_fp8(x, q13, q2, s13, s2, tw, ti)
-                     for tw, ti in rts], M, reps=args.reps)
+                     for tw, ti in rts], reps=args.reps)
                 row["fp8_floor_us"] = floor_us(E, D, F, K, M, row["experts_touched"], w_bytes=1)
                 del ref8, out8
         except Exception as e:

@@ -493,13 +493,13 @@ def test_tuner_times_quantised_weights_in_their_form(monkeypatch):
     import kernels.triton_moe.tune as tune
     calls = []
     monkeypatch.setattr(tune, "_run", lambda *a, **kw: calls.append((a, kw)))
-    monkeypatch.setattr(tune, "time_calls", lambda fns, M, reps: [f() for f in fns] and 1.0)
+    monkeypatch.setattr(tune, "time_calls", lambda fns, reps: [f() for f in fns] and 1.0)
     x, tw, ti = torch.zeros(2, 64), torch.ones(2, 1), torch.zeros(2, 1, dtype=torch.int32)
     q13, q2, s13, s2 = (torch.zeros(1, dtype=torch.uint8) for _ in range(4))
     cfg = {"BLOCK_SIZE_M": 16, "BLOCK_SIZE_N": 32}
     for kind in ("mxfp4", "fp8"):
         calls.clear()
-        assert tune._time_split(cfg, cfg, [(x, None, None, tw, ti)], (kind, (q13, q2), (s13, s2)), 2) == 1.0
+        assert tune._time_split(cfg, cfg, [(x, None, None, tw, ti)], (kind, (q13, q2), (s13, s2))) == 1.0
         (args, kw), = calls
         assert args[1] is q13 and args[2] is q2 and kw == {kind: (s13, s2)}
         assert args[6]["down"] == {"BLOCK_SIZE_N": 32}
