@@ -50,3 +50,18 @@ def test_host_profile_lists_the_functions_of_both_kinds_of_step(monkeypatch):
         assert [r[3] for r in cumulative] == sorted((r[3] for r in cumulative), reverse=True)
         assert any(r[0].startswith("llm_engine.py:") and r[0].endswith("(step)") for r in cumulative), kind
     assert not llm.llm_engine.has_unfinished_requests()
+
+
+def test_mixed_traffic_reports_the_floor_of_the_steps_it_ran(monkeypatch):
+    """mixed_traffic on the CPU (the tiny model): beside the ideal schedule's floor (full batches), the sum of the
+    floors of the steps the engine ran, per kind and in all, and their ratio."""
+    llm = LLM("tiny-qwen3-moe", device="cpu", enable_prefix_caching=False, max_num_seqs=4, max_model_len=256)
+    requests = bench.random_token_requests
+    monkeypatch.setattr(bench, "random_token_requests",
+                        lambda n, i, o, vocab, seed, ratio: requests(n, i, o, 500, seed, ratio))
+    out = bench.mixed_traffic(llm, num_prompts=10, input_len=24, output_len=6, warmup=2)
+    kinds = [r for r in out["steps"].values() if "floor_s" in r]
+    assert kinds and all(r["floor_s"] > 0 for r in kinds)
+    assert abs(out["steps_floor_s"] - sum(r["floor_s"] for r in kinds)) < 1e-3
+    assert out["floor_s"] > 0 and abs(out["floor_over_steps_floor"] - out["floor_s"] / out["steps_floor_s"]) < 1e-9
+    assert not llm.llm_engine.has_unfinished_requests()
