@@ -200,9 +200,10 @@ def _time_split(cfg_up, cfg_down, problems, quant_w):
 
 
 def tune_one(E, D, F, K, M, dtype, budget_s, quant_w=None, prior=None, wide=False, default=None):
-    """(best config, its ms, ms of `default` or None) for T=M; `prior` (e.g. the shipped config)
-    is tried first; `default` (the untuned fallback) is timed on the same problems and kept when
-    nothing searched beats it."""
+    """(best config, its ms, {"default": ms, "prior": ms} of those given) for T=M; `prior` (the
+    config in use, e.g. the shipped one) is tried first; `default` (the untuned fallback) and `prior`
+    are timed again on the same problems at the end, so the report compares the winner with both, and
+    either is kept when nothing searched beats it."""
     fp8 = quant_w is not None and quant_w[0] == "fp8"
     mxfp4 = quant_w is not None and quant_w[0] == "mxfp4"
     x, w13, w2, tw, ti = make_problem(E, D, F, K, M, dtype, with_weights=quant_w is None)
@@ -258,15 +259,15 @@ def tune_one(E, D, F, K, M, dtype, budget_s, quant_w=None, prior=None, wide=Fals
         cfg = compose(up_best, down_best)
         if best is None or t_tot < best[1]:
             best = (cfg, t_tot)
-    t_default = None
-    if default is not None:  # the untuned fallback competes too: a short search can miss its tile
-        up, down = split_config(default)
-        t_default = _time_split(up, down, problems, quant_w)
-        if t_default < best[1]:
-            best = (dict(default), t_default)
-    shown = "" if t_default is None else f" (default config {t_default * 1e3:.1f} us)"
+    baselines = {}
+    for which, cfg in (("default", default), ("prior", prior)):  # a short search can miss either's tile
+        if cfg is not None:
+            baselines[which] = _time_split(*split_config(cfg), problems, quant_w)
+            if baselines[which] < best[1]:
+                best = (dict(cfg), baselines[which])
+    shown = "".join(f" ({which} config {t * 1e3:.1f} us)" for which, t in baselines.items())
     print(f"M={M}: {best[1] * 1e3:.1f} us{shown}  {best[0]}", flush=True)
-    return best[0], best[1], t_default
+    return best[0], best[1], baselines
 
 
 def tune(E, D, F, K, Ms, dtype_name="bf16", budget_s=120.0, out_dir=CONFIG_DIR,
@@ -301,11 +302,13 @@ def tune(E, D, F, K, Ms, dtype_name="bf16", budget_s=120.0, out_dir=CONFIG_DIR,
             break
         prior = nearest_bucket(priors, M) if priors else None
         default = default_config(M, E, F, K, dtype_name, block_shape)
-        cfg, t, t_default = tune_one(E, D, F, K, M, dtype, max(share, 1.0), quant_w, prior, wide, default)
+        cfg, t, baselines = tune_one(E, D, F, K, M, dtype, max(share, 1.0), quant_w, prior, wide, default)
         results[M] = cfg
-        rows.append({"M": M, "tuned_us": t * 1e3, "config": cfg,
-                     **({} if t_default is None else {"default_us": t_default * 1e3,
-                                                      "speedup": t_default / t})})
+        row = {"M": M, "tuned_us": t * 1e3, "config": cfg}
+        for which, t_base in baselines.items():  # speedup: over the default; speedup_over_prior: the file in use
+            row[f"{which}_us"] = t_base * 1e3
+            row["speedup" if which == "default" else f"speedup_over_{which}"] = t_base / t
+        rows.append(row)
         torch.cuda.empty_cache()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -483,8 +483,31 @@ def test_tuner_writes_merged_file(tmp_path, monkeypatch):
     assert set(got) == {"8", "512"} and got["512"] == SMALL_CFG
     rows = json.loads((tmp_path / "report.json").read_text())["rows"]
     assert [r["M"] for r in rows] == [8] and rows[0]["config"] == got["8"]
-    assert rows[0]["tuned_us"] > 0 and rows[0]["default_us"] > 0
+    assert rows[0]["tuned_us"] > 0 and rows[0]["default_us"] > 0 and rows[0]["prior_us"] > 0
     cfgmod.load_configs.cache_clear()
+
+
+def test_tuner_reports_the_config_in_use_and_keeps_it_when_nothing_beats_it(tmp_path, monkeypatch):
+    """The report times the file in use (prior_us, speedup_over_prior) beside the default; a prior no
+    searched candidate beats stays (fake timings: every config but the prior takes 2 ms)."""
+    import kernels.triton_moe.tune as tune
+    prior = dict(cfgmod.default_config(512, 4, 32, 2, "bf16"), num_stages=5)  # not a searched candidate
+    monkeypatch.setattr(tune, "make_problem", lambda E, D, F, K, M, dtype, **kw: (None,) * 5)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
+    monkeypatch.setattr(tune, "_time_split", lambda up, down, problems, quant_w:
+                        1.0 if tune.compose(up, down) == tune.compose(*cfgmod.split_config(prior)) else 2.0)
+    name = cfgmod.config_file_name(4, 32, cfgmod.device_name(), "bf16")
+    (tmp_path / name).write_text(json.dumps({"512": prior}))
+    monkeypatch.setenv("MOE_KERNEL_CONFIG_DIR", str(tmp_path))
+    cfgmod.load_configs.cache_clear()
+    try:
+        tune.tune(4, 64, 32, 2, [512], "bf16", budget_s=5, out_dir=tmp_path, report=tmp_path / "report.json")
+    finally:
+        cfgmod.load_configs.cache_clear()
+    row, = json.loads((tmp_path / "report.json").read_text())["rows"]
+    assert row["prior_us"] == row["tuned_us"] == 1e3 and row["speedup_over_prior"] == 1.0
+    assert row["default_us"] == 2e3 and row["speedup"] == 2.0
+    assert json.loads((tmp_path / name).read_text())["512"] == tune.compose(*cfgmod.split_config(prior))
 
 
 def test_tuner_times_quantised_weights_in_their_form(monkeypatch):
