@@ -13,7 +13,8 @@ Stages:
            tokens each (input 512 / output 128, range ratio 0.75, as `moe bench throughput
            --random-range-ratio` draws them) in one `LLM.generate`: wall time, output tok/s, the
            fraction of the floor, and per kind of step (decode-only, mixed prefill + decode,
-           prefill-only) the count, seconds, ms and tokens per step, device time and floor.
+           prefill-only) the count, seconds, ms and tokens per step, how many ran eagerly (not from
+           CUDA graphs), device time and floor.
   structured TPOT of B = 1, 32, 256 requests under a JSON schema (llguidance masks) against plain ones,
            and 32 structured among 256, with the host's mask-fill time per step (synthetic 150k vocabulary).
   eager    the decode step at 256 again with enforce_eager=True (what the graphs buy).
@@ -363,7 +364,8 @@ class StepKinds:
     its wall time is (in the steady state) step N-1's device time: it counts under N-1's kind; the
     first step finishes nothing ("launch_only"). Device time per scheduled step (in-process CUDA
     executors): CUDA events around its launch, stream-ordered, so from the end of the work queued
-    before it to the end of its own, gaps for the host included. Undone on exit."""
+    before it to the end of its own, gaps for the host included. Each launched step's forward: eager
+    (the runner's _forward ran) or a CUDA-graph replay (eager_steps per kind). Undone on exit."""
 
     def __init__(self, llm: LLM) -> None:
         self.engine = llm.llm_engine
@@ -377,6 +379,9 @@ class StepKinds:
         self.pending: dict[int, tuple] = {}    # id(PendingStep) -> (it, its plan), until collected
         self.finished: list[tuple[int, tuple | None]] = []  # (index of the engine step, plan finished)
         self.device: list[tuple[tuple | None, object, object]] = []  # (plan, start event, end event)
+        self.runner = getattr(self.executor, "runner", None)  # in-process executors
+        self.launched: list[tuple[tuple | None, bool]] = []  # (plan, whether its forward ran eagerly)
+        self._eager_now = False
         self._saved: list[tuple[object, str, object]] = []
 
     def _patch(self, obj, name: str, fn=None) -> None:
@@ -406,9 +411,15 @@ class StepKinds:
             self.plans[id(so)] = (so, _step_plan(so, sched.requests))
             return so
 
+        def eager_forward(*a, **k):
+            self._eager_now = True
+            return forward(*a, **k)
+
         def timed_execute(so, *a, **k):
             plan, start = planned(so), self._event()
+            self._eager_now = False
             out = execute(so, *a, **k)
+            self.launched.append((plan, self._eager_now))
             if start is not None:
                 self.device.append((plan, start, self._event()))
             self.finished.append((index(), plan))
@@ -416,7 +427,9 @@ class StepKinds:
 
         def timed_launch(so, *a, **k):
             plan, start = planned(so), self._event()
+            self._eager_now = False
             pending = launch(so, *a, **k)
+            self.launched.append((plan, self._eager_now))
             if start is not None:
                 self.device.append((plan, start, self._event()))
             if pending is None:  # nothing samples: done with its launch
@@ -434,6 +447,9 @@ class StepKinds:
         self._patch(ex, "execute_model", timed_execute)
         self._patch(ex, "launch", timed_launch)
         self._patch(ex, "collect", timed_collect)
+        if self.runner is not None:
+            forward = self.runner._forward
+            self._patch(self.runner, "_forward", eager_forward)
         self._patch(self.engine, "step")
         _wrap_timer(self.engine, "step", "step", self.timers)
         return self
@@ -448,7 +464,8 @@ class StepKinds:
 
     def summary(self, costs: "Costs | None") -> dict:
         """Per kind: engine steps, their seconds (and share of all steps'), ms per step (mean,
-        median, p90), tokens per step (prefill tokens, decode requests), and where known the
+        median, p90), tokens per step (prefill tokens, decode requests), how many of them ran their
+        forward eagerly (in-process executors: the others replayed a CUDA graph), and where known the
         device time of the scheduled steps of that kind and the floor (Costs.step_s)."""
         if self.events:
             torch.cuda.synchronize()
@@ -467,6 +484,10 @@ class StepKinds:
                 r["decodes"] += p[1]
                 if costs is not None:
                     r["floor"] += costs.step_s(p[0] + p[1], p[2], p[3], p[4])
+        eager: dict[str, int] = {}
+        for plan, ran_eagerly in self.launched:
+            if plan is not None:
+                eager[_kind(plan)] = eager.get(_kind(plan), 0) + ran_eagerly
         device: dict[str, list[float]] = {}
         for plan, start, end in self.device:
             if plan is not None:
@@ -483,6 +504,8 @@ class StepKinds:
                    "p90_ms": 1e3 * times[min(n - 1, int(0.9 * n))],
                    "tokens_per_step": (r["prefill"] + r["decodes"]) / n,
                    "prefill_tokens_per_step": r["prefill"] / n, "decode_requests_per_step": r["decodes"] / n}
+            if self.runner is not None and kind != "launch_only":  # of this kind's launched steps
+                row["eager_steps"] = eager.get(kind, 0)
             if kind in device:
                 d = device[kind]
                 row.update(device_steps=len(d), device_s=sum(d), device_mean_ms=1e3 * sum(d) / len(d))

@@ -39,7 +39,7 @@
 #   mixed         gpu_engine_bench.py qwen3 --runs mixed: real traffic offline on the Qwen3-30B-A3B shape,
 #                 400 prompts of 512 +-75% tokens generating 128 +-75% in one LLM.generate; wall time,
 #                 output tok/s, fraction of the floor, and per kind of step (decode / mixed / prefill) the
-#                 count, seconds, ms and tokens per step -> $OUT/engine_mixed.json (~1 min)
+#                 count, seconds, ms and tokens per step, and how many ran eagerly -> $OUT/engine_mixed.json (~1 min)
 #   a2a-ll        moe bench all2all on 2 GPUs with the low_latency dispatcher and auto beside the others and the
 #                 bare collective, eager and replayed from CUDA graphs (DeepSeek-V3 shapes, 128-16384 tokens per
 #                 rank) -> $OUT/a2a_low_latency.json

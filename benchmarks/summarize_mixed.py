@@ -10,8 +10,8 @@ def main(path: str) -> None:
         if not isinstance(r, dict) or "steps" not in r:
             continue
         steps = r["steps"]
-        kinds = {k: {f: v[f] for f in ("steps", "mean_ms", "device_mean_ms", "floor_over_device") if f in v}
-                 for k, v in steps.items() if k != "launch_only"}
+        fields = ("steps", "eager_steps", "mean_ms", "device_mean_ms", "floor_over_device")
+        kinds = {k: {f: v[f] for f in fields if f in v} for k, v in steps.items() if k != "launch_only"}
         head = {f: round(r[f], 3) for f in ("elapsed_s", "output_tok_s", "floor_over_time") if f in r}
         print(key, json.dumps(head), json.dumps(kinds))
 

@@ -64,4 +64,7 @@ def test_mixed_traffic_reports_the_floor_of_the_steps_it_ran(monkeypatch):
     assert kinds and all(r["floor_s"] > 0 for r in kinds)
     assert abs(out["steps_floor_s"] - sum(r["floor_s"] for r in kinds)) < 1e-3
     assert out["floor_s"] > 0 and abs(out["floor_over_steps_floor"] - out["floor_s"] / out["steps_floor_s"]) < 1e-9
+    # the CPU has no CUDA graphs: every step of every kind ran its forward eagerly
+    assert all(r["eager_steps"] == r["steps"] for r in kinds)
+    assert "_forward" not in llm.llm_engine.executor.runner.__dict__  # unwrapped
     assert not llm.llm_engine.has_unfinished_requests()
