@@ -807,7 +807,8 @@ def step_timeline(llm: LLM, num_requests: int, prompt_len: int = 512, steps: int
     """Where a decode step's wall time goes on the GPU (async scheduling as configured): over
     `steps` steps under the profiler, the union of the device's busy intervals (kernels and
     copies; PDL's overlapping kernels counted once) against the wall time, and the kernels that
-    run fewer than 3 times a step (outside the layers: the LM head, sampling, input copies)."""
+    run fewer than 3 times a step (outside the layers: the LM head, sampling, input copies), and
+    how many of the steps ran their forward eagerly rather than from the decode graphs."""
     from torch.autograd import DeviceType
 
     engine = llm.llm_engine
@@ -815,13 +816,19 @@ def step_timeline(llm: LLM, num_requests: int, prompt_len: int = 512, steps: int
     for _ in range(2):
         engine.step()
     torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
-                                            torch.profiler.ProfilerActivity.CUDA]) as prof:
-        t = time.perf_counter()
-        for _ in range(steps):
-            engine.step()
-        wall = time.perf_counter() - t
-        torch.cuda.synchronize()
+    forwards: dict[str, list[float]] = {}
+    runner = engine.executor.runner
+    _wrap_timer(runner, "_forward", "eager", forwards)  # an eager step's forward; graph replays skip it
+    try:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                torch.profiler.ProfilerActivity.CUDA]) as prof:
+            t = time.perf_counter()
+            for _ in range(steps):
+                engine.step()
+            wall = time.perf_counter() - t
+            torch.cuda.synchronize()
+    finally:
+        del runner._forward  # the instance attribute _wrap_timer set: the method again
     spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
                    if e.device_type == DeviceType.CUDA and e.time_range.end > e.time_range.start)
     busy, first, last, cur_s, cur_e = 0.0, spans[0][0], spans[-1][1], *spans[0]
@@ -836,7 +843,8 @@ def step_timeline(llm: LLM, num_requests: int, prompt_len: int = 512, steps: int
     per_step.sort(key=lambda r: -r[2])
     while engine.has_unfinished_requests():
         engine.step()
-    return {"num_requests": num_requests, "steps": steps, "wall_ms_per_step": 1e3 * wall / steps,
+    return {"num_requests": num_requests, "steps": steps, "eager_steps": len(forwards.get("eager", ())),
+            "wall_ms_per_step": 1e3 * wall / steps,
             "device_span_ms_per_step": (last - first) / 1e3 / steps, "device_busy_ms_per_step": busy / 1e3 / steps,
             "device_idle_ms_per_step": (last - first - busy) / 1e3 / steps,
             "outside_layers_us_per_step": [[k[:60], round(c, 2), round(us, 2)] for k, c, us in per_step[:14]]}
