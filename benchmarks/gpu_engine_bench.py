@@ -381,7 +381,6 @@ class StepKinds:
         self.device: list[tuple[tuple | None, object, object]] = []  # (plan, start event, end event)
         self.runner = getattr(self.executor, "runner", None)  # in-process executors
         self.launched: list[tuple[tuple | None, bool]] = []  # (plan, whether its forward ran eagerly)
-        self._eager_now = False
         self._saved: list[tuple[object, str, object]] = []
 
     def _patch(self, obj, name: str, fn=None) -> None:
@@ -411,25 +410,22 @@ class StepKinds:
             self.plans[id(so)] = (so, _step_plan(so, sched.requests))
             return so
 
-        def eager_forward(*a, **k):
-            self._eager_now = True
-            return forward(*a, **k)
+        def eager_forwards() -> int:  # the runner's eager forwards so far (a graph replay skips _forward)
+            return len(self.timers.get("eager_forward", ()))
 
         def timed_execute(so, *a, **k):
-            plan, start = planned(so), self._event()
-            self._eager_now = False
+            plan, start, forwards = planned(so), self._event(), eager_forwards()
             out = execute(so, *a, **k)
-            self.launched.append((plan, self._eager_now))
+            self.launched.append((plan, eager_forwards() > forwards))
             if start is not None:
                 self.device.append((plan, start, self._event()))
             self.finished.append((index(), plan))
             return out
 
         def timed_launch(so, *a, **k):
-            plan, start = planned(so), self._event()
-            self._eager_now = False
+            plan, start, forwards = planned(so), self._event(), eager_forwards()
             pending = launch(so, *a, **k)
-            self.launched.append((plan, self._eager_now))
+            self.launched.append((plan, eager_forwards() > forwards))
             if start is not None:
                 self.device.append((plan, start, self._event()))
             if pending is None:  # nothing samples: done with its launch
@@ -448,8 +444,8 @@ class StepKinds:
         self._patch(ex, "launch", timed_launch)
         self._patch(ex, "collect", timed_collect)
         if self.runner is not None:
-            forward = self.runner._forward
-            self._patch(self.runner, "_forward", eager_forward)
+            self._patch(self.runner, "_forward")
+            _wrap_timer(self.runner, "_forward", "eager_forward", self.timers)
         self._patch(self.engine, "step")
         _wrap_timer(self.engine, "step", "step", self.timers)
         return self
