@@ -581,9 +581,12 @@ def mixed_traffic(llm: LLM, num_prompts: int = 400, input_len: int = 512, output
 
 
 def _start_decoding(llm: LLM, num_requests: int, prompt_len: int, max_tokens: int) -> None:
-    """Add num_requests prompts and step until every one of them is decoding."""
+    """Add num_requests prompts and step until every one of them is decoding, with at least max_tokens
+    tokens still to generate each: the first prompts decode while the later ones prefill, so each asks
+    max_tokens plus one token a step of that prefill (else they finish inside a caller's timed window)."""
     engine = llm.llm_engine
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    prefill_steps = -(-num_requests * prompt_len // engine.scheduler.config.max_num_batched_tokens) + 2
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens + prefill_steps, ignore_eos=True)
     for i, p in enumerate(_prompts(num_requests, prompt_len, seed=4)):
         engine.add_request(f"p{i}", p, params)
     while engine.scheduler.waiting or any(r.num_computed_tokens < r.num_tokens - 1 for r in engine.scheduler.running):
@@ -837,9 +840,11 @@ def step_timeline(llm: LLM, num_requests: int, prompt_len: int = 512, steps: int
     per_step = [(e.key, e.count / steps, e.self_device_time_total / steps) for e in prof.key_averages()
                 if e.self_device_time_total > 0 and e.count < 3 * steps]
     per_step.sort(key=lambda r: -r[2])
+    running_at_end = len(engine.scheduler.running)  # the window is meant to hold all of them, each step
     while engine.has_unfinished_requests():
         engine.step()
     return {"num_requests": num_requests, "steps": steps, "eager_steps": len(forwards.get("eager", ())),
+            "running_at_end": running_at_end,
             "wall_ms_per_step": 1e3 * wall / steps,
             "device_span_ms_per_step": (last - first) / 1e3 / steps, "device_busy_ms_per_step": busy / 1e3 / steps,
             "device_idle_ms_per_step": (last - first - busy) / 1e3 / steps,

@@ -68,3 +68,20 @@ def test_mixed_traffic_reports_the_floor_of_the_steps_it_ran(monkeypatch):
     assert all(r["eager_steps"] == r["steps"] for r in kinds)
     assert "_forward" not in llm.llm_engine.executor.runner.__dict__  # unwrapped
     assert not llm.llm_engine.has_unfinished_requests()
+
+
+def test_start_decoding_leaves_every_request_its_tokens_after_a_long_prefill(monkeypatch):
+    """The prompts take several steps to prefill (a small token budget), the first ones decoding meanwhile: once
+    all decode, each still has max_tokens to go, so a timed window of that many steps holds every request."""
+    prompts = bench._prompts
+    monkeypatch.setattr(bench, "_prompts", lambda n, length, seed=0, vocab=0: prompts(n, length, seed, vocab=500))
+    llm = LLM("tiny-qwen3-moe", device="cpu", enable_prefix_caching=False, max_num_seqs=8, max_model_len=256,
+              max_num_batched_tokens=32)
+    engine = llm.llm_engine
+    bench._start_decoding(llm, 8, 24, max_tokens=4)
+    assert len(engine.scheduler.running) == 8 and not engine.scheduler.waiting
+    for _ in range(4):
+        engine.step()
+        assert len(engine.scheduler.running) == 8
+    while engine.has_unfinished_requests():
+        engine.step()
