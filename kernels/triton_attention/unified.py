@@ -25,7 +25,6 @@ docstring says (the decode kernel, with decodes_apart, takes them too).
 """
 from __future__ import annotations
 
-import contextlib
 import os
 
 import torch
@@ -55,9 +54,9 @@ DEFAULT_ROWS = int(os.environ.get("MOE_UNIFIED_ROWS", "64"))
 DECODES_APART = os.environ.get("MOE_UNIFIED_DECODES_APART", "1") == "1"
 # With decodes apart on CUDA, the decode launch on a side stream, beside the prefill rows' launch rather than
 # before it: the decode rows read K/V (bandwidth), the chunks' tiles compute, so the two can share the GPU;
-# the main stream waits for both (a graph-capturable fork and join). MOE_UNIFIED_DECODE_STREAM=1 turns it on:
-# on an H100 the Qwen3 mixed step took 2% less, the decode steps beside it 2% more, and mixed lengths tied
-# (BENCHMARKS.md §4).
+# the main stream waits for both (a graph-capturable fork and join). The chunks' kernel is launched first, so
+# that its few long programs take SMs before the decode launch's many short ones fill the rest (launched the
+# other way round, the long ones waited for a free SM and ran last). MOE_UNIFIED_DECODE_STREAM=1 turns it on.
 DECODE_STREAM = os.environ.get("MOE_UNIFIED_DECODE_STREAM", "0") == "1"
 
 
@@ -233,17 +232,21 @@ def unified_attention_triton(q_THd: torch.Tensor, kv_cache_2NSGd: torch.Tensor, 
         decodes_apart = False
     elif decodes_apart is None:
         decodes_apart = DECODES_APART
+
+    def decode_rows() -> None:
+        paged_attention_decode_triton(q_THd, kv_cache_2NSGd, block_tables_BM, seq_lens_B, scale, chunk_size,
+                                      out_BHd=out_THd, query_start_loc_B1=query_start_loc_B1,
+                                      block_n=(config or {}).get("BLOCK_N"), k_scale=k_scale, v_scale=v_scale,
+                                      sliding_window=sliding_window, sinks=sinks)
+
     side = None
     if decodes_apart:
         if decode_stream_on(q_THd, decode_stream):
             main = torch.cuda.current_stream(q_THd.device)
             side = _side_stream(q_THd.device)
-            side.wait_stream(main)
-        with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
-            paged_attention_decode_triton(q_THd, kv_cache_2NSGd, block_tables_BM, seq_lens_B, scale, chunk_size,
-                                          out_BHd=out_THd, query_start_loc_B1=query_start_loc_B1,
-                                          block_n=(config or {}).get("BLOCK_N"), k_scale=k_scale, v_scale=v_scale,
-                                          sliding_window=sliding_window, sinks=sinks)
+            side.wait_stream(main)  # the fork; the decode launch follows this kernel's (see DECODE_STREAM)
+        else:
+            decode_rows()
     grid = (num_tile_slots(T, B, block_q), G)
     _unified_kernel[grid](
         q_THd, kv_cache_2NSGd, block_tables_BM, query_start_loc_B1, seq_lens_B, out_THd,
@@ -257,5 +260,7 @@ def unified_attention_triton(q_THd: torch.Tensor, kv_cache_2NSGd: torch.Tensor, 
         SKIP_DECODES=decodes_apart, SCALE_V=fp8, INVARIANT=invariant,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_launch(q_THd))
     if side is not None:
+        with torch.cuda.stream(side):
+            decode_rows()
         main.wait_stream(side)
     return out_THd
