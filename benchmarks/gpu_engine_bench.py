@@ -43,7 +43,8 @@ Stages:
   replay   (--runs replay1 replay16 replay32 replay256) the decode graph's GPU time alone, replayed back to
            back: the steady measure for A/B runs of changes inside the forward.
   timeline (--runs timeline1 timeline256) a few decode steps under the profiler: the device's busy
-           and idle time per step against the wall time, and the kernels outside the layers.
+           and idle time per step against the wall time, the kernels outside the layers, the steps that
+           ran eagerly and the requests still running at the window's end (all of them: a steady batch).
   host     (--runs host256) host ms per step of each part (schedule, batch build, upload, replay,
            sampling inputs, output side, ...) over decode-only steps of 256 and mixed steps of 255
            decodes beside a 512-token prompt.
