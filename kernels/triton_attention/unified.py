@@ -55,8 +55,9 @@ DECODES_APART = os.environ.get("MOE_UNIFIED_DECODES_APART", "1") == "1"
 # With decodes apart on CUDA, the decode launch on a side stream, beside the prefill rows' launch rather than
 # before it: the decode rows read K/V (bandwidth), the chunks' tiles compute, so the two can share the GPU;
 # the main stream waits for both (a graph-capturable fork and join). The chunks' kernel is launched first, so
-# that its few long programs take SMs before the decode launch's many short ones fill the rest (launched the
-# other way round, the long ones waited for a free SM and ran last). MOE_UNIFIED_DECODE_STREAM=1 turns it on.
+# that its few long programs can take SMs before the decode launch's many short ones fill the rest, rather
+# than queue behind them. MOE_UNIFIED_DECODE_STREAM=1 turns it on; off until an engine A/B on the GPU
+# (`gpu_run.sh ab`, AB_VAR=MOE_UNIFIED_DECODE_STREAM) shows it faster in this order.
 DECODE_STREAM = os.environ.get("MOE_UNIFIED_DECODE_STREAM", "0") == "1"
 
 
